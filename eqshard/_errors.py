@@ -1,0 +1,81 @@
+"""The one error hierarchy of eqshard.
+
+Every error eqshard raises on a user's input is an `EqshardError`, which is a
+`ValueError`. Errors about an expression are `ExpressionError`s: they quote the
+expression, put a caret under the fault, then state the rule and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EqshardError", "ExpressionError"]
+
+
+class EqshardError(ValueError):
+    """Base class of every error eqshard raises on bad input.
+
+    It is a `ValueError`, so `except ValueError` catches it too.
+    """
+
+
+EqshardError.__module__ = "eqshard"
+
+
+class ExpressionError(EqshardError):
+    """An einshard expression that is malformed, or that does not fit an array.
+
+    **Attributes:**
+
+    - `expression`: the expression text as the user wrote it.
+    - `position`: the 0-based column of the fault in `expression`.
+    - `length`: how many columns the fault spans (at least 1).
+    - `rule`: the rule that was broken, and how to fix it, without the picture.
+
+    The message shows the expression with a caret under the fault:
+
+    ```
+    bad einshard expression:
+        a b -> a c
+                 ^
+    axis 'c' is on the right but not on the left; name it on both sides
+    ```
+    """
+
+    expression: str
+    position: int
+    length: int
+    rule: str
+
+    def __init__(self, expression: str, position: int, rule: str, *, length: int = 1):
+        position = max(0, min(position, len(expression)))
+        self.expression = expression
+        self.position = position
+        self.length = max(1, length)
+        self.rule = rule
+        super().__init__(
+            "bad einshard expression:\n"
+            f"    {expression}\n"
+            f"    {' ' * _display_width(expression[:position])}"
+            f"{'^' * _display_width(expression[position : position + self.length], 1)}\n"
+            f"{rule}"
+        )
+
+    def __reduce__(self):
+        return (
+            _rebuild_expression_error,
+            (self.expression, self.position, self.rule, self.length),
+        )
+
+
+ExpressionError.__module__ = "eqshard"
+
+
+def _rebuild_expression_error(expression: str, position: int, rule: str, length: int):
+    return ExpressionError(expression, position, rule, length=length)
+
+
+def _display_width(text: str, minimum: int = 0) -> int:
+    """Columns `text` takes in a terminal: wide East Asian letters take two."""
+    import unicodedata
+
+    width = sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+    return max(minimum, width)

@@ -1,0 +1,504 @@
+"""The einshard expression language: its parser and the frozen `Expression` value.
+
+The grammar is einshard's:
+
+```
+expression  := side "->" side  |  side          (the second form is the short form)
+left side   := (name | "...") separated by white space
+right side  := (element | "...") separated by white space
+element     := name [count] ["*"]  |  count ["*"]  |  "*"
+name        := one or more Unicode letters or "_"
+count       := a positive integer in ASCII digits, no leading zero
+```
+
+The parser is one hand-written loop over the characters (as in einops), so an
+error can point at the exact token that is wrong. Parsing is cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import unicodedata
+from collections.abc import Iterator, Sequence
+from types import EllipsisType
+from typing import Literal, NamedTuple, Union
+
+from ._errors import ExpressionError
+
+__all__ = ["Element", "Expression", "parse"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Element:
+    """One element of an expression's right side.
+
+    - `name`: the axis it shards, or `None` for a standalone replication element.
+    - `count`: the fixed number of shards (or replicas); 1 when none is written.
+    - `star`: whether it also takes a share of the devices left over.
+
+    `str(Element("a", 2, True))` is `"a2*"`.
+    """
+
+    name: str | None
+    count: int = 1
+    star: bool = False
+
+    def __str__(self) -> str:
+        # A count of 1 is implied, except for a lone "1", which needs its digit.
+        implied = self.count == 1 and (self.name is not None or self.star)
+        count = "" if implied else str(self.count)
+        return f"{self.name or ''}{count}{'*' if self.star else ''}"
+
+
+LeftItem = Union[str, EllipsisType]
+RightItem = Union[Element, EllipsisType]
+
+
+def _item_text(item: LeftItem | RightItem) -> str:
+    return "..." if item is ... else str(item)
+
+
+def _hash_of(expression: Expression) -> int:
+    return hash((expression.lhs, expression.rhs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Expression:
+    """A parsed einshard expression. Frozen, hashable, and compared by meaning.
+
+    **Example:**
+
+    ```python
+    expr = eqshard.parse("x y -> x y*")
+    expr.lhs    # ('x', 'y')
+    expr.rhs    # (Element('x', 1, False), Element('y', 1, True))
+    str(expr)   # 'x y -> x y*'
+    ```
+
+    **Fields:**
+
+    - `lhs`: the array's axis names in order, with `...` for unnamed axes; `None`
+        in the short form, whose left side comes from elsewhere (an annotation).
+    - `rhs`: the right side's elements in order, with `...` where the left has it.
+    - `text`: the text as it was written. It is kept for error messages and is not
+        part of equality: `parse("a->a2")` equals `parse("a -> a2")`.
+
+    `str(expr)` is the canonical text, which parses back to an equal value.
+    """
+
+    lhs: tuple[LeftItem, ...] | None
+    rhs: tuple[RightItem, ...]
+    text: str = dataclasses.field(default="", compare=False, repr=False)
+    lhs_spans: tuple[tuple[int, int], ...] = dataclasses.field(
+        default=(), compare=False, repr=False
+    )
+    rhs_spans: tuple[tuple[int, int], ...] = dataclasses.field(
+        default=(), compare=False, repr=False
+    )
+
+    def __hash__(self) -> int:
+        # Expressions are cache keys on hot paths: hash the fields once.
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = _hash_of(self)
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    def __str__(self) -> str:
+        rhs = " ".join(_item_text(item) for item in self.rhs)
+        if self.lhs is None:
+            return rhs
+        lhs = " ".join(_item_text(item) for item in self.lhs)
+        return f"{lhs} -> {rhs}"
+
+    def __repr__(self) -> str:
+        return f"Expression({str(self)!r})"
+
+    @property
+    def is_complete(self) -> bool:
+        """`False` for the short form, whose left side is still to be given."""
+        return self.lhs is not None
+
+    @property
+    def has_ellipsis(self) -> bool:
+        """Whether the right side (and so the left) holds `...`."""
+        return ... in self.rhs
+
+    def span_of_rhs(self, index: int) -> tuple[int, int]:
+        """The (start, end) columns in `text` of right-hand element `index`."""
+        if index < len(self.rhs_spans):
+            return self.rhs_spans[index]
+        return (0, len(self.text))
+
+    def error(self, rule: str, span: tuple[int, int] | None = None) -> ExpressionError:
+        """An `ExpressionError` about this expression, with a caret under `span`."""
+        text = self.text or str(self)
+        start, end = span if span is not None else (0, len(text))
+        return ExpressionError(text, start, rule, length=end - start)
+
+
+# --------------------------------------------------------------------------- #
+# The tokenizer.
+# --------------------------------------------------------------------------- #
+
+_Kind = Literal["name", "count", "star", "ellipsis", "arrow", "space"]
+
+
+class _Token(NamedTuple):
+    kind: _Kind
+    text: str
+    start: int
+    end: int
+
+
+def _is_name_char(c: str) -> bool:
+    return c == "_" or unicodedata.category(c)[0] == "L"
+
+
+def _is_ascii_digit(c: str) -> bool:
+    return "0" <= c <= "9"
+
+
+def _scan_run(text: str, i: int, pred) -> int:
+    n = len(text)
+    while i < n and pred(text[i]):
+        i += 1
+    return i
+
+
+def _tokens(text: str) -> Iterator[_Token]:
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c.isspace():
+            j = _scan_run(text, i, str.isspace)
+            yield _Token("space", text[i:j], i, j)
+        elif _is_name_char(c):
+            j = _scan_run(text, i, _is_name_char)
+            yield _Token("name", text[i:j], i, j)
+        elif _is_ascii_digit(c):
+            j = _scan_run(text, i, _is_ascii_digit)
+            yield _Token("count", text[i:j], i, j)
+        elif c == "*":
+            j = i + 1
+            yield _Token("star", c, i, j)
+        elif text.startswith("...", i):
+            j = i + 3
+            yield _Token("ellipsis", "...", i, j)
+        elif text.startswith("->", i):
+            j = i + 2
+            yield _Token("arrow", "->", i, j)
+        else:
+            raise ExpressionError(text, i, _unexpected_character(text, i))
+        i = j
+
+
+def _unexpected_character(text: str, i: int) -> str:
+    c = text[i]
+    if c == ".":
+        return "a '.' must be part of '...', which stands for the axes that are not named"
+    if c in "->":
+        return "'-' and '>' must be written together as '->', which separates the sides"
+    if c.isdigit():
+        return (
+            f"{c!r} is not an ASCII digit; write counts with the digits 0-9 "
+            f"(it reads as {unicodedata.digit(c, '?')})"
+        )
+    if c in ",()[]{}":
+        return (
+            f"unexpected character {c!r}; einshard expressions separate axes with "
+            "spaces and do not group them"
+        )
+    return (
+        f"unexpected character {c!r}; an expression holds axis names (letters and "
+        "'_'), counts (digits), '*', '...', '->' and spaces"
+    )
+
+
+# --------------------------------------------------------------------------- #
+# The parser.
+# --------------------------------------------------------------------------- #
+
+
+def _groups(text: str, tokens: Sequence[_Token]) -> list[list[_Token]]:
+    """Splits one side's tokens into elements at white space."""
+    groups: list[list[_Token]] = []
+    current: list[_Token] = []
+    for token in tokens:
+        if token.kind == "space":
+            if current:
+                groups.append(current)
+                current = []
+        else:
+            current.append(token)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _parse_left(text: str, group: list[_Token]) -> LeftItem:
+    first = group[0]
+    if first.kind in ("count", "star"):
+        raise ExpressionError(
+            text,
+            first.start,
+            f"{first.text!r} on the left side; the left side only names the array's "
+            "axes, and counts and stars go on the right",
+            length=first.end - first.start,
+        )
+    if len(group) > 1:
+        extra = group[1]
+        if extra.kind in ("count", "star"):
+            raise ExpressionError(
+                text,
+                extra.start,
+                f"{first.text}{extra.text!s} on the left side; the left side only names "
+                f"the array's axes: write {first.text!r} here and "
+                f"'{first.text}{extra.text}' on the right",
+                length=extra.end - extra.start,
+            )
+        raise _missing_space(text, extra)
+    return ... if first.kind == "ellipsis" else first.text
+
+
+def _missing_space(text: str, token: _Token) -> ExpressionError:
+    return ExpressionError(
+        text,
+        token.start,
+        f"{token.text!r} is joined to the element before it; separate elements with a space",
+        length=token.end - token.start,
+    )
+
+
+def _parse_count(text: str, token: _Token) -> int:
+    if token.text.startswith("0"):
+        if token.text.strip("0") == "":
+            rule = "a count of 0 is not allowed; counts start at 1"
+        else:
+            rule = f"count {token.text!r} has a leading zero; write it as {str(int(token.text))!r}"
+        raise ExpressionError(text, token.start, rule, length=token.end - token.start)
+    return int(token.text)
+
+
+_ORDER = {"name": 0, "count": 1, "star": 2}
+
+
+def _parse_right(text: str, group: list[_Token]) -> RightItem:
+    if group[0].kind == "ellipsis":
+        if len(group) > 1:
+            raise _missing_space(text, group[1])
+        return ...
+    name: str | None = None
+    count = 1
+    star = False
+    last = -1
+    for token in group:
+        if token.kind == "ellipsis":
+            raise _missing_space(text, token)
+        order = _ORDER[token.kind]
+        if order <= last:
+            raise ExpressionError(
+                text,
+                token.start,
+                _misordered(token, group),
+                length=token.end - token.start,
+            )
+        last = order
+        if token.kind == "name":
+            name = token.text
+        elif token.kind == "count":
+            count = _parse_count(text, token)
+        else:
+            star = True
+    return Element(name, count, star)
+
+
+def _misordered(token: _Token, group: list[_Token]) -> str:
+    kinds = [t.kind for t in group]
+    if token.kind == "name":
+        before = "".join(t.text for t in group[: group.index(token)])
+        return (
+            f"{token.text!r} comes after {before!r}; an element is written name, then "
+            f"count, then star (as in '{token.text}{before}'), or put a space "
+            f"between them ('{before} {token.text}') to replicate"
+        )
+    if token.kind == "count" and "star" in kinds[: group.index(token)]:
+        return f"the star comes after the count: write '{token.text}*'"
+    if token.kind == "star":
+        return "one '*' per element is enough"
+    return "an element has at most one name, one count and one star; separate elements with a space"
+
+
+def _side_error(text: str, position: int, side: str) -> ExpressionError:
+    if side == "left":
+        rule = (
+            "the left side is empty; name the array's axes before '->' "
+            "(a scalar is written '... -> ...')"
+        )
+    else:
+        rule = "the right side is empty; write each axis after '->', with its count"
+    return ExpressionError(text, position, rule)
+
+
+def _check_ellipses(text: str, items: Sequence[object], spans, side: str) -> None:
+    seen = False
+    for item, (start, _) in zip(items, spans):
+        if item is ...:
+            if seen:
+                raise ExpressionError(
+                    text,
+                    start,
+                    f"'...' appears twice on the {side}; it may stand only once for the "
+                    "axes that are not named",
+                    length=3,
+                )
+            seen = True
+
+
+def _check_unique(text: str, names: Sequence[str | None], spans, side: str) -> None:
+    seen: set[str] = set()
+    for name, (start, end) in zip(names, spans):
+        if name is None:
+            continue
+        if name in seen:
+            raise ExpressionError(
+                text,
+                start,
+                f"axis {name!r} appears twice on the {side}; name each axis once",
+                length=end - start,
+            )
+        seen.add(name)
+
+
+def _check_sides_agree(
+    text: str,
+    lhs: tuple[LeftItem, ...],
+    lhs_spans,
+    rhs: tuple[RightItem, ...],
+    rhs_spans,
+) -> None:
+    right_names = {item.name for item in rhs if isinstance(item, Element)}
+    left_names = {item for item in lhs if isinstance(item, str)}
+    for item, (start, end) in zip(rhs, rhs_spans):
+        if isinstance(item, Element) and item.name is not None and item.name not in left_names:
+            raise ExpressionError(
+                text,
+                start,
+                f"axis {item.name!r} is on the right but not on the left; add it to the "
+                "left, or drop its name to replicate instead",
+                length=end - start,
+            )
+    for item, (start, end) in zip(lhs, lhs_spans):
+        if isinstance(item, str) and item not in right_names:
+            raise ExpressionError(
+                text,
+                start,
+                f"axis {item!r} is on the left but not on the right; name it on the "
+                f"right too (write {item!r} to leave it whole)",
+                length=end - start,
+            )
+    if (... in lhs) != (... in rhs):
+        side, items, spans = ("left", lhs, lhs_spans) if ... in lhs else ("right", rhs, rhs_spans)
+        start = spans[items.index(...)][0]
+        other = "right" if side == "left" else "left"
+        raise ExpressionError(
+            text,
+            start,
+            f"'...' is on the {side} but not on the {other}; write it on both sides or on neither",
+            length=3,
+        )
+
+
+def _split_at_arrow(
+    text: str, tokens: list[_Token]
+) -> tuple[list[_Token] | None, list[_Token], int]:
+    arrows = [i for i, token in enumerate(tokens) if token.kind == "arrow"]
+    if len(arrows) > 1:
+        second = tokens[arrows[1]]
+        raise ExpressionError(
+            text, second.start, "a second '->'; an expression has exactly one", length=2
+        )
+    if not arrows:
+        return None, tokens, 0
+    i = arrows[0]
+    return tokens[:i], tokens[i + 1 :], tokens[i].end
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_text(text: str) -> Expression:
+    tokens = list(_tokens(text))
+    left_tokens, right_tokens, arrow_end = _split_at_arrow(text, tokens)
+
+    lhs: tuple[LeftItem, ...] | None = None
+    lhs_spans: tuple[tuple[int, int], ...] = ()
+    if left_tokens is not None:
+        left_groups = _groups(text, left_tokens)
+        if not left_groups:
+            raise _side_error(text, max(arrow_end - 2, 0), "left")
+        lhs = tuple(_parse_left(text, group) for group in left_groups)
+        lhs_spans = tuple((group[0].start, group[-1].end) for group in left_groups)
+
+    right_groups = _groups(text, right_tokens)
+    if not right_groups:
+        if left_tokens is None:
+            raise ExpressionError(
+                text,
+                0,
+                "the expression is empty; write 'x y -> x y*', or the short form 'x y*'",
+            )
+        raise _side_error(text, arrow_end, "right")
+    rhs = tuple(_parse_right(text, group) for group in right_groups)
+    rhs_spans = tuple((group[0].start, group[-1].end) for group in right_groups)
+
+    _check_ellipses(text, rhs, rhs_spans, "right")
+    _check_unique(
+        text, [e.name if isinstance(e, Element) else None for e in rhs], rhs_spans, "right"
+    )
+    if lhs is not None:
+        _check_ellipses(text, lhs, lhs_spans, "left")
+        _check_unique(text, [e if isinstance(e, str) else None for e in lhs], lhs_spans, "left")
+        _check_sides_agree(text, lhs, lhs_spans, rhs, rhs_spans)
+    return Expression(lhs, rhs, text, lhs_spans, rhs_spans)
+
+
+def parse(expression: str | Expression) -> Expression:
+    """Parses an einshard expression.
+
+    **Example:**
+
+    ```python
+    expr = eqshard.parse("a b -> 2 a2* b*")
+    str(expr)                        # 'a b -> 2 a2* b*'
+    eqshard.parse("y* z").is_complete  # False: the short form
+    ```
+
+    **Arguments:**
+
+    - `expression`: the text, such as `"x y -> x y*"`, or the short form (the right
+        side alone, as in `"x y*"`), whose left side is given later by an
+        annotation. An `Expression` is returned unchanged.
+
+    **Returns:**
+
+    A frozen, hashable `eqshard.Expression`. Parsing is cached, so parsing the same
+    text again costs a dictionary look-up.
+
+    **Raises:**
+
+    `eqshard.ExpressionError` (an `EqshardError`, which is a `ValueError`), naming
+    the token at fault with a caret under it, when the text is not a valid einshard
+    expression: a malformed token, a name that appears twice on a side, a name on one
+    side only, '...' on one side only, or a count of zero.
+    """
+    if isinstance(expression, Expression):
+        return expression
+    if not isinstance(expression, str):
+        from ._errors import EqshardError
+
+        raise EqshardError(
+            f"an einshard expression must be a string such as 'x y -> x y*', "
+            f"not {type(expression).__name__}: {expression!r}"
+        )
+    return _parse_text(expression)

@@ -1,0 +1,227 @@
+"""Layout: from an expression, a shape and a device count to a mesh and a spec.
+
+This module is pure: it knows nothing of JAX devices or of models, so it is the
+single place where einshard's semantics live, and it is cheap to test.
+
+einshard's rules, which `layout` follows to the device:
+
+1. Each element of the right side, in order, is one mesh axis (`...` adds none).
+2. An element's size is its count, times a common ratio `r` if it has a star.
+3. The fixed counts are taken first; the starred elements share what is left, so
+   `r ** (number of stars) == devices / prod(fixed) / prod(starred counts)`.
+4. Devices fill the mesh in row-major order, and each array axis is split over the
+   mesh axis of the same name. Unnamed elements replicate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from ._expression import Element, Expression
+
+__all__ = ["Layout", "integer_root", "layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the shards of one array go: a mesh, and how each array axis uses it.
+
+    - `mesh_shape`: the size of each mesh axis, in the order of the right side.
+    - `mesh_axes`: the name of each mesh axis: the element's own name, or `_<i>`
+        for the i-th element of the right side when it is a standalone replication
+        element (`_0` can never clash with an axis name, which has no digits).
+    - `spec`: for each array dimension, the mesh axis it is split over, or `None`
+        for the dimensions that `...` stands for.
+    """
+
+    mesh_shape: tuple[int, ...]
+    mesh_axes: tuple[str, ...]
+    spec: tuple[str | None, ...]
+
+    @property
+    def shards(self) -> tuple[int, ...]:
+        """How many pieces each array dimension is cut into."""
+        sizes = dict(zip(self.mesh_axes, self.mesh_shape))
+        return tuple(1 if axis is None else sizes[axis] for axis in self.spec)
+
+
+def integer_root(value: int, degree: int) -> int | None:
+    """The integer `r` with `r ** degree == value`, or `None` if there is none.
+
+    Exact, unlike `value ** (1 / degree)`: `integer_root(64, 3) == 4`.
+    """
+    lo, hi = 1, max(1, value)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        power = mid**degree
+        if power == value:
+            return mid
+        if power < value:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return None
+
+
+def _product_text(elements: Sequence[Element]) -> str:
+    """`"a2 x b4 = 8"`: the elements with a count, and the product of their counts."""
+    counted = [element for element in elements if element.count > 1] or list(elements)
+    total = math.prod(element.count for element in counted)
+    if len(counted) == 1:
+        return str(counted[0])
+    return f"{' x '.join(str(element) for element in counted)} = {total}"
+
+
+def _rhs_span(expr: Expression) -> tuple[int, int]:
+    first = expr.span_of_rhs(0)
+    last = expr.span_of_rhs(len(expr.rhs) - 1)
+    return (first[0], last[1])
+
+
+def _lhs_span(expr: Expression) -> tuple[int, int] | None:
+    if not expr.lhs_spans:
+        return None
+    return (expr.lhs_spans[0][0], expr.lhs_spans[-1][1])
+
+
+def _ratio(expr: Expression, n_devices: int) -> int:
+    """The common factor of the starred elements (1 where there are none)."""
+    elements = [item for item in expr.rhs if isinstance(item, Element)]
+    fixed = [element for element in elements if not element.star]
+    starred = [element for element in elements if element.star]
+    n_fixed = math.prod(element.count for element in fixed)
+    span = _rhs_span(expr)
+    devices = f"{n_devices} {'is' if n_devices == 1 else 'are'} given"
+
+    if not starred:
+        if n_fixed == n_devices:
+            return 1
+        if n_fixed == 1:
+            need = f"no element has a count or a star, so 1 device is used, and {devices}"
+        else:
+            need = f"{_product_text(fixed)} shards need {n_fixed} devices, {devices}"
+        if n_fixed < n_devices and n_devices % n_fixed == 0:
+            hint = "add '*' to an element to take the rest, or a standalone '*' to replicate"
+        else:
+            hint = f"choose counts whose product is {n_devices}, or use '*' to take a share"
+        raise expr.error(f"{need}; {hint}", span)
+
+    if n_devices % n_fixed:
+        raise expr.error(
+            f"the fixed counts {_product_text(fixed)} need a multiple of {n_fixed} "
+            f"devices, {devices}; change the fixed counts, or make them starred",
+            span,
+        )
+    left = n_devices // n_fixed
+    n_starred = math.prod(element.count for element in starred)
+    if left % n_starred:
+        raise expr.error(
+            f"the starred counts {_product_text(starred)} need a multiple of "
+            f"{n_starred} devices, and {left} are left for them ({devices}); "
+            "change the starred counts",
+            span,
+        )
+    quotient = left // n_starred
+    ratio = integer_root(quotient, len(starred))
+    if ratio is None:
+        power = {2: "square", 3: "cube"}.get(len(starred), f"{len(starred)}th power")
+        raise expr.error(
+            f"the {len(starred)} starred elements grow by one common factor, so the "
+            f"{left} devices left for them must be {n_starred} x a {power}; "
+            f"{quotient} is not a {power}. Use fewer '*', or fixed counts",
+            span,
+        )
+    return ratio
+
+
+def _check_rank(expr: Expression, lhs: tuple, shape: tuple[int, ...]) -> None:
+    named = len(lhs) - (1 if ... in lhs else 0)
+    if ... in lhs:
+        if len(shape) >= named:
+            return
+        rule = (
+            f"the left side names {named} axes besides '...', but the array has "
+            f"{len(shape)} (shape {shape}); name at most {len(shape)}"
+        )
+    else:
+        if len(shape) == named:
+            return
+        rule = (
+            f"the left side names {named} {'axis' if named == 1 else 'axes'}, but the "
+            f"array has {len(shape)} (shape {shape}); name one axis per dimension, or "
+            "use '...' for the rest"
+        )
+    raise expr.error(rule, _lhs_span(expr))
+
+
+def layout(expr: Expression, shape: Sequence[int], n_devices: int) -> Layout:
+    """The layout of an array of `shape` under `expr` on `n_devices` devices.
+
+    **Example:**
+
+    ```python
+    layout(parse("a b -> 2 a2* b*"), (4, 8), 16)
+    # Layout(mesh_shape=(2, 4, 2), mesh_axes=('_0', 'a', 'b'), spec=('a', 'b'))
+    ```
+
+    **Arguments:**
+
+    - `expr`: a complete expression (not the short form).
+    - `shape`: the array's shape.
+    - `n_devices`: how many devices the expression must use, all of them.
+
+    **Returns:**
+
+    A `Layout`.
+
+    **Raises:**
+
+    `ExpressionError` with a caret under the fault when the expression is in short
+    form, its rank does not match `shape`, the device count does not work out, or a
+    dimension does not divide by its number of shards.
+    """
+    shape = tuple(int(size) for size in shape)
+    if expr.lhs is None:
+        raise expr.error(
+            "this is the short form, with no left side; give the axis names as "
+            f"'<names> -> {expr}', or take them from a jaxtyping annotation"
+        )
+    _check_rank(expr, expr.lhs, shape)
+    if n_devices < 1:
+        raise expr.error(f"there are no devices to place on ({n_devices} given)")
+    ratio = _ratio(expr, n_devices)
+
+    mesh_shape: list[int] = []
+    mesh_axes: list[str] = []
+    axis_of: dict[str, tuple[int, int]] = {}
+    for index, item in enumerate(expr.rhs):
+        if item is ...:
+            continue
+        size = item.count * (ratio if item.star else 1)
+        axis = item.name if item.name is not None else f"_{index}"
+        if item.name is not None:
+            axis_of[item.name] = (index, size)
+        mesh_shape.append(size)
+        mesh_axes.append(axis)
+
+    spec: list[str | None] = []
+    names: list[str | None] = [name if isinstance(name, str) else None for name in expr.lhs]
+    if ... in expr.lhs:
+        at = expr.lhs.index(...)
+        names[at : at + 1] = [None] * (len(shape) - len(expr.lhs) + 1)
+    for dim, (name, size) in enumerate(zip(names, shape)):
+        if not isinstance(name, str):
+            spec.append(None)
+            continue
+        index, shards = axis_of[name]
+        if size % shards:
+            raise expr.error(
+                f"axis {name!r} (dimension {dim} of shape {shape}) has size {size}, "
+                f"which does not split into {shards} equal shards; choose a count "
+                f"that divides {size}",
+                expr.span_of_rhs(index),
+            )
+        spec.append(name)
+    return Layout(tuple(mesh_shape), tuple(mesh_axes), tuple(spec))
