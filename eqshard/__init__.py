@@ -6,11 +6,19 @@ which says how the leaf is split and replicated across the devices.
 
 import importlib.metadata
 
-from ._errors import EqshardError as EqshardError, ExpressionError as ExpressionError
+from ._apply import apply as apply
+from ._errors import (
+    EqshardError as EqshardError,
+    ExpressionError as ExpressionError,
+    Problem as Problem,
+    SpecError as SpecError,
+)
 from ._expression import Element as Element, Expression as Expression, parse as parse
 from ._layout import Layout as Layout, layout as layout
+from ._plan import Plan as Plan, plan as plan
 from ._shard import constrain as constrain, shard as shard
 from ._sharding import sharding as sharding
+from ._spec import FROM_FIELDS as FROM_FIELDS, field as field, spec as spec
 
 try:
     __version__ = importlib.metadata.version("eqshard")

@@ -7,7 +7,10 @@ expression, put a caret under the fault, then state the rule and the fix.
 
 from __future__ import annotations
 
-__all__ = ["EqshardError", "ExpressionError"]
+import dataclasses
+from collections.abc import Sequence
+
+__all__ = ["EqshardError", "ExpressionError", "Problem", "SpecError"]
 
 
 class EqshardError(ValueError):
@@ -79,3 +82,42 @@ def _display_width(text: str, minimum: int = 0) -> int:
 
     width = sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
     return max(minimum, width)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One fault, found while checking a spec against a model or a file.
+
+    - `where`: the leaf's key path (`.blocks[3].attn.query_proj.weight`), a class
+        field (`MLP.w1`), or a file and JSON path (`spec.json::$.rules[2].expr`).
+    - `message`: what is wrong, and how to fix it.
+    """
+
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+class SpecError(EqshardError):
+    """Every fault found in one spec, raised once.
+
+    **Attributes:**
+
+    - `problems`: a list of `eqshard.Problem`, one per fault, in model order.
+    """
+
+    problems: list[Problem]
+
+    def __init__(self, problems: Sequence[Problem], headline: str | None = None):
+        self.problems = list(problems)
+        count = len(self.problems)
+        headline = headline or f"{count} problem{'s' * (count != 1)} in the spec"
+        super().__init__("\n".join([f"{headline}:", *(f"  {p}" for p in self.problems)]))
+
+    def __reduce__(self):
+        return (SpecError, (self.problems,))
+
+
+SpecError.__module__ = "eqshard"

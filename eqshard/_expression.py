@@ -116,6 +116,12 @@ class Expression:
     def __repr__(self) -> str:
         return f"Expression({str(self)!r})"
 
+    def __pdoc__(self, **kwargs: object) -> object:
+        # How `eqx.tree_pprint` and `print(spec_tree)` show it: as its text.
+        import wadler_lindig
+
+        return wadler_lindig.TextDoc(repr(self))
+
     @property
     def is_complete(self) -> bool:
         """`False` for the short form, whose left side is still to be given."""

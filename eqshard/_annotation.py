@@ -1,0 +1,173 @@
+"""jaxtyping annotations: the left side of short-form expressions.
+
+A field annotated `Float[Array, "out in"]` names its axes `out` and `in`. The
+short form `"out* in"` takes its left side from there. The rules:
+
+- a named dim (`x`, `#x`) is the axis `x`;
+- a fixed, symbolic or anonymous dim (`3`, `x+1`, `_`) has no name the right side
+  could use, so it is never split;
+- a variadic dim (`...`, `*batch`, `#*batch`) is `...`: never split;
+- a named dim the short form leaves out is never split either, so
+  `Float[Array, "batch seq d"]` with `"d*"` splits `d` alone;
+- a name on the right that the annotation lacks is an error.
+
+A full-form expression on an annotated field must agree with the annotation:
+the same names in the same places.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Sequence
+from types import EllipsisType
+
+from ._expression import Element, Expression, LeftItem, _is_name_char
+
+__all__ = ["Annotation", "annotation_of", "complete", "field_annotations"]
+
+# One item per annotated dimension: a name, None (no usable name) or ... (variadic).
+DimItem = typing.Union[str, None, EllipsisType]
+
+
+@dataclasses.dataclass(frozen=True)
+class Annotation:
+    """The dims of a jaxtyping array annotation, as the left side of an expression.
+
+    - `text`: the annotation as written, e.g. `Float[Array, 'out in']`.
+    - `dim_str`: its dimension string, e.g. `'out in'`.
+    - `items`: one per dim: its name, `None` when it has no usable name, or `...`.
+        A name used twice, as in the square `"n n"`, cannot say which dim is meant,
+        so both dims count as unnamed.
+    - `repeated`: those names.
+    """
+
+    text: str
+    dim_str: str
+    items: tuple[DimItem, ...]
+    repeated: frozenset[str] = frozenset()
+
+
+def _is_einshard_name(name: str) -> bool:
+    return bool(name) and all(_is_name_char(c) for c in name)
+
+
+def _dim_item(dim: object) -> DimItem:
+    if "Variadic" in type(dim).__name__:
+        return ...
+    name = getattr(dim, "name", None)
+    if isinstance(name, str) and _is_einshard_name(name):
+        return name
+    return None
+
+
+def annotation_of(hint: object) -> Annotation | None:
+    """The jaxtyping array annotation in `hint`, looking inside `list[...]`,
+    `tuple[...]`, `dict[..., ...]` and `Optional[...]`; `None` if there is none or
+    more than one kind."""
+    dims = getattr(hint, "dims", None)
+    dim_str = getattr(hint, "dim_str", None)
+    if isinstance(dims, tuple) and isinstance(dim_str, str):
+        dtype = getattr(getattr(hint, "dtype", None), "__name__", "Shaped")
+        array = getattr(getattr(hint, "array_type", None), "__name__", "Array").rsplit(".")[-1]
+        name = f"{dtype}[{array}, {dim_str!r}]"
+        items = [_dim_item(dim) for dim in dims]
+        named = [item for item in items if isinstance(item, str)]
+        repeated = frozenset(n for n in named if named.count(n) > 1)
+        items = tuple(None if item in repeated else item for item in items)
+        return Annotation(name, dim_str, items, repeated)
+    found = {annotation_of(arg) for arg in typing.get_args(hint)} - {None}
+    if len(found) == 1:
+        return found.pop()
+    return None
+
+
+@functools.cache
+def field_annotations(cls: type) -> dict[str, Annotation]:
+    """The jaxtyping annotation of each field of a dataclass that has one. Cached."""
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except Exception:  # unresolvable forward references: use what is already there
+        hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    result = {}
+    for name, hint in hints.items():
+        annotation = annotation_of(hint)
+        if annotation is not None:
+            result[name] = annotation
+    return result
+
+
+def _fresh_names(taken: set[str], count: int) -> list[str]:
+    """Names for dims that have none: `_`, `__`, ... that are not taken."""
+    names = []
+    candidate = "_"
+    while len(names) < count:
+        if candidate not in taken:
+            names.append(candidate)
+        candidate += "_"
+    return names
+
+
+def complete(expr: Expression, annotation: Annotation) -> Expression:
+    """Gives a short-form expression its left side from `annotation`.
+
+    **Returns:** a complete expression with the same layout as the short form,
+    whose dims without a usable name are named `_`, `__`, ... and left whole.
+
+    **Raises:** `ExpressionError` when a name on the right is not in the annotation,
+    or `...` is on the right but the annotation has no variadic dim.
+    """
+    items = annotation.items
+    names = {item for item in items if isinstance(item, str)}
+    for index, item in enumerate(expr.rhs):
+        if isinstance(item, Element) and item.name in annotation.repeated:
+            raise expr.error(
+                f"the annotation {annotation.text} names {item.name!r} twice, so the "
+                "short form cannot say which to split; write the full form",
+                expr.span_of_rhs(index),
+            )
+        if isinstance(item, Element) and item.name is not None and item.name not in names:
+            raise expr.error(
+                f"axis {item.name!r} is on the right but not in the annotation "
+                f"{annotation.text}; name the annotation's dims ({annotation.dim_str!r})",
+                expr.span_of_rhs(index),
+            )
+        if item is ... and ... not in items:
+            raise expr.error(
+                f"'...' is on the right, but the annotation {annotation.text} has no "
+                "'...' or '*name' dims for it to stand for",
+                expr.span_of_rhs(index),
+            )
+    unnamed = sum(1 for item in items if item is None)
+    fresh = iter(_fresh_names(names | annotation.repeated, unnamed))
+    lhs: list[LeftItem] = [next(fresh) if item is None else item for item in items]
+    written = {item.name for item in expr.rhs if isinstance(item, Element)}
+    rhs = list(expr.rhs)
+    rhs += [Element(name) for name in lhs if isinstance(name, str) and name not in written]
+    if ... in lhs and ... not in rhs:
+        rhs.append(...)
+    return Expression(tuple(lhs), tuple(rhs))
+
+
+def contradiction(expr: Expression, annotation: Annotation) -> str | None:
+    """Why a full-form expression disagrees with the annotation, or `None`."""
+    lhs = expr.lhs
+    if lhs is None:
+        return None
+
+    def spelled(items: Sequence[object]) -> str:
+        return " ".join("..." if i is ... else "_" if i is None else str(i) for i in items)
+
+    if ... in lhs or ... in annotation.items:
+        return None
+    agree = len(lhs) == len(annotation.items) and all(
+        want is None or want == got for want, got in zip(annotation.items, lhs)
+    )
+    if agree:
+        return None
+    return (
+        f"its left side '{spelled(lhs)}' contradicts the annotation {annotation.text}; "
+        f"name the axes as the annotation does ('{spelled(annotation.items)}'), or "
+        "write the short form (the right side alone)"
+    )

@@ -1,0 +1,77 @@
+"""`apply`: place every array leaf of a model, in one batched `jax.device_put`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jaxtyping import PyTree
+
+from ._errors import Problem, SpecError
+from ._plan import Unspecified, plan
+from ._sharding import Device
+from ._spec import FROM_FIELDS
+
+__all__ = ["apply"]
+
+
+def apply(
+    model: PyTree[Any, " M"],
+    spec: Any = FROM_FIELDS,
+    *,
+    devices: Sequence[Device] | None = None,
+    unspecified: Unspecified = "replicate",
+) -> PyTree[Any, " M"]:
+    """Places every array leaf of a model as its spec says, in one pass.
+
+    After this, the user's `eqx.filter_jit` step runs sharded, and the model code
+    does not change.
+
+    **Example:**
+
+    ```python
+    model = eqshard.apply(model)                        # from eqshard.field annotations
+    model = eqshard.apply(model, spec)                  # a spec tree, e.g. from eqx.tree_at
+    model = eqshard.apply(model, "... -> * ...")        # replicate everything
+    model = eqshard.apply(model, eqshard.load("model.eqshard.json"))
+    ```
+
+    **Arguments:**
+
+    - `model`: an Equinox model or any pytree of arrays and other leaves.
+    - `spec`: as for `eqshard.plan`: by default the model's `eqshard.field`s; else a
+        spec tree, a prefix of one, a single expression, or a resolver such as
+        `eqshard.Rules`.
+    - `devices`: the devices to use, all of them; `jax.devices()` by default.
+    - `unspecified`: what an array leaf with no expression gets: `"replicate"` (a
+        full copy on every device, the default) or `"keep"` (left where it is).
+
+    **Returns:**
+
+    A new model of the same structure. Its array leaves are new arrays with exactly
+    the input's values, in their shardings; an array already in its sharding is
+    reused, not copied. Other leaves (functions, Python numbers, static fields) pass
+    through untouched. The input model is not modified.
+
+    **Raises:**
+
+    `eqshard.SpecError` listing every leaf whose expression does not fit (one line
+    each: key path, shape, expression, the rule it breaks), or naming the first
+    path where the spec's structure differs from the model's.
+    """
+    p = plan(model, spec, devices=devices, unspecified=unspecified)
+    leaves = [item.leaf for item in p.leaves]
+    indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
+    abstract = [p.leaves[i] for i in indices if isinstance(leaves[i], jax.ShapeDtypeStruct)]
+    if abstract:
+        raise SpecError(
+            [Problem(item.where, "is abstract (a jax.ShapeDtypeStruct)") for item in abstract],
+            "`eqshard.apply` places concrete arrays; for an abstract model use "
+            "`eqshard.plan(model, spec).shardings`, e.g. as `out_shardings` of the "
+            "jitted function that builds the model",
+        )
+    placed = jax.device_put([leaves[i] for i in indices], [p.flat_shardings[i] for i in indices])
+    for i, array in zip(indices, placed):
+        leaves[i] = array
+    return jax.tree_util.tree_unflatten(p.treedef, leaves)

@@ -1,0 +1,167 @@
+"""Plans: the sharding of every array leaf of a model, on one shared mesh.
+
+`plan(model, spec)` resolves the spec, lays out every array leaf, and fits all
+the layouts onto one mesh where one exists (always, on a power-of-two device
+count). Each leaf's devices hold exactly the blocks that `eqshard.sharding` (and
+einshard) would give them; only the mesh they are written on is shared, so the
+model works inside `jax.set_mesh(plan.mesh)`, `shard_map` and
+`with_sharding_constraint` code written against that mesh. Where no shared mesh
+exists, each expression keeps its own mesh, as `eqshard.sharding` builds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from ._errors import ExpressionError, Problem, SpecError
+from ._expression import Expression
+from ._layout import Layout, layout, shared_mesh
+from ._sharding import Device, device_tuple, mesh
+from ._spec import FROM_FIELDS, LeafSpec, is_array_like, leaf_specs
+
+__all__ = ["Plan", "Unspecified", "plan"]
+
+Unspecified = Literal["replicate", "keep"]
+
+
+@functools.lru_cache(maxsize=8192)
+def _layout(expr: Expression, shape: tuple[int, ...], n_devices: int) -> Layout:
+    return layout(expr, shape, n_devices)
+
+
+def _replicated(ndim: int, n_devices: int) -> Layout:
+    return Layout((n_devices,), ("_0",), (None,) * ndim)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Where every array leaf of a model goes. Made by `eqshard.plan`.
+
+    **Fields:**
+
+    - `mesh`: the one mesh (Auto axes `m0`, `m1`, ...) that every sharding is
+        written on, or `None` when the layouts share no mesh (then each sharding
+        has its expression's own mesh).
+    - `shardings`: the model's structure with a `NamedSharding` for each array leaf
+        (`None` for other leaves, and for leaves kept where they are).
+    - `partition_specs`: the same, with each leaf's `PartitionSpec`.
+    - `expressions`: the same, with each leaf's complete `Expression` (`None` where
+        the spec gave none).
+    """
+
+    mesh: Mesh | None
+    shardings: PyTree[NamedSharding | None]
+    partition_specs: PyTree[PartitionSpec | None]
+    expressions: PyTree[Expression | None]
+    leaves: list[LeafSpec] = dataclasses.field(repr=False)
+    flat_shardings: list[NamedSharding | None] = dataclasses.field(repr=False)
+    treedef: Any = dataclasses.field(repr=False)
+
+
+def _problem(item: LeafSpec, expr: Expression, error: ExpressionError) -> Problem:
+    leaf = item.leaf
+    where = f"{item.where} ({item.owner})" if item.owner else item.where
+    return Problem(where, f"{leaf.dtype}{list(leaf.shape)} {str(expr)!r}: {error.rule}")
+
+
+def plan(
+    model: PyTree[Any, " M"],
+    spec: Any = FROM_FIELDS,
+    *,
+    devices: Sequence[Device] | None = None,
+    unspecified: Unspecified = "replicate",
+) -> Plan:
+    """Resolves a spec against a model and lays out every array leaf, placing nothing.
+
+    It works on abstract models (`eqx.filter_eval_shape`) as well as concrete ones,
+    so checking a spec costs no device memory.
+
+    **Example:**
+
+    ```python
+    p = eqshard.plan(model, spec)
+    p.mesh                        # Mesh('m0': 8)
+    p.partition_specs.w1          # PartitionSpec(None, 'm0')
+    with jax.set_mesh(p.mesh): ...
+    ```
+
+    **Arguments:**
+
+    - `model`: an Equinox model or any pytree.
+    - `spec`: where the expressions come from. By default the model's
+        `eqshard.field`s; else a spec tree with the model's structure, a prefix of
+        it (one expression or `None` for a whole subtree), a single expression for
+        every array leaf, or a resolver such as `eqshard.Rules`. A leaf may be an
+        `Expression`, its text, or `None`.
+    - `devices`: the devices to use, all of them; `jax.devices()` by default.
+    - `unspecified`: what an array leaf whose expression is `None` gets:
+        `"replicate"` (a full copy on every device, the default) or `"keep"` (it
+        stays where it is).
+
+    **Returns:**
+
+    A `Plan`.
+
+    **Raises:**
+
+    `eqshard.SpecError` listing every faulty leaf, one line each with its key path,
+    shape, expression and the rule it breaks (rank, divisibility, device count or
+    annotation); or naming the first path where the spec's structure differs from
+    the model's.
+    """
+    if unspecified not in ("replicate", "keep"):
+        raise SpecError(
+            [Problem("unspecified", f"{unspecified!r} is neither 'replicate' nor 'keep'")]
+        )
+    devices = device_tuple(devices)
+    n = len(devices)
+    items = leaf_specs(model, spec)
+
+    layouts: list[Layout | None] = []
+    problems: list[Problem] = []
+    for item in items:
+        leaf, expr = item.leaf, item.expr
+        if not is_array_like(leaf):
+            layouts.append(None)
+        elif expr is None:
+            layouts.append(_replicated(len(leaf.shape), n) if unspecified == "replicate" else None)
+        else:
+            try:
+                layouts.append(_layout(expr, tuple(leaf.shape), n))
+            except ExpressionError as error:
+                problems.append(_problem(item, expr, error))
+                layouts.append(None)
+    if problems:
+        raise SpecError(problems)
+
+    distinct = {lay for lay in layouts if lay is not None}
+    shared = shared_mesh(distinct, n)
+    common = None if shared is None else mesh(shared.mesh_shape, shared.mesh_axes, devices)
+    by_layout: dict[Layout, NamedSharding] = {}
+    for lay in distinct:
+        if shared is not None and common is not None:
+            by_layout[lay] = NamedSharding(common, PartitionSpec(*shared.spec_of(lay)))
+        else:
+            own = mesh(lay.mesh_shape, lay.mesh_axes, devices)
+            by_layout[lay] = NamedSharding(own, PartitionSpec(*lay.spec))
+    flat = [None if lay is None else by_layout[lay] for lay in layouts]
+
+    treedef = jax.tree_util.tree_structure(model)
+    return Plan(
+        mesh=common,
+        shardings=jax.tree_util.tree_unflatten(treedef, flat),
+        partition_specs=jax.tree_util.tree_unflatten(
+            treedef, [None if s is None else s.spec for s in flat]
+        ),
+        expressions=jax.tree_util.tree_unflatten(treedef, [item.expr for item in items]),
+        leaves=items,
+        flat_shardings=flat,
+        treedef=treedef,
+    )
