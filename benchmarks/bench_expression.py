@@ -13,9 +13,9 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
-import eqshard  # noqa: E402
-from eqshard._expression import _parse_text  # noqa: E402
-from eqshard._sharding import cached_sharding, mesh  # noqa: E402
+import eqshard
+from eqshard._expression import _parse_text
+from eqshard._sharding import cached_sharding, mesh
 
 try:
     import einshard  # pyright: ignore[reportMissingImports]

@@ -61,12 +61,12 @@ def apply(
     path where the spec's structure differs from the model's.
     """
     p = plan(model, spec, devices=devices, unspecified=unspecified)
-    leaves = [item.leaf for item in p.leaves]
+    leaves = list(p.resolved.leaves)
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
-    abstract = [p.leaves[i] for i in indices if isinstance(leaves[i], jax.ShapeDtypeStruct)]
+    abstract = [i for i in indices if isinstance(leaves[i], jax.ShapeDtypeStruct)]
     if abstract:
         raise SpecError(
-            [Problem(item.where, "is abstract (a jax.ShapeDtypeStruct)") for item in abstract],
+            [Problem(p.resolved.where(i), "is abstract (a jax.ShapeDtypeStruct)") for i in abstract],
             "`eqshard.apply` places concrete arrays; for an abstract model use "
             "`eqshard.plan(model, spec).shardings`, e.g. as `out_shardings` of the "
             "jitted function that builds the model",
@@ -74,4 +74,4 @@ def apply(
     placed = jax.device_put([leaves[i] for i in indices], [p.flat_shardings[i] for i in indices])
     for i, array in zip(indices, placed):
         leaves[i] = array
-    return jax.tree_util.tree_unflatten(p.treedef, leaves)
+    return jax.tree_util.tree_unflatten(p.resolved.treedef, leaves)

@@ -24,7 +24,7 @@ from ._errors import ExpressionError, Problem, SpecError
 from ._expression import Expression
 from ._layout import Layout, layout, shared_mesh
 from ._sharding import Device, device_tuple, mesh
-from ._spec import FROM_FIELDS, LeafSpec, is_array_like, leaf_specs
+from ._spec import FROM_FIELDS, Resolved, is_array_like, leaf_specs
 
 __all__ = ["Plan", "Unspecified", "plan"]
 
@@ -40,15 +40,18 @@ def _replicated(ndim: int, n_devices: int) -> Layout:
     return Layout((n_devices,), ("_0",), (None,) * ndim)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """Where every array leaf of a model goes. Made by `eqshard.plan`.
 
-    **Fields:**
+    A plan compares and hashes by identity, so it can be a static argument of
+    `eqx.filter_jit`, as in `eqshard.constrain(model, plan)` inside a step.
+
+    **Attributes:**
 
     - `mesh`: the one mesh (Auto axes `m0`, `m1`, ...) that every sharding is
         written on, or `None` when the layouts share no mesh (then each sharding
-        has its expression's own mesh).
+        has its expression's own mesh, as `eqshard.sharding` builds it).
     - `shardings`: the model's structure with a `NamedSharding` for each array leaf
         (`None` for other leaves, and for leaves kept where they are).
     - `partition_specs`: the same, with each leaf's `PartitionSpec`.
@@ -57,17 +60,29 @@ class Plan:
     """
 
     mesh: Mesh | None
-    shardings: PyTree[NamedSharding | None]
-    partition_specs: PyTree[PartitionSpec | None]
-    expressions: PyTree[Expression | None]
-    leaves: list[LeafSpec] = dataclasses.field(repr=False)
+    resolved: Resolved = dataclasses.field(repr=False)
     flat_shardings: list[NamedSharding | None] = dataclasses.field(repr=False)
-    treedef: Any = dataclasses.field(repr=False)
+
+    def _tree(self, flat: list[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(self.resolved.treedef, flat)
+
+    @functools.cached_property
+    def shardings(self) -> PyTree[NamedSharding | None]:
+        return self._tree(self.flat_shardings)
+
+    @functools.cached_property
+    def partition_specs(self) -> PyTree[PartitionSpec | None]:
+        return self._tree([None if s is None else s.spec for s in self.flat_shardings])
+
+    @functools.cached_property
+    def expressions(self) -> PyTree[Expression | None]:
+        return self._tree(self.resolved.exprs)
+
+    def __repr__(self) -> str:
+        return f"Plan(mesh={self.mesh}, shardings={self.shardings})"
 
 
-def _problem(item: LeafSpec, expr: Expression, error: ExpressionError) -> Problem:
-    leaf = item.leaf
-    where = f"{item.where} ({item.owner})" if item.owner else item.where
+def _problem(where: str, leaf: Any, expr: Expression, error: ExpressionError) -> Problem:
     return Problem(where, f"{leaf.dtype}{list(leaf.shape)} {str(expr)!r}: {error.rule}")
 
 
@@ -122,22 +137,22 @@ def plan(
         )
     devices = device_tuple(devices)
     n = len(devices)
-    items = leaf_specs(model, spec)
+    resolved = leaf_specs(model, spec)
 
     layouts: list[Layout | None] = []
     problems: list[Problem] = []
-    for item in items:
-        leaf, expr = item.leaf, item.expr
-        if not is_array_like(leaf):
-            layouts.append(None)
-        elif expr is None:
-            layouts.append(_replicated(len(leaf.shape), n) if unspecified == "replicate" else None)
-        else:
+    replicate = unspecified == "replicate"
+    for i, (leaf, expr) in enumerate(zip(resolved.leaves, resolved.exprs)):
+        if expr is not None:
             try:
                 layouts.append(_layout(expr, tuple(leaf.shape), n))
             except ExpressionError as error:
-                problems.append(_problem(item, expr, error))
+                problems.append(_problem(resolved.where(i), leaf, expr, error))
                 layouts.append(None)
+        elif replicate and is_array_like(leaf):
+            layouts.append(_replicated(len(leaf.shape), n))
+        else:
+            layouts.append(None)
     if problems:
         raise SpecError(problems)
 
@@ -152,16 +167,4 @@ def plan(
             own = mesh(lay.mesh_shape, lay.mesh_axes, devices)
             by_layout[lay] = NamedSharding(own, PartitionSpec(*lay.spec))
     flat = [None if lay is None else by_layout[lay] for lay in layouts]
-
-    treedef = jax.tree_util.tree_structure(model)
-    return Plan(
-        mesh=common,
-        shardings=jax.tree_util.tree_unflatten(treedef, flat),
-        partition_specs=jax.tree_util.tree_unflatten(
-            treedef, [None if s is None else s.spec for s in flat]
-        ),
-        expressions=jax.tree_util.tree_unflatten(treedef, [item.expr for item in items]),
-        leaves=items,
-        flat_shardings=flat,
-        treedef=treedef,
-    )
+    return Plan(mesh=common, resolved=resolved, flat_shardings=flat)

@@ -1,16 +1,19 @@
-"""Placing one array: `shard` outside `jit`, `constrain` inside it."""
+"""Placing values: `shard` for one array outside `jit`, `constrain` inside it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.core
-from jaxtyping import Array, ArrayLike
+from jaxtyping import Array, ArrayLike, PyTree
 
 from ._errors import EqshardError
 from ._expression import Expression
+from ._plan import Plan, Unspecified, plan
 from ._sharding import Device, sharding
+from ._spec import FROM_FIELDS, is_array_like
 
 __all__ = ["constrain", "shard"]
 
@@ -79,33 +82,41 @@ def _check_context_mesh() -> None:
 
 
 def constrain(
-    x: Array,
-    expr: str | Expression,
+    x: PyTree[Any, " T"],
+    spec: Any = FROM_FIELDS,
     *,
     devices: Sequence[Device] | None = None,
-) -> Array:
-    """Constrains an intermediate value, such as an activation, to an expression's layout.
+    unspecified: Unspecified = "replicate",
+) -> PyTree[Any, " T"]:
+    """Constrains values inside `jit` to a layout: one activation, or a whole model.
 
     Inside `jax.jit` or `eqx.filter_jit` this is
-    `jax.lax.with_sharding_constraint` with the expression's sharding: the
-    compiler keeps the value in that layout at this point. Outside `jit` it places
-    the value, as `eqshard.shard` does.
+    `jax.lax.with_sharding_constraint`: the compiler keeps the values in that
+    layout at this point. Use it on activations, and on the updated model at the
+    end of a training step, so that the parameters leave the step in the layouts
+    they came in with (otherwise XLA is free to choose new ones). Outside `jit` it
+    places the values, as `eqshard.apply` does.
 
     **Example:**
 
     ```python
     @eqx.filter_jit
-    def forward(model, x):
+    def step(model, x, y):
         x = eqshard.constrain(x, "batch d -> batch* d")
-        return jax.vmap(model)(x)
+        grads = eqx.filter_grad(loss)(model, x, y)
+        model = eqx.apply_updates(model, update(grads))
+        return eqshard.constrain(model, spec)        # keep the parameters' layouts
     ```
 
     **Arguments:**
 
-    - `x`: the value, traced or concrete.
-    - `expr`: an einshard expression (text or `eqshard.Expression`).
+    - `x`: one array, or a pytree such as a model; traced or concrete.
+    - `spec`: for one array, an einshard expression. For a pytree, anything
+        `eqshard.apply` takes (by default the `eqshard.field`s), or an
+        `eqshard.Plan` made for a model of the same structure.
     - `devices`: the devices to use, all of them; `jax.devices()` by default. They
         must be the devices the rest of the computation runs on.
+    - `unspecified`: as for `eqshard.apply`.
 
     **Returns:**
 
@@ -113,9 +124,25 @@ def constrain(
 
     **Raises:**
 
-    `eqshard.ExpressionError` when the expression does not fit `x`, and
-    `eqshard.EqshardError` inside `jax.set_mesh` with Explicit or Manual axes, where
-    JAX itself decides layouts and a constraint on another mesh cannot apply.
+    `eqshard.ExpressionError` or `eqshard.SpecError` when the spec does not fit
+    `x`, and `eqshard.EqshardError` inside `jax.set_mesh` with Explicit or Manual
+    axes, where JAX itself decides layouts and a constraint on another mesh cannot
+    apply.
     """
     _check_context_mesh()
-    return jax.lax.with_sharding_constraint(x, sharding(expr, x.shape, devices=devices))
+    if is_array_like(x) and isinstance(spec, (str, Expression)):
+        return jax.lax.with_sharding_constraint(x, sharding(spec, x.shape, devices=devices))
+    p = spec if isinstance(spec, Plan) else plan(x, spec, devices=devices, unspecified=unspecified)
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if len(leaves) != len(p.flat_shardings):
+        raise EqshardError(
+            f"the plan is for a pytree of {len(p.flat_shardings)} leaves, and this one "
+            f"has {len(leaves)}; make the plan from a model of the same structure"
+        )
+    indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
+    constrained = jax.lax.with_sharding_constraint(
+        [leaves[i] for i in indices], [p.flat_shardings[i] for i in indices]
+    )
+    for i, value in zip(indices, constrained):
+        leaves[i] = value
+    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -28,6 +28,7 @@ from ._expression import Expression, parse
 __all__ = [
     "FROM_FIELDS",
     "LeafSpec",
+    "Resolved",
     "Resolver",
     "SpecLeaf",
     "field",
@@ -35,6 +36,7 @@ __all__ = [
     "is_spec_leaf",
     "leaf_specs",
     "spec",
+    "walk_fields",
 ]
 
 _METADATA_KEY = "eqshard"
@@ -273,25 +275,60 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
-def _broadcast(spec: Any, model: Any, n_leaves: int) -> list[SpecLeaf]:
+def _broadcast(spec: Any, model: Any, model_treedef: Any) -> list[SpecLeaf]:
     """One spec leaf per model leaf, from a spec tree that is a prefix of the model."""
     if is_spec_leaf(spec):
-        return [spec] * n_leaves
-    treedef = jax.tree_util.tree_structure(spec, is_leaf=is_spec_leaf)
+        return [spec] * model_treedef.num_leaves
+    spec_leaves, treedef = jax.tree_util.tree_flatten(spec, is_leaf=is_spec_leaf)
+    if treedef == model_treedef:  # a full spec tree: one spec leaf per model leaf
+        return spec_leaves
     try:
         subtrees = treedef.flatten_up_to(model)
     except (ValueError, TypeError):
         problem = _mismatch(spec, model) or Problem("the root", "the structures differ")
         raise SpecError([problem], "the spec does not match the model's structure") from None
-    spec_leaves = jax.tree_util.tree_leaves(spec, is_leaf=is_spec_leaf)
     result: list[SpecLeaf] = []
     for spec_leaf, subtree in zip(spec_leaves, subtrees):
         result.extend([spec_leaf] * jax.tree_util.tree_structure(subtree).num_leaves)
     return result
 
 
-def leaf_specs(model: Any, spec: Any = FROM_FIELDS) -> list[LeafSpec]:
-    """Every leaf of `model` with its (completed, checked) expression.
+@dataclasses.dataclass
+class Resolved:
+    """A model's leaves, flattened, each with its complete expression (or `None`).
+
+    Key paths, owners and annotations come from a walk over the model's fields,
+    which is made only when something needs them: the `eqshard.field` source, a
+    short form, or an error message.
+    """
+
+    model: Any
+    leaves: list[Any]
+    treedef: Any
+    exprs: list[Expression | None]
+    _fields: list[LeafSpec] | None = None
+
+    @property
+    def fields(self) -> list[LeafSpec]:
+        if self._fields is None:
+            self._fields = walk_fields(self.model)
+        return self._fields
+
+    def where(self, index: int) -> str:
+        """`.path (Class.field)` of leaf `index`, for messages."""
+        item = self.fields[index]
+        return f"{item.where} ({item.owner})" if item.owner else item.where
+
+
+def walk_fields(model: Any) -> list[LeafSpec]:
+    """Each leaf of `model` with its path, field expression, owner and annotation."""
+    items: list[LeafSpec] = []
+    _walk_fields(model, (), None, None, None, items)
+    return items
+
+
+def leaf_specs(model: Any, spec: Any = FROM_FIELDS) -> Resolved:
+    """Every leaf of `model` with its complete, checked expression.
 
     **Raises:** `SpecError` listing every leaf whose expression is malformed or
     contradicts its annotation, or naming the first path where `spec` does not
@@ -299,34 +336,42 @@ def leaf_specs(model: Any, spec: Any = FROM_FIELDS) -> list[LeafSpec]:
     """
     if isinstance(spec, Resolver):
         spec = spec.resolve(model)
-    items: list[LeafSpec] = []
-    _walk_fields(model, (), None, None, None, items)
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    resolved = Resolved(model, leaves, treedef, [None] * len(leaves))
     problems: list[Problem] = []
-    if spec is not FROM_FIELDS:
-        for item, leaf_spec in zip(items, _broadcast(spec, model, len(items))):
-            if leaf_spec is None:
-                item.expr = None
+    if spec is FROM_FIELDS:
+        for i, item in enumerate(resolved.fields):
+            if item.expr is not None and is_array_like(item.leaf):
+                resolved.exprs[i] = _complete(item, problems)
+    else:
+        short = False
+        for i, leaf_spec in enumerate(_broadcast(spec, model, treedef)):
+            if leaf_spec is None or not is_array_like(leaves[i]):
                 continue
             if not isinstance(leaf_spec, (str, Expression)):
                 problems.append(
                     Problem(
-                        item.where,
+                        resolved.where(i),
                         f"the spec holds {type(leaf_spec).__name__} {leaf_spec!r}; a spec "
                         "leaf is an expression, its text, or None",
                     )
                 )
-                item.expr = None
                 continue
             try:
-                item.expr = parse(leaf_spec)
+                expr = parse(leaf_spec)
             except ExpressionError as error:
-                problems.append(Problem(item.where, _one_line(error)))
-                item.expr = None
-    for item in items:
-        item.expr = _complete(item, problems) if is_array_like(item.leaf) else None
+                problems.append(Problem(resolved.where(i), _one_line(error)))
+                continue
+            short = short or not expr.is_complete
+            resolved.exprs[i] = expr
+        if short:  # short forms take their left side from the fields' annotations
+            for i, item in enumerate(resolved.fields):
+                expr = resolved.exprs[i]
+                if expr is not None and not expr.is_complete:
+                    resolved.exprs[i] = _complete(dataclasses.replace(item, expr=expr), problems)
     if problems:
         raise SpecError(problems)
-    return items
+    return resolved
 
 
 def spec(
@@ -362,6 +407,5 @@ def spec(
 
     `eqshard.SpecError` listing each faulty field by key path and `Class.field`.
     """
-    items = leaf_specs(model, FROM_FIELDS if rules is None else rules)
-    treedef = jax.tree_util.tree_structure(model)
-    return jax.tree_util.tree_unflatten(treedef, [item.expr for item in items])
+    resolved = leaf_specs(model, FROM_FIELDS if rules is None else rules)
+    return jax.tree_util.tree_unflatten(resolved.treedef, resolved.exprs)

@@ -16,8 +16,8 @@ class MLP(eqx.Module):
     w1: Float[Array, "x y"] = eqshard.field("x y -> x y*")
     w2: Float[Array, "y z"] = eqshard.field("y* z")
 
-    def __init__(self, key=jax.random.key(0)):
-        k1, k2 = jax.random.split(key)
+    def __init__(self, key=None):
+        k1, k2 = jax.random.split(jax.random.key(0) if key is None else key)
         self.w1 = jax.random.normal(k1, (16, 32))
         self.w2 = jax.random.normal(k2, (32, 8))
 

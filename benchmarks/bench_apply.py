@@ -1,0 +1,108 @@
+"""`eqshard.apply` against the floor and against einshard, on 8 CPU devices.
+
+Run: `python benchmarks/bench_apply.py`. Every number comes from this one run.
+
+- the floor: one `jax.device_put(leaves, shardings)` with the shardings already built;
+- `apply`: resolve the spec, lay out every leaf, then that one `device_put`;
+- einshard: `einshard(x, expr)` for each leaf, where einshard is installed
+  (Python >= 3.12).
+
+Models: (a) 1,000 `eqx.nn.Linear(8, 8)`: 2,000 small leaves; (b) 100
+`eqx.nn.Linear(480, 512)`: 200 leaves, about 98 MB.
+"""
+
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+
+import equinox as eqx
+import jax.numpy as jnp
+
+import eqshard
+
+try:
+    from einshard import einshard  # pyright: ignore[reportMissingImports]
+except ImportError:
+    einshard = None
+
+
+def model_of(count, n_in, n_out):
+    keys = jax.random.split(jax.random.key(0), count)
+    return [eqx.nn.Linear(n_in, n_out, key=k) for k in keys]
+
+
+
+def _linear_spec(layer):
+    spec = eqshard.spec(layer)
+    return eqx.tree_at(
+        lambda s: (s.weight, s.bias),
+        spec,
+        ("o i -> o* i", "o -> o*"),
+        is_leaf=lambda x: x is None,
+    )
+
+
+def timed(fn, repeat):
+    """The median seconds of `fn()` (whose result is waited on) over `repeat` runs."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench(name, model, spec, repeat):
+    # Inputs start on one device, as freshly built or loaded parameters do.
+    model = jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.devices()[0]), model)
+    jax.block_until_ready(model)
+    plan = eqshard.plan(model, spec)
+    leaves = jax.tree_util.tree_leaves(model)
+    shardings = [s for s in plan.flat_shardings if s is not None]
+    expressions = [str(e) for e in jax.tree_util.tree_leaves(plan.expressions)]
+    n_bytes = sum(x.nbytes for x in leaves)
+
+    # Warm up every path once: compile nothing later, fill no cache later.
+    jax.block_until_ready(jax.device_put(leaves, shardings))
+    jax.block_until_ready(eqshard.apply(model, spec))
+
+    # Interleave the runs so that drift of the machine hits all columns alike.
+    floor, ours, plan_only = [], [], []
+    for _ in range(repeat):
+        floor.append(timed(lambda: jax.device_put(leaves, shardings), 1))
+        ours.append(timed(lambda: eqshard.apply(model, spec), 1))
+        plan_only.append(timed(lambda: eqshard.plan(model, spec).mesh, 1))
+    floor_s, ours_s, plan_s = (statistics.median(t) for t in (floor, ours, plan_only))
+    theirs_s = None
+    if einshard is not None:
+        theirs_s = timed(
+            lambda: [einshard(x, e) for x, e in zip(leaves, expressions)], max(1, repeat // 3)
+        )
+
+    print(f"({name}) {len(leaves)} leaves, {n_bytes / 1e6:.1f} MB, {len(jax.devices())} devices")
+    print(f"    floor, one device_put with shardings built  {floor_s * 1e3:9.2f} ms")
+    print(f"    eqshard.apply                               {ours_s * 1e3:9.2f} ms   {ours_s / floor_s:5.2f}x the floor")
+    print(f"      of which eqshard.plan (spec -> shardings) {plan_s * 1e3:9.2f} ms")
+    if theirs_s is not None:
+        print(f"    einshard, one call per leaf                 {theirs_s * 1e3:9.2f} ms   {theirs_s / ours_s:5.1f}x slower than apply")
+    else:
+        print("    einshard is not installed here (it needs Python >= 3.12)")
+    print()
+    return ours_s / floor_s, (None if theirs_s is None else theirs_s / ours_s)
+
+
+def main():
+    print(f"jax {jax.__version__}, python {sys.version.split()[0]}\n")
+    small = model_of(1000, 8, 8)
+    bench("a", small, [_linear_spec(layer) for layer in small], repeat=15)
+    large = model_of(100, 480, 512)
+    bench("b", large, [_linear_spec(layer) for layer in large], repeat=9)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
+import eqshard
+from eqshard import SpecError
+
+
+def _index_map(sharding, shape):
+    """{device id: block bounds}: what every device holds."""
+    return {
+        device.id: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+        for device, index in sharding.devices_indices_map(tuple(shape)).items()
+    }
+
+
+class MLP(eqx.Module):
+    w1: Float[Array, "x y"] = eqshard.field("x y -> x y*")
+    w2: Float[Array, "y z"] = eqshard.field("y* z")
+    scale: float
+
+    def __init__(self, key):
+        self.scale = 2.0
+        k1, k2 = jax.random.split(key)
+        self.w1 = jax.random.normal(k1, (16, 32))
+        self.w2 = jax.random.normal(k2, (32, 8))
+
+
+def test_apply_places_every_leaf_as_einshard_would():
+    model = MLP(jax.random.key(0))
+    before = jax.tree_util.tree_map(np.asarray, model)
+    sharded = eqshard.apply(model)
+    for name, expr in [("w1", "x y -> x y*"), ("w2", "y z -> y* z")]:
+        array = getattr(sharded, name)
+        expected = eqshard.sharding(expr, array.shape)
+        assert _index_map(array.sharding, array.shape) == _index_map(expected, array.shape)
+        np.testing.assert_array_equal(np.asarray(array), getattr(before, name))
+        for shard in array.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), getattr(before, name)[shard.index])
+    assert sharded.scale == 2.0
+    # the input is untouched: still on one device, same values
+    assert model.w1.sharding.device_set == {jax.devices()[0]}
+    np.testing.assert_array_equal(np.asarray(model.w1), before.w1)
+    assert sharded is not model
+
+
+def test_one_shared_mesh_and_readable_specs():
+    plan = eqshard.plan(MLP(jax.random.key(0)))
+    assert plan.mesh is not None
+    assert dict(plan.mesh.shape) == {"m0": 8}
+    assert plan.shardings.w1.mesh is plan.mesh
+    assert plan.shardings.w2.mesh is plan.mesh
+    assert (plan.partition_specs.w1, plan.partition_specs.w2) == (P(None, "m0"), P("m0", None))
+    assert plan.shardings.scale is None
+
+
+def test_spec_forms_single_prefix_and_full():
+    model = {"a": jnp.ones((8, 4)), "b": {"c": jnp.ones(8), "d": jnp.ones((2, 8))}}
+    plan = eqshard.plan(model, "... -> * ...")
+    assert jax.tree_util.tree_leaves(plan.partition_specs) == [P(None, None), P(None), P(None, None)]
+    plan = eqshard.plan(model, {"a": "r c -> r* c", "b": "... x -> ... x*"})
+    assert plan.partition_specs == {"a": P("m0", None), "b": {"c": P("m0"), "d": P(None, "m0")}}
+    plan = eqshard.plan(model, {"a": None, "b": {"c": eqshard.parse("x -> x*"), "d": None}})
+    assert plan.partition_specs == {"a": P(None, None), "b": {"c": P("m0"), "d": P(None, None)}}
+
+
+def test_none_replicates_by_default_and_keep_leaves_it_alone():
+    x = jnp.arange(8.0)
+    out = eqshard.apply({"x": x}, {"x": None})
+    assert out["x"].sharding.is_fully_replicated
+    assert out["x"].sharding.device_set == set(jax.devices())
+    kept = eqshard.apply({"x": x, "y": x}, {"x": None, "y": "a -> a*"}, unspecified="keep")
+    assert kept["x"] is x
+    assert kept["y"].sharding.shard_shape((8,)) == (1,)
+    with pytest.raises(SpecError, match="'sideways' is neither 'replicate' nor 'keep'"):
+        eqshard.apply({"x": x}, None, unspecified="sideways")  # type: ignore[arg-type]
+
+
+def test_arrays_already_in_place_are_not_copied():
+    sharded = eqshard.apply(MLP(jax.random.key(0)))
+    again = eqshard.apply(sharded)
+    assert again.w1 is sharded.w1
+    assert again.w2 is sharded.w2
+
+
+def test_non_array_leaves_pass_through():
+    model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
+    model = eqx.tree_at(lambda m: m.layers[0].weight, model, np.ones((8, 4), np.float32))
+    out = eqshard.apply(model, "... -> * ...")
+    assert out.activation is model.activation
+    assert out.final_activation is model.final_activation
+    assert isinstance(out.layers[0].weight, jax.Array)  # NumPy leaves are placed too
+    assert out.layers[0].weight.sharding.is_fully_replicated
+
+
+def test_devices_subset():
+    devices = jax.devices()[2:6]
+    sharded = eqshard.apply(MLP(jax.random.key(0)), devices=devices)
+    assert sharded.w1.sharding.device_set == set(devices)
+    assert sharded.w1.sharding.shard_shape((16, 32)) == (16, 8)
+
+
+def test_all_faults_are_reported_at_once():
+    model = eqx.nn.MLP(6, 4, 12, 1, key=jax.random.key(0))
+    spec = eqx.tree_at(
+        lambda s: (s.layers[0].weight, s.layers[0].bias, s.layers[1].weight, s.layers[1].bias),
+        eqshard.spec(model),
+        ("o i -> o* i", "o i -> o i*", "o i -> o i2", "o -> o3*"),
+        is_leaf=lambda x: x is None,
+    )
+    with pytest.raises(SpecError) as info:
+        eqshard.apply(model, spec)
+    assert str(info.value) == "\n".join(
+        [
+            "4 problems in the spec:",
+            "  .layers[0].weight (Linear.weight): float32[12, 6] 'o i -> o* i': axis 'o' (dimension 0 of shape (12, 6)) has size 12, which does not split into 8 equal shards; choose a count that divides 12",
+            "  .layers[0].bias (Linear.bias): float32[12] 'o i -> o i*': the left side names 2 axes, but the array has 1 (shape (12,)); name one axis per dimension, or use '...' for the rest",
+            "  .layers[1].weight (Linear.weight): float32[4, 12] 'o i -> o i2': i2 shards need 2 devices, 8 are given; add '*' to an element to take the rest, or a standalone '*' to replicate",
+            "  .layers[1].bias (Linear.bias): float32[4] 'o -> o3*': the starred counts o3* need a multiple of 3 devices, and 8 are left for them (8 are given); change the starred counts",
+        ]
+    )
+    assert [p.where for p in info.value.problems][0] == ".layers[0].weight (Linear.weight)"
+
+
+def test_abstract_models_plan_but_do_not_apply():
+    abstract = eqx.filter_eval_shape(MLP, jax.random.key(0))
+    assert eqshard.plan(abstract).partition_specs.w2 == P("m0", None)
+    with pytest.raises(SpecError, match=r"(?s)places concrete arrays.*\.w1 \(MLP.w1\): is abstract"):
+        eqshard.apply(abstract)
+
+
+def test_plan_shardings_build_a_model_straight_into_its_shards():
+    abstract = eqx.filter_eval_shape(MLP, jax.random.key(0))
+    plan = eqshard.plan(abstract)
+    params, static = eqx.partition(abstract, eqx.is_array_like)
+    del params
+    build = jax.jit(
+        lambda key: eqx.filter(MLP(key), eqx.is_array),
+        out_shardings=eqx.filter(plan.shardings, lambda s: s is not None, is_leaf=lambda s: s is None),
+    )
+    built = build(jax.random.key(0))
+    assert built.w1.sharding.is_equivalent_to(plan.shardings.w1, 2)
+    np.testing.assert_array_equal(np.asarray(built.w1), np.asarray(MLP(jax.random.key(0)).w1))
+    del static
+
+
+# --------------------------------------------------------------------------- #
+# The shared mesh keeps every layout: property test on 8 devices.
+# --------------------------------------------------------------------------- #
+
+_ELEMENT = st.sampled_from(["", "2", "4", "*", "2*"])
+_EXTRA = st.sampled_from([None, "2", "*", "2*"])
+
+
+@st.composite
+def _expression(draw):
+    a, b, extra = draw(_ELEMENT), draw(_ELEMENT), draw(_EXTRA)
+    right = [f"a{a}", f"b{b}"]
+    if draw(st.booleans()):
+        right.reverse()
+    if extra:
+        right.insert(draw(st.integers(0, 2)), extra)
+    return f"a b -> {' '.join(right)}"
+
+
+def _fits(expr):
+    try:
+        eqshard.sharding(expr, (16, 16))
+    except eqshard.ExpressionError:
+        return False
+    return True
+
+
+@given(st.lists(_expression().filter(_fits), min_size=1, max_size=6))
+@settings(max_examples=60, deadline=None)
+def test_shared_mesh_keeps_every_layout(exprs):
+    model = [jax.ShapeDtypeStruct((16, 16), jnp.float32) for _ in exprs]
+    plan = eqshard.plan(model, exprs)
+    assert plan.mesh is not None  # 8 is a power of two
+    for expr, sharding in zip(exprs, plan.shardings):
+        assert sharding.mesh is plan.mesh
+        assert _index_map(sharding, (16, 16)) == _index_map(eqshard.sharding(expr, (16, 16)), (16, 16)), expr
+
+
+_TWELVE = """
+import jax, json
+jax.config.update("jax_num_cpu_devices", 12)
+import jax.numpy as jnp, eqshard
+model = [jax.ShapeDtypeStruct((12, 12), jnp.float32)] * 3
+exprs = ["a b -> a2 b6", "a b -> a3 b4", "a b -> a4 b3"]
+def blocks(s):
+    return sorted((d.id, str(i)) for d, i in s.devices_indices_map((12, 12)).items())
+plan = eqshard.plan(model, exprs)
+same = [blocks(s) == blocks(eqshard.sharding(e, (12, 12))) for e, s in zip(exprs, plan.shardings)]
+shared = eqshard.plan(model[:1] * 2, ["a b -> a2 b6", "a b -> a2* b"])
+print(json.dumps({"mesh": plan.mesh is None, "same": same, "meshes": len({s.mesh for s in plan.shardings}),
+                  "shared": dict(shared.mesh.shape)}))
+"""
+
+
+def test_no_shared_mesh_on_12_devices_falls_back_to_one_mesh_per_expression(run_python):
+    result = run_python(["-c", _TWELVE])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "mesh": True,
+        "same": [True, True, True],
+        "meshes": 3,
+        "shared": {"m0": 2, "m1": 6},
+    }
