@@ -3,6 +3,8 @@
 Run: `python benchmarks/bench_apply.py`. Every number comes from this one run.
 
 - the floor: one `jax.device_put(leaves, shardings)` with the shardings already built;
+- the host-path floor: the same call on NumPy views of the leaves, which is the
+  path `apply` takes for arrays that live on one CPU device;
 - `apply`: resolve the spec, lay out every leaf, then that one `device_put`;
 - einshard: `einshard(x, expr)` for each leaf, where einshard is installed
   (Python >= 3.12).
@@ -21,7 +23,7 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx
-import jax.numpy as jnp
+import numpy as np
 
 import eqshard
 
@@ -34,7 +36,6 @@ except ImportError:
 def model_of(count, n_in, n_out):
     keys = jax.random.split(jax.random.key(0), count)
     return [eqx.nn.Linear(n_in, n_out, key=k) for k in keys]
-
 
 
 def _linear_spec(layer):
@@ -72,24 +73,31 @@ def bench(name, model, spec, repeat):
     jax.block_until_ready(eqshard.apply(model, spec))
 
     # Interleave the runs so that drift of the machine hits all columns alike.
-    floor, ours, plan_only = [], [], []
+    floor, host, ours, plan_only = [], [], [], []
     for _ in range(repeat):
         floor.append(timed(lambda: jax.device_put(leaves, shardings), 1))
+        host.append(timed(lambda: jax.device_put([np.asarray(x) for x in leaves], shardings), 1))
         ours.append(timed(lambda: eqshard.apply(model, spec), 1))
         plan_only.append(timed(lambda: eqshard.plan(model, spec).mesh, 1))
-    floor_s, ours_s, plan_s = (statistics.median(t) for t in (floor, ours, plan_only))
+    floor_s, host_s, ours_s, plan_s = (statistics.median(t) for t in (floor, host, ours, plan_only))
     theirs_s = None
     if einshard is not None:
+        place = einshard
         theirs_s = timed(
-            lambda: [einshard(x, e) for x, e in zip(leaves, expressions)], max(1, repeat // 3)
+            lambda: [place(x, e) for x, e in zip(leaves, expressions)], max(1, repeat // 3)
         )
 
     print(f"({name}) {len(leaves)} leaves, {n_bytes / 1e6:.1f} MB, {len(jax.devices())} devices")
     print(f"    floor, one device_put with shardings built  {floor_s * 1e3:9.2f} ms")
-    print(f"    eqshard.apply                               {ours_s * 1e3:9.2f} ms   {ours_s / floor_s:5.2f}x the floor")
+    print(f"    the same from NumPy views (the host path)   {host_s * 1e3:9.2f} ms")
+    print(
+        f"    eqshard.apply                               {ours_s * 1e3:9.2f} ms   {ours_s / floor_s:5.2f}x the floor, {ours_s / host_s:5.2f}x the host-path floor"
+    )
     print(f"      of which eqshard.plan (spec -> shardings) {plan_s * 1e3:9.2f} ms")
     if theirs_s is not None:
-        print(f"    einshard, one call per leaf                 {theirs_s * 1e3:9.2f} ms   {theirs_s / ours_s:5.1f}x slower than apply")
+        print(
+            f"    einshard, one call per leaf                 {theirs_s * 1e3:9.2f} ms   {theirs_s / ours_s:5.1f}x slower than apply"
+        )
     else:
         print("    einshard is not installed here (it needs Python >= 3.12)")
     print()

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
 from jaxtyping import PyTree
 
 from ._errors import Problem, SpecError
@@ -16,13 +18,34 @@ from ._spec import FROM_FIELDS
 __all__ = ["apply"]
 
 
+def _source(x: Any, target: jax.sharding.Sharding) -> Any:
+    """What to hand `jax.device_put` to place `x` at `target`.
+
+    An array that lives on one CPU device is handed over as a NumPy view of its
+    buffer (no copy is made): JAX then places it through its host path, which
+    splits it into shards in one pass, where the device-to-device path runs one
+    slicing computation per shard and is several times slower on CPU. PjRt keeps
+    the source buffer alive, and safe from donation, for as long as the view is
+    used. Everything else (accelerator arrays, arrays already spread over devices,
+    arrays already in place) goes to `device_put` as it is.
+    """
+    if not isinstance(x, jax.Array):
+        return x
+    source = x.sharding
+    if not isinstance(source, SingleDeviceSharding) or source == target:
+        return x
+    if next(iter(source.device_set)).platform != "cpu" or x.is_deleted():
+        return x
+    return np.asarray(x)
+
+
 def apply(
-    model: PyTree[Any, " M"],
+    model: PyTree[Any],
     spec: Any = FROM_FIELDS,
     *,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
-) -> PyTree[Any, " M"]:
+) -> PyTree[Any]:
     """Places every array leaf of a model as its spec says, in one pass.
 
     After this, the user's `eqx.filter_jit` step runs sharded, and the model code
@@ -66,12 +89,17 @@ def apply(
     abstract = [i for i in indices if isinstance(leaves[i], jax.ShapeDtypeStruct)]
     if abstract:
         raise SpecError(
-            [Problem(p.resolved.where(i), "is abstract (a jax.ShapeDtypeStruct)") for i in abstract],
+            [
+                Problem(p.resolved.where(i), "is abstract (a jax.ShapeDtypeStruct)")
+                for i in abstract
+            ],
             "`eqshard.apply` places concrete arrays; for an abstract model use "
             "`eqshard.plan(model, spec).shardings`, e.g. as `out_shardings` of the "
             "jitted function that builds the model",
         )
-    placed = jax.device_put([leaves[i] for i in indices], [p.flat_shardings[i] for i in indices])
+    targets = [s for s in p.flat_shardings if s is not None]
+    sources = [_source(leaves[i], target) for i, target in zip(indices, targets)]
+    placed = jax.device_put(sources, targets)
     for i, array in zip(indices, placed):
         leaves[i] = array
     return jax.tree_util.tree_unflatten(p.resolved.treedef, leaves)

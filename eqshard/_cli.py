@@ -30,6 +30,13 @@ def _use_devices(count: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", count or 8)
 
 
+def _console():
+    """A rich console; wide when writing to a file or pipe, so tables are not cut."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -53,7 +60,6 @@ def _size(text: str) -> int:
 def _show(args: argparse.Namespace) -> int:
     _use_devices(args.devices)
     import jax
-    from rich.console import Console
 
     from ._expression import parse
     from ._picture import describe
@@ -66,8 +72,15 @@ def _show(args: argparse.Namespace) -> int:
             f"asked for {args.devices} simulated devices, but JAX had already started "
             f"with {len(devices)}"
         )
-    describe(str(expr), args.shape, sharding(expr, args.shape), Console())
+    describe(str(expr), args.shape, sharding(expr, args.shape), _console())
     return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    _use_devices(args.devices)
+    from ._demo import main as demo
+
+    return demo(_console())
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,6 +110,19 @@ def _parser() -> argparse.ArgumentParser:
         help="simulate N CPU devices (default: the devices present, or 8 CPU devices)",
     )
     show.set_defaults(run=_show)
+
+    demo = commands.add_parser(
+        "demo",
+        help="shard a transformer block and train it one step",
+        description=(
+            "Build a transformer block from eqx.nn modules, place it tensor parallel "
+            "with eqshard.apply, and check one eqx.filter_jit training step against "
+            "the unsharded one. Without --devices it uses the accelerators present, or "
+            "8 simulated CPU devices when there are none."
+        ),
+    )
+    demo.add_argument("--devices", type=_positive, metavar="N", help="simulate N CPU devices")
+    demo.set_defaults(run=_demo)
     return parser
 
 

@@ -87,7 +87,7 @@ def _problem(where: str, leaf: Any, expr: Expression, error: ExpressionError) ->
 
 
 def plan(
-    model: PyTree[Any, " M"],
+    model: PyTree[Any],
     spec: Any = FROM_FIELDS,
     *,
     devices: Sequence[Device] | None = None,

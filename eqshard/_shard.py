@@ -82,12 +82,12 @@ def _check_context_mesh() -> None:
 
 
 def constrain(
-    x: PyTree[Any, " T"],
+    x: PyTree[Any],
     spec: Any = FROM_FIELDS,
     *,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
-) -> PyTree[Any, " T"]:
+) -> PyTree[Any]:
     """Constrains values inside `jit` to a layout: one activation, or a whole model.
 
     Inside `jax.jit` or `eqx.filter_jit` this is

@@ -154,8 +154,8 @@ def _walk_fields(
         fields = cls.__dataclass_fields__
         annotations = field_annotations(cls)
         for key, child in children:
-            name = key.name if isinstance(key, GetAttrKey) else None
-            f = fields.get(name) if name is not None else None
+            name = key.name if isinstance(key, GetAttrKey) else ""
+            f = fields.get(name)
             if f is None:
                 _walk_fields(child, (*path, key), expr, owner, annotation, out)
                 continue
@@ -375,9 +375,9 @@ def leaf_specs(model: Any, spec: Any = FROM_FIELDS) -> Resolved:
 
 
 def spec(
-    model: PyTree[Any, " M"],
+    model: PyTree[Any],
     rules: Resolver | None = None,
-) -> PyTree[Expression | None, " M"]:
+) -> PyTree[Expression | None]:
     """The spec tree of a model: its structure, with an expression per array leaf.
 
     **Example:**

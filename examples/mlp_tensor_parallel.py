@@ -54,7 +54,7 @@ def main() -> None:
         f"sharded output equals the unsharded one: max |diff| = {float(jnp.max(jnp.abs(got - expected))):.1e}"
     )
 
-    hlo = jax.jit(lambda m, x: m(x)).lower(sharded, x).compile().as_text()
+    hlo = jax.jit(lambda m, x: m(x)).lower(sharded, x).compile().as_text() or ""
     print(
         f"compiled program: {hlo.count('all-reduce(')} all-reduce, "
         f"{hlo.count('all-gather(')} all-gather"

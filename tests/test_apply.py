@@ -16,15 +16,17 @@ from eqshard import SpecError
 def _index_map(sharding, shape):
     """{device id: block bounds}: what every device holds."""
     return {
-        device.id: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+        device.id: tuple(
+            (s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape)
+        )
         for device, index in sharding.devices_indices_map(tuple(shape)).items()
     }
 
 
 class MLP(eqx.Module):
+    scale: float
     w1: Float[Array, "x y"] = eqshard.field("x y -> x y*")
     w2: Float[Array, "y z"] = eqshard.field("y* z")
-    scale: float
 
     def __init__(self, key):
         self.scale = 2.0
@@ -43,7 +45,9 @@ def test_apply_places_every_leaf_as_einshard_would():
         assert _index_map(array.sharding, array.shape) == _index_map(expected, array.shape)
         np.testing.assert_array_equal(np.asarray(array), getattr(before, name))
         for shard in array.addressable_shards:
-            np.testing.assert_array_equal(np.asarray(shard.data), getattr(before, name)[shard.index])
+            np.testing.assert_array_equal(
+                np.asarray(shard.data), getattr(before, name)[shard.index]
+            )
     assert sharded.scale == 2.0
     # the input is untouched: still on one device, same values
     assert model.w1.sharding.device_set == {jax.devices()[0]}
@@ -64,7 +68,11 @@ def test_one_shared_mesh_and_readable_specs():
 def test_spec_forms_single_prefix_and_full():
     model = {"a": jnp.ones((8, 4)), "b": {"c": jnp.ones(8), "d": jnp.ones((2, 8))}}
     plan = eqshard.plan(model, "... -> * ...")
-    assert jax.tree_util.tree_leaves(plan.partition_specs) == [P(None, None), P(None), P(None, None)]
+    assert jax.tree_util.tree_leaves(plan.partition_specs) == [
+        P(None, None),
+        P(None),
+        P(None, None),
+    ]
     plan = eqshard.plan(model, {"a": "r c -> r* c", "b": "... x -> ... x*"})
     assert plan.partition_specs == {"a": P("m0", None), "b": {"c": P("m0"), "d": P(None, "m0")}}
     plan = eqshard.plan(model, {"a": None, "b": {"c": eqshard.parse("x -> x*"), "d": None}})
@@ -126,13 +134,15 @@ def test_all_faults_are_reported_at_once():
             "  .layers[1].bias (Linear.bias): float32[4] 'o -> o3*': the starred counts o3* need a multiple of 3 devices, and 8 are left for them (8 are given); change the starred counts",
         ]
     )
-    assert [p.where for p in info.value.problems][0] == ".layers[0].weight (Linear.weight)"
+    assert next(p.where for p in info.value.problems) == ".layers[0].weight (Linear.weight)"
 
 
 def test_abstract_models_plan_but_do_not_apply():
     abstract = eqx.filter_eval_shape(MLP, jax.random.key(0))
     assert eqshard.plan(abstract).partition_specs.w2 == P("m0", None)
-    with pytest.raises(SpecError, match=r"(?s)places concrete arrays.*\.w1 \(MLP.w1\): is abstract"):
+    with pytest.raises(
+        SpecError, match=r"(?s)places concrete arrays.*\.w1 \(MLP.w1\): is abstract"
+    ):
         eqshard.apply(abstract)
 
 
@@ -143,7 +153,9 @@ def test_plan_shardings_build_a_model_straight_into_its_shards():
     del params
     build = jax.jit(
         lambda key: eqx.filter(MLP(key), eqx.is_array),
-        out_shardings=eqx.filter(plan.shardings, lambda s: s is not None, is_leaf=lambda s: s is None),
+        out_shardings=eqx.filter(
+            plan.shardings, lambda s: s is not None, is_leaf=lambda s: s is None
+        ),
     )
     built = build(jax.random.key(0))
     assert built.w1.sharding.is_equivalent_to(plan.shardings.w1, 2)
@@ -186,7 +198,9 @@ def test_shared_mesh_keeps_every_layout(exprs):
     assert plan.mesh is not None  # 8 is a power of two
     for expr, sharding in zip(exprs, plan.shardings):
         assert sharding.mesh is plan.mesh
-        assert _index_map(sharding, (16, 16)) == _index_map(eqshard.sharding(expr, (16, 16)), (16, 16)), expr
+        assert _index_map(sharding, (16, 16)) == _index_map(
+            eqshard.sharding(expr, (16, 16)), (16, 16)
+        ), expr
 
 
 _TWELVE = """
@@ -214,3 +228,40 @@ def test_no_shared_mesh_on_12_devices_falls_back_to_one_mesh_per_expression(run_
         "meshes": 3,
         "shared": {"m0": 2, "m1": 6},
     }
+
+
+def test_placed_arrays_outlive_their_sources():
+    # CPU arrays are placed from a view of their buffer; JAX keeps it alive and safe.
+    x = jax.device_put(jnp.arange(64 * 48, dtype=jnp.float32).reshape(64, 48), jax.devices()[0])
+    y = jax.device_put(jnp.arange(64.0), jax.devices()[0])
+    expected = (np.asarray(x).copy(), np.asarray(y).copy())
+    placed = eqshard.apply({"x": x, "y": y}, {"x": "r c -> r* c", "y": "r -> r*"})
+    donated = jax.jit(lambda a: a * 3, donate_argnums=0)(x)
+    y.delete()
+    del donated
+    np.testing.assert_array_equal(np.asarray(placed["x"]), expected[0])
+    np.testing.assert_array_equal(np.asarray(placed["y"]), expected[1])
+    # and the placed arrays can themselves be donated to a step
+    out = jax.jit(lambda a: a + 1, donate_argnums=0)(placed["x"])
+    np.testing.assert_array_equal(np.asarray(out), expected[0] + 1)
+
+
+def test_the_shared_mesh_works_with_set_mesh_and_shard_map():
+    model = MLP(jax.random.key(0))
+    plan = eqshard.plan(model)
+    sharded = eqshard.apply(model)
+    x = jnp.ones((4, 16))
+    expected = np.asarray(jax.nn.relu(x @ model.w1) @ model.w2)
+    assert plan.mesh is not None
+    with jax.set_mesh(plan.mesh):
+        out = jax.jit(lambda w1, w2, x: jax.nn.relu(x @ w1) @ w2)(sharded.w1, sharded.w2, x)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+    def local(w1, w2, x):  # each device: its columns of w1, its rows of w2, then sum
+        return jax.lax.psum(jax.nn.relu(x @ w1) @ w2, "m0")
+
+    specs = plan.partition_specs
+    out = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs.w1, specs.w2, P()), out_specs=P())(
+        sharded.w1, sharded.w2, x
+    )
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)

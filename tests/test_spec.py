@@ -123,8 +123,8 @@ def test_annotation_errors_name_the_class_and_field():
 
 def test_nested_modules_lists_tuples_and_dicts():
     class Inner(eqx.Module):
-        w: Float[Array, "o i"] = eqshard.field("o* i")
         b: Float[Array, " o"]
+        w: Float[Array, "o i"] = eqshard.field("o* i")
 
     class Outer(eqx.Module):
         blocks: list[Inner]
@@ -134,7 +134,7 @@ def test_nested_modules_lists_tuples_and_dicts():
         inherited: Inner = eqshard.field("... -> * ...")
 
     def inner():
-        return Inner(jnp.ones((8, 4)), jnp.ones(8))
+        return Inner(jnp.ones(8), jnp.ones((8, 4)))
 
     model = Outer(
         [inner(), inner()],

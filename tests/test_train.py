@@ -87,7 +87,13 @@ def step(model, tokens, targets, activations=None, spec=None):
 def compiled_text(fn, model, *args):
     """The compiled HLO of `fn(model, *args)`."""
     params, static = eqx.partition(model, eqx.is_array)
-    return jax.jit(lambda p, *a: fn(eqx.combine(p, static), *a)).lower(params, *args).compile().as_text()
+    return (
+        jax.jit(lambda p, *a: fn(eqx.combine(p, static), *a))
+        .lower(params, *args)
+        .compile()
+        .as_text()
+        or ""
+    )
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +163,8 @@ def test_activation_constraint_changes_the_compiled_step(data):
     free = compiled_text(lambda m, t, y: loss(m, t, y), sharded, tokens, targets)
     pinned = compiled_text(lambda m, t, y: loss(m, t, y, "s d -> s d*"), sharded, tokens, targets)
     # replicated weights and no constraint: no communication; the constraint splits d
-    assert "all-gather(" not in free and "all-reduce(" not in free
+    assert "all-gather(" not in free
+    assert "all-reduce(" not in free
     assert "all-gather(" in pinned or "all-reduce(" in pinned or "all-to-all(" in pinned
 
 
