@@ -83,6 +83,96 @@ def _demo(args: argparse.Namespace) -> int:
     return demo(_console())
 
 
+def _emit_json(payload: object) -> None:
+    import json
+
+    print(json.dumps(payload, indent=2, ensure_ascii=False))
+
+
+def _problem_json(problem) -> dict[str, str]:
+    file, _, path = problem.where.partition("::")
+    entry = {"file": file, "path": path, "message": problem.message}
+    if problem.detail:
+        entry["detail"] = problem.detail
+    return entry
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from ._errors import SpecError, UnreadableError
+    from ._rules import load
+
+    code, report = 0, []
+    for name in args.files:
+        try:
+            rules = load(name)
+        except UnreadableError as error:
+            code = 2
+            report.append({"file": name, "ok": False, "problems": [_problem_json(p) for p in error.problems]})
+            if args.format == "text":
+                for problem in error.problems:
+                    print(f"{problem}", file=sys.stderr)
+            continue
+        except SpecError as error:
+            code = max(code, 1)
+            report.append({"file": name, "ok": False, "problems": [_problem_json(p) for p in error.problems]})
+            if args.format == "text":
+                for problem in error.problems:
+                    print(problem)
+            continue
+        report.append({"file": name, "ok": True, "rules": len(rules.rules), "problems": []})
+        if args.format == "text":
+            print(f"ok: {name} ({len(rules.rules)} rule{'s' * (len(rules.rules) != 1)})")
+    if args.format == "json":
+        _emit_json({"ok": code == 0, "files": report})
+    return code
+
+
+def _check(args: argparse.Namespace) -> int:
+    from ._errors import UnreadableError
+    from ._rules import load
+
+    try:
+        rules = load(args.file)
+    except UnreadableError as error:
+        print(error, file=sys.stderr)
+        return 2
+    counts = args.devices or [rules.devices or 8]
+    _use_devices(max(counts))
+    from ._check import abstract_model, check, result_table
+    from ._report import human_bytes
+
+    model = abstract_model(args.model)
+    results = check(rules, model, counts, strict=args.strict)
+    if args.format == "json":
+        _emit_json({"ok": all(r.ok for r in results), "checks": [r.to_json() for r in results]})
+        return 0 if all(r.ok for r in results) else 1
+    console = _console()
+    for result in results:
+        console.print(result_table(result))
+        coverage = result.coverage
+        total = result.bytes_per_device
+        console.print(
+            f"{len(result.rows)} array leaves: {coverage['rules']} by rules, "
+            f"{coverage['dims']} by dims, {coverage['default']} by the default"
+            + ("" if total is None else f"; each device holds {human_bytes(total)}"),
+            highlight=False,
+        )
+        for note in result.notes:
+            print(f"warning: {note}")
+        for problem in result.problems:
+            print(problem)
+        verdict = "ok" if result.ok else f"{len(result.problems)} problem(s)"
+        console.print(f"{result.source} on {result.devices} devices: {verdict}\n", highlight=False)
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from ._rules import schema
+
+    _emit_json(schema())
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eqshard",
@@ -123,6 +213,51 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--devices", type=_positive, metavar="N", help="simulate N CPU devices")
     demo.set_defaults(run=_demo)
+
+    validate = commands.add_parser(
+        "validate",
+        help="check spec files against the schema and the expression syntax",
+        description=(
+            "Check spec files against the eqshard schema and the einshard syntax. No "
+            "model is needed, and nothing is imported. Exit 0 when every file is "
+            "valid, 1 when any is invalid, 2 when one cannot be read."
+        ),
+    )
+    validate.add_argument("files", nargs="+", metavar="FILE")
+    validate.add_argument("--format", choices=["text", "json"], default="text")
+    validate.set_defaults(run=_validate)
+
+    check = commands.add_parser(
+        "check",
+        help="resolve a spec file against a model, abstractly, on N devices",
+        description=(
+            "Build the model abstractly (no device memory), resolve the spec file's "
+            "rules on N simulated devices for each N given, and print a per-leaf "
+            "table with the totals per device. Exit 1 when a leaf is unmatched under "
+            '"default": "error", a dim does not divide, the device count does not '
+            "fit, or (with --strict) a rule matched nothing."
+        ),
+    )
+    check.add_argument("file", metavar="FILE")
+    check.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:CALLABLE",
+        help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
+    )
+    check.add_argument(
+        "--devices",
+        type=_positive,
+        nargs="+",
+        metavar="N",
+        help="device counts to check (default: the file's \"devices\", or 8)",
+    )
+    check.add_argument("--strict", action="store_true", help="a rule that matches nothing is an error")
+    check.add_argument("--format", choices=["text", "json"], default="text")
+    check.set_defaults(run=_check)
+
+    schema = commands.add_parser("schema", help="print the JSON Schema of spec files")
+    schema.set_defaults(run=_schema)
     return parser
 
 
@@ -134,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except EqshardError as error:
         print(f"eqshard {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        return 2 if type(error).__name__ == "UnreadableError" else 1
     except OSError as error:
         print(f"eqshard {args.command}: error: {error}", file=sys.stderr)
         return 2

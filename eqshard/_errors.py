@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["EqshardError", "ExpressionError", "Problem", "SpecError"]
+__all__ = ["EqshardError", "ExpressionError", "Problem", "SpecError", "UnreadableError"]
 
 
 class EqshardError(ValueError):
@@ -54,12 +54,16 @@ class ExpressionError(EqshardError):
         self.position = position
         self.length = max(1, length)
         self.rule = rule
-        super().__init__(
-            "bad einshard expression:\n"
-            f"    {expression}\n"
-            f"    {' ' * _display_width(expression[:position])}"
-            f"{'^' * _display_width(expression[position : position + self.length], 1)}\n"
-            f"{rule}"
+        super().__init__(f"bad einshard expression:\n{self.picture}\n{rule}")
+
+    @property
+    def picture(self) -> str:
+        """The expression, indented, with a caret line under the fault."""
+        start, end = self.position, self.position + self.length
+        return (
+            f"    {self.expression}\n"
+            f"    {' ' * _display_width(self.expression[:start])}"
+            f"{'^' * _display_width(self.expression[start:end], 1)}"
         )
 
     def __reduce__(self):
@@ -95,9 +99,11 @@ class Problem:
 
     where: str
     message: str
+    detail: str = ""  # more lines to show under the message, such as a caret picture
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.message}"
+        line = f"{self.where}: {self.message}"
+        return f"{line}\n{self.detail}" if self.detail else line
 
 
 class SpecError(EqshardError):
@@ -114,10 +120,21 @@ class SpecError(EqshardError):
         self.problems = list(problems)
         count = len(self.problems)
         headline = headline or f"{count} problem{'s' * (count != 1)} in the spec"
-        super().__init__("\n".join([f"{headline}:", *(f"  {p}" for p in self.problems)]))
+        self.headline = headline
+        lines = [f"{headline}:"]
+        for problem in self.problems:
+            lines += [f"  {line}" for line in str(problem).split("\n")]
+        super().__init__("\n".join(lines))
 
     def __reduce__(self):
-        return (SpecError, (self.problems,))
+        return (type(self), (self.problems, self.headline))
 
 
 SpecError.__module__ = "eqshard"
+
+
+class UnreadableError(SpecError):
+    """A spec file that cannot be read: missing, unreadable, too large, or not UTF-8."""
+
+
+UnreadableError.__module__ = "eqshard"

@@ -11,6 +11,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from ._report import spec_text
+
 __all__ = ["Block", "blocks", "describe"]
 
 
@@ -74,7 +76,7 @@ def describe(
         ("mesh        ", "bold"),
         f"{mesh} (row-major over device ids)\n",
         ("spec        ", "bold"),
-        f"{sharding.spec}\n",
+        f"{spec_text(sharding.spec)}\n",
         ("per device  ", "bold"),
         f"{shard_shape}: {n_blocks} block{'s' * (n_blocks != 1)}, each on "
         f"{copies} device{'s' * (copies != 1)}",

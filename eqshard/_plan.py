@@ -24,7 +24,7 @@ from ._errors import ExpressionError, Problem, SpecError
 from ._expression import Expression
 from ._layout import Layout, layout, shared_mesh
 from ._sharding import Device, device_tuple, mesh
-from ._spec import FROM_FIELDS, Resolved, is_array_like, leaf_specs
+from ._spec import FROM_FIELDS, Resolved, Resolver, is_array_like, leaf_specs
 
 __all__ = ["Plan", "Unspecified", "plan"]
 
@@ -137,6 +137,18 @@ def plan(
         )
     devices = device_tuple(devices)
     n = len(devices)
+    expected = getattr(spec, "devices", None)
+    if isinstance(spec, Resolver) and isinstance(expected, int) and expected != n:
+        source = getattr(spec, "source", "the spec")
+        raise SpecError(
+            [
+                Problem(
+                    f"{source}::$.devices",
+                    f"the spec was written for {expected} devices, and {n} are given; "
+                    f'run on {expected} devices, or change "devices"',
+                )
+            ]
+        )
     resolved = leaf_specs(model, spec)
 
     layouts: list[Layout | None] = []

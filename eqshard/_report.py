@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ._plan import Plan
 
-__all__ = ["LeafRow", "human_bytes", "leaf_rows", "leaf_table", "total_bytes_per_device"]
+__all__ = ["LeafRow", "human_bytes", "leaf_rows", "leaf_table", "spec_text", "total_bytes_per_device"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,11 @@ class LeafRow:
     partition_spec: str | None
     bytes_per_device: int
     total_bytes: int
+
+
+def spec_text(spec: Any) -> str:
+    """A PartitionSpec as `P(None, 'm0')`, the same on every JAX version."""
+    return f"P({', '.join(repr(axis) for axis in spec)})"
 
 
 def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
@@ -50,7 +55,7 @@ def leaf_rows(plan: Plan) -> list[LeafRow]:
                 shape=shape,
                 dtype=str(leaf.dtype),
                 expression=None if expr is None else str(expr),
-                partition_spec=None if sharding is None else str(sharding.spec),
+                partition_spec=None if sharding is None else spec_text(sharding.spec),
                 bytes_per_device=_nbytes(shard, leaf.dtype),
                 total_bytes=_nbytes(shape, leaf.dtype),
             )

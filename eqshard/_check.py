@@ -1,0 +1,201 @@
+"""`eqshard check`: resolve a spec file against an abstract model, on N devices.
+
+Nothing here touches device memory: the model is built with
+`eqx.filter_eval_shape`, and each device count is a subset of simulated devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import math
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+from rich.table import Table
+
+from ._errors import EqshardError, Problem, SpecError
+from ._plan import plan
+from ._report import human_bytes
+from ._rules import Match, Rules, UnusedRuleWarning
+
+__all__ = ["CheckResult", "abstract_model", "check", "result_table"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckRow:
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    expression: str | None
+    matched: str
+    bytes_per_device: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    """What `check` found for one device count."""
+
+    source: str
+    devices: int
+    rows: list[CheckRow]
+    problems: list[Problem]
+    notes: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def bytes_per_device(self) -> int | None:
+        sizes = [row.bytes_per_device for row in self.rows]
+        return None if any(s is None for s in sizes) else sum(s or 0 for s in sizes)
+
+    @property
+    def coverage(self) -> dict[str, int]:
+        """How many array leaves rules, dims and the default each gave an expression."""
+        return _coverage(self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.source,
+            "devices": self.devices,
+            "ok": self.ok,
+            "leaves": [dataclasses.asdict(row) for row in self.rows],
+            "bytes_per_device": self.bytes_per_device,
+            "coverage": self.coverage,
+            "problems": [{"where": p.where, "message": p.message} for p in self.problems],
+            "notes": self.notes,
+        }
+
+
+def _coverage(rows: Sequence[CheckRow]) -> dict[str, int]:
+    counts = {"rules": 0, "dims": 0, "default": 0}
+    for row in rows:
+        key = "rules" if row.matched.startswith("$.rules") else row.matched
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def abstract_model(target: str) -> Any:
+    """Builds `MODULE:CALLABLE` abstractly. MODULE is a dotted module name or a `.py` file.
+
+    This is the one place where eqshard imports user code, and only because the
+    user named it on the command line; a spec file never does.
+    """
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        raise EqshardError(
+            f"--model {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:build' or "
+            "'model.py:build', where CALLABLE() returns the model"
+        )
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            if spec is None or spec.loader is None or not path.exists():
+                raise EqshardError(f"--model {target!r}: there is no file {module_name!r}")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise EqshardError(f"--model {target!r}: cannot import {module_name!r}: {error}") from None
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise EqshardError(f"--model {target!r}: {module_name} has no callable {attribute!r}")
+    return eqx.filter_eval_shape(factory)
+
+
+def _matched(m: Match) -> str:
+    return f"$.rules[{m.rule}]" if m.source == "rule" else m.source
+
+
+def check(
+    rules: Rules, model: Any, device_counts: Sequence[int], *, strict: bool = False
+) -> list[CheckResult]:
+    """Resolves `rules` against `model` on each device count; collects every fault."""
+    results = []
+    matches, match_problems = rules.match(model)
+    unused = rules.unused(matches)
+    flat = jax.tree_util.tree_leaves(model)
+    for n in device_counts:
+        devices = jax.devices()[:n]
+        problems = list(match_problems)
+        notes = []
+        for rule in unused:
+            where = rules.where(f"$.rules[{rule.index}]")
+            message = f"rule {rule.path!r} matched no leaf of the model"
+            if strict:
+                problems.append(Problem(where, f"{message} (--strict)"))
+            else:
+                notes.append(f"{where}: {message}")
+        if rules.devices is not None and rules.devices != n:
+            problems.append(
+                Problem(
+                    rules.where("$.devices"),
+                    f"the spec was written for {rules.devices} devices, and this check runs "
+                    f'on {n}; change "devices", or drop it to allow any count',
+                )
+            )
+        per_device: list[int | None] = [None] * len(flat)
+        if not match_problems:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UnusedRuleWarning)
+                    # the declared count is reported above; lay out on n devices regardless
+                    p = plan(model, dataclasses.replace(rules, devices=None), devices=devices)
+            except SpecError as error:
+                problems.extend(error.problems)
+            else:
+                for i, (leaf, sharding) in enumerate(zip(flat, p.flat_shardings)):
+                    if sharding is not None:
+                        shard = sharding.shard_shape(tuple(leaf.shape))
+                        per_device[i] = math.prod(shard) * leaf.dtype.itemsize
+        rows = [
+            CheckRow(
+                m.path,
+                tuple(leaf.shape),
+                str(leaf.dtype),
+                None if m.expr is None else str(m.expr),
+                _matched(m),
+                per_device[i],
+            )
+            for i, (m, leaf) in enumerate(zip(matches, flat))
+            if m.source != "none"
+        ]
+        results.append(CheckResult(rules.source, n, rows, problems, notes))
+    return results
+
+
+def result_table(result: CheckResult) -> Table:
+    """The per-leaf table of one check."""
+    table = Table(
+        title=f"{result.source} on {result.devices} devices", title_justify="left"
+    )
+    for name, justify in [
+        ("leaf", "left"),
+        ("shape", "left"),
+        ("dtype", "left"),
+        ("expression", "left"),
+        ("matched", "left"),
+        ("per device", "right"),
+    ]:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in result.rows:
+        table.add_row(
+            row.path,
+            str(list(row.shape)),
+            row.dtype,
+            row.expression or "[dim]replicated[/dim]",
+            row.matched,
+            "-" if row.bytes_per_device is None else human_bytes(row.bytes_per_device),
+        )
+    return table
