@@ -177,9 +177,7 @@ def check(
 
 def result_table(result: CheckResult) -> Table:
     """The per-leaf table of one check."""
-    table = Table(
-        title=f"{result.source} on {result.devices} devices", title_justify="left"
-    )
+    table = Table(title=f"{result.source} on {result.devices} devices", title_justify="left")
     for name, justify in [
         ("leaf", "left"),
         ("shape", "left"),

@@ -107,14 +107,18 @@ def _validate(args: argparse.Namespace) -> int:
             rules = load(name)
         except UnreadableError as error:
             code = 2
-            report.append({"file": name, "ok": False, "problems": [_problem_json(p) for p in error.problems]})
+            report.append(
+                {"file": name, "ok": False, "problems": [_problem_json(p) for p in error.problems]}
+            )
             if args.format == "text":
                 for problem in error.problems:
                     print(f"{problem}", file=sys.stderr)
             continue
         except SpecError as error:
             code = max(code, 1)
-            report.append({"file": name, "ok": False, "problems": [_problem_json(p) for p in error.problems]})
+            report.append(
+                {"file": name, "ok": False, "problems": [_problem_json(p) for p in error.problems]}
+            )
             if args.format == "text":
                 for problem in error.problems:
                     print(problem)
@@ -250,9 +254,11 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive,
         nargs="+",
         metavar="N",
-        help="device counts to check (default: the file's \"devices\", or 8)",
+        help='device counts to check (default: the file\'s "devices", or 8)',
     )
-    check.add_argument("--strict", action="store_true", help="a rule that matches nothing is an error")
+    check.add_argument(
+        "--strict", action="store_true", help="a rule that matches nothing is an error"
+    )
     check.add_argument("--format", choices=["text", "json"], default="text")
     check.set_defaults(run=_check)
 

@@ -11,7 +11,14 @@ from rich.table import Table
 
 from ._plan import Plan
 
-__all__ = ["LeafRow", "human_bytes", "leaf_rows", "leaf_table", "spec_text", "total_bytes_per_device"]
+__all__ = [
+    "LeafRow",
+    "human_bytes",
+    "leaf_rows",
+    "leaf_table",
+    "spec_text",
+    "total_bytes_per_device",
+]
 
 
 @dataclasses.dataclass(frozen=True)

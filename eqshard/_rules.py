@@ -36,7 +36,7 @@ from ._annotation import complete
 from ._errors import ExpressionError, Problem, SpecError, UnreadableError
 from ._expression import Expression, parse
 from ._paths import dotted, match, segments
-from ._spec import is_array_like, is_spec_leaf, walk_fields
+from ._spec import LeafSpec, is_array_like, is_spec_leaf, walk_fields
 
 __all__ = ["MAX_BYTES", "Match", "Rule", "Rules", "UnusedRuleWarning", "dump", "load", "schema"]
 
@@ -162,10 +162,12 @@ class Rules:
             matches.append(Match(name, None, "default"))
         return matches, problems
 
-    def _from_dims(self, item: Any, name: str, problems: list[Problem]) -> Expression | None:
-        annotation = None if item is None else item.annotation
-        if annotation is None:
+    def _from_dims(
+        self, item: LeafSpec | None, name: str, problems: list[Problem]
+    ) -> Expression | None:
+        if item is None or item.annotation is None:
             return None
+        annotation = item.annotation
         names = [d for d in annotation.items if isinstance(d, str)]
         if not any(d in self.dims for d in names):
             return None
@@ -173,7 +175,9 @@ class Rules:
         try:
             return complete(parse(short), annotation)
         except ExpressionError as error:
-            problems.append(Problem(f"{name} ({item.owner})", f"from {self.where('$.dims')}: {error.rule}"))
+            problems.append(
+                Problem(f"{name} ({item.owner})", f"from {self.where('$.dims')}: {error.rule}")
+            )
             return None
 
     def unused(self, matches: Sequence[Match]) -> list[Rule]:
@@ -242,12 +246,19 @@ def _read(path: Path, name: str) -> Any:
         size = path.stat().st_size
         if size > MAX_BYTES:
             raise UnreadableError(
-                [Problem(name, f"the file is {size} bytes, over the {MAX_BYTES}-byte limit for spec files")],
+                [
+                    Problem(
+                        name,
+                        f"the file is {size} bytes, over the {MAX_BYTES}-byte limit for spec files",
+                    )
+                ],
                 "refused",
             )
         text = path.read_bytes().decode("utf-8")
     except OSError as error:
-        raise UnreadableError([Problem(name, f"cannot read it: {error.strerror or error}")], "unreadable") from None
+        raise UnreadableError(
+            [Problem(name, f"cannot read it: {error.strerror or error}")], "unreadable"
+        ) from None
     except UnicodeDecodeError as error:
         raise UnreadableError(
             [Problem(name, f"it is not UTF-8 (byte {error.start})")], "unreadable"
@@ -286,11 +297,11 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
     if keyword == "pattern" and path[:1] == ["dims"]:
         return Problem(
             where,
-            f"{instance!r} is not a shard modifier: write a count, a star or both "
-            "('2', '*', '2*')",
+            f"{instance!r} is not a shard modifier: write a count, a star or both ('2', '*', '2*')",
         )
     if keyword == "additionalProperties" and isinstance(instance, dict):
-        allowed = list(error.schema.get("properties", {}))
+        subschema = error.schema if isinstance(error.schema, dict) else {}
+        allowed = list(subschema.get("properties", {}))
         extra = [k for k in instance if k not in allowed]
         return Problem(
             where,
@@ -298,7 +309,9 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
             f"here are {', '.join(map(repr, allowed))}",
         )
     if keyword == "const" and path == ["eqshard"]:
-        return Problem(where, f"unsupported version {instance!r}; this eqshard reads version {VERSION}")
+        return Problem(
+            where, f"unsupported version {instance!r}; this eqshard reads version {VERSION}"
+        )
     if keyword == "required":
         missing = str(error.message).split("'")[1] if "'" in error.message else error.message
         hint = ' (the format version: "eqshard": 1)' if missing == "eqshard" else ""
@@ -337,7 +350,9 @@ def _check_rules(
             try:
                 parse(expr)
             except ExpressionError as bad:
-                problems.append((_order(["rules", i, "expr"]), Problem(where, bad.rule, bad.picture)))
+                problems.append(
+                    (_order(["rules", i, "expr"]), Problem(where, bad.rule, bad.picture))
+                )
         path = rule.get("path")
         if isinstance(path, str):
             if path in seen:
@@ -433,10 +448,10 @@ def dump(
         flat, _ = jax.tree_util.tree_flatten_with_path(spec_or_rules, is_leaf=is_spec_leaf)
         found: list[Rule] = []
         problems: list[Problem] = []
-        for path, leaf in flat:
+        for key_path, leaf in flat:
             if leaf is None:
                 continue
-            segs = segments(path)
+            segs = segments(key_path)
             bad = [s for s in segs if not s or s in ("*", "**") or any(c in s for c in ".* \t\n")]
             if bad or not isinstance(leaf, (str, Expression)):
                 why = (
@@ -444,7 +459,7 @@ def dump(
                     if bad
                     else f"{type(leaf).__name__} is not an expression"
                 )
-                problems.append(Problem(dotted(path) or "the root", why))
+                problems.append(Problem(dotted(key_path) or "the root", why))
                 continue
             found.append(Rule(".".join(segs), parse(leaf), None, len(found)))
         if problems:

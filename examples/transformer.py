@@ -114,8 +114,12 @@ def main() -> None:
         print(f"step {i}: loss {float(value):.4f}")
     w = model.blocks[0].up.weight
     mu = opt_state[0].mu.blocks[0].up.weight
-    print(f"blocks[0].up.weight {w.shape}: spec {w.sharding.spec}, per device {w.sharding.shard_shape(w.shape)}")
-    print(f"its Adam moment:      spec {mu.sharding.spec}, per device {mu.sharding.shard_shape(mu.shape)}")
+    print(
+        f"blocks[0].up.weight {w.shape}: spec {w.sharding.spec}, per device {w.sharding.shard_shape(w.shape)}"
+    )
+    print(
+        f"its Adam moment:      spec {mu.sharding.spec}, per device {mu.sharding.shard_shape(mu.shape)}"
+    )
     print(f"unembed.w (from dims): spec {model.unembed.w.sharding.spec}")
 
 

@@ -160,7 +160,9 @@ def test_plan_shardings_build_a_model_straight_into_its_shards():
     built = build(jax.random.key(0))
     assert built.w1.sharding.is_equivalent_to(plan.shardings.w1, 2)
     # the same values, up to how XLA fuses the sampling under jit
-    np.testing.assert_allclose(np.asarray(built.w1), np.asarray(MLP(jax.random.key(0)).w1), rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(built.w1), np.asarray(MLP(jax.random.key(0)).w1), rtol=1e-6
+    )
     del static
 
 

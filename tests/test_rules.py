@@ -1,0 +1,422 @@
+import json
+import re
+import warnings
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+from jsonschema import Draft202012Validator
+
+import eqshard
+from eqshard import SpecError, UnreadableError, UnusedRuleWarning
+from eqshard._paths import match
+
+SPECS = Path(__file__).parent / "specs"
+ROOT = Path(__file__).parent.parent
+
+
+# --------------------------------------------------------------------------- #
+# Paths.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "matches"),
+    [
+        ("blocks.0.attn.query_proj.weight", "blocks.0.attn.query_proj.weight", True),
+        ("blocks.*.attn.query_proj.weight", "blocks.3.attn.query_proj.weight", True),
+        ("blocks.*.attn.query_proj.weight", "blocks.attn.query_proj.weight", False),
+        ("blocks.*.weight", "blocks.0.attn.weight", False),
+        ("**.up.weight", "0.mu.blocks.0.up.weight", True),
+        ("**.up.weight", "up.weight", True),  # '**' matches no segment too
+        ("**.up.weight", "blocks.0.up.bias", False),
+        ("blocks.**.weight", "blocks.weight", True),
+        ("blocks.**.weight", "blocks.0.a.b.weight", True),
+        ("**", "anything.at.all", True),
+        ("*", "one", True),
+        ("*", "one.two", False),
+        ("a.**.b.**.c", "a.x.b.y.z.c", True),
+        ("a.**.b.**.c", "a.x.c.b", False),
+        ("layers.1", "layers.10", False),
+    ],
+)
+def test_path_globs(pattern, path, matches):
+    assert match(pattern, tuple(path.split("."))) is matches
+
+
+def test_path_matching_has_no_catastrophic_backtracking():
+    # a regex engine would take exponential time on this; the DP takes microseconds
+    pattern = ".".join(["**", "a"] * 30) + ".b"
+    assert match(pattern, tuple(["a"] * 200)) is False
+
+
+# --------------------------------------------------------------------------- #
+# The schema.
+# --------------------------------------------------------------------------- #
+
+
+def test_schema_is_draft_2020_12_and_ships_in_the_package():
+    schema = eqshard.schema()
+    Draft202012Validator.check_schema(schema)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["$id"] == "https://eqshard.dev/schemas/eqshard-1.schema.json"
+    assert schema["properties"]["eqshard"] == {"description": "The format version.", "const": 1}
+    assert schema == json.loads((ROOT / "schemas" / "eqshard.schema.json").read_text("utf-8"))
+    schema["title"] = "changed"
+    assert eqshard.schema()["title"] != "changed"  # a fresh copy each time
+
+
+def _objects(node):
+    if isinstance(node, dict):
+        if node.get("type") == "object":
+            yield node
+        for value in node.values():
+            yield from _objects(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _objects(value)
+
+
+def test_every_object_in_the_schema_refuses_unknown_keys():
+    objects = list(_objects(eqshard.schema()))
+    assert len(objects) == 3  # the document, a rule, dims
+    for obj in objects:
+        assert obj.get("additionalProperties") is not None
+        assert obj["additionalProperties"] is False or "$ref" in obj["additionalProperties"]
+
+
+_PATTERN = re.compile(eqshard.schema()["$defs"]["expression"]["pattern"])
+
+
+@given(
+    st.lists(
+        st.sampled_from(
+            ["a", "bc", "ω", "2", "1", "*", "...", "->", " ", "  ", "a2*", "0", "$", "-"]
+        ),
+        max_size=10,
+    ).map("".join)
+)
+@settings(max_examples=400, deadline=None)
+def test_the_expression_pattern_admits_what_parses(text):
+    # Every expression that parses matches the pattern; a text that matches the
+    # pattern but does not parse breaks a rule no regex can state (a name on one
+    # side only, twice, or '...' on one side).
+    try:
+        eqshard.parse(text)
+    except eqshard.ExpressionError as error:
+        if _PATTERN.search(text):
+            assert re.search(r"(on the (left|right) but not|appears twice)", error.rule), (
+                text,
+                error.rule,
+            )
+        return
+    assert _PATTERN.search(text), text
+
+
+# --------------------------------------------------------------------------- #
+# Loading: valid and invalid corpora, with the JSON path of every fault.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("path", sorted((SPECS / "valid").glob("*.json")), ids=lambda p: p.name)
+def test_valid_corpus_loads(path):
+    rules = eqshard.load(path)
+    assert rules.source == str(path)
+
+
+def test_full_spec_loads_every_field():
+    rules = eqshard.load(SPECS / "valid" / "full.eqshard.json")
+    assert rules.devices == 8
+    assert rules.default == "error"
+    assert [r.path for r in rules.rules] == [
+        "blocks.*.attn.query_proj.weight",
+        "**.up.weight",
+        "**",
+    ]
+    assert rules.rules[0].expr == eqshard.parse("o i -> o* i")
+    assert rules.rules[0].comment == "heads"
+    assert not rules.rules[1].expr.is_complete
+    assert dict(rules.dims) == {"mlp": "*", "vocab": "2", "heads": "2*"}
+
+
+INVALID = {
+    "expressions.eqshard.json": [
+        (
+            "$.rules[0].expr",
+            "axis 'z' is on the right but not on the left; add it to the left, or drop its name to replicate instead",
+            "    x y -> x z\n             ^",
+        ),
+        (
+            "$.rules[1].expr",
+            "a count of 0 is not allowed; counts start at 1",
+            "    x -> x0\n          ^",
+        ),
+        (
+            "$.rules[2].expr",
+            "unexpected character ','; einshard expressions separate axes with spaces and do not group them",
+            "    x, y -> x y\n     ^",
+        ),
+    ],
+    "structure.eqshard.json": [
+        (
+            "$",
+            "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'default', 'rules', 'dims'",
+            "",
+        ),
+        ("$.default", "'maybe' is not one of ['replicate', 'error']", ""),
+        ("$.devices", "0 is less than the minimum of 1", ""),
+        ("$.dims", "dim name 'd1' is not an einshard name (letters and '_')", ""),
+        (
+            "$.dims.mlp",
+            "'two' is not a shard modifier: write a count, a star or both ('2', '*', '2*')",
+            "",
+        ),
+        ("$.eqshard", "unsupported version 2; this eqshard reads version 1", ""),
+        (
+            "$.rules[0].path",
+            "'a b' is not a path pattern: segments are separated by '.', and each is a name, an index, a key, '*' or '**', with no spaces",
+            "",
+        ),
+        ("$.rules[1].expr", "3 is not of type 'string'", ""),
+        ("$.rules[2]", "missing key 'expr'", ""),
+        ("$.rules[3]", "unknown key 'shard'; the keys here are 'path', 'expr', 'comment'", ""),
+    ],
+    "shadowed.eqshard.json": [
+        (
+            "$.rules[1].path",
+            "this rule can never match: $.rules[0] has the same path '**.w' and comes first; remove one",
+            "",
+        ),
+    ],
+    "not-an-object.eqshard.json": [("$", "['eqshard', 1] is not of type 'object'", "")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_invalid_corpus_reports_every_fault_with_its_json_path(name):
+    path = SPECS / "invalid" / name
+    with pytest.raises(SpecError) as info:
+        eqshard.load(path)
+    got = [(p.where, p.message, p.detail) for p in info.value.problems]
+    assert got == [
+        (f"{path}::{where}", message, detail) for where, message, detail in INVALID[name]
+    ]
+    assert str(info.value).startswith(f"{path} is not a valid eqshard spec:\n  {path}::")
+
+
+def test_broken_json_names_line_and_column():
+    path = SPECS / "invalid" / "broken.eqshard.json"
+    with pytest.raises(SpecError) as info:
+        eqshard.load(path)
+    assert [str(p) for p in info.value.problems] == [
+        f"{path}::line 4, column 37: invalid JSON: Expecting property name enclosed in double quotes"
+    ]
+
+
+def test_duplicate_keys_are_refused():
+    path = SPECS / "invalid" / "duplicate-key.eqshard.json"
+    with pytest.raises(SpecError, match="the key 'rules' appears twice in one object; keep one"):
+        eqshard.load(path)
+
+
+def test_unreadable_too_large_and_not_utf8(tmp_path):
+    with pytest.raises(
+        UnreadableError, match=r"missing\.json: cannot read it: No such file or directory"
+    ):
+        eqshard.load(tmp_path / "missing.json")
+    big = tmp_path / "big.json"
+    big.write_text('{"eqshard": 1, "comment": "' + "x" * (1 << 20) + '"}')
+    with pytest.raises(
+        UnreadableError, match=r"the file is \d+ bytes, over the 1048576-byte limit"
+    ):
+        eqshard.load(big)
+    latin = tmp_path / "latin.json"
+    latin.write_bytes(b'{"eqshard": 1, "comment": "caf\xe9"}')
+    with pytest.raises(UnreadableError, match=r"it is not UTF-8 \(byte 30\)"):
+        eqshard.load(latin)
+    nan = tmp_path / "nan.json"
+    nan.write_text('{"eqshard": 1, "devices": NaN}')
+    with pytest.raises(SpecError, match="NaN is not valid JSON"):
+        eqshard.load(nan)
+
+
+def test_load_takes_a_mapping():
+    rules = eqshard.load({"eqshard": 1, "rules": [{"path": "w", "expr": "a -> a*"}]})
+    assert rules.source == "<mapping>"
+    with pytest.raises(SpecError, match=re.escape("<mapping>::$.rules[0].expr: a count of 0")):
+        eqshard.load({"eqshard": 1, "rules": [{"path": "w", "expr": "a -> a0"}]})
+
+
+def test_a_spec_file_never_runs_code(tmp_path):
+    marker = tmp_path / "ran"
+    spec = tmp_path / "evil.json"
+    code = f"__import__('os').system('touch {marker}')"
+    rule = {"path": "exec(open('x'))", "expr": "a -> a*", "comment": code}
+    spec.write_text(json.dumps({"eqshard": 1, "$schema": code, "rules": [rule]}))
+    rules = eqshard.load(spec)
+    with pytest.warns(UnusedRuleWarning):
+        eqshard.apply({"w": jnp.ones(8)}, rules)
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- #
+# Resolving rules against real models.
+# --------------------------------------------------------------------------- #
+
+
+class Unembed(eqx.Module):
+    w: Float[Array, "vocab embed"]
+
+
+def block(key=None):
+    key = jax.random.key(0) if key is None else key
+    k1, k2, k3 = jax.random.split(key, 3)
+    return {
+        "attn": eqx.nn.MultiheadAttention(8, 32, key=k1),
+        "up": eqx.nn.Linear(32, 64, key=k2),
+        "down": eqx.nn.Linear(64, 32, key=k3),
+        "norm": eqx.nn.LayerNorm(32),
+        "unembed": Unembed(jnp.ones((64, 32))),
+    }
+
+
+MEGATRON = {
+    "eqshard": 1,
+    "rules": [
+        {"path": "**.attn.query_proj.weight", "expr": "o i -> o* i"},
+        {"path": "**.attn.output_proj.weight", "expr": "o i -> o i*"},
+        {"path": "**.up.weight", "expr": "o i -> o* i"},
+        {"path": "**.up.bias", "expr": "o -> o*"},
+        {"path": "**.down.weight", "expr": "o i -> o i*"},
+    ],
+    "dims": {"vocab": "*"},
+}
+
+
+def test_rules_report_which_rule_matched_each_leaf():
+    rules = eqshard.load(MEGATRON)
+    matches, problems = rules.match(block())
+    assert problems == []
+    by_path = {m.path: (m.source, m.rule, None if m.expr is None else str(m.expr)) for m in matches}
+    assert by_path["attn.query_proj.weight"] == ("rule", 0, "o i -> o* i")
+    assert by_path["attn.key_proj.weight"] == ("default", None, None)
+    assert by_path["down.weight"] == ("rule", 4, "o i -> o i*")
+    assert by_path["unembed.w"] == ("dims", None, "vocab embed -> vocab* embed")
+    assert by_path["norm.weight"] == ("default", None, None)
+
+
+def test_rules_apply_to_a_block_and_to_its_optax_state():
+    rules = eqshard.load(MEGATRON)
+    model = eqshard.apply(block(), rules)
+    assert model["up"].weight.sharding.spec == P("m0", None)
+    assert model["down"].weight.sharding.spec == P(None, "m0")
+    assert model["unembed"].w.sharding.spec == P("m0", None)
+    assert model["norm"].weight.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(model["up"].weight), np.asarray(block()["up"].weight))
+
+    optimizer = optax.adam(1e-3)
+    state = optimizer.init(eqx.filter(model, eqx.is_array))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedRuleWarning)  # the state mirrors the model
+        placed = eqshard.apply(state, rules)
+    mu, nu = placed[0].mu, placed[0].nu
+    assert mu["up"].weight.sharding.spec == P("m0", None)
+    assert nu["down"].weight.sharding.spec == P(None, "m0")
+    assert mu["unembed"].w.sharding.spec == P("m0", None)  # dims reach the state too
+    assert placed[0].count.sharding.is_fully_replicated
+
+
+def test_unused_rules_warn_in_apply():
+    rules = eqshard.load({"eqshard": 1, "rules": [{"path": "**.nowhere", "expr": "a -> a*"}]})
+    with pytest.warns(
+        UnusedRuleWarning,
+        match=re.escape("<mapping>::$.rules[0]: rule '**.nowhere' matched no leaf of the model"),
+    ):
+        eqshard.apply({"w": jnp.ones(8)}, rules)
+
+
+def test_default_error_lists_every_unmatched_leaf():
+    rules = eqshard.load(
+        {"eqshard": 1, "default": "error", "rules": [{"path": "up.weight", "expr": "o i -> o* i"}]}
+    )
+    model = {"up": eqx.nn.Linear(4, 8, key=jax.random.key(0))}
+    with pytest.raises(SpecError) as info:
+        eqshard.apply(model, rules)
+    assert [str(p) for p in info.value.problems] == [
+        'up.bias: no rule or dim matches this leaf, and <mapping> says "default": "error"; add a rule for \'up.bias\', or set "default": "replicate"'
+    ]
+
+
+def test_declared_device_count_is_checked():
+    rules = eqshard.load({"eqshard": 1, "devices": 4})
+    with pytest.raises(
+        SpecError,
+        match=re.escape(
+            '<mapping>::$.devices: the spec was written for 4 devices, and 8 are given; run on 4 devices, or change "devices"'
+        ),
+    ):
+        eqshard.apply({"w": jnp.ones(8)}, rules)
+    placed = eqshard.apply({"w": jnp.ones(8)}, rules, devices=jax.devices()[:4])
+    assert len(placed["w"].sharding.device_set) == 4
+
+
+def test_rules_resolve_on_abstract_models():
+    rules = eqshard.load(MEGATRON)
+    abstract = eqx.filter_eval_shape(block)
+    spec = eqshard.spec(abstract, rules)
+    assert spec["up"].weight == eqshard.parse("o i -> o* i")
+    assert eqshard.plan(abstract, rules).partition_specs["down"].weight == P(None, "m0")
+
+
+def test_short_form_rules_take_the_annotation():
+    rules = eqshard.load({"eqshard": 1, "rules": [{"path": "unembed.w", "expr": "vocab* embed"}]})
+    spec = eqshard.spec(block(), rules)
+    assert str(spec["unembed"].w) == "vocab embed -> vocab* embed"
+
+
+# --------------------------------------------------------------------------- #
+# dump, then load: the same layouts.
+# --------------------------------------------------------------------------- #
+
+
+def test_dump_a_spec_tree_and_load_it_back(tmp_path):
+    model = block()
+    spec = eqshard.spec(model, eqshard.load(MEGATRON))
+    path = tmp_path / "block.eqshard.json"
+    eqshard.dump(spec, path, devices=8)
+    document = json.loads(path.read_text())
+    assert document["$schema"] == eqshard.schema()["$id"]
+    assert document["devices"] == 8
+    assert {"path": "up.weight", "expr": "o i -> o* i"} in document["rules"]
+    loaded = eqshard.load(path)
+    before = eqshard.plan(model, spec).partition_specs
+    after = eqshard.plan(model, loaded).partition_specs
+    assert jax.tree_util.tree_leaves(before) == jax.tree_util.tree_leaves(after)
+    assert jax.tree_util.tree_structure(before) == jax.tree_util.tree_structure(after)
+
+
+def test_dump_rules_round_trips(tmp_path):
+    rules = eqshard.load(SPECS / "valid" / "full.eqshard.json")
+    path = tmp_path / "again.json"
+    eqshard.dump(rules, path)
+    again = eqshard.load(path)
+    assert again.rules == rules.rules
+    assert (again.default, again.devices, dict(again.dims)) == (
+        rules.default,
+        rules.devices,
+        dict(rules.dims),
+    )
+
+
+def test_dump_refuses_keys_it_cannot_write(tmp_path):
+    with pytest.raises(
+        SpecError, match=re.escape("a.b: the key 'a.b' cannot be written in a rule path")
+    ):
+        eqshard.dump({"a.b": "x -> x*"}, tmp_path / "x.json")
