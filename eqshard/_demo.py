@@ -43,16 +43,19 @@ class Block(eqx.Module):
         self.mlp = eqx.nn.MLP(dim, dim, hidden, 1, activation=jax.nn.gelu, key=keys[2])
         self.head = eqx.nn.Linear(dim, vocab, key=keys[3])
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, activations: str | None = None) -> jax.Array:
+        """Logits for `tokens`; `activations` optionally constrains the residual stream."""
         x = jax.vmap(self.embed)(tokens)
         y = jax.vmap(self.norm1)(x)
         x = x + self.attn(y, y, y)
+        if activations is not None:
+            x = constrain(x, activations)
         x = x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
         return jax.vmap(self.head)(x)
 
 
 def megatron_spec(model: Block) -> Any:
-    """Heads and MLP units split over all devices; the rest replicated."""
+    """Heads, MLP units, the vocabulary and the embedding split over all devices."""
     return eqx.tree_at(
         lambda s: (
             s.attn.query_proj.weight,

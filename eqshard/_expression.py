@@ -228,6 +228,11 @@ def _unexpected_character(text: str, i: int) -> str:
 # --------------------------------------------------------------------------- #
 
 
+def _at(text: str, token: _Token, rule: str) -> ExpressionError:
+    """An error with a caret under `token`."""
+    return ExpressionError(text, token.start, rule, length=token.end - token.start)
+
+
 def _groups(text: str, tokens: Sequence[_Token]) -> list[list[_Token]]:
     """Splits one side's tokens into elements at white space."""
     groups: list[list[_Token]] = []
@@ -247,34 +252,31 @@ def _groups(text: str, tokens: Sequence[_Token]) -> list[list[_Token]]:
 def _parse_left(text: str, group: list[_Token]) -> LeftItem:
     first = group[0]
     if first.kind in ("count", "star"):
-        raise ExpressionError(
+        raise _at(
             text,
-            first.start,
+            first,
             f"{first.text!r} on the left side; the left side only names the array's "
             "axes, and counts and stars go on the right",
-            length=first.end - first.start,
         )
     if len(group) > 1:
         extra = group[1]
         if extra.kind in ("count", "star"):
-            raise ExpressionError(
+            raise _at(
                 text,
-                extra.start,
+                extra,
                 f"{first.text}{extra.text!s} on the left side; the left side only names "
                 f"the array's axes: write {first.text!r} here and "
                 f"'{first.text}{extra.text}' on the right",
-                length=extra.end - extra.start,
             )
         raise _missing_space(text, extra)
     return ... if first.kind == "ellipsis" else first.text
 
 
 def _missing_space(text: str, token: _Token) -> ExpressionError:
-    return ExpressionError(
+    return _at(
         text,
-        token.start,
+        token,
         f"{token.text!r} is joined to the element before it; separate elements with a space",
-        length=token.end - token.start,
     )
 
 
@@ -284,7 +286,7 @@ def _parse_count(text: str, token: _Token) -> int:
             rule = "a count of 0 is not allowed; counts start at 1"
         else:
             rule = f"count {token.text!r} has a leading zero; write it as {str(int(token.text))!r}"
-        raise ExpressionError(text, token.start, rule, length=token.end - token.start)
+        raise _at(text, token, rule)
     return int(token.text)
 
 
@@ -305,11 +307,10 @@ def _parse_right(text: str, group: list[_Token]) -> RightItem:
             raise _missing_space(text, token)
         order = _ORDER[token.kind]
         if order <= last:
-            raise ExpressionError(
+            raise _at(
                 text,
-                token.start,
+                token,
                 _misordered(token, group),
-                length=token.end - token.start,
             )
         last = order
         if token.kind == "name":

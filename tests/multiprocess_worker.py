@@ -55,6 +55,8 @@ def main() -> None:
         return jnp.mean(jax.vmap(m)(x) ** 2)
 
     value = loss(sharded, x)
+    mesh = eqshard.plan(model, rules).mesh
+    assert mesh is not None  # 8 devices: one shared mesh
     expected = float(jnp.mean(jax.vmap(model)(x) ** 2))  # each process, on its own
     print(
         json.dumps(
@@ -62,7 +64,7 @@ def main() -> None:
                 "process": jax.process_index(),
                 "devices": len(jax.devices()),
                 "local_devices": len(jax.local_devices()),
-                "mesh": dict(eqshard.plan(model, rules).mesh.shape),
+                "mesh": dict(mesh.shape),
                 "shards": sorted(
                     [jax.devices().index(d), [s.start or 0 for s in i]]
                     for d, i in weight.sharding.addressable_devices_indices_map(

@@ -7,65 +7,14 @@ import numpy as np
 import pytest
 
 import eqshard
+from eqshard._demo import Block as DemoBlock, megatron_spec
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, BATCH = 32, 16, 8, 64, 8, 4
 
 
-class Block(eqx.Module):
-    embed: eqx.nn.Embedding
-    norm1: eqx.nn.LayerNorm
-    attn: eqx.nn.MultiheadAttention
-    norm2: eqx.nn.LayerNorm
-    mlp: eqx.nn.MLP
-    head: eqx.nn.Linear
-
-    def __init__(self, key):
-        keys = jax.random.split(key, 4)
-        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=keys[0])
-        self.norm1 = eqx.nn.LayerNorm(DIM)
-        self.attn = eqx.nn.MultiheadAttention(HEADS, DIM, key=keys[1])
-        self.norm2 = eqx.nn.LayerNorm(DIM)
-        self.mlp = eqx.nn.MLP(DIM, DIM, HIDDEN, 1, activation=jax.nn.gelu, key=keys[2])
-        self.head = eqx.nn.Linear(DIM, VOCAB, key=keys[3])
-
-    def __call__(self, tokens, activations=None):
-        x = jax.vmap(self.embed)(tokens)
-        y = jax.vmap(self.norm1)(x)
-        x = x + self.attn(y, y, y)
-        if activations is not None:
-            x = eqshard.constrain(x, activations)
-        x = x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
-        return jax.vmap(self.head)(x)
-
-
-def megatron_spec(model):
-    """Tensor parallel: heads and the MLP's hidden units split over all devices."""
-    return eqx.tree_at(
-        lambda s: (
-            s.attn.query_proj.weight,
-            s.attn.key_proj.weight,
-            s.attn.value_proj.weight,
-            s.attn.output_proj.weight,
-            s.mlp.layers[0].weight,
-            s.mlp.layers[0].bias,
-            s.mlp.layers[1].weight,
-            s.head.weight,
-            s.embed.weight,
-        ),
-        eqshard.spec(model),
-        (
-            "o i -> o* i",
-            "o i -> o* i",
-            "o i -> o* i",
-            "o i -> o i*",
-            "o i -> o* i",
-            "o -> o*",
-            "o i -> o i*",
-            "v d -> v* d",
-            "v d -> v d*",
-        ),
-        is_leaf=lambda x: x is None,
-    )
+def block(key):
+    """The demo's transformer block (eqx.nn Embedding, LayerNorm, attention, MLP, Linear)."""
+    return DemoBlock(VOCAB, DIM, HEADS, HIDDEN, key=key)
 
 
 def loss(model, tokens, targets, activations=None):
@@ -110,7 +59,7 @@ def _arrays(model):
 @pytest.mark.parametrize("activations", [None, "s d -> s d*"])
 def test_sharded_step_matches_unsharded(data, activations):
     tokens, targets = data
-    model = Block(jax.random.key(0))
+    model = block(jax.random.key(0))
     spec = megatron_spec(model)
     sharded = eqshard.apply(model, spec)
 
@@ -129,7 +78,7 @@ def test_sharded_step_matches_unsharded(data, activations):
 
 def test_sharded_step_is_deterministic_across_runs(data):
     tokens, targets = data
-    sharded = eqshard.apply(Block(jax.random.key(0)), megatron_spec(Block(jax.random.key(0))))
+    sharded = eqshard.apply(block(jax.random.key(0)), megatron_spec(block(jax.random.key(0))))
     first = step(sharded, tokens, targets)[0]
     second = step(sharded, tokens, targets)[0]
     assert float(first) == float(second)
@@ -159,7 +108,7 @@ def test_megatron_mlp_has_one_all_reduce_and_no_weight_gather():
 
 def test_activation_constraint_changes_the_compiled_step(data):
     tokens, targets = data
-    sharded = eqshard.apply(Block(jax.random.key(0)), "... -> * ...")
+    sharded = eqshard.apply(block(jax.random.key(0)), "... -> * ...")
     free = compiled_text(lambda m, t, y: loss(m, t, y), sharded, tokens, targets)
     pinned = compiled_text(lambda m, t, y: loss(m, t, y, "s d -> s d*"), sharded, tokens, targets)
     # replicated weights and no constraint: no communication; the constraint splits d
@@ -169,7 +118,7 @@ def test_activation_constraint_changes_the_compiled_step(data):
 
 
 def test_constrain_a_model_outside_jit_places_it():
-    model = Block(jax.random.key(0))
+    model = block(jax.random.key(0))
     spec = megatron_spec(model)
     placed = eqshard.constrain(model, spec)
     applied = eqshard.apply(model, spec)
