@@ -204,3 +204,19 @@ def test_pre_commit_hook_is_declared():
     assert "- id: eqshard-validate" in text
     assert "entry: eqshard validate" in text
     assert r"files: \.eqshard\.json$" in text
+
+
+def test_training_script_applies_the_example_spec(run_python):
+    result = run_python([str(ROOT / "examples" / "transformer.py")])
+    assert result.returncode == 0, result.stderr
+    losses = [
+        float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("step")
+    ]
+    assert len(losses) == 5
+    assert losses[-1] < losses[0]
+    assert result.stdout.splitlines()[-4:] == [
+        "blocks[0].up.weight (256, 64): each device holds (32, 64)",
+        "its Adam moment (256, 64): each device holds (32, 64)",
+        "unembed.w (from dims) (256, 64): each device holds (32, 64)",
+        "norm.weight (default) (64,): each device holds (64,)",
+    ]

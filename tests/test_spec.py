@@ -45,6 +45,7 @@ def test_field_takes_what_eqx_field_takes():
         n: int = eqx.field(static=True, default=3)
         b: Float[Array, " a"] = eqshard.field("a -> a*", default_factory=lambda: jnp.zeros(8))
         tagged: Float[Array, " a"] = eqshard.field("a*", metadata={"mine": 1}, default=None)
+        dynamic: Float[Array, " a"] = eqshard.field("a*", static=False, default=None)
 
     m = M([[1.0] * 4] * 8)  # type: ignore[arg-type]
     assert isinstance(m.w, jax.Array)
