@@ -112,15 +112,13 @@ def main() -> None:
     for i in range(5):
         value, model, opt_state = step(model, opt_state, tokens)
         print(f"step {i}: loss {float(value):.4f}")
-    w = model.blocks[0].up.weight
-    mu = opt_state[0].mu.blocks[0].up.weight
-    print(
-        f"blocks[0].up.weight {w.shape}: spec {w.sharding.spec}, per device {w.sharding.shard_shape(w.shape)}"
-    )
-    print(
-        f"its Adam moment:      spec {mu.sharding.spec}, per device {mu.sharding.shard_shape(mu.shape)}"
-    )
-    print(f"unembed.w (from dims): spec {model.unembed.w.sharding.spec}")
+    for name, array in [
+        ("blocks[0].up.weight", model.blocks[0].up.weight),
+        ("its Adam moment", opt_state[0].mu.blocks[0].up.weight),
+        ("unembed.w (from dims)", model.unembed.w),
+        ("norm.weight (default)", model.norm.weight),
+    ]:
+        print(f"{name} {array.shape}: each device holds {array.sharding.shard_shape(array.shape)}")
 
 
 if __name__ == "__main__":
