@@ -23,7 +23,7 @@ import typing
 from collections.abc import Sequence
 from types import EllipsisType
 
-from ._expression import Element, Expression, LeftItem, _is_name_char
+from ._expression import Element, Expression, LeftItem, _is_name_char, parse
 
 __all__ = ["Annotation", "annotation_of", "complete", "field_annotations"]
 
@@ -109,6 +109,7 @@ def _fresh_names(taken: set[str], count: int) -> list[str]:
     return names
 
 
+@functools.lru_cache(maxsize=4096)
 def complete(expr: Expression, annotation: Annotation) -> Expression:
     """Gives a short-form expression its left side from `annotation`.
 
@@ -116,7 +117,7 @@ def complete(expr: Expression, annotation: Annotation) -> Expression:
     whose dims without a usable name are named `_`, `__`, ... and left whole.
 
     **Raises:** `ExpressionError` when a name on the right is not in the annotation,
-    or `...` is on the right but the annotation has no variadic dim.
+    or `...` is on the right but the annotation has no variadic dim. Cached.
     """
     items = annotation.items
     names = {item for item in items if isinstance(item, str)}
@@ -147,7 +148,8 @@ def complete(expr: Expression, annotation: Annotation) -> Expression:
     rhs += [Element(name) for name in lhs if isinstance(name, str) and name not in written]
     if ... in lhs and ... not in rhs:
         rhs.append(...)
-    return Expression(tuple(lhs), tuple(rhs))
+    # Parse the canonical text, so that later errors put their caret in the right place.
+    return parse(str(Expression(tuple(lhs), tuple(rhs))))
 
 
 def contradiction(expr: Expression, annotation: Annotation) -> str | None:

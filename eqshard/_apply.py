@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 from jaxtyping import PyTree
@@ -21,6 +22,8 @@ __all__ = ["apply"]
 def _source(x: Any, target: jax.sharding.Sharding) -> Any:
     """What to hand `jax.device_put` to place `x` at `target`.
 
+    Weakly typed arrays and arrays of extended dtypes (PRNG keys) go as they are.
+
     An array that lives on one CPU device is handed over as a NumPy view of its
     buffer (no copy is made): JAX then places it through its host path, which
     splits it into shards in one pass, where the device-to-device path runs one
@@ -29,8 +32,8 @@ def _source(x: Any, target: jax.sharding.Sharding) -> Any:
     used. Everything else (accelerator arrays, arrays already spread over devices,
     arrays already in place) goes to `device_put` as it is.
     """
-    if not isinstance(x, jax.Array):
-        return x
+    if not isinstance(x, jax.Array) or jnp.issubdtype(x.dtype, jax.dtypes.extended) or x.weak_type:
+        return x  # NumPy has no weak types, and no PRNG key dtype
     source = x.sharding
     if not isinstance(source, SingleDeviceSharding) or source == target:
         return x

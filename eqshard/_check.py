@@ -108,10 +108,21 @@ def abstract_model(target: str) -> Any:
             module = importlib.import_module(module_name)
     except ImportError as error:
         raise EqshardError(f"--model {target!r}: cannot import {module_name!r}: {error}") from None
+    except EqshardError:
+        raise
+    except Exception as error:  # the user's module failed as it ran: report, don't crash
+        raise EqshardError(
+            f"--model {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
+        ) from None
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise EqshardError(f"--model {target!r}: {module_name} has no callable {attribute!r}")
-    return eqx.filter_eval_shape(factory)
+    try:
+        return eqx.filter_eval_shape(factory)
+    except Exception as error:
+        raise EqshardError(
+            f"--model {target!r}: {attribute}() raised {type(error).__name__}: {error}"
+        ) from None
 
 
 def _matched(m: Match) -> str:

@@ -140,8 +140,16 @@ def _check(args: argparse.Namespace) -> int:
         return 2
     counts = args.devices or [rules.devices or 8]
     _use_devices(max(counts))
+    import jax
+
     from ._check import abstract_model, check, result_table
     from ._report import human_bytes
+
+    if len(jax.devices()) < max(counts):
+        raise EqshardError(
+            f"checking on {max(counts)} devices needs {max(counts)} simulated devices, but "
+            f"JAX started with {len(jax.devices())} (is XLA_FLAGS setting a device count?)"
+        )
 
     model = abstract_model(args.model)
     results = check(rules, model, counts, strict=args.strict)
@@ -279,3 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as error:  # a bug in eqshard: say so, without a traceback
+        print(
+            f"eqshard {args.command}: internal error: {type(error).__name__}: {error}\n"
+            "This is a bug in eqshard; please report it with the command that caused it.",
+            file=sys.stderr,
+        )
+        return 2

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from types import EllipsisType
 from typing import Literal, NamedTuple, Union
 
-from ._errors import ExpressionError
+from ._errors import EqshardError, ExpressionError
 
 __all__ = ["Element", "Expression", "parse"]
 
@@ -43,6 +43,10 @@ class Element:
     name: str | None
     count: int = 1
     star: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
+            raise EqshardError(f"an element's count is a whole number from 1, not {self.count!r}")
 
     def __str__(self) -> str:
         # A count of 1 is implied, except for a lone "1", which needs its digit.
@@ -105,6 +109,10 @@ class Expression:
             value = _hash_of(self)
             object.__setattr__(self, "_hash", value)
             return value
+
+    def __reduce__(self):
+        # Pickle the fields alone: a cached hash must not travel to another process.
+        return (Expression, (self.lhs, self.rhs, self.text, self.lhs_spans, self.rhs_spans))
 
     def __str__(self) -> str:
         rhs = " ".join(_item_text(item) for item in self.rhs)
@@ -502,8 +510,6 @@ def parse(expression: str | Expression) -> Expression:
     if isinstance(expression, Expression):
         return expression
     if not isinstance(expression, str):
-        from ._errors import EqshardError
-
         raise EqshardError(
             f"an einshard expression must be a string such as 'x y -> x y*', "
             f"not {type(expression).__name__}: {expression!r}"

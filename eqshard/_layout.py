@@ -21,9 +21,10 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 
-from ._expression import Element, Expression
+from ._errors import EqshardError
+from ._expression import Element, Expression, parse
 
-__all__ = ["Layout", "SharedMesh", "integer_root", "layout", "shared_mesh"]
+__all__ = ["Layout", "SharedMesh", "integer_root", "layout", "shape_of", "shared_mesh"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,17 @@ def _ratio(expr: Expression, n_devices: int) -> int:
     return ratio
 
 
+def shape_of(shape: object) -> tuple[int, ...]:
+    """`shape` as a tuple of sizes, or an `EqshardError` that says what it is instead."""
+    try:
+        sizes = tuple(shape)  # type: ignore[arg-type]
+        if all(operator.index(size) >= 0 for size in sizes):
+            return tuple(operator.index(size) for size in sizes)
+    except TypeError:
+        pass
+    raise EqshardError(f"a shape is a sequence of sizes such as (4, 8), not {shape!r}")
+
+
 def _check_rank(expr: Expression, lhs: tuple, shape: tuple[int, ...]) -> None:
     named = len(lhs) - (1 if ... in lhs else 0)
     if ... in lhs:
@@ -158,7 +170,7 @@ def _check_rank(expr: Expression, lhs: tuple, shape: tuple[int, ...]) -> None:
     raise expr.error(rule, _lhs_span(expr))
 
 
-def layout(expr: Expression, shape: Sequence[int], n_devices: int) -> Layout:
+def layout(expr: str | Expression, shape: Sequence[int], n_devices: int) -> Layout:
     """The layout of an array of `shape` under `expr` on `n_devices` devices.
 
     **Example:**
@@ -170,7 +182,7 @@ def layout(expr: Expression, shape: Sequence[int], n_devices: int) -> Layout:
 
     **Arguments:**
 
-    - `expr`: a complete expression (not the short form).
+    - `expr`: a complete expression (not the short form), as text or parsed.
     - `shape`: the array's shape.
     - `n_devices`: how many devices the expression must use, all of them.
 
@@ -184,7 +196,8 @@ def layout(expr: Expression, shape: Sequence[int], n_devices: int) -> Layout:
     form, its rank does not match `shape`, the device count does not work out, or a
     dimension does not divide by its number of shards.
     """
-    shape = tuple(int(size) for size in shape)
+    expr = parse(expr)
+    shape = shape_of(shape)
     if expr.lhs is None:
         raise expr.error(
             "this is the short form, with no left side; give the axis names as "

@@ -10,7 +10,7 @@ path, whatever the pattern, so a spec file cannot cause catastrophic backtrackin
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
@@ -42,8 +42,38 @@ def dotted(path: Sequence[Any]) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _pattern(pattern: str) -> tuple[str, ...]:
-    return tuple(pattern.split("."))
+def _matcher(pattern: str) -> Callable[[Sequence[str]], bool]:
+    """A function that tells whether a path's segments match `pattern`.
+
+    Patterns without `**` compare segment by segment; only `**` needs the DP.
+    """
+    parts = tuple(pattern.split("."))
+    if "**" not in parts:
+        if "*" not in parts:
+            return lambda path: tuple(path) == parts
+        return lambda path: (
+            len(path) == len(parts) and all(p == "*" or p == s for p, s in zip(parts, path))
+        )
+    last = parts[-1]
+    literal_end = last not in ("*", "**")
+
+    def dp(path: Sequence[str]) -> bool:
+        if literal_end and (not path or path[-1] != last):
+            return False  # the common case, `**.up.weight`, rejected at once
+        # reach[j]: the parts so far match the first j segments.
+        reach = [True] + [False] * len(path)
+        for part in parts:
+            if part == "**":
+                # zero or more segments: once reached, every later position is too
+                for j in range(1, len(path) + 1):
+                    reach[j] = reach[j] or reach[j - 1]
+            else:
+                reach = [False] + [
+                    reach[j] and (part == "*" or part == path[j]) for j in range(len(path))
+                ]
+        return reach[len(path)]
+
+    return dp
 
 
 def match(pattern: str, path: Sequence[str]) -> bool:
@@ -52,16 +82,4 @@ def match(pattern: str, path: Sequence[str]) -> bool:
     **Example:** `match("**.up.weight", ("0", "mu", "blocks", "0", "up", "weight"))`
     is `True`; `match("blocks.*.up", ("blocks", "up"))` is `False`.
     """
-    parts = _pattern(pattern)
-    # reach[j]: the first i parts of the pattern match the first j segments.
-    reach = [True] + [False] * len(path)
-    for part in parts:
-        if part == "**":
-            # zero or more segments: once reached, every later position is too
-            for j in range(1, len(path) + 1):
-                reach[j] = reach[j] or reach[j - 1]
-        else:
-            reach = [False] + [
-                reach[j] and (part == "*" or part == path[j]) for j in range(len(path))
-            ]
-    return reach[len(path)]
+    return _matcher(pattern)(path)

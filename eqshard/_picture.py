@@ -89,6 +89,6 @@ def describe(
         ranges = ", ".join(f"{start}:{stop}" for start, stop in block.bounds)
         table.add_row(str(block.index), f"[{ranges}]", _device_list(block.devices, platform))
     console.print(Group(header, Text(""), table))
-    if 1 <= len(shape) <= 2:
+    if 1 <= len(shape) <= 2 and 0 not in shape:
         console.print()
         jax.debug.visualize_sharding(shape, sharding, use_color=console.is_terminal)

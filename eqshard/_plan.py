@@ -20,11 +20,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._errors import ExpressionError, Problem, SpecError
+from ._errors import EqshardError, ExpressionError, Problem, SpecError
 from ._expression import Expression
 from ._layout import Layout, layout, shared_mesh
 from ._sharding import Device, device_tuple, mesh
-from ._spec import FROM_FIELDS, Resolved, Resolver, is_array_like, leaf_specs
+from ._spec import FROM_FIELDS, Resolved, is_array_like, is_resolver, leaf_specs
 
 __all__ = ["Plan", "Unspecified", "plan"]
 
@@ -83,7 +83,9 @@ class Plan:
 
 
 def _problem(where: str, leaf: Any, expr: Expression, error: ExpressionError) -> Problem:
-    return Problem(where, f"{leaf.dtype}{list(leaf.shape)} {str(expr)!r}: {error.rule}")
+    return Problem(
+        where, f"{leaf.dtype}{list(leaf.shape)} {str(expr)!r}: {error.rule}", error.picture
+    )
 
 
 def plan(
@@ -132,13 +134,11 @@ def plan(
     the model's.
     """
     if unspecified not in ("replicate", "keep"):
-        raise SpecError(
-            [Problem("unspecified", f"{unspecified!r} is neither 'replicate' nor 'keep'")]
-        )
+        raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
     devices = device_tuple(devices)
     n = len(devices)
     expected = getattr(spec, "devices", None)
-    if isinstance(spec, Resolver) and isinstance(expected, int) and expected != n:
+    if is_resolver(spec) and isinstance(expected, int) and expected != n:
         source = getattr(spec, "source", "the spec")
         raise SpecError(
             [
@@ -170,13 +170,18 @@ def plan(
 
     distinct = {lay for lay in layouts if lay is not None}
     shared = shared_mesh(distinct, n)
-    common = None if shared is None else mesh(shared.mesh_shape, shared.mesh_axes, devices)
-    by_layout: dict[Layout, NamedSharding] = {}
-    for lay in distinct:
-        if shared is not None and common is not None:
-            by_layout[lay] = NamedSharding(common, PartitionSpec(*shared.spec_of(lay)))
-        else:
-            own = mesh(lay.mesh_shape, lay.mesh_axes, devices)
-            by_layout[lay] = NamedSharding(own, PartitionSpec(*lay.spec))
+    if shared is None:  # each expression keeps its own mesh, as `eqshard.sharding` builds it
+        common = None
+        by_layout = {
+            lay: NamedSharding(
+                mesh(lay.mesh_shape, lay.mesh_axes, devices), PartitionSpec(*lay.spec)
+            )
+            for lay in distinct
+        }
+    else:
+        common = mesh(shared.mesh_shape, shared.mesh_axes, devices)
+        by_layout = {
+            lay: NamedSharding(common, PartitionSpec(*shared.spec_of(lay))) for lay in distinct
+        }
     flat = [None if lay is None else by_layout[lay] for lay in layouts]
     return Plan(mesh=common, resolved=resolved, flat_shardings=flat)

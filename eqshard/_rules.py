@@ -23,6 +23,8 @@ import functools
 import importlib.resources
 import json
 import os
+import re
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,12 +35,14 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
 from ._annotation import complete
-from ._errors import ExpressionError, Problem, SpecError, UnreadableError
+from ._errors import EqshardError, ExpressionError, Problem, SpecError, UnreadableError
 from ._expression import Expression, parse
 from ._paths import dotted, match, segments
 from ._spec import LeafSpec, is_array_like, is_spec_leaf, walk_fields
 
 __all__ = ["MAX_BYTES", "Match", "Rule", "Rules", "UnusedRuleWarning", "dump", "load", "schema"]
+
+_SEGMENT = re.compile(r"[^.*\s]+")  # a literal path segment, as the schema has it
 
 MAX_BYTES = 1 << 20
 """Spec files larger than this (1 MiB) are refused unread."""
@@ -51,6 +55,17 @@ class UnusedRuleWarning(UserWarning):
 
 
 UnusedRuleWarning.__module__ = "eqshard"
+
+_REPLICATE = parse("... -> * ...")
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel() -> int:
+    """The `stacklevel` that points a warning at the first caller outside eqshard."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @functools.cache
@@ -93,9 +108,11 @@ class Match:
     """How one leaf got its expression.
 
     - `path`: the leaf's dotted path.
-    - `expr`: its expression, or `None`.
-    - `source`: `"rule"`, `"dims"`, `"default"` (replicated), or `"none"` for leaves
+    - `expr`: its expression: under `"default": "replicate"`, leaves nothing else
+        matched get `"... -> * ..."`; `None` under `"default": "error"` and for leaves
         that are not arrays.
+    - `source`: `"rule"`, `"dims"`, `"default"`, or `"none"` for leaves that are not
+        arrays.
     - `rule`: the index of the matching rule when `source` is `"rule"`.
     """
 
@@ -134,14 +151,15 @@ class Rules:
         """
         flat, _ = jax.tree_util.tree_flatten_with_path(model)
         fields = walk_fields(model) if self.dims else None
+        fallback = _REPLICATE if self.default == "replicate" else None
         matches: list[Match] = []
         problems: list[Problem] = []
         for i, (path, leaf) in enumerate(flat):
-            name = dotted(path)
+            segs = segments(path)
+            name = ".".join(segs)
             if not is_array_like(leaf):
                 matches.append(Match(name, None, "none"))
                 continue
-            segs = segments(path)
             rule = next((r for r in self.rules if match(r.path, segs)), None)
             if rule is not None:
                 matches.append(Match(name, rule.expr, "rule", rule.index))
@@ -159,7 +177,7 @@ class Rules:
                         '"default": "replicate"',
                     )
                 )
-            matches.append(Match(name, None, "default"))
+            matches.append(Match(name, fallback, "default"))
         return matches, problems
 
     def _from_dims(
@@ -175,8 +193,13 @@ class Rules:
         try:
             return complete(parse(short), annotation)
         except ExpressionError as error:
+            dims = ", ".join(f"$.dims.{d}" for d in names if d in self.dims)
             problems.append(
-                Problem(f"{name} ({item.owner})", f"from {self.where('$.dims')}: {error.rule}")
+                Problem(
+                    f"{name} ({item.owner})",
+                    f"from {self.source}::{dims}: {error.rule}",
+                    error.picture,
+                )
             )
             return None
 
@@ -185,12 +208,8 @@ class Rules:
         used = {m.rule for m in matches if m.source == "rule"}
         return [rule for rule in self.rules if rule.index not in used]
 
-    def resolve(self, model: Any) -> Any:
-        """The spec tree of `model` under these rules; warns of rules that matched nothing.
-
-        **Raises:** `eqshard.SpecError` for unmatched leaves under `"default":
-        "error"` and for dims that do not fit.
-        """
+    def __eqshard_resolve__(self, model: Any) -> list[Expression | None]:
+        """One expression per leaf of `model`; warns of rules that matched nothing."""
         matches, problems = self.match(model)
         if problems:
             raise SpecError(problems)
@@ -199,10 +218,18 @@ class Rules:
                 f"{self.where(f'$.rules[{rule.index}]')}: rule {rule.path!r} matched no "
                 "leaf of the model",
                 UnusedRuleWarning,
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
             )
+        return [m.expr for m in matches]
+
+    def resolve(self, model: Any) -> Any:
+        """The spec tree of `model` under these rules; warns of rules that matched nothing.
+
+        **Raises:** `eqshard.SpecError` for unmatched leaves under `"default":
+        "error"` and for dims that do not fit.
+        """
         treedef = jax.tree_util.tree_structure(model)
-        return jax.tree_util.tree_unflatten(treedef, [m.expr for m in matches])
+        return jax.tree_util.tree_unflatten(treedef, self.__eqshard_resolve__(model))
 
     def to_json(self) -> dict[str, Any]:
         """The document of a spec file that loads back to these rules."""
@@ -268,6 +295,8 @@ def _read(path: Path, name: str) -> Any:
     except json.JSONDecodeError as error:
         where = f"{name}::line {error.lineno}, column {error.colno}"
         raise SpecError([Problem(where, f"invalid JSON: {error.msg}")], "invalid") from None
+    except RecursionError:
+        raise SpecError([Problem(name, "the JSON nests too deeply to read")], "invalid") from None
     except _DuplicateKey as error:
         raise SpecError(
             [Problem(name, f"the key {error.args[0]!r} appears twice in one object; keep one")],
@@ -394,9 +423,11 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
     """
     if isinstance(source, Mapping):
         name, document = "<mapping>", source
-    else:
+    elif isinstance(source, (str, os.PathLike)):
         name = os.fspath(source)
         document = _read(Path(name), name)
+    else:
+        raise EqshardError(f"`eqshard.load` takes a path or a mapping, not {type(source).__name__}")
     problems = _check(document, name)
     if problems:
         raise SpecError(problems, f"{name} is not a valid eqshard spec")
@@ -407,7 +438,7 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
     return Rules(
         rules=rules,
         default=document.get("default", "replicate"),
-        devices=document.get("devices"),
+        devices=None if document.get("devices") is None else int(document["devices"]),
         dims=dict(document.get("dims", {})),
         source=name,
     )
@@ -430,8 +461,10 @@ def dump(
     **Arguments:**
 
     - `spec_or_rules`: an `eqshard.Rules`, or a spec tree (as `eqshard.spec`
-        returns, or edited with `eqx.tree_at`): each expression becomes a rule with
-        the leaf's exact path; `None` leaves are left to `"default": "replicate"`.
+        returns, edited with `eqx.tree_at`, or a prefix of the model): each
+        expression becomes the rule `<its path>.**`, which matches the leaf or
+        every leaf of the subtree it stands for; `None` leaves are left to
+        `"default": "replicate"`.
     - `path`: the file to write.
     - `devices`: the device count to record, if any (a `Rules` keeps its own).
 
@@ -452,7 +485,7 @@ def dump(
             if leaf is None:
                 continue
             segs = segments(key_path)
-            bad = [s for s in segs if not s or s in ("*", "**") or any(c in s for c in ".* \t\n")]
+            bad = [s for s in segs if not _SEGMENT.fullmatch(s)]
             if bad or not isinstance(leaf, (str, Expression)):
                 why = (
                     f"the key {bad[0]!r} cannot be written in a rule path"
@@ -461,7 +494,9 @@ def dump(
                 )
                 problems.append(Problem(dotted(key_path) or "the root", why))
                 continue
-            found.append(Rule(".".join(segs), parse(leaf), None, len(found)))
+            # `**` also matches no segment: the rule covers the leaf, or the whole
+            # subtree that a prefix spec gives one expression.
+            found.append(Rule(".".join([*segs, "**"]), parse(leaf), None, len(found)))
         if problems:
             raise SpecError(problems, "cannot write this spec as a spec file")
         rules = Rules(tuple(found), devices=devices)

@@ -134,10 +134,11 @@ def constrain(
         return jax.lax.with_sharding_constraint(x, sharding(spec, x.shape, devices=devices))
     p = spec if isinstance(spec, Plan) else plan(x, spec, devices=devices, unspecified=unspecified)
     leaves, treedef = jax.tree_util.tree_flatten(x)
-    if len(leaves) != len(p.flat_shardings):
+    if treedef != p.resolved.treedef:
         raise EqshardError(
-            f"the plan is for a pytree of {len(p.flat_shardings)} leaves, and this one "
-            f"has {len(leaves)}; make the plan from a model of the same structure"
+            f"the plan was made for a pytree of another structure ({len(p.flat_shardings)} "
+            f"leaves; this one has {len(leaves)}); make the plan from a model of the same "
+            "structure, or pass the spec instead"
         )
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
     constrained = jax.lax.with_sharding_constraint(

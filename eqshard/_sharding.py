@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._errors import EqshardError
 from ._expression import Expression, parse
-from ._layout import layout
+from ._layout import layout, shape_of
 
 if TYPE_CHECKING:
     from jaxlib._jax import Device
@@ -103,4 +103,4 @@ def sharding(
     malformed, is in short form, does not match the rank of `shape`, does not use
     exactly the devices given, or splits a dimension unevenly.
     """
-    return cached_sharding(expr, tuple(shape), device_tuple(devices))
+    return cached_sharding(expr, shape_of(shape), device_tuple(devices))

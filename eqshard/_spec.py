@@ -14,6 +14,7 @@ the model, in the order of `jax.tree_util.tree_leaves(model)`. The sources:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Protocol, Union, runtime_checkable
 
 import equinox as eqx
@@ -33,6 +34,7 @@ __all__ = [
     "SpecLeaf",
     "field",
     "is_array_like",
+    "is_resolver",
     "is_spec_leaf",
     "leaf_specs",
     "spec",
@@ -46,9 +48,20 @@ SpecLeaf = Union[Expression, str, None]
 
 @runtime_checkable
 class Resolver(Protocol):
-    """A spec source that resolves against a model: `resolve(model) -> spec tree`."""
+    """A spec source that resolves against a model, such as `eqshard.Rules`.
 
-    def resolve(self, model: Any) -> PyTree[Expression | None]: ...
+    `__eqshard_resolve__(model)` returns one spec leaf (an expression, its text, or
+    `None`) for each leaf of `jax.tree_util.tree_leaves(model)`, in that order. The
+    dunder name keeps a model or spec tree that happens to have a `resolve` method
+    from being taken for a resolver.
+    """
+
+    def __eqshard_resolve__(self, model: Any) -> Sequence[SpecLeaf]: ...
+
+
+def is_resolver(spec: object) -> bool:
+    """Whether `spec` is a resolver (judged by its type, as dunder methods are)."""
+    return hasattr(type(spec), "__eqshard_resolve__")
 
 
 class _FromFields:
@@ -194,7 +207,7 @@ def _complete(item: LeafSpec, problems: list[Problem]) -> Expression | None:
         try:
             return complete(expr, annotation)
         except ExpressionError as error:
-            problems.append(Problem(where, _one_line(error)))
+            problems.append(Problem(where, _one_line(error), error.picture))
             return None
     if annotation is not None:
         why = contradiction(expr, annotation)
@@ -334,8 +347,6 @@ def leaf_specs(model: Any, spec: Any = FROM_FIELDS) -> Resolved:
     contradicts its annotation, or naming the first path where `spec` does not
     match the model's structure.
     """
-    if isinstance(spec, Resolver):
-        spec = spec.resolve(model)
     leaves, treedef = jax.tree_util.tree_flatten(model)
     resolved = Resolved(model, leaves, treedef, [None] * len(leaves))
     problems: list[Problem] = []
@@ -344,8 +355,17 @@ def leaf_specs(model: Any, spec: Any = FROM_FIELDS) -> Resolved:
             if item.expr is not None and is_array_like(item.leaf):
                 resolved.exprs[i] = _complete(item, problems)
     else:
+        if is_resolver(spec):
+            spec_leaves = list(spec.__eqshard_resolve__(model))
+            if len(spec_leaves) != len(leaves):
+                raise EqshardError(
+                    f"{type(spec).__name__} resolved {len(spec_leaves)} spec leaves for a "
+                    f"model of {len(leaves)} leaves; a resolver gives one per leaf"
+                )
+        else:
+            spec_leaves = _broadcast(spec, model, treedef)
         short = False
-        for i, leaf_spec in enumerate(_broadcast(spec, model, treedef)):
+        for i, leaf_spec in enumerate(spec_leaves):
             if leaf_spec is None or not is_array_like(leaves[i]):
                 continue
             if not isinstance(leaf_spec, (str, Expression)):
@@ -360,7 +380,7 @@ def leaf_specs(model: Any, spec: Any = FROM_FIELDS) -> Resolved:
             try:
                 expr = parse(leaf_spec)
             except ExpressionError as error:
-                problems.append(Problem(resolved.where(i), _one_line(error)))
+                problems.append(Problem(resolved.where(i), _one_line(error), error.picture))
                 continue
             short = short or not expr.is_complete
             resolved.exprs[i] = expr

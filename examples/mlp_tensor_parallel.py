@@ -7,11 +7,8 @@ Run: `python examples/mlp_tensor_parallel.py` (8 simulated CPU devices when no
 accelerator is present).
 """
 
-import jax
-
-jax.config.update("jax_num_cpu_devices", 8)  # CPU only: simulated devices when no accelerator
-
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -62,4 +59,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)  # CPU only: simulated devices when no accelerator
     main()

@@ -13,11 +13,8 @@ Check the spec from the command line, without an accelerator:
 
 from pathlib import Path
 
-import jax
-
-jax.config.update("jax_num_cpu_devices", 8)  # CPU only: simulated devices when no accelerator
-
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -122,4 +119,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)  # CPU only: simulated devices when no accelerator
     main()

@@ -87,7 +87,9 @@ def test_none_replicates_by_default_and_keep_leaves_it_alone():
     kept = eqshard.apply({"x": x, "y": x}, {"x": None, "y": "a -> a*"}, unspecified="keep")
     assert kept["x"] is x
     assert kept["y"].sharding.shard_shape((8,)) == (1,)
-    with pytest.raises(SpecError, match="'sideways' is neither 'replicate' nor 'keep'"):
+    with pytest.raises(
+        eqshard.EqshardError, match="`unspecified` must be 'replicate' or 'keep', not 'sideways'"
+    ):
         eqshard.apply({"x": x}, None, unspecified="sideways")  # type: ignore[arg-type]
 
 
@@ -125,15 +127,32 @@ def test_all_faults_are_reported_at_once():
     )
     with pytest.raises(SpecError) as info:
         eqshard.apply(model, spec)
-    assert str(info.value) == "\n".join(
-        [
-            "4 problems in the spec:",
-            "  .layers[0].weight (Linear.weight): float32[12, 6] 'o i -> o* i': axis 'o' (dimension 0 of shape (12, 6)) has size 12, which does not split into 8 equal shards; choose a count that divides 12",
-            "  .layers[0].bias (Linear.bias): float32[12] 'o i -> o i*': the left side names 2 axes, but the array has 1 (shape (12,)); name one axis per dimension, or use '...' for the rest",
-            "  .layers[1].weight (Linear.weight): float32[4, 12] 'o i -> o i2': i2 shards need 2 devices, 8 are given; add '*' to an element to take the rest, or a standalone '*' to replicate",
-            "  .layers[1].bias (Linear.bias): float32[4] 'o -> o3*': the starred counts o3* need a multiple of 3 devices, and 8 are left for them (8 are given); change the starred counts",
-        ]
-    )
+    problems = info.value.problems
+    assert [(p.where, p.message) for p in problems] == [
+        (
+            ".layers[0].weight (Linear.weight)",
+            "float32[12, 6] 'o i -> o* i': axis 'o' (dimension 0 of shape (12, 6)) has size 12, which does not split into 8 equal shards; choose a count that divides 12",
+        ),
+        (
+            ".layers[0].bias (Linear.bias)",
+            "float32[12] 'o i -> o i*': the left side names 2 axes, but the array has 1 (shape (12,)); name one axis per dimension, or use '...' for the rest",
+        ),
+        (
+            ".layers[1].weight (Linear.weight)",
+            "float32[4, 12] 'o i -> o i2': i2 shards need 2 devices, 8 are given; add '*' to an element to take the rest, or a standalone '*' to replicate",
+        ),
+        (
+            ".layers[1].bias (Linear.bias)",
+            "float32[4] 'o -> o3*': the starred counts o3* need a multiple of 3 devices, and 8 are left for them (8 are given); change the starred counts",
+        ),
+    ]
+    # each line is followed by the expression, with a caret under the fault
+    assert str(info.value).split("\n")[:4] == [
+        "4 problems in the spec:",
+        f"  .layers[0].weight (Linear.weight): {problems[0].message}",
+        "      o i -> o* i",
+        "             ^^",
+    ]
     assert next(p.where for p in info.value.problems) == ".layers[0].weight (Linear.weight)"
 
 
@@ -149,8 +168,6 @@ def test_abstract_models_plan_but_do_not_apply():
 def test_plan_shardings_build_a_model_straight_into_its_shards():
     abstract = eqx.filter_eval_shape(MLP, jax.random.key(0))
     plan = eqshard.plan(abstract)
-    params, static = eqx.partition(abstract, eqx.is_array_like)
-    del params
     build = jax.jit(
         lambda key: eqx.filter(MLP(key), eqx.is_array),
         out_shardings=eqx.filter(
@@ -163,7 +180,6 @@ def test_plan_shardings_build_a_model_straight_into_its_shards():
     np.testing.assert_allclose(
         np.asarray(built.w1), np.asarray(MLP(jax.random.key(0)).w1), rtol=1e-6
     )
-    del static
 
 
 # --------------------------------------------------------------------------- #
@@ -268,3 +284,31 @@ def test_the_shared_mesh_works_with_set_mesh_and_shard_map():
         sharded.w1, sharded.w2, x
     )
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_keys_and_weakly_typed_leaves_keep_their_types():
+    model = {
+        "key": jax.device_put(jax.random.key(0), jax.devices()[0]),
+        "keys": jax.device_put(jax.random.split(jax.random.key(1), 8), jax.devices()[0]),
+        "scale": jax.device_put(jnp.asarray(0.5), jax.devices()[0]),
+        "w": jnp.ones((8, 8)),
+    }
+    placed = eqshard.apply(
+        model, {"key": None, "keys": "k -> k*", "scale": None, "w": "a b -> a b*"}
+    )
+    assert placed["key"].dtype == model["key"].dtype
+    assert jnp.issubdtype(placed["keys"].dtype, jax.dtypes.prng_key)
+    assert placed["keys"].sharding.shard_shape((8,)) == (1,)
+    np.testing.assert_array_equal(
+        jax.random.key_data(placed["keys"]), jax.random.key_data(model["keys"])
+    )
+    assert placed["scale"].weak_type
+    assert (placed["scale"] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_constrain_refuses_a_plan_for_another_structure():
+    plan = eqshard.plan({"a": jnp.ones(8), "b": jnp.ones(8)}, "x -> x*")
+    with pytest.raises(
+        eqshard.EqshardError, match="the plan was made for a pytree of another structure"
+    ):
+        eqshard.constrain({"a": jnp.ones(8), "c": jnp.ones(8)}, plan)

@@ -29,6 +29,12 @@ def test_show_three_dimensions_on_default_devices(run_python):
     assert "│ (0, 0, 0) │ [0:1, 0:16, 0:4] │ CPU 0   │" in result.stdout
 
 
+def test_show_zero_sized_dimension(run_python):
+    result = _eqshard(run_python, "show", "a b -> a b*", "--shape", "0", "8", "--devices", "2")
+    assert result.returncode == 0, result.stderr
+    assert "per device  (0, 4)" in result.stdout
+
+
 def test_show_bad_expression_exits_1_without_traceback(run_python):
     result = _eqshard(run_python, "show", "a b -> a c", "--shape", "4", "8")
     assert result.returncode == 1

@@ -193,6 +193,19 @@ def test_check_bad_model_argument(run_python, model, message):
     assert message in result.stderr
 
 
+def test_check_model_that_fails_is_reported_without_a_traceback(run_python, tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def build(:\n")
+    result = _run(run_python, "check", EXAMPLE, "--model", f"{broken}:build")
+    assert result.returncode == 1
+    assert "raised SyntaxError" in result.stderr
+    failing = tmp_path / "failing.py"
+    failing.write_text("def build():\n    raise RuntimeError('no weights here')\n")
+    result = _run(run_python, "check", EXAMPLE, "--model", f"{failing}:build")
+    assert result.returncode == 1
+    assert "build() raised RuntimeError: no weights here" in result.stderr
+
+
 def test_schema_command_prints_the_schema(run_python):
     result = _run(run_python, "schema")
     assert result.returncode == 0

@@ -296,3 +296,21 @@ def test_any_string_parses_or_raises_expression_error(string):
 def test_any_text_parses_or_raises_expression_error(string):
     with contextlib.suppress(ExpressionError):
         eqshard.parse(string)
+
+
+def test_unpickled_expressions_hash_afresh_in_another_process(run_python, tmp_path):
+    expr = eqshard.parse("a b -> a b*")
+    hash(expr)  # caches the hash in this process
+    path = tmp_path / "expr.pickle"
+    path.write_bytes(pickle.dumps(expr))
+    code = (
+        "import pickle, sys, eqshard; e = pickle.load(open(sys.argv[1], 'rb')); "
+        "print(e in {eqshard.parse('a b -> a b*')}, e == eqshard.parse('a b -> a b*'))"
+    )
+    result = run_python(["-c", code, str(path)], env={"PYTHONHASHSEED": "12345"})
+    assert result.stdout.split() == ["True", "True"], result.stderr
+
+
+def test_elements_refuse_bad_counts():
+    with pytest.raises(EqshardError, match="an element's count is a whole number from 1, not 0"):
+        Element("a", 0)

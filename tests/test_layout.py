@@ -193,3 +193,13 @@ def test_layout_errors_are_pinned(text, shape, n, column, length, rule):
         rule,
     )
     assert str(error).split("\n")[2] == " " * (4 + column) + "^" * length
+
+
+def test_layout_takes_text_and_checks_the_shape():
+    assert eqshard.layout("a -> a*", (8,), 8).spec == ("a",)
+    with pytest.raises(
+        eqshard.EqshardError, match=r"a shape is a sequence of sizes such as \(4, 8\), not 8"
+    ):
+        eqshard.sharding("a -> a*", 8)  # type: ignore[arg-type]
+    with pytest.raises(eqshard.EqshardError, match=r"not \(4, -1\)"):
+        eqshard.layout("a b -> a b*", (4, -1), 8)

@@ -1,5 +1,6 @@
 import json
 import re
+import threading
 import warnings
 from pathlib import Path
 
@@ -52,9 +53,17 @@ def test_path_globs(pattern, path, matches):
 
 
 def test_path_matching_has_no_catastrophic_backtracking():
-    # a regex engine would take exponential time on this; the DP takes microseconds
-    pattern = ".".join(["**", "a"] * 30) + ".b"
-    assert match(pattern, tuple(["a"] * 200)) is False
+    # A backtracking matcher takes exponential time on this; the DP, microseconds.
+    # The thread bounds the test, so a regression fails instead of hanging.
+    pattern = ".".join(["**", "a"] * 30) + ".*"
+    result = []
+    worker = threading.Thread(
+        target=lambda: result.append(match(pattern, (*tuple(["a"] * 200), "b")))
+    )
+    worker.start()
+    worker.join(timeout=30)
+    assert result == [True]
+    assert match(pattern, ("a",) * 29) is False
 
 
 # --------------------------------------------------------------------------- #
@@ -306,10 +315,10 @@ def test_rules_report_which_rule_matched_each_leaf():
     assert problems == []
     by_path = {m.path: (m.source, m.rule, None if m.expr is None else str(m.expr)) for m in matches}
     assert by_path["attn.query_proj.weight"] == ("rule", 0, "o i -> o* i")
-    assert by_path["attn.key_proj.weight"] == ("default", None, None)
+    assert by_path["attn.key_proj.weight"] == ("default", None, "... -> * ...")
     assert by_path["down.weight"] == ("rule", 4, "o i -> o i*")
     assert by_path["unembed.w"] == ("dims", None, "vocab embed -> vocab* embed")
-    assert by_path["norm.weight"] == ("default", None, None)
+    assert by_path["norm.weight"] == ("default", None, "... -> * ...")
 
 
 def test_rules_apply_to_a_block_and_to_its_optax_state():
@@ -394,7 +403,7 @@ def test_dump_a_spec_tree_and_load_it_back(tmp_path):
     document = json.loads(path.read_text())
     assert document["$schema"] == eqshard.schema()["$id"]
     assert document["devices"] == 8
-    assert {"path": "up.weight", "expr": "o i -> o* i"} in document["rules"]
+    assert {"path": "up.weight.**", "expr": "o i -> o* i"} in document["rules"]
     loaded = eqshard.load(path)
     before = eqshard.plan(model, spec).partition_specs
     after = eqshard.plan(model, loaded).partition_specs
@@ -413,6 +422,60 @@ def test_dump_rules_round_trips(tmp_path):
         rules.devices,
         dict(rules.dims),
     )
+
+
+def test_dump_a_prefix_spec_and_load_it_back(tmp_path):
+    model = {"enc": {"a": jnp.ones((4, 8)), "b": jnp.ones(8)}, "dec": jnp.ones((4, 8))}
+    spec = {"enc": "... x -> ... x*", "dec": None}
+    eqshard.dump(spec, tmp_path / "prefix.json")
+    assert json.loads((tmp_path / "prefix.json").read_text())["rules"] == [
+        {"path": "enc.**", "expr": "... x -> ... x*"}
+    ]
+    loaded = eqshard.load(tmp_path / "prefix.json")
+    assert eqshard.plan(model, loaded).partition_specs == eqshard.plan(model, spec).partition_specs
+    eqshard.dump("... -> * ...", tmp_path / "root.json")
+    assert eqshard.load(tmp_path / "root.json").rules[0].path == "**"
+
+
+def test_keep_does_not_override_a_files_default_replicate():
+    rules = eqshard.load({"eqshard": 1})
+    x = jax.device_put(jnp.ones(8), jax.devices()[0])
+    placed = eqshard.apply({"x": x}, rules, unspecified="keep")
+    assert placed["x"].sharding.is_fully_replicated
+    assert len(placed["x"].sharding.device_set) == 8
+
+
+def test_unused_rule_warning_points_at_the_callers_line():
+    rules = eqshard.load({"eqshard": 1, "rules": [{"path": "nowhere", "expr": "a -> a*"}]})
+    with pytest.warns(UnusedRuleWarning) as caught:
+        eqshard.apply({"w": jnp.ones(8)}, rules)
+    assert caught[0].filename == __file__
+
+
+def test_schema_patterns_refuse_a_trailing_newline():
+    with pytest.raises(
+        SpecError, match=re.escape("$.rules[0].path: " + repr("w\n") + " is not a path")
+    ):
+        eqshard.load({"eqshard": 1, "rules": [{"path": "w\n", "expr": "a -> a*"}]})
+    with pytest.raises(
+        SpecError, match=re.escape("dim name " + repr("a\n") + " is not an einshard name")
+    ):
+        eqshard.load({"eqshard": 1, "dims": {"a\n": "*"}})
+
+
+def test_devices_is_a_whole_number():
+    assert eqshard.load({"eqshard": 1, "devices": 8.0}).devices == 8
+    with pytest.raises(SpecError, match="is not of type 'integer'"):
+        eqshard.load({"eqshard": 1, "devices": 8.5})
+    with pytest.raises(eqshard.EqshardError, match="takes a path or a mapping, not int"):
+        eqshard.load(123)  # type: ignore[arg-type]
+
+
+def test_deeply_nested_json_is_an_error_not_a_crash(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SpecError, match="the JSON nests too deeply to read"):
+        eqshard.load(path)
 
 
 def test_dump_refuses_keys_it_cannot_write(tmp_path):

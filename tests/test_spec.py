@@ -99,7 +99,7 @@ def test_annotated_dims_left_out_of_the_short_form_stay_whole():
 def _spec_problems(model):
     with pytest.raises(SpecError) as info:
         eqshard.spec(model)
-    return [str(problem) for problem in info.value.problems]
+    return [f"{problem.where}: {problem.message}" for problem in info.value.problems]
 
 
 def test_annotation_errors_name_the_class_and_field():
@@ -119,6 +119,16 @@ def test_annotation_errors_name_the_class_and_field():
         ".c (Bad.c): the short form 'x*' needs a left side, and the field has no jaxtyping annotation such as Float[Array, 'x y'] to take it from; write the full form 'x y -> ...'",
         ".d (Bad.d): 'n*': the annotation Float[Array, 'n n'] names 'n' twice, so the short form cannot say which to split; write the full form",
         ".e (Bad.e): 'x ...': '...' is on the right, but the annotation Float[Array, 'x y'] has no '...' or '*name' dims for it to stand for",
+    ]
+
+
+def test_spec_problems_show_the_caret():
+    with pytest.raises(SpecError) as info:
+        eqshard.plan({"a": jnp.ones(8)}, {"a": "x -> x0"})
+    assert str(info.value).split("\n")[1:] == [
+        "  ['a']: 'x -> x0': a count of 0 is not allowed; counts start at 1",
+        "      x -> x0",
+        "            ^",
     ]
 
 
@@ -214,7 +224,7 @@ def test_structure_mismatch_names_the_first_differing_path():
 def test_bad_expression_text_in_a_spec_tree_names_the_leaf():
     with pytest.raises(SpecError) as info:
         eqshard.plan({"a": jnp.ones(8), "b": jnp.ones(8)}, {"a": "x -> x0", "b": "x -> y"})
-    assert [str(p) for p in info.value.problems] == [
+    assert [f"{p.where}: {p.message}" for p in info.value.problems] == [
         "['a']: 'x -> x0': a count of 0 is not allowed; counts start at 1",
         "['b']: 'x -> y': axis 'y' is on the right but not on the left; add it to the left, or drop its name to replicate instead",
     ]
