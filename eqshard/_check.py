@@ -22,20 +22,10 @@ from rich.table import Table
 
 from ._errors import EqshardError, Problem, SpecError
 from ._plan import plan
-from ._report import human_bytes
+from ._report import LeafRow, leaf_table, total_bytes_per_device
 from ._rules import Match, Rules, UnusedRuleWarning
 
 __all__ = ["CheckResult", "abstract_model", "check", "result_table"]
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckRow:
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    expression: str | None
-    matched: str
-    bytes_per_device: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +34,7 @@ class CheckResult:
 
     source: str
     devices: int
-    rows: list[CheckRow]
+    rows: list[LeafRow]
     problems: list[Problem]
     notes: list[str]
 
@@ -54,8 +44,7 @@ class CheckResult:
 
     @property
     def bytes_per_device(self) -> int | None:
-        sizes = [row.bytes_per_device for row in self.rows]
-        return None if any(s is None for s in sizes) else sum(s or 0 for s in sizes)
+        return total_bytes_per_device(self.rows)
 
     @property
     def coverage(self) -> dict[str, int]:
@@ -75,10 +64,10 @@ class CheckResult:
         }
 
 
-def _coverage(rows: Sequence[CheckRow]) -> dict[str, int]:
+def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
     counts = {"rules": 0, "dims": 0, "default": 0}
     for row in rows:
-        key = "rules" if row.matched.startswith("$.rules") else row.matched
+        key = "rules" if (row.matched or "").startswith("$.rules") else (row.matched or "default")
         counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -171,13 +160,14 @@ def check(
                         shard = sharding.shard_shape(tuple(leaf.shape))
                         per_device[i] = math.prod(shard) * leaf.dtype.itemsize
         rows = [
-            CheckRow(
-                m.path,
-                tuple(leaf.shape),
-                str(leaf.dtype),
-                None if m.expr is None else str(m.expr),
-                _matched(m),
-                per_device[i],
+            LeafRow(
+                path=m.path,
+                shape=tuple(leaf.shape),
+                dtype=str(leaf.dtype),
+                expression=None if m.expr is None else str(m.expr),
+                bytes_per_device=per_device[i],
+                total_bytes=math.prod(leaf.shape) * leaf.dtype.itemsize,
+                matched=_matched(m),
             )
             for i, (m, leaf) in enumerate(zip(matches, flat))
             if m.source != "none"
@@ -188,23 +178,6 @@ def check(
 
 def result_table(result: CheckResult) -> Table:
     """The per-leaf table of one check."""
-    table = Table(title=f"{result.source} on {result.devices} devices", title_justify="left")
-    for name, justify in [
-        ("leaf", "left"),
-        ("shape", "left"),
-        ("dtype", "left"),
-        ("expression", "left"),
-        ("matched", "left"),
-        ("per device", "right"),
-    ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for row in result.rows:
-        table.add_row(
-            row.path,
-            str(list(row.shape)),
-            row.dtype,
-            row.expression or "[dim]replicated[/dim]",
-            row.matched,
-            "-" if row.bytes_per_device is None else human_bytes(row.bytes_per_device),
-        )
-    return table
+    return leaf_table(
+        result.rows, title=f"{result.source} on {result.devices} devices", matched=True
+    )

@@ -104,7 +104,7 @@ def main(console: Console) -> int:
     total = sum(row.total_bytes for row in rows)
     console.print(
         f"parameters {human_bytes(total)}; each device holds "
-        f"{human_bytes(total_bytes_per_device(rows))}\n"
+        f"{human_bytes(total_bytes_per_device(rows) or 0)}\n"
     )
 
     tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 256)

@@ -54,26 +54,34 @@ def _matcher(pattern: str) -> Callable[[Sequence[str]], bool]:
         return lambda path: (
             len(path) == len(parts) and all(p == "*" or p == s for p, s in zip(parts, path))
         )
-    last = parts[-1]
-    literal_end = last not in ("*", "**")
+    # Split at the last `**`: the tail after it has a fixed length, so it must match
+    # the path's last segments, which rejects most paths at once; only the head
+    # (up to and including that `**`) needs the DP, and `**` alone needs nothing.
+    cut = len(parts) - parts[::-1].index("**")
+    head, tail = parts[:cut], parts[cut:]
 
-    def dp(path: Sequence[str]) -> bool:
-        if literal_end and (not path or path[-1] != last):
-            return False  # the common case, `**.up.weight`, rejected at once
-        # reach[j]: the parts so far match the first j segments.
-        reach = [True] + [False] * len(path)
-        for part in parts:
-            if part == "**":
-                # zero or more segments: once reached, every later position is too
-                for j in range(1, len(path) + 1):
-                    reach[j] = reach[j] or reach[j - 1]
-            else:
-                reach = [False] + [
-                    reach[j] and (part == "*" or part == path[j]) for j in range(len(path))
-                ]
-        return reach[len(path)]
+    def matches(path: Sequence[str]) -> bool:
+        rest = len(path) - len(tail)
+        if rest < 0 or not all(p == "*" or p == s for p, s in zip(tail, path[rest:])):
+            return False
+        return head == ("**",) or _dp(head, path[:rest])
 
-    return dp
+    return matches
+
+
+def _dp(parts: Sequence[str], path: Sequence[str]) -> bool:
+    """Whether `parts` match all of `path`: linear in len(parts) x len(path)."""
+    reach = [True] + [False] * len(path)  # reach[j]: the parts so far match path[:j]
+    for part in parts:
+        if part == "**":
+            # zero or more segments: once reached, every later position is too
+            for j in range(1, len(path) + 1):
+                reach[j] = reach[j] or reach[j - 1]
+        else:
+            reach = [False] + [
+                reach[j] and (part == "*" or part == path[j]) for j in range(len(path))
+            ]
+    return reach[len(path)]
 
 
 def match(pattern: str, path: Sequence[str]) -> bool:

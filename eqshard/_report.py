@@ -23,15 +23,21 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class LeafRow:
-    """One array leaf of a plan, as a row of a report."""
+    """One array leaf, as a row of a report.
+
+    `partition_spec` is `None` for a leaf kept where it is; `matched` says which
+    rule of a spec file gave the expression (`None` outside `check`);
+    `bytes_per_device` is `None` where the leaf could not be laid out.
+    """
 
     path: str
     shape: tuple[int, ...]
     dtype: str
     expression: str | None
-    partition_spec: str | None
-    bytes_per_device: int
-    total_bytes: int
+    partition_spec: str | None = None
+    bytes_per_device: int | None = None
+    total_bytes: int = 0
+    matched: str | None = None
 
 
 def spec_text(spec: Any) -> str:
@@ -77,9 +83,11 @@ def jax_paths(model: Any) -> list[str]:
     return [keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
 
 
-def total_bytes_per_device(rows: list[LeafRow]) -> int:
-    """What one device holds: with even shards, every device holds the same."""
-    return sum(row.bytes_per_device for row in rows)
+def total_bytes_per_device(rows: list[LeafRow]) -> int | None:
+    """What one device holds (with even shards every device holds the same), or
+    `None` when a leaf could not be laid out."""
+    sizes = [row.bytes_per_device for row in rows]
+    return None if None in sizes else sum(size or 0 for size in sizes)
 
 
 def human_bytes(n: int) -> str:
@@ -91,25 +99,21 @@ def human_bytes(n: int) -> str:
     return f"{n} B" if i == 0 else f"{value:.1f} {units[i]}"
 
 
-def leaf_table(rows: list[LeafRow], *, title: str | None = None) -> Table:
-    """A rich table: path, shape, dtype, expression, spec, bytes per device."""
+def leaf_table(rows: list[LeafRow], *, title: str | None = None, matched: bool = False) -> Table:
+    """A rich table: path, shape, dtype, expression, then the matched rule (with
+    `matched`) or the PartitionSpec, and bytes per device."""
     table = Table(title=title, title_justify="left")
-    for name, justify in [
-        ("leaf", "left"),
-        ("shape", "left"),
-        ("dtype", "left"),
-        ("expression", "left"),
-        ("spec", "left"),
-        ("per device", "right"),
-    ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    middle = "matched" if matched else "spec"
+    for name in ("leaf", "shape", "dtype", "expression", middle):
+        table.add_column(name)
+    table.add_column("per device", justify="right")
     for row in rows:
         table.add_row(
             row.path,
             str(list(row.shape)),
             row.dtype,
             row.expression or "[dim]replicated[/dim]",
-            row.partition_spec or "[dim]kept[/dim]",
-            human_bytes(row.bytes_per_device),
+            (row.matched or "") if matched else (row.partition_spec or "[dim]kept[/dim]"),
+            "-" if row.bytes_per_device is None else human_bytes(row.bytes_per_device),
         )
     return table

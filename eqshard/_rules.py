@@ -164,7 +164,7 @@ class Rules:
             if rule is not None:
                 matches.append(Match(name, rule.expr, "rule", rule.index))
                 continue
-            expr = self._from_dims(fields[i] if fields else None, name, problems)
+            expr = self._from_dims(fields[i] if fields else None, problems)
             if expr is not None:
                 matches.append(Match(name, expr, "dims"))
                 continue
@@ -180,9 +180,7 @@ class Rules:
             matches.append(Match(name, fallback, "default"))
         return matches, problems
 
-    def _from_dims(
-        self, item: LeafSpec | None, name: str, problems: list[Problem]
-    ) -> Expression | None:
+    def _from_dims(self, item: LeafSpec | None, problems: list[Problem]) -> Expression | None:
         if item is None or item.annotation is None:
             return None
         annotation = item.annotation
@@ -196,7 +194,7 @@ class Rules:
             dims = ", ".join(f"$.dims.{d}" for d in names if d in self.dims)
             problems.append(
                 Problem(
-                    f"{name} ({item.owner})",
+                    item.label,
                     f"from {self.source}::{dims}: {error.rule}",
                     error.picture,
                 )

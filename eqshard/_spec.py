@@ -145,6 +145,11 @@ class LeafSpec:
     def where(self) -> str:
         return keystr(self.path) or "the model itself"
 
+    @property
+    def label(self) -> str:
+        """`.blocks[0].w (Block.w)`: the key path, and the field that holds the leaf."""
+        return f"{self.where} ({self.owner})" if self.owner else self.where
+
 
 _flatten_one = jax.tree_util.default_registry.flatten_one_level_with_keys
 
@@ -191,7 +196,7 @@ def _complete(item: LeafSpec, problems: list[Problem]) -> Expression | None:
     expr = item.expr
     if expr is None:
         return None
-    where = f"{item.where} ({item.owner})" if item.owner else item.where
+    where = item.label
     annotation = item.annotation
     if not expr.is_complete:
         if annotation is None:
@@ -240,8 +245,7 @@ def _mismatch(spec: Any, model: Any, path: tuple[Any, ...] = ()) -> Problem | No
     if spec_children is None:
         return Problem(
             where,
-            f"the spec holds {type(spec).__name__} {spec!r}; a spec leaf is an "
-            "expression, its text, or None",
+            _not_a_spec_leaf(spec),
         )
     if model_children is None:
         return Problem(
@@ -278,6 +282,12 @@ def _mismatch(spec: Any, model: Any, path: tuple[Any, ...] = ()) -> Problem | No
         if found is not None:
             return found
     return Problem(where, "the spec's structure differs from the model's here")
+
+
+def _not_a_spec_leaf(x: Any) -> str:
+    return (
+        f"the spec holds {type(x).__name__} {x!r}; a spec leaf is an expression, its text, or None"
+    )
 
 
 def _describe(x: Any) -> str:
@@ -329,8 +339,7 @@ class Resolved:
 
     def where(self, index: int) -> str:
         """`.path (Class.field)` of leaf `index`, for messages."""
-        item = self.fields[index]
-        return f"{item.where} ({item.owner})" if item.owner else item.where
+        return self.fields[index].label
 
 
 def walk_fields(model: Any) -> list[LeafSpec]:
@@ -372,8 +381,7 @@ def leaf_specs(model: Any, spec: Any = FROM_FIELDS) -> Resolved:
                 problems.append(
                     Problem(
                         resolved.where(i),
-                        f"the spec holds {type(leaf_spec).__name__} {leaf_spec!r}; a spec "
-                        "leaf is an expression, its text, or None",
+                        _not_a_spec_leaf(leaf_spec),
                     )
                 )
                 continue
