@@ -312,3 +312,18 @@ def test_constrain_refuses_a_plan_for_another_structure():
         eqshard.EqshardError, match="the plan was made for a pytree of another structure"
     ):
         eqshard.constrain({"a": jnp.ones(8), "c": jnp.ones(8)}, plan)
+
+
+def test_apply_places_everything_in_one_device_put(monkeypatch):
+    calls = []
+    device_put = jax.device_put
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return device_put(*args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", counting)
+    model = eqx.nn.MLP(8, 8, 16, 3, key=jax.random.key(0))
+    eqshard.apply(model, "... -> * ...")
+    assert len(calls) == 1
+    assert len(calls[0][0]) == 8  # every weight and bias, in one batch
