@@ -160,7 +160,7 @@ class Rules:
             if not is_array_like(leaf):
                 matches.append(Match(name, None, "none"))
                 continue
-            rule = next((r for r in self.rules if match(r.path, segs)), None)
+            rule = self._first_match(segs)
             if rule is not None:
                 matches.append(Match(name, rule.expr, "rule", rule.index))
                 continue
@@ -179,6 +179,37 @@ class Rules:
                 )
             matches.append(Match(name, fallback, "default"))
         return matches, problems
+
+    @functools.cached_property
+    def _by_tail(self) -> tuple[dict[int, dict[tuple[str, ...], list[int]]], list[int]]:
+        """The rules indexed by their literal tail (the segments after their last
+        wildcard), by tail length; and the rules that end in a wildcard."""
+        by_tail: dict[int, dict[tuple[str, ...], list[int]]] = {}
+        always: list[int] = []
+        for position, rule in enumerate(self.rules):
+            parts = rule.path.split(".")
+            k = len(parts)
+            while k > 0 and parts[k - 1] not in ("*", "**"):
+                k -= 1
+            tail = tuple(parts[k:])
+            if tail:
+                by_tail.setdefault(len(tail), {}).setdefault(tail, []).append(position)
+            else:
+                always.append(position)
+        return by_tail, always
+
+    def _first_match(self, segs: tuple[str, ...]) -> Rule | None:
+        """The first rule that matches: only rules whose literal tail ends the path
+        are tried, so a leaf costs a few look-ups however many rules there are."""
+        by_tail, always = self._by_tail
+        candidates = list(always)
+        for length, table in by_tail.items():
+            if length <= len(segs):
+                candidates.extend(table.get(segs[len(segs) - length :], ()))
+        for position in sorted(candidates):
+            if match(self.rules[position].path, segs):
+                return self.rules[position]
+        return None
 
     def _from_dims(self, item: LeafSpec | None, problems: list[Problem]) -> Expression | None:
         if item is None or item.annotation is None:

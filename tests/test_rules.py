@@ -483,3 +483,24 @@ def test_dump_refuses_keys_it_cannot_write(tmp_path):
         SpecError, match=re.escape("a.b: the key 'a.b' cannot be written in a rule path")
     ):
         eqshard.dump({"a.b": "x -> x*"}, tmp_path / "x.json")
+
+
+@pytest.mark.parametrize(
+    ("paths", "winner"),
+    [
+        (["**.w", "blocks.*.w", "blocks.0.*"], 0),
+        (["blocks.0.*", "**.w"], 0),
+        (["blocks.1.*", "**", "blocks.0.w"], 1),
+        (["x.w", "blocks.0.w", "**.w"], 1),
+        (["**.v", "*.*.w"], 1),
+    ],
+)
+def test_the_first_matching_rule_wins(paths, winner):
+    exprs = ["a -> a*", "a -> * a", "a -> 2* a", "a -> a 2*"]
+    rules = eqshard.load(
+        {"eqshard": 1, "rules": [{"path": p, "expr": e} for p, e in zip(paths, exprs)]}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnusedRuleWarning)
+        matches, _ = rules.match({"blocks": [{"w": jnp.ones(8)}]})
+    assert [(m.path, m.rule) for m in matches] == [("blocks.0.w", winner)]
