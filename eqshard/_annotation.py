@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import typing
 from collections.abc import Sequence
 from types import EllipsisType
@@ -88,14 +89,29 @@ def field_annotations(cls: type) -> dict[str, Annotation]:
     """The jaxtyping annotation of each field of a dataclass that has one. Cached."""
     try:
         hints = typing.get_type_hints(cls, include_extras=True)
-    except Exception:  # unresolvable forward references: use what is already there
-        hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    except Exception:  # one unresolvable annotation: resolve the others one by one
+        hints = {f.name: _resolve_one(cls, f.type) for f in dataclasses.fields(cls)}
     result = {}
     for name, hint in hints.items():
         annotation = annotation_of(hint)
         if annotation is not None:
             result[name] = annotation
     return result
+
+
+def _resolve_one(cls: type, hint: object) -> object:
+    """One annotation, evaluated in its class's module if it is a string; else `None`.
+
+    These are the user's own annotations, from their source, as
+    `typing.get_type_hints` would evaluate them.
+    """
+    if not isinstance(hint, str):
+        return hint
+    module = sys.modules.get(cls.__module__)
+    try:
+        return eval(hint, dict(vars(module)) if module else {}, dict(vars(cls)))
+    except Exception:
+        return None
 
 
 def _fresh_names(taken: set[str], count: int) -> list[str]:

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
@@ -17,6 +18,36 @@ from ._sharding import Device
 from ._spec import FROM_FIELDS
 
 __all__ = ["apply"]
+
+
+def _unplaceable(x: Any) -> str | None:
+    """Why `x` cannot be placed with its values intact, or `None`."""
+    if isinstance(x, jax.core.Tracer):
+        return (
+            "is traced: `eqshard.apply` places concrete arrays outside `jit`; inside, "
+            "use `eqshard.constrain(model, spec)`"
+        )
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return (
+            "is abstract (a jax.ShapeDtypeStruct): `eqshard.apply` places concrete arrays; "
+            "for an abstract model use `eqshard.plan(model, spec).shardings`, e.g. as "
+            "`out_shardings` of the jitted function that builds the model"
+        )
+    if isinstance(x, np.ndarray) and jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype:
+        return (
+            f"is a NumPy {x.dtype} array, and JAX runs with 32-bit types, so placing it "
+            f"would change its values; cast it (`x.astype(np.{x.dtype.name[:-2]}32)`) "
+            "or enable `jax_enable_x64`"
+        )
+    return None
+
+
+def _refusal(source: Any, target: jax.sharding.Sharding) -> str | None:
+    try:
+        jax.device_put(source, target)
+    except (TypeError, ValueError, RuntimeError) as error:
+        return str(error).split("\n")[0]
+    return None
 
 
 def _source(x: Any, target: jax.sharding.Sharding) -> Any:
@@ -89,20 +120,28 @@ def apply(
     p = plan(model, spec, devices=devices, unspecified=unspecified)
     leaves = list(p.resolved.leaves)
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
-    abstract = [i for i in indices if isinstance(leaves[i], jax.ShapeDtypeStruct)]
-    if abstract:
-        raise SpecError(
-            [
-                Problem(p.resolved.where(i), "is abstract (a jax.ShapeDtypeStruct)")
-                for i in abstract
-            ],
-            "`eqshard.apply` places concrete arrays; for an abstract model use "
-            "`eqshard.plan(model, spec).shardings`, e.g. as `out_shardings` of the "
-            "jitted function that builds the model",
-        )
+    problems = [
+        Problem(p.resolved.where(i), why)
+        for i in indices
+        if (why := _unplaceable(leaves[i])) is not None
+    ]
+    if problems:
+        raise SpecError(problems, "`eqshard.apply` cannot place these leaves")
     targets = [s for s in p.flat_shardings if s is not None]
     sources = [_source(leaves[i], target) for i, target in zip(indices, targets)]
-    placed = jax.device_put(sources, targets)
+    try:
+        placed = jax.device_put(sources, targets)
+    except (TypeError, ValueError, RuntimeError):
+        # Find which leaves JAX refused, one by one, and name them.
+        raise SpecError(
+            [
+                Problem(p.resolved.where(i), f"JAX cannot place it: {error}")
+                for i, source, target in zip(indices, sources, targets)
+                if (error := _refusal(source, target)) is not None
+            ]
+            or [Problem("the model", "JAX refused to place it")],
+            "`eqshard.apply` cannot place these leaves",
+        ) from None
     for i, array in zip(indices, placed):
         leaves[i] = array
     return jax.tree_util.tree_unflatten(p.resolved.treedef, leaves)

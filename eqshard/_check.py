@@ -87,11 +87,12 @@ def abstract_model(target: str) -> Any:
     try:
         if module_name.endswith(".py") or "/" in module_name:
             path = Path(module_name)
-            spec = importlib.util.spec_from_file_location(path.stem, path)
-            if spec is None or spec.loader is None or not path.exists():
+            name = f"_eqshard_model_{path.stem}"  # never shadows a module such as `json`
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None or not path.is_file():
                 raise EqshardError(f"--model {target!r}: there is no file {module_name!r}")
             module = importlib.util.module_from_spec(spec)
-            sys.modules[path.stem] = module
+            sys.modules[name] = module
             spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
@@ -99,7 +100,7 @@ def abstract_model(target: str) -> Any:
         raise EqshardError(f"--model {target!r}: cannot import {module_name!r}: {error}") from None
     except EqshardError:
         raise
-    except Exception as error:  # the user's module failed as it ran: report, don't crash
+    except (Exception, SystemExit) as error:  # the user's module failed: report, don't crash
         raise EqshardError(
             f"--model {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
         ) from None
@@ -107,11 +108,17 @@ def abstract_model(target: str) -> Any:
     if not callable(factory):
         raise EqshardError(f"--model {target!r}: {module_name} has no callable {attribute!r}")
     try:
-        return eqx.filter_eval_shape(factory)
-    except Exception as error:
+        model = eqx.filter_eval_shape(factory)
+    except (Exception, SystemExit) as error:
         raise EqshardError(
             f"--model {target!r}: {attribute}() raised {type(error).__name__}: {error}"
         ) from None
+    if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(model)):
+        raise EqshardError(
+            f"--model {target!r}: {attribute}() returned {type(model).__name__}, which holds "
+            "no arrays; name a callable that builds the model"
+        )
+    return model
 
 
 def _matched(m: Match) -> str:

@@ -54,6 +54,15 @@ def _whole(minimum: int):
 
 _positive, _size = _whole(1), _whole(0)
 
+MAX_SIMULATED = 4096  # simulated CPU devices: enough for any mesh worth drawing
+
+
+def _device_count(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_SIMULATED:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than {MAX_SIMULATED} simulated devices")
+    return value
+
 
 def _show(args: argparse.Namespace) -> int:
     _use_devices(args.devices)
@@ -139,6 +148,11 @@ def _check(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     counts = args.devices or [rules.devices or 8]
+    if max(counts) > MAX_SIMULATED:
+        raise EqshardError(
+            f'{args.file} says "devices": {max(counts)}; check it with --devices N, up to '
+            f"{MAX_SIMULATED} simulated devices"
+        )
     _use_devices(max(counts))
     import jax
 
@@ -205,7 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     show.add_argument(
         "--devices",
-        type=_positive,
+        type=_device_count,
         metavar="N",
         help="simulate N CPU devices (default: the devices present, or 8 CPU devices)",
     )
@@ -221,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
             "8 simulated CPU devices when there are none."
         ),
     )
-    demo.add_argument("--devices", type=_positive, metavar="N", help="simulate N CPU devices")
+    demo.add_argument("--devices", type=_device_count, metavar="N", help="simulate N CPU devices")
     demo.set_defaults(run=_demo)
 
     validate = commands.add_parser(
@@ -257,7 +271,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--devices",
-        type=_positive,
+        type=_device_count,
         nargs="+",
         metavar="N",
         help='device counts to check (default: the file\'s "devices", or 8)',
@@ -275,6 +289,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line and returns its exit code."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:  # never fail on text a terminal cannot show
+            reconfigure(errors="backslashreplace")
     parser = _parser()
     args = parser.parse_args(argv)
     try:

@@ -90,7 +90,9 @@ def main(console: Console) -> int:
     """Runs the demo and returns 0 when the sharded step matches, else 1."""
     devices = jax.devices()
     n = len(devices)
-    model = Block(vocab=256, dim=64, heads=n, hidden=256, key=jax.random.key(0))
+    dim = n * -(-64 // n)  # about 64, and divisible by the device count: any n works
+    vocab = 4 * dim
+    model = Block(vocab=vocab, dim=dim, heads=n, hidden=4 * dim, key=jax.random.key(0))
     spec = megatron_spec(model)
     sharded = apply(model, spec)
     p = plan(model, spec)
@@ -107,7 +109,7 @@ def main(console: Console) -> int:
         f"{human_bytes(total_bytes_per_device(rows) or 0)}\n"
     )
 
-    tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 256)
+    tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, vocab)
     targets = jnp.roll(tokens, -1, axis=1)
     loss_ref, ref = _step(model, tokens, targets)
     loss, updated = _step(sharded, tokens, targets, p)

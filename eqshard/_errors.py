@@ -54,16 +54,21 @@ class ExpressionError(EqshardError):
         self.position = position
         self.length = max(1, length)
         self.rule = rule
-        super().__init__(f"bad einshard expression:\n{self.picture}\n{rule}")
+        super().__init__(f"bad einshard expression:\n{self.picture}\n{_printable(rule)}")
 
     @property
     def picture(self) -> str:
-        """The expression, indented, with a caret line under the fault."""
+        """The expression, indented, with a caret line under the fault.
+
+        White space shows as one space and control characters as U+FFFD, so the
+        caret lines up and nothing in the text can move the terminal's cursor.
+        """
+        shown = _printable(self.expression)
         start, end = self.position, self.position + self.length
         return (
-            f"    {self.expression}\n"
-            f"    {' ' * _display_width(self.expression[:start])}"
-            f"{'^' * _display_width(self.expression[start:end], 1)}"
+            f"    {shown}\n"
+            f"    {' ' * _display_width(shown[:start])}"
+            f"{'^' * _display_width(shown[start:end], 1)}"
         )
 
     def __reduce__(self):
@@ -78,6 +83,15 @@ ExpressionError.__module__ = "eqshard"
 
 def _rebuild_expression_error(expression: str, position: int, rule: str, length: int):
     return ExpressionError(expression, position, rule, length=length)
+
+
+def _printable(text: str) -> str:
+    import unicodedata
+
+    return "".join(
+        " " if c.isspace() else "\ufffd" if unicodedata.category(c) in ("Cc", "Cf", "Cs") else c
+        for c in text
+    )
 
 
 def _display_width(text: str, minimum: int = 0) -> int:

@@ -101,6 +101,18 @@ class Expression:
         default=(), compare=False, repr=False
     )
 
+    def __post_init__(self) -> None:
+        if not self.text:  # built by hand, not by `parse`: it must be what parse gives
+            try:
+                valid = parse(str(self)) == self
+            except Exception:
+                valid = False
+            if not valid:
+                raise EqshardError(
+                    f"Expression(lhs={self.lhs!r}, rhs={self.rhs!r}) is not a valid einshard "
+                    "expression; build expressions with `eqshard.parse`"
+                )
+
     def __hash__(self) -> int:
         # Expressions are cache keys on hot paths: hash the fields once.
         try:

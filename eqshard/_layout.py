@@ -24,7 +24,18 @@ from collections.abc import Iterable, Sequence
 from ._errors import EqshardError
 from ._expression import Element, Expression, parse
 
-__all__ = ["Layout", "SharedMesh", "integer_root", "layout", "shape_of", "shared_mesh"]
+__all__ = [
+    "MAX_ELEMENTS",
+    "Layout",
+    "SharedMesh",
+    "integer_root",
+    "layout",
+    "shape_of",
+    "shared_mesh",
+]
+
+MAX_ELEMENTS = 32
+"""The most elements a right side may have: one mesh axis each, and JAX allows 32."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,8 +215,15 @@ def layout(expr: str | Expression, shape: Sequence[int], n_devices: int) -> Layo
             f"'<names> -> {expr}', or take them from a jaxtyping annotation"
         )
     _check_rank(expr, expr.lhs, shape)
-    if n_devices < 1:
-        raise expr.error(f"there are no devices to place on ({n_devices} given)")
+    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
+        raise EqshardError(f"the device count is a whole number from 1, not {n_devices!r}")
+    elements = sum(1 for item in expr.rhs if item is not ...)
+    if elements > MAX_ELEMENTS:
+        raise expr.error(
+            f"the right side has {elements} elements, and a JAX mesh has at most "
+            f"{MAX_ELEMENTS} axes; merge counts (write '8' for '2 2 2')",
+            _rhs_span(expr),
+        )
     ratio = _ratio(expr, n_devices)
 
     mesh_shape: list[int] = []

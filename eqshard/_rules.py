@@ -24,6 +24,7 @@ import importlib.resources
 import json
 import os
 import re
+import stat
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -299,22 +300,23 @@ def _no_constant(name: str) -> Any:
 
 def _read(path: Path, name: str) -> Any:
     try:
-        size = path.stat().st_size
-        if size > MAX_BYTES:
+        if not stat.S_ISREG(path.stat().st_mode):
             raise UnreadableError(
-                [
-                    Problem(
-                        name,
-                        f"the file is {size} bytes, over the {MAX_BYTES}-byte limit for spec files",
-                    )
-                ],
-                "refused",
+                [Problem(name, "it is not a regular file (a directory, pipe or device)")],
+                "unreadable",
             )
-        text = path.read_bytes().decode("utf-8")
-    except OSError as error:
+        with path.open("rb") as file:
+            data = file.read(MAX_BYTES + 1)
+    except (OSError, ValueError) as error:
+        why = getattr(error, "strerror", None) or error
+        raise UnreadableError([Problem(name, f"cannot read it: {why}")], "unreadable") from None
+    if len(data) > MAX_BYTES:
         raise UnreadableError(
-            [Problem(name, f"cannot read it: {error.strerror or error}")], "unreadable"
-        ) from None
+            [Problem(name, f"the file is over the {MAX_BYTES}-byte limit for spec files")],
+            "refused",
+        )
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise UnreadableError(
             [Problem(name, f"it is not UTF-8 (byte {error.start})")], "unreadable"
@@ -457,7 +459,10 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
         document = _read(Path(name), name)
     else:
         raise EqshardError(f"`eqshard.load` takes a path or a mapping, not {type(source).__name__}")
-    problems = _check(document, name)
+    try:
+        problems = _check(document, name)
+    except RecursionError:
+        problems = [Problem(name, "the document nests too deeply to check")]
     if problems:
         raise SpecError(problems, f"{name} is not a valid eqshard spec")
     rules = tuple(
@@ -502,6 +507,12 @@ def dump(
     `eqshard.SpecError` when a leaf's path cannot be written as a rule path (a dict
     key holding '.', '*' or white space).
     """
+    if devices is not None and (
+        isinstance(devices, bool) or not isinstance(devices, int) or devices < 1
+    ):
+        raise EqshardError(f"`devices` is a whole number from 1, not {devices!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise EqshardError(f"`eqshard.dump` writes to a path, not {type(path).__name__}")
     if isinstance(spec_or_rules, Rules):
         rules = spec_or_rules
         if devices is not None:
@@ -530,4 +541,7 @@ def dump(
             raise SpecError(problems, "cannot write this spec as a spec file")
         rules = Rules(tuple(found), devices=devices)
     text = json.dumps(rules.to_json(), indent=2, ensure_ascii=False) + "\n"
-    Path(path).write_text(text, encoding="utf-8")
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise EqshardError(f"cannot write {os.fspath(path)}: {error.strerror or error}") from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -30,11 +30,26 @@ else:
 __all__ = ["cached_sharding", "device_tuple", "mesh", "sharding"]
 
 
-def device_tuple(devices: Sequence[Device] | None) -> tuple[Device, ...]:
+def device_tuple(devices: Sequence[Device] | np.ndarray | None) -> tuple[Device, ...]:
     """The devices to place on: `jax.devices()` when `devices` is `None`."""
     if devices is None:
         return tuple(jax.devices())
-    devices = tuple(devices)
+    given: Any = devices
+    if isinstance(given, np.ndarray):  # such as `mesh.devices`: row-major order
+        given = given.ravel().tolist()
+    try:
+        devices = tuple(given)
+    except TypeError:
+        raise EqshardError(
+            f"`devices` is a list of JAX devices, such as `jax.devices()[:4]`, not "
+            f"{type(devices).__name__}"
+        ) from None
+    wrong = next((d for d in devices if not isinstance(d, jax.Device)), None)
+    if wrong is not None:
+        raise EqshardError(
+            f"`devices` holds {wrong!r}, which is not a JAX device; pass devices such as "
+            "`jax.devices()[:4]`"
+        )
     if not devices:
         raise EqshardError("`devices` is empty; pass at least one device, or None for all")
     if len(set(devices)) != len(devices):
@@ -70,7 +85,7 @@ def sharding(
     expr: str | Expression,
     shape: Sequence[int],
     *,
-    devices: Sequence[Device] | None = None,
+    devices: Sequence[Device] | np.ndarray | None = None,
 ) -> NamedSharding:
     """The `NamedSharding` that an einshard expression gives an array of `shape`.
 
@@ -103,4 +118,6 @@ def sharding(
     malformed, is in short form, does not match the rank of `shape`, does not use
     exactly the devices given, or splits a dimension unevenly.
     """
+    if not isinstance(expr, (str, Expression)):
+        parse(expr)  # raises the EqshardError that says what an expression is
     return cached_sharding(expr, shape_of(shape), device_tuple(devices))

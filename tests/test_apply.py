@@ -160,7 +160,8 @@ def test_abstract_models_plan_but_do_not_apply():
     abstract = eqx.filter_eval_shape(MLP, jax.random.key(0))
     assert eqshard.plan(abstract).partition_specs.w2 == P("m0", None)
     with pytest.raises(
-        SpecError, match=r"(?s)places concrete arrays.*\.w1 \(MLP.w1\): is abstract"
+        SpecError,
+        match=r"(?s)cannot place these leaves.*\.w1 \(MLP.w1\): is abstract .*places concrete arrays",
     ):
         eqshard.apply(abstract)
 
@@ -327,3 +328,14 @@ def test_apply_places_everything_in_one_device_put(monkeypatch):
     eqshard.apply(model, "... -> * ...")
     assert len(calls) == 1
     assert len(calls[0][0]) == 8  # every weight and bias, in one batch
+
+
+def test_apply_refuses_what_it_cannot_place_faithfully():
+    with pytest.raises(
+        SpecError, match=r"\['ids'\]: is a NumPy int64 array, and JAX runs with 32-bit types"
+    ):
+        eqshard.apply({"ids": np.array([2**40 + 1, 3] * 4, np.int64)}, {"ids": "a -> a*"})
+    with pytest.raises(SpecError, match=r"\['w'\]: is traced: .*use `eqshard.constrain"):
+        jax.jit(lambda m: eqshard.apply(m, "a -> a*"))({"w": jnp.ones(8)})
+    with pytest.raises(SpecError, match=r"\['s'\]: JAX cannot place it"):
+        eqshard.apply({"s": np.array(["a", "b"] * 4)}, "a -> a*")
