@@ -9,6 +9,9 @@ Run: `python benchmarks/bench_apply.py`. Every number comes from this one run.
 - einshard: `einshard(x, expr)` for each leaf, where einshard is installed
   (Python >= 3.12).
 
+(c) times `eqshard.plan` from 21 path rules of a spec file against the same
+layouts given as a spec tree.
+
 Models: (a) 1,000 `eqx.nn.Linear(8, 8)`: 2,000 small leaves; (b) 100
 `eqx.nn.Linear(480, 512)`: 200 leaves, about 98 MB.
 """
@@ -16,6 +19,7 @@ Models: (a) 1,000 `eqx.nn.Linear(8, 8)`: 2,000 small leaves; (b) 100
 import statistics
 import sys
 import time
+import warnings
 
 import jax
 
@@ -104,10 +108,37 @@ def bench(name, model, spec, repeat):
     return ours_s / floor_s, (None if theirs_s is None else theirs_s / ours_s)
 
 
+def bench_rules(model, spec, repeat):
+    """Resolving path rules from a spec file, against the same spec as a tree."""
+    decoys = [{"path": f"**.decoy{i}.weight", "expr": "o i -> o* i"} for i in range(19)]
+    rules = eqshard.load(
+        {
+            "eqshard": 1,
+            "rules": [
+                *decoys,
+                {"path": "**.weight", "expr": "o i -> o* i"},
+                {"path": "**.bias", "expr": "o -> o*"},
+            ],
+        }
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", eqshard.UnusedRuleWarning)
+        tree_s = timed(lambda: eqshard.plan(model, spec).mesh, repeat)
+        rules_s = timed(lambda: eqshard.plan(model, rules).mesh, repeat)
+    leaves = len(jax.tree_util.tree_leaves(model))
+    print(f"(c) eqshard.plan on model (a), {leaves} leaves")
+    print(f"    from a spec tree                            {tree_s * 1e3:9.2f} ms")
+    print(
+        f"    from 21 path rules (19 never match)         {rules_s * 1e3:9.2f} ms   {rules_s / tree_s:5.2f}x the spec tree"
+    )
+    print()
+
+
 def main():
     print(f"jax {jax.__version__}, python {sys.version.split()[0]}\n")
     small = model_of(1000, 8, 8)
     bench("a", small, [_linear_spec(layer) for layer in small], repeat=15)
+    bench_rules(small, [_linear_spec(layer) for layer in small], repeat=7)
     large = model_of(100, 480, 512)
     bench("b", large, [_linear_spec(layer) for layer in large], repeat=9)
 
