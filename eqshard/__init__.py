@@ -2,33 +2,78 @@
 
 Every array leaf of a model gets an einshard expression such as `"x y -> x y*"`,
 which says how the leaf is split and replicated across the devices.
+
+The expression language and the spec-file layer (`parse`, `load`, `dump` of
+`Rules`, `schema`, the errors) import no JAX, so `eqshard validate` starts fast;
+everything else is imported on first use.
 """
 
+import importlib
 import importlib.metadata
+from typing import TYPE_CHECKING, Any
 
-from ._apply import apply as apply
 from ._errors import (
     EqshardError as EqshardError,
+    EqshardWarning as EqshardWarning,
     ExpressionError as ExpressionError,
     Problem as Problem,
     SpecError as SpecError,
     UnreadableError as UnreadableError,
+    UnusedRuleWarning as UnusedRuleWarning,
 )
 from ._expression import Element as Element, Expression as Expression, parse as parse
 from ._layout import Layout as Layout, layout as layout
-from ._plan import Plan as Plan, plan as plan
-from ._rules import (
-    Match as Match,
+from ._specfile import (
     Rule as Rule,
     Rules as Rules,
-    UnusedRuleWarning as UnusedRuleWarning,
     dump as dump,
     load as load,
     schema as schema,
 )
-from ._shard import constrain as constrain, shard as shard
-from ._sharding import sharding as sharding
-from ._spec import FROM_FIELDS as FROM_FIELDS, field as field, spec as spec
+
+if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazily
+    from ._apply import apply as apply
+    from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
+    from ._plan import Plan as Plan, plan as plan
+    from ._resolve import spec as spec
+    from ._resolver import (
+        Resolution as Resolution,
+        Resolver as Resolver,
+        Target as Target,
+    )
+    from ._rules import Match as Match
+    from ._shard import constrain as constrain, shard as shard
+    from ._sharding import sharding as sharding
+
+_LAZY = {
+    "apply": "._apply",
+    "FROM_FIELDS": "._fields",
+    "field": "._fields",
+    "Plan": "._plan",
+    "plan": "._plan",
+    "spec": "._resolve",
+    "Resolution": "._resolver",
+    "Resolver": "._resolver",
+    "Target": "._resolver",
+    "Match": "._rules",
+    "constrain": "._shard",
+    "shard": "._shard",
+    "sharding": "._sharding",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'eqshard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 try:
     __version__ = importlib.metadata.version("eqshard")

@@ -24,7 +24,9 @@ import typing
 from collections.abc import Sequence
 from types import EllipsisType
 
-from ._expression import Element, Expression, LeftItem, _is_name_char, parse
+from jaxtyping import AbstractArray
+
+from ._expression import Element, Expression, LeftItem, _is_name_char
 
 __all__ = ["Annotation", "annotation_of", "complete", "field_annotations"]
 
@@ -54,10 +56,10 @@ def _is_einshard_name(name: str) -> bool:
     return bool(name) and all(_is_name_char(c) for c in name)
 
 
-def _dim_item(dim: object) -> DimItem:
-    if "Variadic" in type(dim).__name__:
+def _dim_item(index: int, dim: object, variadic: int | None) -> DimItem:
+    if index == variadic:
         return ...
-    name = getattr(dim, "name", None)
+    name = getattr(dim, "name", None)  # named dims have one; fixed, symbolic and `_` don't
     if isinstance(name, str) and _is_einshard_name(name):
         return name
     return None
@@ -67,17 +69,15 @@ def annotation_of(hint: object) -> Annotation | None:
     """The jaxtyping array annotation in `hint`, looking inside `list[...]`,
     `tuple[...]`, `dict[..., ...]` and `Optional[...]`; `None` if there is none or
     more than one kind."""
-    dims = getattr(hint, "dims", None)
-    dim_str = getattr(hint, "dim_str", None)
-    if isinstance(dims, tuple) and isinstance(dim_str, str):
-        dtype = getattr(getattr(hint, "dtype", None), "__name__", "Shaped")
-        array = getattr(getattr(hint, "array_type", None), "__name__", "Array").rsplit(".")[-1]
-        name = f"{dtype}[{array}, {dim_str!r}]"
-        items = [_dim_item(dim) for dim in dims]
+    if isinstance(hint, type) and issubclass(hint, AbstractArray):
+        dtype = hint.dtype.__name__
+        array = getattr(hint.array_type, "__name__", "Array").rsplit(".")[-1]
+        name = f"{dtype}[{array}, {hint.dim_str!r}]"
+        items = [_dim_item(i, dim, hint.index_variadic) for i, dim in enumerate(hint.dims)]
         named = [item for item in items if isinstance(item, str)]
         repeated = frozenset(n for n in named if named.count(n) > 1)
         items = tuple(None if item in repeated else item for item in items)
-        return Annotation(name, dim_str, items, repeated)
+        return Annotation(name, hint.dim_str, items, repeated)
     found = {annotation_of(arg) for arg in typing.get_args(hint)} - {None}
     if len(found) == 1:
         return found.pop()
@@ -164,8 +164,8 @@ def complete(expr: Expression, annotation: Annotation) -> Expression:
     rhs += [Element(name) for name in lhs if isinstance(name, str) and name not in written]
     if ... in lhs and ... not in rhs:
         rhs.append(...)
-    # Parse the canonical text, so that later errors put their caret in the right place.
-    return parse(str(Expression(tuple(lhs), tuple(rhs))))
+    # Built from the canonical text, so that later errors put their caret in the right place.
+    return Expression(tuple(lhs), tuple(rhs))
 
 
 def contradiction(expr: Expression, annotation: Annotation) -> str | None:

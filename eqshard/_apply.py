@@ -13,9 +13,9 @@ from jax.sharding import SingleDeviceSharding
 from jaxtyping import PyTree
 
 from ._errors import Problem, SpecError
+from ._fields import FROM_FIELDS
 from ._plan import Unspecified, plan
 from ._sharding import Device
-from ._spec import FROM_FIELDS
 
 __all__ = ["apply"]
 

@@ -9,9 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import math
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,10 +18,10 @@ import equinox as eqx
 import jax
 from rich.table import Table
 
-from ._errors import EqshardError, Problem, SpecError
-from ._plan import plan
-from ._report import LeafRow, leaf_table, total_bytes_per_device
-from ._rules import Match, Rules, UnusedRuleWarning
+from ._errors import EqshardError, Problem
+from ._plan import make_plan
+from ._report import LeafRow, leaf_rows, leaf_table, total_bytes_per_device
+from ._specfile import Rules
 
 __all__ = ["CheckResult", "abstract_model", "check", "result_table"]
 
@@ -67,7 +65,7 @@ class CheckResult:
 def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
     counts = {"rules": 0, "dims": 0, "default": 0}
     for row in rows:
-        key = "rules" if (row.matched or "").startswith("$.rules") else (row.matched or "default")
+        key = "rules" if (row.origin or "").startswith("$.rules") else (row.origin or "default")
         counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -121,70 +119,30 @@ def abstract_model(target: str) -> Any:
     return model
 
 
-def _matched(m: Match) -> str:
-    return f"$.rules[{m.rule}]" if m.source == "rule" else m.source
-
-
 def check(
     rules: Rules, model: Any, device_counts: Sequence[int], *, strict: bool = False
 ) -> list[CheckResult]:
-    """Resolves `rules` against `model` on each device count; collects every fault."""
+    """Lays out `model` under `rules` on each device count; collects every fault.
+
+    Every leaf that can be laid out is, so one run reports every independent fault:
+    expressions that do not fit, the file's device count, unmatched leaves under
+    `"default": "error"`, and (with `strict`) rules that match nothing.
+    """
     results = []
-    matches, match_problems = rules.match(model)
-    unused = rules.unused(matches)
-    flat = jax.tree_util.tree_leaves(model)
     for n in device_counts:
-        devices = jax.devices()[:n]
-        problems = list(match_problems)
+        planned = make_plan(model, rules, devices=jax.devices()[:n])
+        problems = list(planned.problems)
         notes = []
-        for rule in unused:
-            where = rules.where(f"$.rules[{rule.index}]")
-            message = f"rule {rule.path!r} matched no leaf of the model"
+        for problem in (p for warning in planned.warnings for p in warning.problems):
             if strict:
-                problems.append(Problem(where, f"{message} (--strict)"))
+                problems.append(Problem(problem.where, f"{problem.message} (--strict)"))
             else:
-                notes.append(f"{where}: {message}")
-        if rules.devices is not None and rules.devices != n:
-            problems.append(
-                Problem(
-                    rules.where("$.devices"),
-                    f"the spec was written for {rules.devices} devices, and this check runs "
-                    f'on {n}; change "devices", or drop it to allow any count',
-                )
-            )
-        per_device: list[int | None] = [None] * len(flat)
-        if not match_problems:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UnusedRuleWarning)
-                    # the declared count is reported above; lay out on n devices regardless
-                    p = plan(model, dataclasses.replace(rules, devices=None), devices=devices)
-            except SpecError as error:
-                problems.extend(error.problems)
-            else:
-                for i, (leaf, sharding) in enumerate(zip(flat, p.flat_shardings)):
-                    if sharding is not None:
-                        shard = sharding.shard_shape(tuple(leaf.shape))
-                        per_device[i] = math.prod(shard) * leaf.dtype.itemsize
-        rows = [
-            LeafRow(
-                path=m.path,
-                shape=tuple(leaf.shape),
-                dtype=str(leaf.dtype),
-                expression=None if m.expr is None else str(m.expr),
-                bytes_per_device=per_device[i],
-                total_bytes=math.prod(leaf.shape) * leaf.dtype.itemsize,
-                matched=_matched(m),
-            )
-            for i, (m, leaf) in enumerate(zip(matches, flat))
-            if m.source != "none"
-        ]
+                notes.append(str(problem))
+        rows = leaf_rows(planned.plan)
         results.append(CheckResult(rules.source, n, rows, problems, notes))
     return results
 
 
 def result_table(result: CheckResult) -> Table:
     """The per-leaf table of one check."""
-    return leaf_table(
-        result.rows, title=f"{result.source} on {result.devices} devices", matched=True
-    )
+    return leaf_table(result.rows, title=f"{result.source} on {result.devices} devices")

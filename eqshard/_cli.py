@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ._errors import EqshardError
+from ._errors import EqshardError, whole_number
 
 __all__ = ["main"]
 
@@ -21,13 +21,29 @@ def _use_devices(count: int | None) -> None:
 
     With `count`, JAX runs on `count` simulated CPU devices. Without it, JAX uses
     the accelerators that are present, or 8 simulated CPU devices when there are none.
+    When JAX's backends are already up (eqshard run in-process), this does nothing,
+    and the callers report a device count that differs from the one asked for.
     """
     import jax
 
-    if count is not None:
-        jax.config.update("jax_platforms", "cpu")
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        jax.config.update("jax_num_cpu_devices", count or 8)
+    if _backends_started():
+        return
+    try:
+        if count is not None:
+            jax.config.update("jax_platforms", "cpu")
+        if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            jax.config.update("jax_num_cpu_devices", count or 8)
+    except RuntimeError:  # started after all, in a JAX that cannot tell us beforehand
+        pass
+
+
+def _backends_started() -> bool:
+    """Whether JAX has started its backends, after which the device count is fixed."""
+    try:
+        from jax._src.xla_bridge import backends_are_initialized
+    except ImportError:  # not in this JAX: `_use_devices` catches the config's refusal
+        return False
+    return backends_are_initialized()
 
 
 def _console():
@@ -41,13 +57,12 @@ def _whole(minimum: int):
     """An argparse type: a whole number of at least `minimum`."""
 
     def convert(text: str) -> int:
+        if not (text.isascii() and text.isdigit()):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (digits 0-9)")
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} must be {minimum} or more")
-        return value
+            return whole_number(int(text), repr(text), minimum)
+        except EqshardError:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {minimum} or more") from None
 
     return convert
 
@@ -106,7 +121,7 @@ def _problem_json(problem) -> dict[str, str]:
 
 def _validate(args: argparse.Namespace) -> int:
     from ._errors import SpecError, UnreadableError
-    from ._rules import load
+    from ._specfile import load
 
     code, report = 0, []
     for name in args.files:
@@ -138,9 +153,9 @@ def _validate(args: argparse.Namespace) -> int:
     return code
 
 
-def _check(args: argparse.Namespace) -> int:
+def _check_command(args: argparse.Namespace) -> int:
     from ._errors import UnreadableError
-    from ._rules import load
+    from ._specfile import load
 
     try:
         rules = load(args.file)
@@ -191,7 +206,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from ._rules import schema
+    from ._specfile import schema
 
     _emit_json(schema())
     return 0
@@ -280,7 +295,7 @@ def _parser() -> argparse.ArgumentParser:
         "--strict", action="store_true", help="a rule that matches nothing is an error"
     )
     check.add_argument("--format", choices=["text", "json"], default="text")
-    check.set_defaults(run=_check)
+    check.set_defaults(run=_check_command)
 
     schema = commands.add_parser("schema", help="print the JSON Schema of spec files")
     schema.set_defaults(run=_schema)

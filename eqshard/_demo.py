@@ -18,8 +18,8 @@ from rich.console import Console
 from ._apply import apply
 from ._plan import plan
 from ._report import human_bytes, leaf_rows, leaf_table, total_bytes_per_device
+from ._resolve import spec as spec_of
 from ._shard import constrain
-from ._spec import spec as spec_of
 
 __all__ = ["Block", "main", "megatron_spec"]
 

@@ -8,9 +8,22 @@ expression, put a caret under the fault, then state the rule and the fix.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
 
-__all__ = ["EqshardError", "ExpressionError", "Problem", "SpecError", "UnreadableError"]
+__all__ = [
+    "EqshardError",
+    "EqshardWarning",
+    "ExpressionError",
+    "Problem",
+    "SpecError",
+    "UnreadableError",
+    "UnusedRuleWarning",
+    "warn",
+    "whole_number",
+]
 
 
 class EqshardError(ValueError):
@@ -119,6 +132,13 @@ class Problem:
         line = f"{self.where}: {self.message}"
         return f"{line}\n{self.detail}" if self.detail else line
 
+    @classmethod
+    def from_error(cls, where: str, error: ExpressionError, context: str = "") -> Problem:
+        """The problem an `ExpressionError` makes at `where`: `context`, the rule
+        that was broken, and the caret picture under it."""
+        message = f"{context}: {error.rule}" if context else error.rule
+        return cls(where, message, error.picture)
+
 
 class SpecError(EqshardError):
     """Every fault found in one spec, raised once.
@@ -152,3 +172,96 @@ class UnreadableError(SpecError):
 
 
 UnreadableError.__module__ = "eqshard"
+
+
+class EqshardWarning(UserWarning):
+    """Base class of eqshard's warnings: a fault that does not stop the work.
+
+    **Attributes:**
+
+    - `where`: the leaf's dotted path or `file::$.json.path`, as in a `Problem`.
+    - `message`: what is wrong, and how to fix it.
+    """
+
+    where: str
+    message: str
+
+    def __init__(self, where: str, message: str):
+        self.where = where
+        self.message = message
+        super().__init__(f"{where}: {message}")
+
+    @property
+    def problems(self) -> list[Problem]:
+        """The same faults as `Problem`s, one per place, for `check --strict`."""
+        return [Problem(self.where, self.message)]
+
+    def __reduce__(self):
+        return (type(self), (self.where, self.message))
+
+
+EqshardWarning.__module__ = "eqshard"
+
+
+class UnusedRuleWarning(EqshardWarning):
+    """Rules of a spec file that matched no leaf of the model: one warning per plan.
+
+    **Attributes:** `source` (the file), `unused` (each rule's index and path),
+    besides `where` and `message`.
+    """
+
+    source: str
+    unused: list[tuple[int, str]]
+
+    def __init__(self, source: str, unused: Sequence[tuple[int, str]]):
+        self.source = source
+        self.unused = list(unused)
+        (first, path), count = self.unused[0], len(self.unused)
+        if count == 1:
+            super().__init__(f"{source}::$.rules[{first}]", _unused_message(path))
+            return
+        shown = ", ".join(f"$.rules[{i}] {p!r}" for i, p in self.unused[:3])
+        more = f", and {count - 3} more" if count > 3 else ""
+        super().__init__(
+            f"{source}::$.rules",
+            f"{count} rules matched no leaf of the model: {shown}{more}",
+        )
+
+    @property
+    def problems(self) -> list[Problem]:
+        return [Problem(f"{self.source}::$.rules[{i}]", _unused_message(p)) for i, p in self.unused]
+
+    def __reduce__(self):
+        return (type(self), (self.source, self.unused))
+
+
+def _unused_message(path: str) -> str:
+    return f"rule {path!r} matched no leaf of the model"
+
+
+UnusedRuleWarning.__module__ = "eqshard"
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn(found: Iterable[EqshardWarning]) -> None:
+    """Issues each warning, pointed at the first caller outside eqshard."""
+    found = list(found)
+    if not found:
+        return
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    for warning in found:
+        warnings.warn(warning, stacklevel=level + 1)
+
+
+def whole_number(value: object, what: str, minimum: int = 1) -> int:
+    """`value` if it is a whole number (an `int`, not a `bool`) of at least `minimum`.
+
+    **Raises:** `EqshardError` naming `what`, e.g. "`devices` is a whole number from
+    1, not 2.5".
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise EqshardError(f"{what} is a whole number from {minimum}, not {value!r}")
+    return value

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from types import EllipsisType
 from typing import Literal, NamedTuple, Union
 
-from ._errors import EqshardError, ExpressionError
+from ._errors import EqshardError, ExpressionError, whole_number
 
 __all__ = ["Element", "Expression", "parse"]
 
@@ -45,8 +45,7 @@ class Element:
     star: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.count, int) or isinstance(self.count, bool) or self.count < 1:
-            raise EqshardError(f"an element's count is a whole number from 1, not {self.count!r}")
+        whole_number(self.count, "an element's count")
 
     def __str__(self) -> str:
         # A count of 1 is implied, except for a lone "1", which needs its digit.
@@ -102,16 +101,42 @@ class Expression:
     )
 
     def __post_init__(self) -> None:
-        if not self.text:  # built by hand, not by `parse`: it must be what parse gives
-            try:
-                valid = parse(str(self)) == self
-            except Exception:
-                valid = False
-            if not valid:
-                raise EqshardError(
-                    f"Expression(lhs={self.lhs!r}, rhs={self.rhs!r}) is not a valid einshard "
-                    "expression; build expressions with `eqshard.parse`"
-                )
+        # Every Expression is what `parse` gives: one built by hand, by `replace` or
+        # by unpickling is checked against the parse of its text (cached), and takes
+        # the parser's spans, so carets point where they should.
+        try:
+            parsed = _parse_text(self.text or str(self))
+        except Exception:
+            parsed = None
+        if parsed is None or parsed != self:
+            raise EqshardError(
+                f"Expression(lhs={self.lhs!r}, rhs={self.rhs!r}, text={self.text!r}) is not "
+                "a valid einshard expression; build expressions with `eqshard.parse`"
+            )
+        object.__setattr__(self, "text", parsed.text)
+        object.__setattr__(self, "lhs_spans", parsed.lhs_spans)
+        object.__setattr__(self, "rhs_spans", parsed.rhs_spans)
+
+    @classmethod
+    def _parsed(
+        cls,
+        lhs: tuple[LeftItem, ...] | None,
+        rhs: tuple[RightItem, ...],
+        text: str,
+        lhs_spans: tuple[tuple[int, int], ...],
+        rhs_spans: tuple[tuple[int, int], ...],
+    ) -> Expression:
+        """The parser's own constructor: its values are valid by construction."""
+        self = object.__new__(cls)
+        for name, value in (
+            ("lhs", lhs),
+            ("rhs", rhs),
+            ("text", text),
+            ("lhs_spans", lhs_spans),
+            ("rhs_spans", rhs_spans),
+        ):
+            object.__setattr__(self, name, value)
+        return self
 
     def __hash__(self) -> int:
         # Expressions are cache keys on hot paths: hash the fields once.
@@ -123,8 +148,9 @@ class Expression:
             return value
 
     def __reduce__(self):
-        # Pickle the fields alone: a cached hash must not travel to another process.
-        return (Expression, (self.lhs, self.rhs, self.text, self.lhs_spans, self.rhs_spans))
+        # Pickle the text alone: it parses back to the same value, spans included,
+        # and a cached hash must not travel to another process.
+        return (parse, (self.text or str(self),))
 
     def __str__(self) -> str:
         rhs = " ".join(_item_text(item) for item in self.rhs)
@@ -487,7 +513,7 @@ def _parse_text(text: str) -> Expression:
         _check_ellipses(text, lhs, lhs_spans, "left")
         _check_unique(text, [e if isinstance(e, str) else None for e in lhs], lhs_spans, "left")
         _check_sides_agree(text, lhs, lhs_spans, rhs, rhs_spans)
-    return Expression(lhs, rhs, text, lhs_spans, rhs_spans)
+    return Expression._parsed(lhs, rhs, text, lhs_spans, rhs_spans)
 
 
 def parse(expression: str | Expression) -> Expression:

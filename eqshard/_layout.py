@@ -21,7 +21,7 @@ import math
 import operator
 from collections.abc import Iterable, Sequence
 
-from ._errors import EqshardError
+from ._errors import EqshardError, whole_number
 from ._expression import Element, Expression, parse
 
 __all__ = [
@@ -215,8 +215,7 @@ def layout(expr: str | Expression, shape: Sequence[int], n_devices: int) -> Layo
             f"'<names> -> {expr}', or take them from a jaxtyping annotation"
         )
     _check_rank(expr, expr.lhs, shape)
-    if isinstance(n_devices, bool) or not isinstance(n_devices, int) or n_devices < 1:
-        raise EqshardError(f"the device count is a whole number from 1, not {n_devices!r}")
+    whole_number(n_devices, "the device count")
     elements = sum(1 for item in expr.rhs if item is not ...)
     if elements > MAX_ELEMENTS:
         raise expr.error(

@@ -2,20 +2,39 @@
 
 A leaf's path is its pytree key path written with dots: attribute names,
 sequence indices and dict keys, as in `blocks.0.attn.query_proj.weight`. In a
-pattern, `*` matches one segment and `**` any number of segments, none included.
-Matching is a dynamic programme over segments: linear in the pattern times the
-path, whatever the pattern, so a spec file cannot cause catastrophic backtracking.
+pattern, a segment `*` matches one segment, `**` any number of segments (none
+included), and any other segment with `*` in it, such as `*_proj`, is a glob
+within one segment whose every `*` matches any run of that segment's characters.
+
+Matching never backtracks. A pattern is cut at its `**`s into blocks of fixed
+length; the first block must start the path and the last end it, and each block
+between is placed at its leftmost fit after the one before, which is optimal since
+`**` takes anything. A glob is cut at its `*`s the same way, with `str.find`. So a
+match costs O(len(pattern) x len(path)) segment tests, and a glob O(len(glob) x
+len(segment)) characters, whatever a spec file holds.
+
+`PathIndex` finds the first of many patterns that matches a path without trying
+the patterns that cannot. Each pattern gets one *anchor*, a test that some segment
+of every path it matches passes: a literal segment at a fixed place from the start
+or the end, a literal segment anywhere, or the literal prefix or suffix of a glob.
+Of a pattern's anchors it takes the one fewest other patterns share (then: a
+placed literal, a literal anywhere, a glob's end; the longer). A path looks up each of
+its segments, and each of their prefixes and suffixes of the lengths in use, in
+dicts keyed by anchor, which costs O(characters of the path); only the patterns so
+found, and those with no anchor (only `*`, `**` and globs without literal ends),
+are tried, in their order.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+import heapq
+from collections.abc import Sequence
+from typing import Any, Union
 
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-__all__ = ["dotted", "match", "segments"]
+__all__ = ["PathIndex", "dotted", "match", "segments"]
 
 
 def _segment(key: Any) -> str:
@@ -41,53 +60,262 @@ def dotted(path: Sequence[Any]) -> str:
     return ".".join(segments(path))
 
 
-@functools.lru_cache(maxsize=4096)
-def _matcher(pattern: str) -> Callable[[Sequence[str]], bool]:
-    """A function that tells whether a path's segments match `pattern`.
+# One segment of a pattern: a literal (str), `*` (None), or a glob within a segment:
+# its pieces between `*`s, at least two (`*_proj` -> ('', '_proj')).
+_Part = Union[str, None, tuple[str, ...]]
+_Block = tuple[_Part, ...]
 
-    Patterns without `**` compare segment by segment; only `**` needs the DP.
-    """
-    parts = tuple(pattern.split("."))
-    if "**" not in parts:
-        if "*" not in parts:
-            return lambda path: tuple(path) == parts
-        return lambda path: (
-            len(path) == len(parts) and all(p == "*" or p == s for p, s in zip(parts, path))
-        )
-    # Split at the last `**`: the tail after it has a fixed length, so it must match
-    # the path's last segments, which rejects most paths at once; only the head
-    # (up to and including that `**`) needs the DP, and `**` alone needs nothing.
-    cut = len(parts) - parts[::-1].index("**")
-    head, tail = parts[:cut], parts[cut:]
 
-    def matches(path: Sequence[str]) -> bool:
-        rest = len(path) - len(tail)
-        if rest < 0 or not all(p == "*" or p == s for p, s in zip(tail, path[rest:])):
+def _glob(pieces: tuple[str, ...], seg: str) -> bool:
+    """Whether `seg` matches the glob cut into `pieces` at its `*`s. Each piece
+    between the ends goes at its leftmost place: O(len(glob) x len(seg))."""
+    first, last = pieces[0], pieces[-1]
+    end = len(seg) - len(last)
+    if end < len(first) or not seg.startswith(first) or not seg.endswith(last):
+        return False
+    pos = len(first)
+    for piece in pieces[1:-1]:
+        found = seg.find(piece, pos, end)
+        if found < 0:
             return False
-        return head == ("**",) or _dp(head, path[:rest])
+        pos = found + len(piece)
+    return True
 
-    return matches
+
+def _fits(block: _Block, path: Sequence[str], start: int) -> bool:
+    """Whether `block` matches `path[start:start + len(block)]`."""
+    for k, part in enumerate(block):
+        if part is None:
+            continue
+        if isinstance(part, str):
+            if part != path[start + k]:
+                return False
+        elif not _glob(part, path[start + k]):
+            return False
+    return True
 
 
-def _dp(parts: Sequence[str], path: Sequence[str]) -> bool:
-    """Whether `parts` match all of `path`: linear in len(parts) x len(path)."""
-    reach = [True] + [False] * len(path)  # reach[j]: the parts so far match path[:j]
-    for part in parts:
-        if part == "**":
-            # zero or more segments: once reached, every later position is too
-            for j in range(1, len(path) + 1):
-                reach[j] = reach[j] or reach[j - 1]
-        else:
-            reach = [False] + [
-                reach[j] and (part == "*" or part == path[j]) for j in range(len(path))
-            ]
-    return reach[len(path)]
+class _Pattern:
+    """A pattern cut at its `**`s into blocks of parts: `head`, the `inner` blocks
+    (empty ones left out) and `tail`; `fixed` when it has no `**`."""
+
+    __slots__ = ("fixed", "head", "inner", "length", "tail")
+
+    def __init__(self, text: str) -> None:
+        blocks: list[list[_Part]] = [[]]
+        for raw in text.split("."):
+            if raw == "**":
+                blocks.append([])
+            elif raw == "*":
+                blocks[-1].append(None)
+            elif "*" in raw:
+                blocks[-1].append(tuple(raw.split("*")))
+            else:
+                blocks[-1].append(raw)
+        self.fixed = len(blocks) == 1  # the path has the pattern's length
+        self.head: _Block = tuple(blocks[0])
+        self.tail: _Block = tuple(blocks[-1]) if len(blocks) > 1 else ()
+        self.inner: tuple[_Block, ...] = tuple(tuple(b) for b in blocks[1:-1] if b)
+        self.length = sum(len(b) for b in blocks)  # the fewest segments it matches
+
+    def match(self, path: Sequence[str]) -> bool:
+        n = len(path)
+        if self.fixed:
+            return n == self.length and _fits(self.head, path, 0)
+        tail = self.tail
+        if n < self.length or not (_fits(tail, path, n - len(tail)) and _fits(self.head, path, 0)):
+            return False
+        pos, end = len(self.head), n - len(tail)
+        for block in self.inner:
+            # the leftmost place for this block leaves the most room for the rest
+            last = end - len(block)
+            while pos <= last and not _fits(block, path, pos):
+                pos += 1
+            if pos > last:
+                return False
+            pos += len(block)
+        return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _compile(pattern: str) -> _Pattern:
+    return _Pattern(pattern)
 
 
 def match(pattern: str, path: Sequence[str]) -> bool:
     """Whether a dotted glob `pattern` matches the segments of `path`.
 
     **Example:** `match("**.up.weight", ("0", "mu", "blocks", "0", "up", "weight"))`
-    is `True`; `match("blocks.*.up", ("blocks", "up"))` is `False`.
+    is `True`; `match("blocks.*.up", ("blocks", "up"))` is `False`;
+    `match("**.*_proj", ("attn", "query_proj"))` is `True`.
     """
-    return _matcher(pattern)(path)
+    return _compile(pattern).match(path)
+
+
+# An anchor: ("s", k, lit) or ("e", k, lit), the segment k from the start or the end
+# is `lit`; ("x", lit), some segment is `lit`; ("p", text) or ("q", text), some
+# segment starts or ends with `text`. Its rank: lower is preferred.
+_Anchor = tuple[Any, ...]
+_RANK = {"s": 0, "e": 0, "x": 1, "p": 2, "q": 2}
+
+
+def _anchors(pattern: str) -> list[_Anchor]:
+    """Every anchor of `pattern`: tests that some segment of any path it matches
+    passes."""
+    parts = pattern.split(".")
+    n = len(parts)
+    if "**" in parts:
+        first = parts.index("**")
+        last = n - 1 - parts[::-1].index("**")
+    else:
+        first = last = n
+    found: list[_Anchor] = []
+    for k, raw in enumerate(parts):
+        if "*" not in raw:
+            if k < first:
+                found.append(("s", k, raw))
+            elif k > last:
+                found.append(("e", n - 1 - k, raw))
+            else:
+                found.append(("x", raw))
+        elif raw != "*" and raw != "**":
+            prefix, suffix = raw[: raw.index("*")], raw[raw.rindex("*") + 1 :]
+            if prefix:
+                found.append(("p", prefix))
+            if suffix:
+                found.append(("q", suffix))
+    return found
+
+
+class PathIndex:
+    """Many patterns, indexed so that a path tries only those that may match it.
+
+    **Example:** `PathIndex(["**.bias", "blocks.*.*_proj.weight"]).first(("blocks",
+    "0", "query_proj", "weight"))` is `1`. See the module docstring for the design.
+    """
+
+    __slots__ = (
+        "_anywhere",
+        "_compiled",
+        "_end",
+        "_free",
+        "_prefix",
+        "_prefix_firsts",
+        "_prefix_lengths",
+        "_start",
+        "_suffix",
+        "_suffix_lasts",
+        "_suffix_lengths",
+        "patterns",
+    )
+
+    def __init__(self, patterns: Sequence[str]) -> None:
+        self.patterns: tuple[str, ...] = tuple(patterns)
+        self._compiled: list[_Pattern | None] = [None] * len(self.patterns)
+        # by anchor: `_start[k][lit]`, `_end[k][lit]`, `_anywhere[lit]`,
+        # `_prefix[text]`, `_suffix[text]`: the positions of the patterns, in order
+        self._start: list[dict[str, list[int]]] = []
+        self._end: list[dict[str, list[int]]] = []
+        self._anywhere: dict[str, list[int]] = {}
+        self._prefix: dict[str, list[int]] = {}
+        self._suffix: dict[str, list[int]] = {}
+        self._free: list[int] = []  # the patterns with no anchor
+        options = [_anchors(p) for p in self.patterns]
+        shared: dict[_Anchor, int] = {}
+        for found in options:
+            for anchor in set(found) if len(found) > 1 else found:
+                shared[anchor] = shared.get(anchor, 0) + 1
+        for position, found in enumerate(options):
+            if not found:
+                self._free.append(position)
+                continue
+            # the anchor the fewest patterns share; then literal, placed, longer
+            anchor = (
+                found[0]
+                if len(found) == 1
+                else min(found, key=lambda a: (shared[a], _RANK[a[0]], -len(a[-1])))
+            )
+            kind = anchor[0]
+            if kind == "s" or kind == "e":
+                table = self._start if kind == "s" else self._end
+                table.extend({} for _ in range(anchor[1] + 1 - len(table)))
+                table[anchor[1]].setdefault(anchor[2], []).append(position)
+            else:
+                table = {"x": self._anywhere, "p": self._prefix, "q": self._suffix}[kind]
+                table.setdefault(anchor[1], []).append(position)
+        self._prefix_lengths = sorted({len(t) for t in self._prefix})
+        self._suffix_lengths = sorted({len(t) for t in self._suffix})
+        self._prefix_firsts = frozenset(t[0] for t in self._prefix)
+        self._suffix_lasts = frozenset(t[-1] for t in self._suffix)
+
+    def __len__(self) -> int:
+        return len(self.patterns)
+
+    def _buckets(self, segs: Sequence[str]) -> list[list[int]]:
+        """The lists of patterns whose anchor `segs` passes, each in pattern order.
+        A list may come twice (a segment seen twice), never a pattern in two lists."""
+        found: list[list[int]] = []
+        n = len(segs)
+        start, end, anywhere = self._start, self._end, self._anywhere
+        prefix, suffix = self._prefix, self._suffix
+        for i, seg in enumerate(segs):
+            if i < len(start):
+                bucket = start[i].get(seg)
+                if bucket is not None:
+                    found.append(bucket)
+            if n - 1 - i < len(end):
+                bucket = end[n - 1 - i].get(seg)
+                if bucket is not None:
+                    found.append(bucket)
+            if anywhere:
+                bucket = anywhere.get(seg)
+                if bucket is not None:
+                    found.append(bucket)
+            if prefix and seg and seg[0] in self._prefix_firsts:
+                for length in self._prefix_lengths:
+                    if length > len(seg):
+                        break
+                    bucket = prefix.get(seg[:length])
+                    if bucket is not None:
+                        found.append(bucket)
+            if suffix and seg and seg[-1] in self._suffix_lasts:
+                for length in self._suffix_lengths:
+                    if length > len(seg):
+                        break
+                    bucket = suffix.get(seg[len(seg) - length :])
+                    if bucket is not None:
+                        found.append(bucket)
+        if self._free:
+            found.append(self._free)
+        return found
+
+    def _matches(self, position: int, segs: Sequence[str]) -> bool:
+        compiled = self._compiled[position]
+        if compiled is None:
+            compiled = self._compiled[position] = _Pattern(self.patterns[position])
+        return compiled.match(segs)
+
+    def first(self, segs: Sequence[str]) -> int | None:
+        """The position of the first pattern that matches `segs`, or `None`."""
+        buckets = self._buckets(segs)
+        if len(buckets) == 1:
+            for position in buckets[0]:
+                if self._matches(position, segs):
+                    return position
+            return None
+        tried = -1
+        for position in heapq.merge(*buckets):
+            if position != tried and self._matches(position, segs):
+                return position
+            tried = position
+        return None
+
+    def all(self, segs: Sequence[str]) -> list[int]:
+        """The positions of every pattern that matches `segs`, in order."""
+        every: list[int] = []
+        tried = -1
+        for position in heapq.merge(*self._buckets(segs)):
+            if position != tried and self._matches(position, segs):
+                every.append(position)
+            tried = position
+        return every

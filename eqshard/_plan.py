@@ -14,19 +14,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._errors import EqshardError, ExpressionError, Problem, SpecError
+from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem, SpecError, warn
 from ._expression import Expression
+from ._fields import FROM_FIELDS, is_array_like
 from ._layout import Layout, layout, shared_mesh
-from ._sharding import Device, device_tuple, mesh
-from ._spec import FROM_FIELDS, Resolved, is_array_like, is_resolver, leaf_specs
+from ._resolve import Resolved, resolve
+from ._resolver import Target
+from ._sharding import Device, device_tuple, mesh, named_sharding
 
-__all__ = ["Plan", "Unspecified", "plan"]
+__all__ = ["Plan", "Planned", "Unspecified", "make_plan", "plan"]
 
 Unspecified = Literal["replicate", "keep"]
 
@@ -82,10 +84,65 @@ class Plan:
         return f"Plan(mesh={self.mesh}, shardings={self.shardings})"
 
 
-def _problem(where: str, leaf: Any, expr: Expression, error: ExpressionError) -> Problem:
-    return Problem(
-        where, f"{leaf.dtype}{list(leaf.shape)} {str(expr)!r}: {error.rule}", error.picture
-    )
+class Planned(NamedTuple):
+    """A plan with the faults found while making it: leaves with a problem have no
+    sharding (see `Plan.failed`)."""
+
+    plan: Plan
+    problems: list[Problem]
+    warnings: list[EqshardWarning]
+
+
+def make_plan(
+    model: PyTree[Any],
+    spec: Any = FROM_FIELDS,
+    *,
+    devices: Sequence[Device] | None = None,
+    unspecified: Unspecified = "replicate",
+) -> Planned:
+    """`plan`, collecting every problem of every leaf rather than raising them.
+
+    A leaf whose expression cannot be read cannot be laid out, but every other leaf
+    still is, so one pass finds every independent fault.
+    """
+    if unspecified not in ("replicate", "keep"):
+        raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
+    devices = device_tuple(devices)
+    n = len(devices)
+    resolved, problems, warnings = resolve(model, spec, Target(n))
+
+    layouts: list[Layout | None] = []
+    replicate = unspecified == "replicate"
+    for i, (leaf, expr) in enumerate(zip(resolved.leaves, resolved.exprs)):
+        if expr is not None:
+            try:
+                layouts.append(_layout(expr, tuple(leaf.shape), n))
+            except ExpressionError as error:
+                context = f"{leaf.dtype}{list(leaf.shape)} {str(expr)!r}"
+                problems.append(Problem.from_error(resolved.where(i), error, context))
+                resolved.failed.add(i)
+                layouts.append(None)
+        elif replicate and i not in resolved.failed and is_array_like(leaf):
+            layouts.append(_replicated(len(leaf.shape), n))
+        else:
+            layouts.append(None)
+
+    distinct = {lay for lay in layouts if lay is not None}
+    shared = shared_mesh(distinct, n)
+    if shared is None:  # each expression keeps its own mesh, as `eqshard.sharding` builds it
+        common = None
+        by_layout = {
+            lay: named_sharding(lay.mesh_shape, lay.mesh_axes, lay.spec, devices)
+            for lay in distinct
+        }
+    else:
+        common = mesh(shared.mesh_shape, shared.mesh_axes, devices)
+        by_layout = {
+            lay: named_sharding(shared.mesh_shape, shared.mesh_axes, shared.spec_of(lay), devices)
+            for lay in distinct
+        }
+    flat = [None if lay is None else by_layout[lay] for lay in layouts]
+    return Planned(Plan(mesh=common, resolved=resolved, flat_shardings=flat), problems, warnings)
 
 
 def plan(
@@ -133,55 +190,8 @@ def plan(
     annotation); or naming the first path where the spec's structure differs from
     the model's.
     """
-    if unspecified not in ("replicate", "keep"):
-        raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
-    devices = device_tuple(devices)
-    n = len(devices)
-    expected = getattr(spec, "devices", None)
-    if is_resolver(spec) and isinstance(expected, int) and expected != n:
-        source = getattr(spec, "source", "the spec")
-        raise SpecError(
-            [
-                Problem(
-                    f"{source}::$.devices",
-                    f"the spec was written for {expected} devices, and {n} are given; "
-                    f'run on {expected} devices, or change "devices"',
-                )
-            ]
-        )
-    resolved = leaf_specs(model, spec)
-
-    layouts: list[Layout | None] = []
-    problems: list[Problem] = []
-    replicate = unspecified == "replicate"
-    for i, (leaf, expr) in enumerate(zip(resolved.leaves, resolved.exprs)):
-        if expr is not None:
-            try:
-                layouts.append(_layout(expr, tuple(leaf.shape), n))
-            except ExpressionError as error:
-                problems.append(_problem(resolved.where(i), leaf, expr, error))
-                layouts.append(None)
-        elif replicate and is_array_like(leaf):
-            layouts.append(_replicated(len(leaf.shape), n))
-        else:
-            layouts.append(None)
-    if problems:
-        raise SpecError(problems)
-
-    distinct = {lay for lay in layouts if lay is not None}
-    shared = shared_mesh(distinct, n)
-    if shared is None:  # each expression keeps its own mesh, as `eqshard.sharding` builds it
-        common = None
-        by_layout = {
-            lay: NamedSharding(
-                mesh(lay.mesh_shape, lay.mesh_axes, devices), PartitionSpec(*lay.spec)
-            )
-            for lay in distinct
-        }
-    else:
-        common = mesh(shared.mesh_shape, shared.mesh_axes, devices)
-        by_layout = {
-            lay: NamedSharding(common, PartitionSpec(*shared.spec_of(lay))) for lay in distinct
-        }
-    flat = [None if lay is None else by_layout[lay] for lay in layouts]
-    return Plan(mesh=common, resolved=resolved, flat_shardings=flat)
+    planned = make_plan(model, spec, devices=devices, unspecified=unspecified)
+    if planned.problems:
+        raise SpecError(planned.problems)
+    warn(planned.warnings)
+    return planned.plan

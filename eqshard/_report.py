@@ -6,9 +6,10 @@ import dataclasses
 import math
 from typing import Any
 
-from jax.tree_util import keystr
 from rich.table import Table
+from rich.text import Text
 
+from ._fields import is_array_like
 from ._plan import Plan
 
 __all__ = [
@@ -25,9 +26,14 @@ __all__ = [
 class LeafRow:
     """One array leaf, as a row of a report.
 
-    `partition_spec` is `None` for a leaf kept where it is; `matched` says which
-    rule of a spec file gave the expression (`None` outside `check`);
-    `bytes_per_device` is `None` where the leaf could not be laid out.
+    - `path`: the leaf's dotted path.
+    - `expression`: its complete expression, `None` where it has none.
+    - `partition_spec`: its `PartitionSpec` on the plan's mesh, `None` for a leaf
+        kept where it is or not laid out.
+    - `bytes_per_device`: what one device holds of it, `None` where it could not be
+        laid out.
+    - `origin`: where its expression came from (`"$.rules[2]"`, `"dims"`,
+        `"default"`, `"Linear.weight"`), when the spec says.
     """
 
     path: str
@@ -37,7 +43,7 @@ class LeafRow:
     partition_spec: str | None = None
     bytes_per_device: int | None = None
     total_bytes: int = 0
-    matched: str | None = None
+    origin: str | None = None
 
 
 def spec_text(spec: Any) -> str:
@@ -50,18 +56,24 @@ def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
 
 
 def leaf_rows(plan: Plan) -> list[LeafRow]:
-    """A row for every array leaf of the plan, in model order."""
+    """A row for every array leaf of the plan, in model order; leaves that could not
+    be laid out have no bytes per device."""
     resolved = plan.resolved
     paths = None
     rows = []
     for i, (leaf, sharding) in enumerate(zip(resolved.leaves, plan.flat_shardings)):
-        if not hasattr(leaf, "shape"):
+        if not is_array_like(leaf):
             continue
         if paths is None:
-            paths = jax_paths(resolved.model)
+            paths = resolved.paths
         shape = tuple(leaf.shape)
-        shard = shape if sharding is None else tuple(sharding.shard_shape(shape))
         expr = resolved.exprs[i]
+        if sharding is not None:
+            per_device: int | None = _nbytes(tuple(sharding.shard_shape(shape)), leaf.dtype)
+        elif i in resolved.failed:
+            per_device = None
+        else:  # kept where it is
+            per_device = _nbytes(shape, leaf.dtype)
         rows.append(
             LeafRow(
                 path=paths[i],
@@ -69,18 +81,12 @@ def leaf_rows(plan: Plan) -> list[LeafRow]:
                 dtype=str(leaf.dtype),
                 expression=None if expr is None else str(expr),
                 partition_spec=None if sharding is None else spec_text(sharding.spec),
-                bytes_per_device=_nbytes(shard, leaf.dtype),
+                bytes_per_device=per_device,
                 total_bytes=_nbytes(shape, leaf.dtype),
+                origin=resolved.origins[i],
             )
         )
     return rows
-
-
-def jax_paths(model: Any) -> list[str]:
-    """The key path of every leaf, as `jax.tree_util.keystr` writes it."""
-    import jax
-
-    return [keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]]
 
 
 def total_bytes_per_device(rows: list[LeafRow]) -> int | None:
@@ -99,21 +105,22 @@ def human_bytes(n: int) -> str:
     return f"{n} B" if i == 0 else f"{value:.1f} {units[i]}"
 
 
-def leaf_table(rows: list[LeafRow], *, title: str | None = None, matched: bool = False) -> Table:
-    """A rich table: path, shape, dtype, expression, then the matched rule (with
-    `matched`) or the PartitionSpec, and bytes per device."""
-    table = Table(title=title, title_justify="left")
-    middle = "matched" if matched else "spec"
-    for name in ("leaf", "shape", "dtype", "expression", middle):
+def leaf_table(rows: list[LeafRow], *, title: str | None = None) -> Table:
+    """A rich table: path, shape, dtype, expression, where it came from, the
+    PartitionSpec, and bytes per device. User text is shown literally."""
+    table = Table(title=None if title is None else Text(title), title_justify="left")
+    for name in ("leaf", "shape", "dtype", "expression", "from", "spec"):
         table.add_column(name)
     table.add_column("per device", justify="right")
     for row in rows:
         table.add_row(
-            row.path,
+            Text(row.path),
             str(list(row.shape)),
             row.dtype,
-            row.expression or "[dim]replicated[/dim]",
-            (row.matched or "") if matched else (row.partition_spec or "[dim]kept[/dim]"),
+            Text(row.expression) if row.expression else Text("replicated", style="dim"),
+            Text(row.origin or ""),
+            row.partition_spec
+            or Text("-" if row.bytes_per_device is None else "kept", style="dim"),
             "-" if row.bytes_per_device is None else human_bytes(row.bytes_per_device),
         )
     return table

@@ -7,13 +7,14 @@ from typing import Any
 
 import jax
 import jax.core
+from jax.sharding import AxisType
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._errors import EqshardError
 from ._expression import Expression
+from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Plan, Unspecified, plan
 from ._sharding import Device, sharding
-from ._spec import FROM_FIELDS, is_array_like
 
 __all__ = ["constrain", "shard"]
 
@@ -70,11 +71,11 @@ def _check_context_mesh() -> None:
     context = jax.sharding.get_abstract_mesh()
     if context.empty:
         return
-    kinds = {str(kind).rsplit(".", 1)[-1] for kind in context.axis_types}
-    if kinds - {"Auto"}:
+    kinds = set(context.axis_types) - {AxisType.Auto}
+    if kinds:
         raise EqshardError(
             f"`eqshard.constrain` places values on its own mesh of Auto axes, but the "
-            f"mesh set by `jax.set_mesh` has {'/'.join(sorted(kinds))} axes "
+            f"mesh set by `jax.set_mesh` has {'/'.join(sorted(k.name for k in kinds))} axes "
             f"({context}). Under Explicit axes use `jax.sharding.reshard` with that "
             "mesh; inside `shard_map` the values are already per-device. Or set a mesh "
             "with `axis_types=(jax.sharding.AxisType.Auto,) * n`"

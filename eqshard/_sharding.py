@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 else:
     Device = jax.Device
 
-__all__ = ["cached_sharding", "device_tuple", "mesh", "sharding"]
+__all__ = ["cached_sharding", "device_tuple", "mesh", "named_sharding", "sharding"]
 
 
 def device_tuple(devices: Sequence[Device] | np.ndarray | None) -> tuple[Device, ...]:
@@ -73,12 +73,22 @@ def mesh(
     )
 
 
+def named_sharding(
+    mesh_shape: tuple[int, ...],
+    mesh_axes: tuple[str, ...],
+    spec: Sequence[str | tuple[str, ...] | None],
+    devices: tuple[Device, ...],
+) -> NamedSharding:
+    """The `NamedSharding` of `spec` on the cached row-major mesh of `devices`."""
+    return NamedSharding(mesh(mesh_shape, mesh_axes, devices), PartitionSpec(*spec))
+
+
 @functools.lru_cache(maxsize=8192)
 def cached_sharding(
     expr: str | Expression, shape: tuple[int, ...], devices: tuple[Device, ...]
 ) -> NamedSharding:
     lay = layout(parse(expr), shape, len(devices))
-    return NamedSharding(mesh(lay.mesh_shape, lay.mesh_axes, devices), PartitionSpec(*lay.spec))
+    return named_sharding(lay.mesh_shape, lay.mesh_axes, lay.spec, devices)
 
 
 def sharding(

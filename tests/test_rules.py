@@ -190,7 +190,7 @@ INVALID = {
         ("$.eqshard", "unsupported version 2; this eqshard reads version 1", ""),
         (
             "$.rules[0].path",
-            "'a b' is not a path pattern: segments are separated by '.', and each is a name, an index, a key, '*' or '**', with no spaces",
+            "'a b' is not a path pattern: segments are separated by '.', and each is a name, an index, a key, '*', '**', or a glob such as '*_proj' (a '*' inside a segment matches any run of its characters), with no spaces",
             "",
         ),
         ("$.rules[1].expr", "3 is not of type 'string'", ""),
@@ -313,7 +313,9 @@ def test_rules_report_which_rule_matched_each_leaf():
     rules = eqshard.load(MEGATRON)
     matches, problems = rules.match(block())
     assert problems == []
-    by_path = {m.path: (m.source, m.rule, None if m.expr is None else str(m.expr)) for m in matches}
+    by_path = {
+        m.path: (m.source, m.rule_index, None if m.expr is None else str(m.expr)) for m in matches
+    }
     assert by_path["attn.query_proj.weight"] == ("rule", 0, "o i -> o* i")
     assert by_path["attn.key_proj.weight"] == ("default", None, "... -> * ...")
     assert by_path["down.weight"] == ("rule", 4, "o i -> o i*")
@@ -368,7 +370,7 @@ def test_declared_device_count_is_checked():
     with pytest.raises(
         SpecError,
         match=re.escape(
-            '<mapping>::$.devices: the spec was written for 4 devices, and 8 are given; run on 4 devices, or change "devices"'
+            '<mapping>::$.devices: the spec was written for 4 devices, and it is laid out on 8; use 4 devices, or change "devices"'
         ),
     ):
         eqshard.apply({"w": jnp.ones(8)}, rules)
@@ -480,7 +482,7 @@ def test_deeply_nested_json_is_an_error_not_a_crash(tmp_path):
 
 def test_dump_refuses_keys_it_cannot_write(tmp_path):
     with pytest.raises(
-        SpecError, match=re.escape("a.b: the key 'a.b' cannot be written in a rule path")
+        SpecError, match=re.escape("['a.b']: the key 'a.b' cannot be written in a rule path")
     ):
         eqshard.dump({"a.b": "x -> x*"}, tmp_path / "x.json")
 
@@ -503,4 +505,4 @@ def test_the_first_matching_rule_wins(paths, winner):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnusedRuleWarning)
         matches, _ = rules.match({"blocks": [{"w": jnp.ones(8)}]})
-    assert [(m.path, m.rule) for m in matches] == [("blocks.0.w", winner)]
+    assert [(m.path, m.rule_index) for m in matches] == [("blocks.0.w", winner)]

@@ -1,0 +1,166 @@
+"""Resolving: from any spec source to one complete expression per array leaf.
+
+One path for every source: the resolver gives spec leaves, each is parsed, and
+each short form is completed from its field's jaxtyping annotation. Every problem
+found on the way is collected, never raised, so `plan` can report them all at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jaxtyping import PyTree
+
+from ._annotation import complete
+from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem, SpecError, warn
+from ._expression import Expression, parse
+from ._fields import FROM_FIELDS, LeafInfo, is_array_like, leaf_name, walk_fields
+from ._resolver import Resolver, Target, is_resolver
+from ._spectree import SpecTree, not_a_spec_leaf
+
+__all__ = ["Resolved", "resolve", "spec"]
+
+
+@dataclasses.dataclass
+class Resolved:
+    """A model's leaves, flattened, each with its complete expression (or `None`).
+
+    - `exprs`: the complete expression of each leaf, `None` where there is none.
+    - `origins`: where each came from, when the resolver says.
+    - `failed`: the leaves a problem left without an expression.
+
+    Key paths, owners and annotations come from a walk over the model's fields,
+    made only when something needs them: `FROM_FIELDS`, a short form, or a message.
+    """
+
+    model: Any
+    leaves: list[Any]
+    treedef: Any
+    exprs: list[Expression | None]
+    origins: list[str | None]
+    failed: set[int]
+    _fields: list[LeafInfo] | None = None
+
+    @property
+    def fields(self) -> list[LeafInfo]:
+        if self._fields is None:
+            self._fields = walk_fields(self.model)
+        return self._fields
+
+    def where(self, index: int) -> str:
+        """`layers.0.weight (Linear.weight)`: leaf `index`'s name in messages."""
+        return self.fields[index].label
+
+    @property
+    def paths(self) -> list[str]:
+        """Every leaf's dotted path."""
+        return [leaf_name(item.path) for item in self.fields]
+
+
+def _completed(item: LeafInfo, expr: Expression) -> Expression | Problem:
+    """A short form with its left side taken from the leaf's annotation."""
+    if item.annotation is None:
+        return Problem(
+            item.label,
+            f"the short form {str(expr)!r} needs a left side, and the field has no "
+            "jaxtyping annotation such as Float[Array, 'x y'] to take it from; write "
+            "the full form 'x y -> ...'",
+        )
+    try:
+        return complete(expr, item.annotation)
+    except ExpressionError as error:
+        return Problem.from_error(item.label, error, repr(error.expression))
+
+
+def resolve(
+    model: Any, spec: Any, target: Target
+) -> tuple[Resolved, list[Problem], list[EqshardWarning]]:
+    """Resolves, parses and completes `spec` for every leaf of `model`.
+
+    **Returns:** the `Resolved` leaves, every problem found (resolver, parse,
+    completion), and the resolver's warnings. Raises nothing for a fault in the
+    spec; `EqshardError` only for a resolver that breaks the protocol.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    resolver: Resolver = spec if is_resolver(spec) else SpecTree(spec)
+    resolution = resolver.__eqshard_resolve__(model, target)
+    given = list(resolution.exprs)
+    if len(given) != len(leaves):
+        raise EqshardError(
+            f"{type(resolver).__name__} resolved {len(given)} spec leaves for a model of "
+            f"{len(leaves)} leaves; a resolver gives one per leaf"
+        )
+    origins = list(resolution.origins or [None] * len(leaves))
+    fields = None if resolution.fields is None else list(resolution.fields)
+    resolved = Resolved(
+        model, leaves, treedef, [None] * len(leaves), origins, set(resolution.failed), fields
+    )
+    problems = list(resolution.problems)
+    for i, spec_leaf in enumerate(given):
+        if spec_leaf is None or i in resolved.failed or not is_array_like(leaves[i]):
+            continue
+        if isinstance(spec_leaf, Expression):
+            expr = spec_leaf
+        elif isinstance(spec_leaf, str):
+            try:
+                expr = parse(spec_leaf)
+            except ExpressionError as error:
+                problems.append(Problem.from_error(resolved.where(i), error, repr(spec_leaf)))
+                resolved.failed.add(i)
+                continue
+        else:
+            problems.append(Problem(resolved.where(i), not_a_spec_leaf(spec_leaf)))
+            resolved.failed.add(i)
+            continue
+        if not expr.is_complete:
+            done = _completed(resolved.fields[i], expr)
+            if isinstance(done, Problem):
+                problems.append(done)
+                resolved.failed.add(i)
+                continue
+            expr = done
+        resolved.exprs[i] = expr
+    return resolved, problems, list(resolution.warnings)
+
+
+def spec(model: PyTree[Any], rules: Resolver | None = None) -> PyTree[Expression | None]:
+    """The spec tree of a model: its structure, with an expression per array leaf.
+
+    **Example:**
+
+    ```python
+    spec = eqshard.spec(model)   # from the eqshard.field annotations
+    spec = eqx.tree_at(lambda s: s.head.weight, spec, "v d -> v* d",
+                       is_leaf=lambda x: x is None)
+    model = eqshard.apply(model, spec)
+    ```
+
+    **Arguments:**
+
+    - `model`: an Equinox model or any pytree, concrete or abstract (from
+        `eqx.filter_eval_shape`, with `jax.ShapeDtypeStruct` leaves).
+    - `rules`: optionally, a resolver such as the `Rules` of a JSON spec file. A
+        spec file's `"devices"` is checked against the devices JAX has.
+
+    **Returns:**
+
+    A pytree with the model's structure. Each array leaf's place holds its complete
+    `Expression` (short forms get their left side from the annotation), or `None`
+    where no field gives one; every other leaf's place holds `None`. Since `None` is
+    an empty subtree to JAX, pass `is_leaf=lambda x: x is None` to `eqx.tree_at`
+    when replacing one.
+
+    **Raises:**
+
+    `eqshard.SpecError` listing every faulty leaf by dotted path and `Class.field`.
+    """
+    from ._sharding import device_tuple
+
+    source = FROM_FIELDS if rules is None else rules
+    resolved, problems, found = resolve(model, source, Target(len(device_tuple(None))))
+    if problems:
+        raise SpecError(problems)
+    warn(found)
+    return jax.tree_util.tree_unflatten(resolved.treedef, resolved.exprs)

@@ -1,0 +1,104 @@
+"""The resolver protocol: how a spec source gives each leaf of a model its expression.
+
+Every spec source is a resolver: the model's own `eqshard.field`s
+(`FROM_FIELDS`), a spec tree, the `Rules` of a spec file, or a user's own object.
+A resolver is asked for one `Target` (what the spec is resolved for: the device
+count, and the user's mesh where there is one) and answers with a `Resolution`:
+one spec leaf per leaf of the model, and the problems and warnings it found. It
+raises nothing itself: `eqshard.plan` collects every problem of every stage and
+raises them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
+
+from ._errors import EqshardWarning, Problem
+from ._expression import Expression
+
+if TYPE_CHECKING:
+    from jax.sharding import AbstractMesh, Mesh
+
+__all__ = ["Resolution", "Resolver", "SpecLeaf", "Target", "is_resolver", "is_spec_leaf"]
+
+SpecLeaf = Union[Expression, str, None]
+"""A leaf of a spec tree: an expression, its text, or `None` (no expression)."""
+
+
+def is_spec_leaf(x: object) -> bool:
+    """Whether `x` is a leaf of a spec tree: an expression, its text, or `None`."""
+    return x is None or isinstance(x, (Expression, str))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a spec is resolved for.
+
+    - `devices`: how many devices the model is laid out on.
+    - `mesh`: the user's mesh, where one is given (its axis names and sizes), else
+        `None`.
+    """
+
+    devices: int
+    mesh: Mesh | AbstractMesh | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """A resolver's answer for one model and one `Target`.
+
+    - `exprs`: one spec leaf per leaf of `jax.tree_util.tree_leaves(model)`, in that
+        order: an `Expression`, its text (full or short form), or `None`. Entries
+        for leaves that are not arrays are ignored.
+    - `problems`: every fault found, each naming its leaf or `file::$.json.path`.
+    - `warnings`: faults that do not stop the work (a rule that matched nothing).
+    - `failed`: the indices of leaves that a problem leaves without an expression;
+        they are not laid out (and not replicated either).
+    - `origins`: optionally, where each leaf's expression came from
+        (`"$.rules[2]"`, `"dims"`, `"Linear.weight"`), for reports.
+    - `fields`: optionally, the walk over the model's fields that the resolver
+        made (`eqshard._fields.walk_fields`), so it is not made twice.
+    """
+
+    exprs: Sequence[SpecLeaf]
+    problems: Sequence[Problem] = ()
+    warnings: Sequence[EqshardWarning] = ()
+    failed: frozenset[int] = frozenset()
+    origins: Sequence[str | None] | None = None
+    fields: Sequence[Any] | None = None
+
+
+@runtime_checkable
+class Resolver(Protocol):
+    """A spec source, such as `eqshard.Rules` or `eqshard.FROM_FIELDS`.
+
+    **Example:**
+
+    ```python
+    class Everything:
+        def __init__(self, expr):
+            self.expr = expr
+
+        def __eqshard_resolve__(self, model, target):
+            leaves = jax.tree_util.tree_leaves(model)
+            return eqshard.Resolution([self.expr] * len(leaves))
+
+    model = eqshard.apply(model, Everything("... -> * ..."))
+    ```
+
+    `__eqshard_resolve__(model, target)` takes the model (concrete or abstract) and
+    a `Target`, and returns a `Resolution`. It raises nothing for a fault in the
+    spec: it reports it in `Resolution.problems`. The dunder name keeps a model or
+    spec tree that happens to have a `resolve` method from being taken for a
+    resolver. To cross a process boundary (as `eqshard.testing` does), a resolver
+    must pickle.
+    """
+
+    def __eqshard_resolve__(self, model: Any, target: Target) -> Resolution: ...
+
+
+def is_resolver(spec: object) -> bool:
+    """Whether `spec` is a resolver (judged by its type, as dunder methods are)."""
+    return hasattr(type(spec), "__eqshard_resolve__")

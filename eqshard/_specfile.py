@@ -1,0 +1,391 @@
+"""The spec-file layer: the schema, reading, `load` and `dump`. It imports no JAX.
+
+A spec file is data: loading one parses JSON and checks it, and never imports a
+module or runs code. The schema (`schemas/eqshard.schema.json`, also shipped in
+the package) is checked with jsonschema first; then every expression is parsed,
+so each fault is reported as `<file>::<JSON path>: <message>`, all at once.
+Because nothing here imports JAX, `eqshard validate` in a pre-commit hook starts
+in a fraction of a second. How rules resolve against a model is `_rules.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib.resources
+import json
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import ValidationError
+
+from ._errors import (
+    EqshardError,
+    ExpressionError,
+    Problem,
+    SpecError,
+    UnreadableError,
+    whole_number,
+)
+from ._expression import Expression, parse
+
+if TYPE_CHECKING:
+    from ._resolver import Resolution, Target
+    from ._rules import Match
+
+__all__ = ["MAX_BYTES", "VERSION", "Rule", "Rules", "document_problems", "dump", "load", "schema"]
+
+MAX_BYTES = 1 << 20
+"""Spec files larger than this (1 MiB) are refused unread."""
+
+VERSION = 1
+"""The format version this eqshard reads and writes."""
+
+
+@functools.cache
+def _schema() -> dict[str, Any]:
+    text = importlib.resources.files("eqshard").joinpath("eqshard.schema.json").read_text("utf-8")
+    return json.loads(text)
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema (Draft 2020-12) of eqshard spec files, as a new dict.
+
+    **Example:** `json.dumps(eqshard.schema())`, or `eqshard schema` on the command line.
+    """
+    return copy.deepcopy(_schema())
+
+
+@functools.cache
+def _validator() -> Draft202012Validator:
+    return Draft202012Validator(_schema())
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One path rule of a spec file.
+
+    - `path`: a dotted glob (`blocks.*.attn.query_proj.weight`, `**.*_proj.weight`).
+    - `expr`: the expression a matching leaf gets.
+    - `comment`: the rule's comment, if any.
+    - `index`: its place in the file's `rules` list.
+    """
+
+    path: str
+    expr: Expression
+    comment: str | None = None
+    index: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str):
+            raise EqshardError(
+                f"`Rule.path` is a dotted glob such as 'blocks.*.weight', not {self.path!r}"
+            )
+        object.__setattr__(self, "expr", parse(self.expr))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rules:
+    """The rules of a spec file: a resolver, ready for any model.
+
+    Pass it wherever eqshard takes a spec: `eqshard.apply(model, rules)`,
+    `eqshard.plan(model, rules)`, `eqshard.spec(model, rules)`.
+
+    **Fields:** `rules` (a tuple of `Rule`), `default` (`"replicate"` or `"error"`),
+    `devices` (the device count the file was written for, or `None`), `dims` (dim
+    name to modifier), and `source` (the file name, for messages).
+    """
+
+    rules: tuple[Rule, ...] = ()
+    default: Literal["replicate", "error"] = "replicate"
+    devices: int | None = None
+    dims: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    source: str = "<rules>"
+
+    def where(self, json_path: str) -> str:
+        """`file::$.json.path`: where a fault of this spec is, in messages."""
+        return f"{self.source}::{json_path}"
+
+    def match(self, model: Any) -> tuple[list[Match], list[Problem]]:
+        """How each leaf of `model` gets its expression, and what went wrong.
+
+        The problems are: leaves no rule or dim matches under `"default": "error"`,
+        and dims-derived expressions that do not fit their annotation.
+        """
+        from ._rules import match_rules
+
+        return match_rules(self, model)
+
+    def __eqshard_resolve__(self, model: Any, target: Target) -> Resolution:
+        from ._rules import resolve_rules
+
+        return resolve_rules(self, model, target)
+
+    def to_json(self) -> dict[str, Any]:
+        """The document of a spec file that loads back to these rules."""
+        document: dict[str, Any] = {"$schema": _schema()["$id"], "eqshard": VERSION}
+        if self.devices is not None:
+            document["devices"] = self.devices
+        document["default"] = self.default
+        document["rules"] = [
+            {"path": r.path, "expr": str(r.expr), **({"comment": r.comment} if r.comment else {})}
+            for r in self.rules
+        ]
+        if self.dims:
+            document["dims"] = dict(self.dims)
+        return document
+
+
+# --------------------------------------------------------------------------- #
+# Reading and checking.
+# --------------------------------------------------------------------------- #
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _read(path: Path, name: str) -> Any:
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise UnreadableError(
+                [Problem(name, "it is not a regular file (a directory, pipe or device)")],
+                "unreadable",
+            )
+        with path.open("rb") as file:
+            data = file.read(MAX_BYTES + 1)
+    except (OSError, ValueError) as error:
+        why = getattr(error, "strerror", None) or error
+        raise UnreadableError([Problem(name, f"cannot read it: {why}")], "unreadable") from None
+    if len(data) > MAX_BYTES:
+        raise UnreadableError(
+            [Problem(name, f"the file is over the {MAX_BYTES}-byte limit for spec files")],
+            "refused",
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UnreadableError(
+            [Problem(name, f"it is not UTF-8 (byte {error.start})")], "unreadable"
+        ) from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except json.JSONDecodeError as error:
+        where = f"{name}::line {error.lineno}, column {error.colno}"
+        raise SpecError([Problem(where, f"invalid JSON: {error.msg}")], "invalid") from None
+    except RecursionError:
+        raise SpecError([Problem(name, "the JSON nests too deeply to read")], "invalid") from None
+    except _DuplicateKey as error:
+        raise SpecError(
+            [Problem(name, f"the key {error.args[0]!r} appears twice in one object; keep one")],
+            "invalid",
+        ) from None
+    except ValueError as error:
+        raise SpecError([Problem(name, str(error))], "invalid") from None
+
+
+def _schema_problem(name: str, error: ValidationError) -> Problem:
+    where = f"{name}::{error.json_path}"
+    instance, keyword = error.instance, error.validator
+    path = list(error.absolute_path)
+    if keyword == "pattern" and path[-1:] == ["expr"] and isinstance(instance, str):
+        try:
+            parse(instance)
+        except ExpressionError as bad:
+            return Problem.from_error(where, bad)
+    if keyword == "pattern" and path[-1:] == ["path"]:
+        return Problem(
+            where,
+            f"{instance!r} is not a path pattern: segments are separated by '.', and each "
+            "is a name, an index, a key, '*', '**', or a glob such as '*_proj' (a '*' "
+            "inside a segment matches any run of its characters), with no spaces",
+        )
+    if "propertyNames" in error.schema_path:
+        return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
+    if keyword == "pattern" and path[:1] == ["dims"]:
+        return Problem(
+            where,
+            f"{instance!r} is not a shard modifier: write a count, a star or both ('2', '*', '2*')",
+        )
+    if keyword == "additionalProperties" and isinstance(instance, dict):
+        subschema = error.schema if isinstance(error.schema, dict) else {}
+        allowed = list(subschema.get("properties", {}))
+        extra = [k for k in instance if k not in allowed]
+        return Problem(
+            where,
+            f"unknown key{'s' * (len(extra) > 1)} {', '.join(map(repr, extra))}; the keys "
+            f"here are {', '.join(map(repr, allowed))}",
+        )
+    if keyword == "const" and path == ["eqshard"]:
+        return Problem(
+            where, f"unsupported version {instance!r}; this eqshard reads version {VERSION}"
+        )
+    if keyword == "required":
+        missing = str(error.message).split("'")[1] if "'" in error.message else error.message
+        hint = ' (the format version: "eqshard": 1)' if missing == "eqshard" else ""
+        return Problem(where, f"missing key {missing!r}{hint}")
+    return Problem(where, error.message)
+
+
+def _order(path: Sequence[Any]) -> list[tuple[int, int, str]]:
+    """Sorts JSON paths in document order: `$.rules[2]` before `$.rules[10]`."""
+    return [(1, c, "") if isinstance(c, int) else (0, 0, str(c)) for c in path]
+
+
+def document_problems(document: Any, name: str) -> list[Problem]:
+    """Every fault of a spec file's document: the schema's, then what it cannot say."""
+    found = [
+        (_order(error.absolute_path), _schema_problem(name, error))
+        for error in _validator().iter_errors(document)
+    ]
+    if isinstance(document, dict):
+        found += _rule_problems(document, name, {p.where for _, p in found})
+    return [problem for _, problem in sorted(found, key=lambda pair: pair[0])]
+
+
+def _rule_problems(
+    document: dict[str, Any], name: str, schema_paths: set[str]
+) -> list[tuple[list[tuple[int, int, str]], Problem]]:
+    """What the schema cannot say: each expression parses, and no path repeats."""
+    problems: list[tuple[list[tuple[int, int, str]], Problem]] = []
+    rules = document.get("rules")
+    seen: dict[str, int] = {}
+    for i, rule in enumerate(rules if isinstance(rules, list) else []):
+        if not isinstance(rule, dict):
+            continue
+        expr = rule.get("expr")
+        where = f"{name}::$.rules[{i}].expr"
+        if isinstance(expr, str) and where not in schema_paths:
+            try:
+                parse(expr)
+            except ExpressionError as bad:
+                problems.append((_order(["rules", i, "expr"]), Problem.from_error(where, bad)))
+        path = rule.get("path")
+        if isinstance(path, str):
+            if path in seen:
+                problem = Problem(
+                    f"{name}::$.rules[{i}].path",
+                    f"this rule can never match: $.rules[{seen[path]}] has the same path "
+                    f"{path!r} and comes first; remove one",
+                )
+                problems.append((_order(["rules", i, "path"]), problem))
+            seen.setdefault(path, i)
+    return problems
+
+
+def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
+    """Loads and checks a spec file.
+
+    **Example:**
+
+    ```python
+    rules = eqshard.load("model.eqshard.json")
+    model = eqshard.apply(model, rules)
+    ```
+
+    **Arguments:**
+
+    - `source`: a path to a JSON spec file (at most 1 MiB), or an already-parsed
+        mapping. A spec file is data: loading it never imports or runs anything.
+
+    **Returns:**
+
+    An `eqshard.Rules`.
+
+    **Raises:**
+
+    `eqshard.SpecError` listing every fault at once, one line each, as
+    `<file>::$.rules[2].expr: <message>` (broken JSON names its line and column);
+    `eqshard.UnreadableError` (a `SpecError`) when the file cannot be read, is not
+    UTF-8, or is over the size limit.
+    """
+    if isinstance(source, Mapping):
+        name, document = "<mapping>", source
+    elif isinstance(source, (str, os.PathLike)):
+        name = os.fspath(source)
+        document = _read(Path(name), name)
+    else:
+        raise EqshardError(f"`eqshard.load` takes a path or a mapping, not {type(source).__name__}")
+    try:
+        problems = document_problems(document, name)
+    except RecursionError:
+        problems = [Problem(name, "the document nests too deeply to check")]
+    if problems:
+        raise SpecError(problems, f"{name} is not a valid eqshard spec")
+    rules = tuple(
+        Rule(rule["path"], parse(rule["expr"]), rule.get("comment"), i)
+        for i, rule in enumerate(document.get("rules", []))
+    )
+    return Rules(
+        rules=rules,
+        default=document.get("default", "replicate"),
+        devices=None if document.get("devices") is None else int(document["devices"]),
+        dims=dict(document.get("dims", {})),
+        source=name,
+    )
+
+
+def dump(
+    spec_or_rules: Any,
+    path: str | os.PathLike[str],
+    *,
+    devices: int | None = None,
+) -> None:
+    """Writes a spec tree or `Rules` to a spec file that loads back to the same layouts.
+
+    **Example:**
+
+    ```python
+    eqshard.dump(eqshard.spec(model), "model.eqshard.json")
+    ```
+
+    **Arguments:**
+
+    - `spec_or_rules`: an `eqshard.Rules`, or a spec tree (as `eqshard.spec`
+        returns, edited with `eqx.tree_at`, or a prefix of the model): each
+        expression becomes the rule `<its path>.**`, which matches the leaf or
+        every leaf of the subtree it stands for; `None` leaves are left to
+        `"default": "replicate"`.
+    - `path`: the file to write.
+    - `devices`: the device count to record, if any (a `Rules` keeps its own).
+
+    **Raises:**
+
+    `eqshard.SpecError` when a leaf's path cannot be written as a rule path (a dict
+    key holding '.', '*' or white space).
+    """
+    if devices is not None:
+        whole_number(devices, "`devices`")
+    if not isinstance(path, (str, os.PathLike)):
+        raise EqshardError(f"`eqshard.dump` writes to a path, not {type(path).__name__}")
+    if isinstance(spec_or_rules, Rules):
+        rules = spec_or_rules
+        if devices is not None:
+            rules = dataclasses.replace(rules, devices=devices)
+    else:
+        from ._rules import rules_of_spec_tree  # a spec tree is a pytree: this needs JAX
+
+        rules = rules_of_spec_tree(spec_or_rules, devices)
+    text = json.dumps(rules.to_json(), indent=2, ensure_ascii=False) + "\n"
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise EqshardError(f"cannot write {os.fspath(path)}: {error.strerror or error}") from None

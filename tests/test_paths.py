@@ -1,0 +1,246 @@
+"""Path patterns: `*`, `**` and globs within a segment, and `PathIndex`."""
+
+import random
+import re
+import signal
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import eqshard
+from eqshard._paths import PathIndex, match
+
+
+def _segs(path: str) -> tuple[str, ...]:
+    return tuple(path.split(".")) if path else ()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "matches"),
+    [
+        # literals
+        ("a.b.c", "a.b.c", True),
+        ("a.b.c", "a.b", False),
+        ("a.b", "a.b.c", False),
+        ("a.b.c", "a.x.c", False),
+        # `*`: exactly one whole segment
+        ("a.*.c", "a.b.c", True),
+        ("a.*.c", "a.0.c", True),
+        ("a.*.c", "a.c", False),
+        ("a.*.c", "a.b.b.c", False),
+        ("*", "a", True),
+        ("*", "a.b", False),
+        ("*.*", "a.b", True),
+        # `**` at the start
+        ("**.weight", "weight", True),  # zero segments
+        ("**.weight", "blocks.0.up.weight", True),
+        ("**.weight", "blocks.0.up.bias", False),
+        ("**.weight", "weight.bias", False),
+        # `**` in the middle
+        ("blocks.**.weight", "blocks.weight", True),  # zero segments
+        ("blocks.**.weight", "blocks.0.attn.weight", True),
+        ("blocks.**.weight", "layers.0.weight", False),
+        ("a.**.b.**.c", "a.b.c", True),
+        ("a.**.b.**.c", "a.x.b.y.z.c", True),
+        ("a.**.b.**.c", "a.x.y.c", False),
+        ("a.**.b.b.**.c", "a.b.x.b.c", False),
+        ("a.**.b.b.**.c", "a.b.x.b.b.c", True),
+        # `**` at the end
+        ("blocks.**", "blocks", True),  # zero segments
+        ("blocks.**", "blocks.0.attn.weight", True),
+        ("blocks.**", "layers.0", False),
+        ("**", "", True),
+        ("**", "a.b.c", True),
+        ("**.**", "a", True),
+        ("**.*", "", False),
+        ("**.*.**", "a", True),
+        ("**.mid.**", "mid", True),
+        ("**.mid.**", "a.mid.b", True),
+        ("**.mid.**", "a.midx.b", False),
+        # a glob within a segment
+        ("*_proj", "query_proj", True),
+        ("*_proj", "_proj", True),
+        ("*_proj", "proj", False),
+        ("*_proj", "query_proj.weight", False),  # one segment, never across a dot
+        ("**.*_proj.weight", "blocks.0.attn.query_proj.weight", True),
+        ("**.*_proj.weight", "blocks.0.attn.query.weight", False),
+        ("x*_n", "x_n", True),
+        ("x*_n", "xab_n", True),
+        ("x*_n", "xab_m", False),
+        ("x*_n", "x_", False),
+        ("x*x", "x", False),  # the prefix and suffix may not overlap
+        ("x*x", "xx", True),
+        ("layer*", "layers", True),
+        ("layer*", "layer", True),
+        ("layer*", "laye", False),
+        ("layer*", "alayers", False),
+        ("*layer*", "alayers", True),
+        ("a*b*c", "abc", True),
+        ("a*b*c", "axxbyyc", True),
+        ("a*b*c", "acb", False),
+        ("a*b*b", "ab", False),
+        ("a*b*b", "abb", True),
+        ("a*b*b", "abxb", True),
+        ("blocks.*.attn.*_proj.*", "blocks.3.attn.key_proj.bias", True),
+        ("blocks.*.attn.*_proj.*", "blocks.3.attn.key.bias", False),
+        ("a**b", "ab", True),  # the schema refuses it; `match` reads two `*`
+        ("a**b", "axyb", True),
+    ],
+)
+def test_match(pattern: str, path: str, matches: bool) -> None:
+    assert match(pattern, _segs(path)) is matches
+
+
+@pytest.mark.parametrize(
+    ("patterns", "path", "first", "every"),
+    [
+        ([], "a", None, []),
+        (["**.bias", "blocks.*.*_proj.weight"], "blocks.0.query_proj.weight", 1, [1]),
+        (["**", "a"], "a", 0, [0, 1]),
+        (["a", "**"], "a", 0, [0, 1]),
+        (["b", "**"], "a", 1, [1]),
+        (["*_proj", "query_*", "*"], "query_proj", 0, [0, 1, 2]),
+        (["query_*", "*_proj"], "query_proj", 0, [0, 1]),
+        (["**.0.**", "**.0"], "0.x.0", 0, [0, 1]),  # a segment seen twice counts once
+        (["**.w.**", "**.w"], "x.y", None, []),
+        (["x*_3", "x*_13", "**.x*_1"], "a.xy_1", 2, [2]),
+    ],
+)
+def test_path_index(patterns: list[str], path: str, first: int | None, every: list[int]) -> None:
+    index = PathIndex(patterns)
+    assert len(index) == len(patterns)
+    assert index.first(_segs(path)) == first
+    assert index.all(_segs(path)) == every
+
+
+_PATH_PATTERN = re.compile(eqshard.schema()["$defs"]["path"]["pattern"])
+
+
+@pytest.mark.parametrize(
+    ("pattern", "valid"),
+    [
+        ("blocks.*.attn.query_proj.weight", True),
+        ("**.up.weight", True),
+        ("**.*_proj.weight", True),
+        ("*", True),
+        ("**", True),
+        ("**.**", True),
+        ("x*_n", True),
+        ("layer*", True),
+        ("*a*", True),
+        ("a*b*c", True),
+        ("0.1", True),
+        ("a**b", False),  # `**` is a whole segment or nothing
+        ("**a", False),
+        ("a**", False),
+        ("***", False),
+        ("a..b", False),
+        (".a", False),
+        ("a.", False),
+        ("", False),
+        ("a b", False),
+        ("*a b", False),
+        ("a\n", False),
+        ("a*\n", False),
+    ],
+)
+def test_schema_path_pattern(pattern: str, valid: bool) -> None:
+    assert (_PATH_PATTERN.search(pattern) is not None) is valid
+
+
+# The reference: the definition, by plain recursion and a regex per glob.
+def _reference(parts: Sequence[str], path: Sequence[str]) -> bool:
+    if not parts:
+        return not path
+    part, rest = parts[0], parts[1:]
+    if part == "**":
+        return any(_reference(rest, path[i:]) for i in range(len(path) + 1))
+    if not path:
+        return False
+    glob = ".*".join(re.escape(piece) for piece in part.split("*"))
+    return re.fullmatch(glob, path[0], re.DOTALL) is not None and _reference(rest, path[1:])
+
+
+_PATTERN_SEGMENTS = ["a", "b", "ab", "0", "*", "**", "a*", "*b", "a*b", "*a*", "b*a*b"]
+_PATH_SEGMENTS = ["a", "b", "ab", "ba", "aab", "abab", "0", ""]
+
+patterns_ = st.lists(st.sampled_from(_PATTERN_SEGMENTS), min_size=1, max_size=6).map(".".join)
+paths_ = st.lists(st.sampled_from(_PATH_SEGMENTS), max_size=7).map(tuple)
+
+
+@settings(max_examples=300, deadline=None)
+@given(patterns_, paths_)
+def test_match_agrees_with_the_definition(pattern: str, path: tuple[str, ...]) -> None:
+    assert match(pattern, path) is _reference(pattern.split("."), path)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(patterns_, max_size=30), st.lists(paths_, min_size=1, max_size=10))
+def test_path_index_agrees_with_brute_force(
+    patterns: list[str], paths: list[tuple[str, ...]]
+) -> None:
+    index = PathIndex(patterns)
+    for path in paths:
+        every = [i for i, p in enumerate(patterns) if match(p, path)]
+        assert index.first(path) == next(iter(every), None)
+        assert index.all(path) == every
+
+
+def test_path_index_agrees_with_brute_force_on_many_patterns() -> None:
+    rng = random.Random(0)
+    names = ["blocks", "attn", "mlp", "query_proj", "key_proj", "up", "weight", "bias", "0", "1"]
+    globs = ["*_proj", "query_*", "*a*", "w*t", "b*", "*s", "x*_1"]
+    choices = [*names, *globs, "*", "**", "**"]
+    patterns = [".".join(rng.choice(choices) for _ in range(rng.randint(1, 6))) for _ in range(400)]
+    index = PathIndex(patterns)
+    for _ in range(300):
+        path = tuple(rng.choice(names) for _ in range(rng.randint(0, 7)))
+        expected = next((i for i, p in enumerate(patterns) if match(p, path)), None)
+        assert index.first(path) == expected
+
+
+class _TooSlow(Exception):
+    pass
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Raises `_TooSlow` in the block after `seconds`: a regression fails, not hangs."""
+
+    def alarm(signum: int, frame: object) -> None:
+        raise _TooSlow(f"over {seconds} s: catastrophic backtracking?")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+@pytest.mark.parametrize(
+    ("pattern", "path", "matches"),
+    [
+        ("*a*a*a*a*a*a*a*a*a*a*b", ("a" * 5000,), False),
+        ("*a*a*a*a*a*a*a*a*a*a*", ("a" * 5000,), True),
+        ("a*a*a*a*a*a*a*a*a*a*a*ab*b", ("a" * 5000 + "b",), False),
+        ("*" + "*".join("ab" * 50) + "*c", ("ab" * 3000 + "c",), True),
+        ("**.a.**.a.**.a.**.a.**.b", ("a",) * 400, False),
+        ("**.a.**.a.**.a.**.a.**", ("a",) * 400, True),
+        ("**.a.**.a.**.a.**.a.**.a.b.**", (("a",) * 400), False),
+        (".".join(["**", "a"] * 30 + ["b"]), ("a",) * 2000, False),
+        (".".join(["**", "*a*"] * 30 + ["**", "*y"]), ("xay",) * 2000, True),
+        (".".join(["**", "a.b"] * 30), ("a",) * 1999 + ("b",), False),
+    ],
+)
+def test_no_catastrophic_backtracking(pattern: str, path: tuple[str, ...], matches: bool) -> None:
+    start = time.perf_counter()
+    with _deadline(2.0):
+        assert match(pattern, path) is matches
+        assert PathIndex([pattern]).first(path) == (0 if matches else None)
+    assert time.perf_counter() - start < 2.0
