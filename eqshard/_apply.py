@@ -6,40 +6,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.core
-import jax.numpy as jnp
-import numpy as np
-from jax.sharding import SingleDeviceSharding
 from jaxtyping import PyTree
 
-from ._errors import Problem, SpecError
+from ._errors import Problem, SpecError, warn
 from ._fields import FROM_FIELDS
-from ._plan import Unspecified, plan
+from ._plan import Planned, Unspecified, plan_for
 from ._sharding import Device
+from ._values import source_for, unplaceable
 
-__all__ = ["apply"]
-
-
-def _unplaceable(x: Any) -> str | None:
-    """Why `x` cannot be placed with its values intact, or `None`."""
-    if isinstance(x, jax.core.Tracer):
-        return (
-            "is traced: `eqshard.apply` places concrete arrays outside `jit`; inside, "
-            "use `eqshard.constrain(model, spec)`"
-        )
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return (
-            "is abstract (a jax.ShapeDtypeStruct): `eqshard.apply` places concrete arrays; "
-            "for an abstract model use `eqshard.plan(model, spec).shardings`, e.g. as "
-            "`out_shardings` of the jitted function that builds the model"
-        )
-    if isinstance(x, np.ndarray) and jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype:
-        return (
-            f"is a NumPy {x.dtype} array, and JAX runs with 32-bit types, so placing it "
-            f"would change its values; cast it (`x.astype(np.{x.dtype.name[:-2]}32)`) "
-            "or enable `jax_enable_x64`"
-        )
-    return None
+__all__ = ["apply", "place"]
 
 
 def _refusal(source: Any, target: jax.sharding.Sharding) -> str | None:
@@ -48,29 +23,6 @@ def _refusal(source: Any, target: jax.sharding.Sharding) -> str | None:
     except (TypeError, ValueError, RuntimeError) as error:
         return str(error).split("\n")[0]
     return None
-
-
-def _source(x: Any, target: jax.sharding.Sharding) -> Any:
-    """What to hand `jax.device_put` to place `x` at `target`.
-
-    Weakly typed arrays and arrays of extended dtypes (PRNG keys) go as they are.
-
-    An array that lives on one CPU device is handed over as a NumPy view of its
-    buffer (no copy is made): JAX then places it through its host path, which
-    splits it into shards in one pass, where the device-to-device path runs one
-    slicing computation per shard and is several times slower on CPU. PjRt keeps
-    the source buffer alive, and safe from donation, for as long as the view is
-    used. Everything else (accelerator arrays, arrays already spread over devices,
-    arrays already in place) goes to `device_put` as it is.
-    """
-    if not isinstance(x, jax.Array) or jnp.issubdtype(x.dtype, jax.dtypes.extended) or x.weak_type:
-        return x  # NumPy has no weak types, and no PRNG key dtype
-    source = x.sharding
-    if not isinstance(source, SingleDeviceSharding) or source == target:
-        return x
-    if next(iter(source.device_set)).platform != "cpu" or x.is_deleted():
-        return x
-    return np.asarray(x)
 
 
 def apply(
@@ -117,18 +69,26 @@ def apply(
     each: key path, shape, expression, the rule it breaks), or naming the first
     path where the spec's structure differs from the model's.
     """
-    p = plan(model, spec, devices=devices, unspecified=unspecified)
-    leaves = list(p.resolved.leaves)
+    return place(model, plan_for(model, spec, devices=devices, unspecified=unspecified))
+
+
+def place(tree: Any, planned: Planned, what: str = "`eqshard.apply`") -> Any:
+    """Places every leaf of `tree` that `planned` gives a sharding, in one
+    `jax.device_put`; raises every problem of the plan and of the values at once."""
+    p = planned.plan
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
-    problems = [
+    refused = [
         Problem(p.resolved.where(i), why)
         for i in indices
-        if (why := _unplaceable(leaves[i])) is not None
+        if (why := unplaceable(leaves[i], what)) is not None
     ]
-    if problems:
-        raise SpecError(problems, "`eqshard.apply` cannot place these leaves")
+    if planned.problems or refused:
+        headline = f"{what} cannot place these leaves" if refused else None
+        raise SpecError(planned.problems + refused, headline)
+    warn(planned.warnings)
     targets = [s for s in p.flat_shardings if s is not None]
-    sources = [_source(leaves[i], target) for i, target in zip(indices, targets)]
+    sources = [source_for(leaves[i], target) for i, target in zip(indices, targets)]
     try:
         placed = jax.device_put(sources, targets)
     except (TypeError, ValueError, RuntimeError):
@@ -140,8 +100,8 @@ def apply(
                 if (error := _refusal(source, target)) is not None
             ]
             or [Problem("the model", "JAX refused to place it")],
-            "`eqshard.apply` cannot place these leaves",
+            f"{what} cannot place these leaves",
         ) from None
     for i, array in zip(indices, placed):
         leaves[i] = array
-    return jax.tree_util.tree_unflatten(p.resolved.treedef, leaves)
+    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -6,9 +6,11 @@ Nothing here touches device memory: the model is built with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,47 +72,70 @@ def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
     return counts
 
 
+def _import(target: str, module_name: str) -> Any:
+    """Imports the user's module: a dotted name, or a `.py` file whose folder is
+    appended to `sys.path` (so its sibling modules import, and never shadow the
+    standard library)."""
+    try:
+        if not (module_name.endswith(".py") or "/" in module_name or os.sep in module_name):
+            return importlib.import_module(module_name)
+        path = Path(module_name)
+        if not path.is_file():
+            raise EqshardError(f"--model {target!r}: there is no file {module_name!r}")
+        if path.suffix != ".py":
+            raise EqshardError(
+                f"--model {target!r}: {module_name!r} is not a Python file; name a .py "
+                "file or a dotted module"
+            )
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.append(folder)
+        name = f"_eqshard_model_{path.stem}"  # never shadows a module such as `json`
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise EqshardError(f"--model {target!r}: cannot load {module_name!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+    except EqshardError:
+        raise
+    except KeyboardInterrupt:
+        raise
+    except ImportError as error:
+        raise EqshardError(f"--model {target!r}: cannot import {module_name!r}: {error}") from None
+    except BaseException as error:  # the user's module failed: report, don't crash
+        raise EqshardError(
+            f"--model {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
+        ) from None
+
+
 def abstract_model(target: str) -> Any:
     """Builds `MODULE:CALLABLE` abstractly. MODULE is a dotted module name or a `.py` file.
 
     This is the one place where eqshard imports user code, and only because the
     user named it on the command line; a spec file never does.
     """
-    module_name, sep, attribute = target.partition(":")
+    module_name, sep, attribute = target.rpartition(":")
     if not sep or not module_name or not attribute:
         raise EqshardError(
             f"--model {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:build' or "
             "'model.py:build', where CALLABLE() returns the model"
         )
-    try:
-        if module_name.endswith(".py") or "/" in module_name:
-            path = Path(module_name)
-            name = f"_eqshard_model_{path.stem}"  # never shadows a module such as `json`
-            spec = importlib.util.spec_from_file_location(name, path)
-            if spec is None or spec.loader is None or not path.is_file():
-                raise EqshardError(f"--model {target!r}: there is no file {module_name!r}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise EqshardError(f"--model {target!r}: cannot import {module_name!r}: {error}") from None
-    except EqshardError:
-        raise
-    except (Exception, SystemExit) as error:  # the user's module failed: report, don't crash
-        raise EqshardError(
-            f"--model {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
-        ) from None
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise EqshardError(f"--model {target!r}: {module_name} has no callable {attribute!r}")
-    try:
-        model = eqx.filter_eval_shape(factory)
-    except (Exception, SystemExit) as error:
-        raise EqshardError(
-            f"--model {target!r}: {attribute}() raised {type(error).__name__}: {error}"
-        ) from None
+    # The user's code may print: keep stdout for eqshard's own output (JSON, tables).
+    with contextlib.redirect_stdout(sys.stderr):
+        module = _import(target, module_name)
+        factory = getattr(module, attribute, None)
+        if not callable(factory):
+            raise EqshardError(f"--model {target!r}: {module_name} has no callable {attribute!r}")
+        try:
+            model = eqx.filter_eval_shape(factory)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # the user's code failed: report, don't crash
+            raise EqshardError(
+                f"--model {target!r}: {attribute}() raised {type(error).__name__}: {error}"
+            ) from None
     if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(model)):
         raise EqshardError(
             f"--model {target!r}: {attribute}() returned {type(model).__name__}, which holds "

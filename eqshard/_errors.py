@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "EqshardError",
@@ -21,6 +22,7 @@ __all__ = [
     "SpecError",
     "UnreadableError",
     "UnusedRuleWarning",
+    "in_file",
     "warn",
     "whole_number",
 ]
@@ -122,11 +124,22 @@ class Problem:
     - `where`: the leaf's key path (`.blocks[3].attn.query_proj.weight`), a class
         field (`MLP.w1`), or a file and JSON path (`spec.json::$.rules[2].expr`).
     - `message`: what is wrong, and how to fix it.
+    - `detail`: more lines to show under the message, such as a caret picture.
+    - `file`: the spec file, when `where` is `file::$.json.path` (a file name may
+        itself hold `::`).
     """
 
     where: str
     message: str
-    detail: str = ""  # more lines to show under the message, such as a caret picture
+    detail: str = ""
+    file: str | None = None
+
+    @property
+    def json_path(self) -> str | None:
+        """The `$.json.path` part of `where`, for a problem in a file."""
+        if self.file is None or not self.where.startswith(f"{self.file}::"):
+            return None
+        return self.where[len(self.file) + 2 :]
 
     def __str__(self) -> str:
         line = f"{self.where}: {self.message}"
@@ -138,6 +151,13 @@ class Problem:
         that was broken, and the caret picture under it."""
         message = f"{context}: {error.rule}" if context else error.rule
         return cls(where, message, error.picture)
+
+
+def in_file(problem: Problem, file: str) -> Problem:
+    """`problem`, marked as being in `file` when its `where` is `file::...`."""
+    if problem.file is None and problem.where.startswith(f"{file}::"):
+        return dataclasses.replace(problem, file=file)
+    return problem
 
 
 class SpecError(EqshardError):
@@ -196,7 +216,7 @@ class EqshardWarning(UserWarning):
         """The same faults as `Problem`s, one per place, for `check --strict`."""
         return [Problem(self.where, self.message)]
 
-    def __reduce__(self):
+    def __reduce__(self) -> Any:
         return (type(self), (self.where, self.message))
 
 
@@ -229,9 +249,12 @@ class UnusedRuleWarning(EqshardWarning):
 
     @property
     def problems(self) -> list[Problem]:
-        return [Problem(f"{self.source}::$.rules[{i}]", _unused_message(p)) for i, p in self.unused]
+        return [
+            Problem(f"{self.source}::$.rules[{i}]", _unused_message(p), file=self.source)
+            for i, p in self.unused
+        ]
 
-    def __reduce__(self):
+    def __reduce__(self) -> Any:
         return (type(self), (self.source, self.unused))
 
 

@@ -326,14 +326,29 @@ def _missing_space(text: str, token: _Token) -> ExpressionError:
     )
 
 
+MAX_COUNT_DIGITS = 12
+"""Counts have at most this many digits: far more devices than any mesh has, and
+well inside what Python converts from text (4,300 digits)."""
+
+
 def _parse_count(text: str, token: _Token) -> int:
-    if token.text.startswith("0"):
-        if token.text.strip("0") == "":
+    digits = token.text
+    if digits.startswith("0"):
+        if digits.strip("0") == "":
             rule = "a count of 0 is not allowed; counts start at 1"
         else:
-            rule = f"count {token.text!r} has a leading zero; write it as {str(int(token.text))!r}"
+            stripped = digits.lstrip("0")
+            shown = stripped if len(stripped) <= MAX_COUNT_DIGITS else f"{stripped[:12]}..."
+            rule = f"count {digits[:24]!r} has a leading zero; write it as {shown!r}"
         raise _at(text, token, rule)
-    return int(token.text)
+    if len(digits) > MAX_COUNT_DIGITS:
+        raise _at(
+            text,
+            token,
+            f"a count of {len(digits)} digits is more devices than any mesh has; counts "
+            f"have at most {MAX_COUNT_DIGITS} digits",
+        )
+    return int(digits)
 
 
 _ORDER = {"name": 0, "count": 1, "star": 2}

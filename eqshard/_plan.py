@@ -28,7 +28,7 @@ from ._resolve import Resolved, resolve
 from ._resolver import Target
 from ._sharding import Device, device_tuple, mesh, named_sharding
 
-__all__ = ["Plan", "Planned", "Unspecified", "make_plan", "plan"]
+__all__ = ["Plan", "Planned", "Unspecified", "make_plan", "plan", "plan_for"]
 
 Unspecified = Literal["replicate", "keep"]
 
@@ -143,6 +143,48 @@ def make_plan(
         }
     flat = [None if lay is None else by_layout[lay] for lay in layouts]
     return Planned(Plan(mesh=common, resolved=resolved, flat_shardings=flat), problems, warnings)
+
+
+def _fits_plan(tree: Any, given: Plan) -> list[Problem]:
+    """Why `given` cannot lay out `tree`: another structure, or leaves of other shapes."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    resolved = given.resolved
+    if treedef != resolved.treedef:
+        return [
+            Problem(
+                "the root",
+                f"the plan was made for a pytree of another structure ({len(resolved.leaves)} "
+                f"leaves; this one has {len(leaves)}); make the plan from a model of the "
+                "same structure, or pass the spec instead",
+            )
+        ]
+    return [
+        Problem(
+            resolved.where(i),
+            f"the plan was made for shape {tuple(old.shape)}, and this leaf has "
+            f"{tuple(new.shape)}; make the plan from this model",
+        )
+        for i, (new, old, sharding) in enumerate(zip(leaves, resolved.leaves, given.flat_shardings))
+        if sharding is not None and tuple(getattr(new, "shape", ())) != tuple(old.shape)
+    ]
+
+
+def plan_for(
+    tree: PyTree[Any],
+    spec: Any,
+    *,
+    devices: Sequence[Device] | None = None,
+    unspecified: Unspecified = "replicate",
+) -> Planned:
+    """The plan that lays out `tree`: `spec` itself when it is a `Plan` made for a tree
+    of the same structure and shapes, else `make_plan(tree, spec, ...)`."""
+    if not isinstance(spec, Plan):
+        return make_plan(tree, spec, devices=devices, unspecified=unspecified)
+    if devices is not None:
+        raise EqshardError(
+            "`devices` is given with a `Plan`, which has its devices already; pass one or the other"
+        )
+    return Planned(spec, _fits_plan(tree, spec), [])
 
 
 def plan(

@@ -10,11 +10,13 @@ import jax.core
 from jax.sharding import AxisType
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._errors import EqshardError
+from ._apply import place
+from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
-from ._plan import Plan, Unspecified, plan
+from ._plan import Unspecified, plan_for
 from ._sharding import Device, sharding
+from ._values import source_for, unplaceable
 
 __all__ = ["constrain", "shard"]
 
@@ -64,7 +66,11 @@ def shard(
             f"`eqshard.shard` takes an array, not {type(x).__name__}; wrap it with "
             "`jnp.asarray` first"
         )
-    return jax.device_put(x, sharding(expr, shape, devices=devices))
+    why = unplaceable(x, "`eqshard.shard`")
+    if why is not None:
+        raise EqshardError(f"the array {why}")
+    target = sharding(expr, shape, devices=devices)
+    return jax.device_put(source_for(x, target), target)
 
 
 def _check_context_mesh() -> None:
@@ -131,16 +137,18 @@ def constrain(
     apply.
     """
     _check_context_mesh()
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
     if is_array_like(x) and isinstance(spec, (str, Expression)):
+        if not traced:
+            return shard(x, spec, devices=devices)
         return jax.lax.with_sharding_constraint(x, sharding(spec, x.shape, devices=devices))
-    p = spec if isinstance(spec, Plan) else plan(x, spec, devices=devices, unspecified=unspecified)
+    planned = plan_for(x, spec, devices=devices, unspecified=unspecified)
+    if not traced:
+        return place(x, planned, "`eqshard.constrain`")
+    if planned.problems:
+        raise SpecError(planned.problems)
+    p = planned.plan
     leaves, treedef = jax.tree_util.tree_flatten(x)
-    if treedef != p.resolved.treedef:
-        raise EqshardError(
-            f"the plan was made for a pytree of another structure ({len(p.flat_shardings)} "
-            f"leaves; this one has {len(leaves)}); make the plan from a model of the same "
-            "structure, or pass the spec instead"
-        )
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
     constrained = jax.lax.with_sharding_constraint(
         [leaves[i] for i in indices], [p.flat_shardings[i] for i in indices]

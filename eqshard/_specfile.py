@@ -10,6 +10,7 @@ in a fraction of a second. How rules resolve against a model is `_rules.py`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -17,6 +18,7 @@ import importlib.resources
 import json
 import os
 import stat
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,6 +32,7 @@ from ._errors import (
     Problem,
     SpecError,
     UnreadableError,
+    in_file,
     whole_number,
 )
 from ._expression import Expression, parse
@@ -163,43 +166,55 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _cannot_read(name: str, message: str, headline: str = "unreadable") -> UnreadableError:
+    return UnreadableError([Problem(name, message, file=name)], headline)
+
+
+def _invalid(name: str, message: str, where: str | None = None) -> SpecError:
+    return SpecError([Problem(where or name, message, file=name)], "invalid")
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether `path` is a regular file (following links); `False` where it is not
+    there. Raises `OSError` and `ValueError` (a NUL byte) as `os.stat` does."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def _read(path: Path, name: str) -> Any:
     try:
-        if not stat.S_ISREG(path.stat().st_mode):
-            raise UnreadableError(
-                [Problem(name, "it is not a regular file (a directory, pipe or device)")],
-                "unreadable",
-            )
+        regular = _is_regular(path)
+        if not regular and path.exists():
+            raise _cannot_read(name, "it is not a regular file (a directory, pipe or device)")
         with path.open("rb") as file:
             data = file.read(MAX_BYTES + 1)
     except (OSError, ValueError) as error:
+        if isinstance(error, UnreadableError):
+            raise
         why = getattr(error, "strerror", None) or error
-        raise UnreadableError([Problem(name, f"cannot read it: {why}")], "unreadable") from None
+        raise _cannot_read(name, f"cannot read it: {why}") from None
     if len(data) > MAX_BYTES:
-        raise UnreadableError(
-            [Problem(name, f"the file is over the {MAX_BYTES}-byte limit for spec files")],
-            "refused",
+        raise _cannot_read(
+            name, f"the file is over the {MAX_BYTES}-byte limit for spec files", "refused"
         )
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark is allowed, and ignored
     except UnicodeDecodeError as error:
-        raise UnreadableError(
-            [Problem(name, f"it is not UTF-8 (byte {error.start})")], "unreadable"
-        ) from None
+        raise _cannot_read(name, f"it is not UTF-8 (byte {error.start})") from None
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except json.JSONDecodeError as error:
         where = f"{name}::line {error.lineno}, column {error.colno}"
-        raise SpecError([Problem(where, f"invalid JSON: {error.msg}")], "invalid") from None
+        raise _invalid(name, f"invalid JSON: {error.msg}", where) from None
     except RecursionError:
-        raise SpecError([Problem(name, "the JSON nests too deeply to read")], "invalid") from None
+        raise _invalid(name, "the JSON nests too deeply to read") from None
     except _DuplicateKey as error:
-        raise SpecError(
-            [Problem(name, f"the key {error.args[0]!r} appears twice in one object; keep one")],
-            "invalid",
-        ) from None
+        message = f"the key {error.args[0]!r} appears twice in one object; keep one"
+        raise _invalid(name, message) from None
     except ValueError as error:
-        raise SpecError([Problem(name, str(error))], "invalid") from None
+        raise _invalid(name, str(error)) from None
 
 
 def _schema_problem(name: str, error: ValidationError) -> Problem:
@@ -251,14 +266,15 @@ def _order(path: Sequence[Any]) -> list[tuple[int, int, str]]:
 
 
 def document_problems(document: Any, name: str) -> list[Problem]:
-    """Every fault of a spec file's document: the schema's, then what it cannot say."""
+    """Every fault of a spec file's document, in document order: the schema's, then
+    what it cannot say. Each problem's `file` is `name`."""
     found = [
         (_order(error.absolute_path), _schema_problem(name, error))
         for error in _validator().iter_errors(document)
     ]
     if isinstance(document, dict):
         found += _rule_problems(document, name, {p.where for _, p in found})
-    return [problem for _, problem in sorted(found, key=lambda pair: pair[0])]
+    return [in_file(problem, name) for _, problem in sorted(found, key=lambda pair: pair[0])]
 
 
 def _rule_problems(
@@ -288,6 +304,15 @@ def _rule_problems(
                 )
                 problems.append((_order(["rules", i, "path"]), problem))
             seen.setdefault(path, i)
+    dims = document.get("dims")
+    for dim, modifier in dims.items() if isinstance(dims, dict) else ():
+        where = f"{name}::$.dims.{dim}"
+        if isinstance(modifier, str) and where not in schema_paths:
+            try:
+                parse(f"x{modifier}")
+            except ExpressionError as bad:
+                problem = Problem(where, f"{modifier[:24]!r}: {bad.rule}")
+                problems.append((_order(["dims", dim]), problem))
     return problems
 
 
@@ -384,8 +409,51 @@ def dump(
         from ._rules import rules_of_spec_tree  # a spec tree is a pytree: this needs JAX
 
         rules = rules_of_spec_tree(spec_or_rules, devices)
-    text = json.dumps(rules.to_json(), indent=2, ensure_ascii=False) + "\n"
+    target = os.fspath(path)
+    document = rules.to_json()
+    problems = document_problems(document, target)
+    if problems:
+        raise SpecError(problems, f"not written: {target} would not load back")
     try:
-        Path(path).write_text(text, encoding="utf-8")
+        data = (json.dumps(document, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise EqshardError(
+            f"not written: {target} would hold text that is not valid UTF-8 "
+            f"({error.object[error.start : error.end]!r}, a lone surrogate); fix that key "
+            "or expression"
+        ) from None
+    _write_atomically(Path(target), data)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Writes `data` to a new file beside `path`, then renames it over `path`: the
+    file is either the old one or the new one, whole, even on a full disk."""
+    name = os.fspath(path)
+    try:
+        if path.exists() and not _is_regular(path):
+            raise EqshardError(f"not written: {name} is not a regular file (a directory or pipe)")
+        descriptor, temporary = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+        )
+    except (OSError, ValueError) as error:
+        if isinstance(error, EqshardError):
+            raise
+        raise EqshardError(
+            f"cannot write {name}: {getattr(error, 'strerror', None) or error}"
+        ) from None
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        if path.exists():
+            os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(temporary, 0o666 & ~umask)
+        os.replace(temporary, path)
     except OSError as error:
-        raise EqshardError(f"cannot write {os.fspath(path)}: {error.strerror or error}") from None
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise EqshardError(f"cannot write {name}: {error.strerror or error}") from None
