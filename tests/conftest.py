@@ -7,14 +7,83 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 TESTS = Path(__file__).parent
+
+# Seconds of setup and call per test file: about 2.5 times what each took on a
+# 2-core machine, in the whole suite or alone (alone, a file pays for JAX's first
+# compilations), and at least 3 s; test_einshard_compat.py as in CI, with the
+# einshard oracle. A file over its budget fails the session, after every test has
+# run. EQSHARD_NO_BUDGET=1 turns this off (under coverage, a debugger, a loaded machine).
+BUDGET_SECONDS = {
+    "tests/test_apply.py": 19.0,
+    "tests/test_cli.py": 27.0,
+    "tests/test_cli_specs.py": 23.0,
+    "tests/test_einshard_compat.py": 35.0,
+    "tests/test_expression.py": 6.0,
+    "tests/test_faults.py": 4.0,
+    "tests/test_hardening.py": 3.0,
+    "tests/test_layout.py": 3.0,
+    "tests/test_multiprocess.py": 11.0,
+    "tests/test_paths.py": 3.0,
+    "tests/test_resolver.py": 4.0,
+    "tests/test_rules.py": 8.0,
+    "tests/test_sharding.py": 10.0,
+    "tests/test_spec.py": 7.5,
+    "tests/test_train.py": 31.0,
+}
+DEFAULT_BUDGET_SECONDS = 15.0
+
+_seconds_per_file: defaultdict[str, float] = defaultdict(float)
+
+
+def _budget_is_on() -> bool:
+    return os.environ.get("EQSHARD_NO_BUDGET", "") in ("", "0")
+
+
+def _over_budget() -> list[tuple[str, float, float]]:
+    """`(file, seconds, budget)` for each file that took longer than its budget."""
+    return [
+        (file, seconds, budget)
+        for file, seconds in sorted(_seconds_per_file.items())
+        if seconds > (budget := BUDGET_SECONDS.get(file, DEFAULT_BUDGET_SECONDS))
+    ]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when in ("setup", "call"):
+        _seconds_per_file[report.nodeid.partition("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _budget_is_on() and exitstatus == pytest.ExitCode.OK and _over_budget():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _seconds_per_file:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("seconds per test file (setup + call) / budget")
+    for file, seconds in sorted(_seconds_per_file.items(), key=lambda item: -item[1]):
+        budget = BUDGET_SECONDS.get(file, DEFAULT_BUDGET_SECONDS)
+        flag = "  OVER BUDGET" if seconds > budget else ""
+        write(f"{seconds:7.2f} / {budget:5.1f}  {file}{flag}")
+    if _budget_is_on():
+        for file, seconds, budget in _over_budget():
+            write(
+                f"FAILED: {file} took {seconds:.1f} s, over its budget of {budget:.1f} s "
+                "(BUDGET_SECONDS in tests/conftest.py; EQSHARD_NO_BUDGET=1 turns this off)",
+                red=True,
+            )
 
 
 def _run_python(args, *, python=sys.executable, stdin=None, env=None, timeout=300):
@@ -54,3 +123,37 @@ def run_python():
 def probe():
     """`probe(impl, n_devices, cases)`: the blocks of each case, from a subprocess."""
     return _probe
+
+
+@dataclasses.dataclass(frozen=True)
+class CliResult:
+    """What one in-process run of the command line returned and printed."""
+
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """`run_cli(*args)`: runs `eqshard *args` in this process, on its 8 CPU devices.
+
+    It returns the exit code with stdout and stderr. A `--devices N` that differs
+    from 8 reaches the command as asked; `show` and `demo` cannot honour it here.
+    No run may end in a traceback (an uncaught exception fails the test) or in
+    eqshard's "internal error" message.
+    """
+
+    from eqshard._cli import main
+
+    def run(*args: object) -> CliResult:
+        capsys.readouterr()  # only this run's output
+        try:
+            code = main([str(arg) for arg in args])
+        except SystemExit as exit:  # argparse's usage errors
+            code = 0 if exit.code is None else exit.code if isinstance(exit.code, int) else 1
+        out, err = capsys.readouterr()
+        assert "internal error" not in err, err
+        return CliResult(code, out, err)
+
+    return run

@@ -1,6 +1,12 @@
-"""`eqshard validate`, `check` and `schema`, run as a user runs them."""
+"""`eqshard validate`, `check` and `schema`.
+
+They run in this process (`run_cli`); one `check` runs as a user runs it, in a
+subprocess. `check` is read through `--format json`; the text format is pinned
+only in its headline lines.
+"""
 
 import json
+import runpy
 from pathlib import Path
 
 import pytest
@@ -12,18 +18,51 @@ SPECS = Path(__file__).parent / "specs"
 EXAMPLE = ROOT / "examples" / "specs" / "transformer.eqshard.json"
 MODEL = f"{ROOT / 'examples' / 'transformer.py'}:build"
 
+# The array leaves of the example transformer, in model order.
+BLOCK = [
+    "norm1.weight",
+    "norm1.bias",
+    "attn.query_proj.weight",
+    "attn.key_proj.weight",
+    "attn.value_proj.weight",
+    "attn.output_proj.weight",
+    "norm2.weight",
+    "norm2.bias",
+    "up.weight",
+    "up.bias",
+    "down.weight",
+    "down.bias",
+]
+RULED = [  # the leaves of a block that the example's rules split
+    "attn.query_proj.weight",
+    "attn.key_proj.weight",
+    "attn.value_proj.weight",
+    "attn.output_proj.weight",
+    "up.weight",
+    "up.bias",
+    "down.weight",
+]
+LEAVES = [
+    "embed.weight",
+    *(f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK),
+    "norm.weight",
+    "norm.bias",
+    "unembed.w",
+]
 
-def _run(run_python, *args):
-    result = run_python(["-m", "eqshard", *map(str, args)])
-    assert "Traceback" not in result.stderr, result.stderr
-    return result
+
+def _check_json(run_cli, *args):
+    """`eqshard check --format json`: the exit code and the parsed report."""
+    result = run_cli("check", *args, "--format", "json")
+    assert result.err == ""
+    return result.code, json.loads(result.out)
 
 
-def test_validate_valid_files(run_python):
+def test_validate_valid_files(run_cli):
     files = [*sorted((SPECS / "valid").glob("*.json")), EXAMPLE]
-    result = _run(run_python, "validate", *files)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.splitlines() == [
+    result = run_cli("validate", *files)
+    assert result.code == 0, result.out + result.err
+    assert result.out.splitlines() == [
         f"ok: {SPECS / 'valid' / 'full.eqshard.json'} (3 rules)",
         f"ok: {SPECS / 'valid' / 'minimal.eqshard.json'} (0 rules)",
         f"ok: {SPECS / 'valid' / 'unicode.eqshard.json'} (1 rule)",
@@ -31,11 +70,11 @@ def test_validate_valid_files(run_python):
     ]
 
 
-def test_validate_reports_file_and_json_path(run_python):
+def test_validate_reports_file_and_json_path(run_cli):
     path = SPECS / "invalid" / "expressions.eqshard.json"
-    result = _run(run_python, "validate", SPECS / "valid" / "minimal.eqshard.json", path)
-    assert result.returncode == 1
-    lines = result.stdout.splitlines()
+    result = run_cli("validate", SPECS / "valid" / "minimal.eqshard.json", path)
+    assert result.code == 1
+    lines = result.out.splitlines()
     assert lines[1] == (
         f"{path}::$.rules[0].expr: axis 'z' is on the right but not on the left; add it to "
         "the left, or drop its name to replicate instead"
@@ -44,13 +83,11 @@ def test_validate_reports_file_and_json_path(run_python):
     assert f"{path}::$.rules[1].expr: a count of 0 is not allowed; counts start at 1" in lines
 
 
-def test_validate_json_format(run_python):
+def test_validate_json_format(run_cli):
     path = SPECS / "invalid" / "structure.eqshard.json"
-    result = _run(
-        run_python, "validate", "--format", "json", path, SPECS / "valid" / "full.eqshard.json"
-    )
-    assert result.returncode == 1
-    report = json.loads(result.stdout)
+    result = run_cli("validate", "--format", "json", path, SPECS / "valid" / "full.eqshard.json")
+    assert result.code == 1
+    report = json.loads(result.out)
     assert report["ok"] is False
     assert [f["ok"] for f in report["files"]] == [False, True]
     first = report["files"][0]["problems"][0]
@@ -62,54 +99,136 @@ def test_validate_json_format(run_python):
     assert len(report["files"][0]["problems"]) == 10
 
 
-def test_validate_unreadable_file_exits_2(run_python, tmp_path):
-    result = _run(run_python, "validate", tmp_path / "nope.json")
-    assert result.returncode == 2
+def test_validate_unreadable_file_exits_2(run_cli, tmp_path):
+    result = run_cli("validate", tmp_path / "nope.json")
+    assert result.code == 2
     assert (
-        result.stderr.strip()
-        == f"{tmp_path / 'nope.json'}: cannot read it: No such file or directory"
+        result.err.strip() == f"{tmp_path / 'nope.json'}: cannot read it: No such file or directory"
     )
 
 
-def test_validate_broken_json_exits_1_with_line_and_column(run_python):
+def test_validate_broken_json_exits_1_with_line_and_column(run_cli):
     path = SPECS / "invalid" / "broken.eqshard.json"
-    result = _run(run_python, "validate", path)
-    assert result.returncode == 1
+    result = run_cli("validate", path)
+    assert result.code == 1
     assert (
-        result.stdout.strip()
+        result.out.strip()
         == f"{path}::line 4, column 37: invalid JSON: Expecting property name enclosed in double quotes"
     )
 
 
-def test_check_example_on_several_device_counts(run_python):
-    result = _run(run_python, "check", EXAMPLE, "--model", MODEL, "--devices", "2", "8")
+def test_check_example_as_a_user_runs_it(run_python):
+    result = run_python(
+        ["-m", "eqshard", "check", str(EXAMPLE), "--model", MODEL, "--devices", "2", "8"]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert f"{EXAMPLE} on 2 devices: ok" in out
-    assert f"{EXAMPLE} on 8 devices: ok" in out
-    assert (
-        "│ blocks.1.up.weight               │ [256, 64] │ float32 │ o i -> o* i                 │ $.rules[4] │    8.0 KiB │"
-        in out
-    )
-    assert (
-        "│ unembed.w                        │ [256, 64] │ float32 │ vocab embed -> vocab* embed │ dims       │    8.0 KiB │"
-        in out
-    )
-    assert (
-        "28 array leaves: 14 by rules, 1 by dims, 13 by the default; each device holds 123.2 KiB"
-        in out
-    )
+    assert "Traceback" not in result.stderr
+    lines = result.stdout.splitlines()
+    assert f"{EXAMPLE} on 2 devices: ok" in lines
+    assert f"{EXAMPLE} on 8 devices: ok" in lines
+    summary = "28 array leaves: 14 by rules, 1 by dims, 13 by the default; each device holds"
+    assert f"{summary} 292.0 KiB" in lines
+    assert f"{summary} 123.2 KiB" in lines
+    header = next(line for line in lines if line.startswith("┃"))
+    assert [cell.strip() for cell in header.strip("┃").split("┃")] == [
+        "leaf",
+        "shape",
+        "dtype",
+        "expression",
+        "from",
+        "spec",
+        "per device",
+    ]
 
 
-def test_check_fails_where_dims_do_not_divide(run_python):
-    result = _run(run_python, "check", EXAMPLE, "--model", MODEL, "--devices", "6")
-    assert result.returncode == 1
+def test_check_example_on_several_device_counts(run_cli):
+    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--devices", "2", "8")
+    assert code == 0
+    assert report["ok"] is True
+    two, eight = report["checks"]
+    assert [two["devices"], eight["devices"]] == [2, 8]
+    assert [two["bytes_per_device"], eight["bytes_per_device"]] == [299008, 126208]
+    for check in (two, eight):
+        assert check["file"] == str(EXAMPLE)
+        assert (check["ok"], check["problems"], check["notes"]) == (True, [], [])
+        assert check["coverage"] == {"rules": 14, "dims": 1, "default": 13}
+        assert [leaf["path"] for leaf in check["leaves"]] == LEAVES
+        assert check["bytes_per_device"] == sum(
+            leaf["bytes_per_device"] for leaf in check["leaves"]
+        )
+    leaves = {leaf["path"]: leaf for leaf in eight["leaves"]}
+    assert leaves["blocks.1.up.weight"] == {
+        "path": "blocks.1.up.weight",
+        "shape": [256, 64],
+        "dtype": "float32",
+        "expression": "o i -> o* i",
+        "partition_spec": "P('m0', None)",
+        "bytes_per_device": 8192,
+        "total_bytes": 65536,
+        "origin": "$.rules[4]",
+    }
+    assert leaves["unembed.w"] == {
+        "path": "unembed.w",
+        "shape": [256, 64],
+        "dtype": "float32",
+        "expression": "vocab embed -> vocab* embed",
+        "partition_spec": "P('m0', None)",
+        "bytes_per_device": 8192,
+        "total_bytes": 65536,
+        "origin": "dims",
+    }
+    assert leaves["norm.weight"] == {
+        "path": "norm.weight",
+        "shape": [64],
+        "dtype": "float32",
+        "expression": "... -> * ...",
+        "partition_spec": "P(None)",
+        "bytes_per_device": 256,
+        "total_bytes": 256,
+        "origin": "default",
+    }
+    assert leaves["blocks.0.attn.output_proj.weight"]["partition_spec"] == "P(None, 'm0')"
+    assert {leaf["path"]: leaf["bytes_per_device"] for leaf in two["leaves"]}[
+        "blocks.1.up.weight"
+    ] == 32768
+
+
+def test_check_fails_where_dims_do_not_divide(run_cli):
+    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--devices", "6")
+    assert code == 1
+    (check,) = report["checks"]
+    assert check["ok"] is False
+    # every leaf that a rule or the dims split fails on 6 devices, in model order
+    failing = [f"blocks.{i}.{leaf}" for i in range(2) for leaf in BLOCK if leaf in RULED]
+    failing.append("unembed.w")
+    assert len(failing) == 15
+    assert [p["where"].partition(" (")[0] for p in check["problems"]] == failing
+    assert check["problems"][4] == {
+        "where": "blocks.0.up.weight (Linear.weight)",
+        "message": "float32[256, 64] 'o i -> o* i': axis 'o' (dimension 0 of shape (256, 64)) "
+        "has size 256, which does not split into 6 equal shards; choose a count that divides 256",
+    }
+    assert check["problems"][-1] == {
+        "where": "unembed.w (Unembed.w)",
+        "message": "float32[256, 64] 'vocab embed -> vocab* embed': axis 'vocab' (dimension 0 "
+        "of shape (256, 64)) has size 256, which does not split into 6 equal shards; choose "
+        "a count that divides 256",
+    }
+    # the leaves the default replicates are laid out all the same
+    for leaf in check["leaves"]:
+        laid_out = leaf["path"] not in failing
+        assert (leaf["partition_spec"] is not None) == laid_out, leaf
+        assert (leaf["bytes_per_device"] is not None) == laid_out, leaf
+    assert check["bytes_per_device"] is None
+
+    text = run_cli("check", EXAMPLE, "--model", MODEL, "--devices", "6")
+    assert text.code == 1
     assert (
-        ".blocks[0].up.weight (Linear.weight): float32[256, 64] 'o i -> o* i': axis 'o' (dimension 0 "
-        "of shape (256, 64)) has size 256, which does not split into 6 equal shards; choose a "
-        "count that divides 256"
-    ) in result.stdout.splitlines()
-    assert f"{EXAMPLE} on 6 devices: 15 problem(s)" in result.stdout
+        "blocks.0.up.weight (Linear.weight): float32[256, 64] 'o i -> o* i': axis 'o' "
+        "(dimension 0 of shape (256, 64)) has size 256, which does not split into 6 equal "
+        "shards; choose a count that divides 256"
+    ) in text.out.splitlines()
+    assert f"{EXAMPLE} on 6 devices: 15 problem(s)" in text.out.splitlines()
 
 
 @pytest.fixture
@@ -122,7 +241,7 @@ def spec_file(tmp_path):
     return write
 
 
-def test_check_strict_unused_rule_and_default_error(run_python, spec_file):
+def test_check_strict_unused_rule_and_default_error(run_cli, spec_file):
     path = spec_file(
         {
             "eqshard": 1,
@@ -134,48 +253,105 @@ def test_check_strict_unused_rule_and_default_error(run_python, spec_file):
             ],
         }
     )
-    result = _run(run_python, "check", path, "--model", MODEL)
-    assert result.returncode == 1
-    assert (
-        f"warning: {path}::$.rules[1]: rule '**.nowhere' matched no leaf of the model"
-        in result.stdout
-    )
+    code, report = _check_json(run_cli, path, "--model", MODEL)
+    assert code == 1
+    (check,) = report["checks"]
+    assert check["notes"] == [f"{path}::$.rules[1]: rule '**.nowhere' matched no leaf of the model"]
+    unmatched = [leaf for leaf in LEAVES if not leaf.endswith("up.weight")]
+    assert check["problems"] == [
+        {
+            "where": leaf,
+            "message": f'no rule or dim matches this leaf, and {path} says "default": "error"; '
+            f'add a rule for \'{leaf}\', or set "default": "replicate"',
+        }
+        for leaf in unmatched
+    ]
+    # the leaves the rule matched are laid out all the same
+    laid_out = [leaf for leaf in check["leaves"] if leaf["partition_spec"] is not None]
+    assert [(leaf["path"], leaf["origin"], leaf["partition_spec"]) for leaf in laid_out] == [
+        ("blocks.0.up.weight", "$.rules[0]", "P('m0', None)"),
+        ("blocks.1.up.weight", "$.rules[0]", "P('m0', None)"),
+    ]
+
+    text = run_cli("check", path, "--model", MODEL)
+    assert text.code == 1
+    lines = text.out.splitlines()
+    assert f"warning: {path}::$.rules[1]: rule '**.nowhere' matched no leaf of the model" in lines
     assert (
         "embed.weight: no rule or dim matches this leaf, and "
         f'{path} says "default": "error"; add a rule for \'embed.weight\', or set "default": "replicate"'
-    ) in result.stdout.splitlines()
+    ) in lines
+    assert f"{path} on 8 devices: 26 problem(s)" in lines
 
     path = spec_file({"eqshard": 1, "rules": [{"path": "**.nowhere", "expr": "a -> a*"}]})
-    relaxed = _run(run_python, "check", path, "--model", MODEL)
-    assert relaxed.returncode == 0
-    strict = _run(run_python, "check", path, "--model", MODEL, "--strict")
-    assert strict.returncode == 1
+    code, relaxed = _check_json(run_cli, path, "--model", MODEL)
+    assert code == 0
+    assert relaxed["checks"][0]["problems"] == []
+    assert relaxed["checks"][0]["notes"] == [
+        f"{path}::$.rules[0]: rule '**.nowhere' matched no leaf of the model"
+    ]
+    code, strict = _check_json(run_cli, path, "--model", MODEL, "--strict")
+    assert code == 1
+    assert strict["checks"][0]["notes"] == []
+    assert strict["checks"][0]["problems"] == [
+        {
+            "where": f"{path}::$.rules[0]",
+            "message": "rule '**.nowhere' matched no leaf of the model (--strict)",
+        }
+    ]
+    text = run_cli("check", path, "--model", MODEL, "--strict")
+    assert text.code == 1
     assert (
         f"{path}::$.rules[0]: rule '**.nowhere' matched no leaf of the model (--strict)"
-        in strict.stdout
+        in text.out.splitlines()
     )
 
 
-def test_check_device_count_that_does_not_fit(run_python, spec_file):
+def test_check_device_count_that_does_not_fit(run_cli, spec_file):
     path = spec_file(
         {"eqshard": 1, "devices": 8, "rules": [{"path": "**.up.weight", "expr": "o i -> o2 i4"}]}
     )
-    result = _run(
-        run_python, "check", path, "--model", MODEL, "--devices", "8", "4", "--format", "json"
-    )
-    assert result.returncode == 1
-    checks = json.loads(result.stdout)["checks"]
+    code, report = _check_json(run_cli, path, "--model", MODEL, "--devices", "8", "4")
+    assert code == 1
+    checks = report["checks"]
     assert [c["devices"] for c in checks] == [8, 4]
     assert [c["ok"] for c in checks] == [True, False]
-    messages = [p["message"] for p in checks[1]["problems"]]
-    assert (
-        messages[0]
-        == 'the spec was written for 8 devices, and this check runs on 4; change "devices", or drop it to allow any count'
+    mismatch = (
+        "float32[256, 64] 'o i -> o2 i4': o2 x i4 = 8 shards need 8 devices, 4 are given; "
+        "choose counts whose product is 4, or use '*' to take a share"
     )
-    assert "o2 x i4 = 8 shards need 8 devices, 4 are given" in messages[1]
-    assert checks[0]["coverage"] == {"rules": 2, "dims": 0, "default": 26}
+    assert checks[1]["problems"] == [
+        {
+            "where": f"{path}::$.devices",
+            "message": 'the spec was written for 8 devices, and it is laid out on 4; use 8 devices, or change "devices" (or drop it to allow any count)',
+        },
+        {"where": "blocks.0.up.weight (Linear.weight)", "message": mismatch},
+        {"where": "blocks.1.up.weight (Linear.weight)", "message": mismatch},
+    ]
+    for check in checks:
+        assert check["coverage"] == {"rules": 2, "dims": 0, "default": 26}
     assert checks[0]["bytes_per_device"] == sum(
         leaf["bytes_per_device"] for leaf in checks[0]["leaves"]
+    )
+    up = [leaf for leaf in checks[0]["leaves"] if leaf["path"].endswith("up.weight")]
+    assert [(leaf["partition_spec"], leaf["bytes_per_device"]) for leaf in up] == [
+        ("P('m0', 'm1')", 8192)
+    ] * 2
+    # on 4 devices only the two leaves that need 8 are not laid out
+    not_laid_out = [
+        leaf["path"] for leaf in checks[1]["leaves"] if leaf["bytes_per_device"] is None
+    ]
+    assert not_laid_out == ["blocks.0.up.weight", "blocks.1.up.weight"]
+    assert checks[1]["bytes_per_device"] is None
+
+
+def test_check_on_more_devices_than_jax_started_with(run_cli):
+    # JAX is up in this process with 8 devices; `check` says so rather than crash.
+    result = run_cli("check", EXAMPLE, "--model", MODEL, "--devices", "16")
+    assert result.code == 1
+    assert result.err == (
+        "eqshard check: error: checking on 16 devices needs 16 simulated devices, but JAX "
+        "started with 8 (is XLA_FLAGS setting a device count?)\n"
     )
 
 
@@ -187,29 +363,29 @@ def test_check_device_count_that_does_not_fit(run_python, spec_file):
         (f"{ROOT / 'examples' / 'transformer.py'}:nothing", "has no callable 'nothing'"),
     ],
 )
-def test_check_bad_model_argument(run_python, model, message):
-    result = _run(run_python, "check", EXAMPLE, "--model", model)
-    assert result.returncode == 1
-    assert message in result.stderr
+def test_check_bad_model_argument(run_cli, model, message):
+    result = run_cli("check", EXAMPLE, "--model", model)
+    assert result.code == 1
+    assert message in result.err
 
 
-def test_check_model_that_fails_is_reported_without_a_traceback(run_python, tmp_path):
+def test_check_model_that_fails_is_reported_without_a_traceback(run_cli, tmp_path):
     broken = tmp_path / "broken.py"
     broken.write_text("def build(:\n")
-    result = _run(run_python, "check", EXAMPLE, "--model", f"{broken}:build")
-    assert result.returncode == 1
-    assert "raised SyntaxError" in result.stderr
+    result = run_cli("check", EXAMPLE, "--model", f"{broken}:build")
+    assert result.code == 1
+    assert "raised SyntaxError" in result.err
     failing = tmp_path / "failing.py"
     failing.write_text("def build():\n    raise RuntimeError('no weights here')\n")
-    result = _run(run_python, "check", EXAMPLE, "--model", f"{failing}:build")
-    assert result.returncode == 1
-    assert "build() raised RuntimeError: no weights here" in result.stderr
+    result = run_cli("check", EXAMPLE, "--model", f"{failing}:build")
+    assert result.code == 1
+    assert "build() raised RuntimeError: no weights here" in result.err
 
 
-def test_schema_command_prints_the_schema(run_python):
-    result = _run(run_python, "schema")
-    assert result.returncode == 0
-    assert json.loads(result.stdout) == eqshard.schema()
+def test_schema_command_prints_the_schema(run_cli):
+    result = run_cli("schema")
+    assert result.code == 0
+    assert json.loads(result.out) == eqshard.schema()
 
 
 def test_pre_commit_hook_is_declared():
@@ -219,15 +395,13 @@ def test_pre_commit_hook_is_declared():
     assert r"files: \.eqshard\.json$" in text
 
 
-def test_training_script_applies_the_example_spec(run_python):
-    result = run_python([str(ROOT / "examples" / "transformer.py")])
-    assert result.returncode == 0, result.stderr
-    losses = [
-        float(line.split()[-1]) for line in result.stdout.splitlines() if line.startswith("step")
-    ]
+def test_training_script_applies_the_example_spec(capsys):
+    runpy.run_path(str(ROOT / "examples" / "transformer.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
     assert len(losses) == 5
     assert losses[-1] < losses[0]
-    assert result.stdout.splitlines()[-4:] == [
+    assert out.splitlines()[-4:] == [
         "blocks[0].up.weight (256, 64): each device holds (32, 64)",
         "its Adam moment (256, 64): each device holds (32, 64)",
         "unembed.w (from dims) (256, 64): each device holds (32, 64)",

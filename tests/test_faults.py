@@ -129,7 +129,7 @@ def _untouched(path: Path) -> None:
 
 def test_dump_of_a_lone_surrogate_writes_nothing(existing: Path):
     rules = eqshard.load({"eqshard": 1, "rules": [{"path": "**.w\udc80", "expr": "a -> a*"}]})
-    with pytest.raises(EqshardError, match="not written: .* a lone surrogate"):
+    with pytest.raises(EqshardError, match=r"not written: .* a lone surrogate"):
         eqshard.dump(rules, existing)
     _untouched(existing)
 
@@ -139,7 +139,7 @@ def test_dump_is_atomic_when_the_disk_fails(existing: Path, monkeypatch: pytest.
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full_disk)
-    with pytest.raises(EqshardError, match="cannot write .*: No space left on device"):
+    with pytest.raises(EqshardError, match=r"cannot write .*: No space left on device"):
         eqshard.dump(eqshard.load(RULES), existing)
     _untouched(existing)
 
@@ -209,11 +209,11 @@ def test_counts_of_thousands_of_digits_are_expression_errors():
 
 
 def test_a_rule_needs_a_path_and_a_path_has_no_nul(tmp_path: Path):
-    with pytest.raises(EqshardError, match="`Rule.path` is a dotted glob"):
+    with pytest.raises(EqshardError, match=r"`Rule\.path` is a dotted glob"):
         eqshard.Rule(None, "a -> a*")  # type: ignore[arg-type]
     with pytest.raises(UnreadableError, match="cannot read it: embedded null byte"):
         eqshard.load(str(tmp_path / "a\0b.json"))
-    with pytest.raises(EqshardError, match="cannot write .*embedded null byte"):
+    with pytest.raises(EqshardError, match=r"cannot write .*embedded null byte"):
         eqshard.dump(eqshard.load(RULES), str(tmp_path / "a\0b.json"))
 
 
@@ -288,5 +288,5 @@ def test_check_models_that_print_or_raise_base_exceptions(tmp_path: Path, capsys
 def test_check_names_a_model_file_that_is_not_python(tmp_path: Path):
     text = tmp_path / "model.txt"
     text.write_text("build = None")
-    with pytest.raises(EqshardError, match="'.*model.txt' is not a Python file"):
+    with pytest.raises(EqshardError, match=r"'.*model\.txt' is not a Python file"):
         abstract_model(f"{text}:build")
