@@ -59,17 +59,30 @@ class CheckResult:
             "leaves": [dataclasses.asdict(row) for row in self.rows],
             "bytes_per_device": self.bytes_per_device,
             "coverage": self.coverage,
-            "problems": [{"where": p.where, "message": p.message} for p in self.problems],
+            "problems": [p.to_json() for p in self.problems],
             "notes": self.notes,
         }
 
 
 def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
-    counts = {"rules": 0, "dims": 0, "default": 0}
+    """How many array leaves rules, dims and the default gave an expression, and how
+    many got none (under `"default": "error"`, or where a dim did not fit)."""
+    counts = {"rules": 0, "dims": 0, "default": 0, "none": 0}
     for row in rows:
-        key = "rules" if (row.origin or "").startswith("$.rules") else (row.origin or "default")
+        if row.expression is None:
+            key = "none"
+        elif (row.origin or "").startswith("$.rules"):
+            key = "rules"
+        else:
+            key = row.origin or "default"
         counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+class ModelError(EqshardError):
+    """The model named by `--model` cannot be imported or built (exit code 2)."""
+
+    exit_code = 2
 
 
 def _import(target: str, module_name: str) -> Any:
@@ -81,9 +94,9 @@ def _import(target: str, module_name: str) -> Any:
             return importlib.import_module(module_name)
         path = Path(module_name)
         if not path.is_file():
-            raise EqshardError(f"--model {target!r}: there is no file {module_name!r}")
+            raise ModelError(f"--model {target!r}: there is no file {module_name!r}")
         if path.suffix != ".py":
-            raise EqshardError(
+            raise ModelError(
                 f"--model {target!r}: {module_name!r} is not a Python file; name a .py "
                 "file or a dotted module"
             )
@@ -93,7 +106,7 @@ def _import(target: str, module_name: str) -> Any:
         name = f"_eqshard_model_{path.stem}"  # never shadows a module such as `json`
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
-            raise EqshardError(f"--model {target!r}: cannot load {module_name!r}")
+            raise ModelError(f"--model {target!r}: cannot load {module_name!r}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -103,9 +116,9 @@ def _import(target: str, module_name: str) -> Any:
     except KeyboardInterrupt:
         raise
     except ImportError as error:
-        raise EqshardError(f"--model {target!r}: cannot import {module_name!r}: {error}") from None
+        raise ModelError(f"--model {target!r}: cannot import {module_name!r}: {error}") from None
     except BaseException as error:  # the user's module failed: report, don't crash
-        raise EqshardError(
+        raise ModelError(
             f"--model {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
         ) from None
 
@@ -118,7 +131,7 @@ def abstract_model(target: str) -> Any:
     """
     module_name, sep, attribute = target.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise EqshardError(
+        raise ModelError(
             f"--model {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:build' or "
             "'model.py:build', where CALLABLE() returns the model"
         )
@@ -127,17 +140,17 @@ def abstract_model(target: str) -> Any:
         module = _import(target, module_name)
         factory = getattr(module, attribute, None)
         if not callable(factory):
-            raise EqshardError(f"--model {target!r}: {module_name} has no callable {attribute!r}")
+            raise ModelError(f"--model {target!r}: {module_name} has no callable {attribute!r}")
         try:
             model = eqx.filter_eval_shape(factory)
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # the user's code failed: report, don't crash
-            raise EqshardError(
+            raise ModelError(
                 f"--model {target!r}: {attribute}() raised {type(error).__name__}: {error}"
             ) from None
     if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(model)):
-        raise EqshardError(
+        raise ModelError(
             f"--model {target!r}: {attribute}() returned {type(model).__name__}, which holds "
             "no arrays; name a callable that builds the model"
         )

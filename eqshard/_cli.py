@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ._errors import EqshardError, whole_number
+from ._errors import EqshardError, SpecError, UnreadableError, whole_number
 
 __all__ = ["main"]
 
@@ -47,10 +47,30 @@ def _backends_started() -> bool:
 
 
 def _console():
-    """A rich console; wide when writing to a file or pipe, so tables are not cut."""
+    """A rich console that prints user text literally (no markup, no emoji codes);
+    wide when writing to a file or pipe, so tables are not cut."""
     from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 200)
+    return Console(
+        width=None if sys.stdout.isatty() else 200, markup=False, emoji=False, highlight=False
+    )
+
+
+def _safe(text: object) -> str:
+    """`text` with every character a terminal could act on (escape sequences, other
+    control characters) written as a Python escape; new lines are kept."""
+    return "".join(
+        c if c == "\n" or c.isprintable() else c.encode("unicode_escape").decode("ascii")
+        for c in str(text)
+    )
+
+
+def _out(text: object = "") -> None:
+    print(_safe(text))
+
+
+def _err(text: object) -> None:
+    print(_safe(text), file=sys.stderr)
 
 
 def _whole(minimum: int):
@@ -69,14 +89,24 @@ def _whole(minimum: int):
 
 _positive, _size = _whole(1), _whole(0)
 
-MAX_SIMULATED = 4096  # simulated CPU devices: enough for any mesh worth drawing
+MAX_SIMULATED = 4096  # simulated CPU devices for layouts: enough for any mesh worth drawing
+MAX_DEMO_DEVICES = 64  # the demo compiles and runs a step on each: XLA:CPU's limit on 2 cores
 
 
-def _device_count(text: str) -> int:
-    value = _positive(text)
-    if value > MAX_SIMULATED:
-        raise argparse.ArgumentTypeError(f"{text!r} is more than {MAX_SIMULATED} simulated devices")
-    return value
+def _at_most(limit: int, what: str):
+    def convert(text: str) -> int:
+        value = _positive(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{text!r} is more than {limit} {what}")
+        return value
+
+    return convert
+
+
+_device_count = _at_most(MAX_SIMULATED, "simulated devices")
+_demo_devices = _at_most(
+    MAX_DEMO_DEVICES, "simulated devices: the demo compiles and runs a training step on each"
+)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -106,62 +136,42 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _emit_json(payload: object) -> None:
+    """One JSON document on stdout, in ASCII, so it is JSON whatever the terminal's
+    encoding."""
     import json
 
-    print(json.dumps(payload, indent=2, ensure_ascii=False))
-
-
-def _problem_json(problem) -> dict[str, str]:
-    file, _, path = problem.where.partition("::")
-    entry = {"file": file, "path": path, "message": problem.message}
-    if problem.detail:
-        entry["detail"] = problem.detail
-    return entry
+    print(json.dumps(payload, indent=2, ensure_ascii=True))
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from ._errors import SpecError, UnreadableError
     from ._specfile import load
 
     code, report = 0, []
     for name in args.files:
         try:
             rules = load(name)
-        except UnreadableError as error:
-            code = 2
-            report.append(
-                {"file": name, "ok": False, "problems": [_problem_json(p) for p in error.problems]}
-            )
+        except SpecError as error:  # an UnreadableError too
+            unreadable = isinstance(error, UnreadableError)
+            code = 2 if unreadable else max(code, 1)
+            problems = [p.to_json() for p in error.problems]
+            report.append({"file": name, "ok": False, "problems": problems})
             if args.format == "text":
                 for problem in error.problems:
-                    print(f"{problem}", file=sys.stderr)
+                    (_err if unreadable else _out)(problem)
             continue
-        except SpecError as error:
-            code = max(code, 1)
-            report.append(
-                {"file": name, "ok": False, "problems": [_problem_json(p) for p in error.problems]}
-            )
-            if args.format == "text":
-                for problem in error.problems:
-                    print(problem)
-            continue
-        report.append({"file": name, "ok": True, "rules": len(rules.rules), "problems": []})
+        count = len(rules.rules)
+        report.append({"file": name, "ok": True, "rules": count, "problems": []})
         if args.format == "text":
-            print(f"ok: {name} ({len(rules.rules)} rule{'s' * (len(rules.rules) != 1)})")
+            _out(f"ok: {name} ({count} rule{'s' * (count != 1)})")
     if args.format == "json":
         _emit_json({"ok": code == 0, "files": report})
     return code
 
 
 def _check_command(args: argparse.Namespace) -> int:
-    from ._errors import UnreadableError
     from ._specfile import load
 
-    try:
-        rules = load(args.file)
-    except UnreadableError as error:
-        print(error, file=sys.stderr)
-        return 2
+    rules = load(args.file)
     counts = args.devices or [rules.devices or 8]
     if max(counts) > MAX_SIMULATED:
         raise EqshardError(
@@ -190,18 +200,18 @@ def _check_command(args: argparse.Namespace) -> int:
         console.print(result_table(result))
         coverage = result.coverage
         total = result.bytes_per_device
-        console.print(
+        _out(
             f"{len(result.rows)} array leaves: {coverage['rules']} by rules, "
             f"{coverage['dims']} by dims, {coverage['default']} by the default"
-            + ("" if total is None else f"; each device holds {human_bytes(total)}"),
-            highlight=False,
+            + (f", {coverage['none']} by none" if coverage["none"] else "")
+            + ("" if total is None else f"; each device holds {human_bytes(total)}")
         )
         for note in result.notes:
-            print(f"warning: {note}")
+            _out(f"warning: {note}")
         for problem in result.problems:
-            print(problem)
+            _out(problem)
         verdict = "ok" if result.ok else f"{len(result.problems)} problem(s)"
-        console.print(f"{result.source} on {result.devices} devices: {verdict}\n", highlight=False)
+        _out(f"{result.source} on {result.devices} devices: {verdict}\n")
     return 0 if all(r.ok for r in results) else 1
 
 
@@ -213,7 +223,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="eqshard",
         description="Declare, check and apply how an Equinox model is sharded.",
     )
@@ -250,7 +260,12 @@ def _parser() -> argparse.ArgumentParser:
             "8 simulated CPU devices when there are none."
         ),
     )
-    demo.add_argument("--devices", type=_device_count, metavar="N", help="simulate N CPU devices")
+    demo.add_argument(
+        "--devices",
+        type=_demo_devices,
+        metavar="N",
+        help=f"simulate N CPU devices (at most {MAX_DEMO_DEVICES})",
+    )
     demo.set_defaults(run=_demo)
 
     validate = commands.add_parser(
@@ -302,28 +317,118 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _UsageError(Exception):
+    """argparse's complaint, raised rather than printed, so `--format json` can
+    answer it in JSON."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise _UsageError(f"{self.format_usage()}{self.prog}: error: {message}")
+
+
+class _PipeSafe:
+    """A stream whose reader may go away (`eqshard check ... | head -c 1`): writes
+    after that are dropped, so the command runs to its end and exits with its own
+    code, whenever the pipe closes."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def write(self, text: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                self._stream.write(text)
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self.closed_by_reader = True
+        try:  # and the interpreter's last flush at exit must not fail either
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _exit_code(error: BaseException) -> int:
+    if isinstance(error, (UnreadableError, OSError, _UsageError)):
+        return 2
+    if isinstance(getattr(error, "exit_code", None), int):  # a model that cannot be built
+        return error.exit_code  # type: ignore[attr-defined]
+    return 1 if isinstance(error, EqshardError) else 2
+
+
+def _report(command: str, error: BaseException, as_json: bool) -> int:
+    """Says what went wrong, on stderr (and as the JSON document on stdout with
+    `--format json`), and returns the exit code."""
+    code = _exit_code(error)
+    if isinstance(error, (EqshardError, OSError, _UsageError)):
+        message = (
+            str(error) if isinstance(error, _UsageError) else f"eqshard {command}: error: {error}"
+        )
+    else:  # a bug in eqshard: say so, without a traceback
+        message = (
+            f"eqshard {command}: internal error: {type(error).__name__}: {error}\n"
+            "This is a bug in eqshard; please report it with the command that caused it."
+        )
+    _err(message)
+    if as_json:
+        problems = error.problems if isinstance(error, SpecError) else []
+        _emit_json(
+            {
+                "ok": False,
+                "error": {
+                    "message": message,
+                    "problems": [p.to_json() for p in problems],
+                },
+            }
+        )
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line and returns its exit code."""
+    """Runs the command line and returns its exit code.
+
+    Exit codes: 0 success; 1 a spec, expression or check is at fault; 2 bad usage,
+    an unreadable file, a model that cannot be built, or a bug. Nothing prints a
+    traceback, and with `--format json` stdout holds one JSON document.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = any(
+        a == "--format=json" or (a == "--format" and b == "json")
+        for a, b in zip(argv, [*argv[1:], ""])
+    )
+    stdout = sys.stdout
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:  # never fail on text a terminal cannot show
             reconfigure(errors="backslashreplace")
-    parser = _parser()
-    args = parser.parse_args(argv)
+    sys.stdout = _PipeSafe(stdout)
+    command = argv[0] if argv else ""
     try:
+        args = _parser().parse_args(argv)
+        command = args.command
         return args.run(args)
-    except EqshardError as error:
-        print(f"eqshard {args.command}: error: {error}", file=sys.stderr)
-        return 2 if type(error).__name__ == "UnreadableError" else 1
-    except OSError as error:
-        print(f"eqshard {args.command}: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
-    except Exception as error:  # a bug in eqshard: say so, without a traceback
-        print(
-            f"eqshard {args.command}: internal error: {type(error).__name__}: {error}\n"
-            "This is a bug in eqshard; please report it with the command that caused it.",
-            file=sys.stderr,
-        )
-        return 2
+    except SystemExit as exit:  # --help, --version
+        return exit.code if isinstance(exit.code, int) else 0
+    except BaseException as error:
+        return _report(command, error, as_json)
+    finally:
+        sys.stdout = stdout

@@ -134,6 +134,18 @@ class Problem:
     detail: str = ""
     file: str | None = None
 
+    def to_json(self) -> dict[str, str]:
+        """The problem for machines: `where` and `message`, and `file`, `path` (its
+        JSON path) and `detail` where it has them."""
+        entry = {"where": self.where}
+        path = self.json_path
+        if path is not None and self.file is not None:
+            entry.update(file=self.file, path=path)
+        entry["message"] = self.message
+        if self.detail:
+            entry["detail"] = self.detail
+        return entry
+
     @property
     def json_path(self) -> str | None:
         """The `$.json.path` part of `where`, for a problem in a file."""

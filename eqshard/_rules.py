@@ -115,9 +115,10 @@ def match_rules(rules: Rules, model: Any) -> tuple[list[Match], list[Problem]]:
             matches.append(Match(name, expr, "dims"))
             continue
         if rules.default == "error":
+            fields = fields or walk_fields(model)
             problems.append(
                 Problem(
-                    name,
+                    fields[i].label,
                     f"no rule or dim matches this leaf, and {rules.source} says "
                     f'"default": "error"; add a rule for {name!r}, or set '
                     '"default": "replicate"',
@@ -140,6 +141,7 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
                 f"the spec was written for {rules.devices} devices, and it is laid out on "
                 f'{target.devices}; use {rules.devices} devices, or change "devices" (or '
                 "drop it to allow any count)",
+                file=rules.source,
             )
         )
     used = {m.rule_index for m in matches if m.source == "rule"}

@@ -92,6 +92,7 @@ def test_validate_json_format(run_cli):
     assert [f["ok"] for f in report["files"]] == [False, True]
     first = report["files"][0]["problems"][0]
     assert first == {
+        "where": f"{path}::$",
         "file": str(path),
         "path": "$",
         "message": "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'default', 'rules', 'dims'",
@@ -151,7 +152,7 @@ def test_check_example_on_several_device_counts(run_cli):
     for check in (two, eight):
         assert check["file"] == str(EXAMPLE)
         assert (check["ok"], check["problems"], check["notes"]) == (True, [], [])
-        assert check["coverage"] == {"rules": 14, "dims": 1, "default": 13}
+        assert check["coverage"] == {"rules": 14, "dims": 1, "default": 13, "none": 0}
         assert [leaf["path"] for leaf in check["leaves"]] == LEAVES
         assert check["bytes_per_device"] == sum(
             leaf["bytes_per_device"] for leaf in check["leaves"]
@@ -207,12 +208,14 @@ def test_check_fails_where_dims_do_not_divide(run_cli):
         "where": "blocks.0.up.weight (Linear.weight)",
         "message": "float32[256, 64] 'o i -> o* i': axis 'o' (dimension 0 of shape (256, 64)) "
         "has size 256, which does not split into 6 equal shards; choose a count that divides 256",
+        "detail": "    o i -> o* i\n           ^^",
     }
     assert check["problems"][-1] == {
         "where": "unembed.w (Unembed.w)",
         "message": "float32[256, 64] 'vocab embed -> vocab* embed': axis 'vocab' (dimension 0 "
         "of shape (256, 64)) has size 256, which does not split into 6 equal shards; choose "
         "a count that divides 256",
+        "detail": "    vocab embed -> vocab* embed\n                   ^^^^^^",
     }
     # the leaves the default replicates are laid out all the same
     for leaf in check["leaves"]:
@@ -258,7 +261,7 @@ def test_check_strict_unused_rule_and_default_error(run_cli, spec_file):
     (check,) = report["checks"]
     assert check["notes"] == [f"{path}::$.rules[1]: rule '**.nowhere' matched no leaf of the model"]
     unmatched = [leaf for leaf in LEAVES if not leaf.endswith("up.weight")]
-    assert check["problems"] == [
+    assert [{**p, "where": p["where"].split(" (")[0]} for p in check["problems"]] == [
         {
             "where": leaf,
             "message": f'no rule or dim matches this leaf, and {path} says "default": "error"; '
@@ -278,7 +281,7 @@ def test_check_strict_unused_rule_and_default_error(run_cli, spec_file):
     lines = text.out.splitlines()
     assert f"warning: {path}::$.rules[1]: rule '**.nowhere' matched no leaf of the model" in lines
     assert (
-        "embed.weight: no rule or dim matches this leaf, and "
+        "embed.weight (Embedding.weight): no rule or dim matches this leaf, and "
         f'{path} says "default": "error"; add a rule for \'embed.weight\', or set "default": "replicate"'
     ) in lines
     assert f"{path} on 8 devices: 26 problem(s)" in lines
@@ -320,16 +323,21 @@ def test_check_device_count_that_does_not_fit(run_cli, spec_file):
         "float32[256, 64] 'o i -> o2 i4': o2 x i4 = 8 shards need 8 devices, 4 are given; "
         "choose counts whose product is 4, or use '*' to take a share"
     )
+    caret = "    o i -> o2 i4\n           ^^^^^"
     assert checks[1]["problems"] == [
         {
             "where": f"{path}::$.devices",
+            "file": str(path),
+            "path": "$.devices",
             "message": 'the spec was written for 8 devices, and it is laid out on 4; use 8 devices, or change "devices" (or drop it to allow any count)',
         },
-        {"where": "blocks.0.up.weight (Linear.weight)", "message": mismatch},
-        {"where": "blocks.1.up.weight (Linear.weight)", "message": mismatch},
+        *(
+            {"where": f"blocks.{i}.up.weight (Linear.weight)", "message": mismatch, "detail": caret}
+            for i in (0, 1)
+        ),
     ]
     for check in checks:
-        assert check["coverage"] == {"rules": 2, "dims": 0, "default": 26}
+        assert check["coverage"] == {"rules": 2, "dims": 0, "default": 26, "none": 0}
     assert checks[0]["bytes_per_device"] == sum(
         leaf["bytes_per_device"] for leaf in checks[0]["leaves"]
     )
@@ -365,7 +373,7 @@ def test_check_on_more_devices_than_jax_started_with(run_cli):
 )
 def test_check_bad_model_argument(run_cli, model, message):
     result = run_cli("check", EXAMPLE, "--model", model)
-    assert result.code == 1
+    assert result.code == 2  # the README: a model that cannot be built exits 2
     assert message in result.err
 
 
@@ -373,12 +381,12 @@ def test_check_model_that_fails_is_reported_without_a_traceback(run_cli, tmp_pat
     broken = tmp_path / "broken.py"
     broken.write_text("def build(:\n")
     result = run_cli("check", EXAMPLE, "--model", f"{broken}:build")
-    assert result.code == 1
+    assert result.code == 2
     assert "raised SyntaxError" in result.err
     failing = tmp_path / "failing.py"
     failing.write_text("def build():\n    raise RuntimeError('no weights here')\n")
     result = run_cli("check", EXAMPLE, "--model", f"{failing}:build")
-    assert result.code == 1
+    assert result.code == 2
     assert "build() raised RuntimeError: no weights here" in result.err
 
 

@@ -70,7 +70,7 @@ def test_read_only_views_and_jax_arrays_are_placed_with_their_values():
 
 def test_shard_refuses_abstract_arrays():
     with pytest.raises(EqshardError, match=r"is abstract \(a jax.ShapeDtypeStruct\)"):
-        eqshard.shard(jax.ShapeDtypeStruct((8,), jnp.float32), "a -> a*")
+        eqshard.shard(jax.ShapeDtypeStruct((8,), jnp.float32), "a -> a*")  # pyright: ignore[reportArgumentType]
 
 
 def test_constrain_with_a_plan_for_other_shapes_names_the_leaf():
@@ -172,7 +172,12 @@ def test_dump_refuses_a_fifo_without_hanging(tmp_path: Path):
     [
         (RULES, 2**21, r"\$\.devices: 2097152 is greater than the maximum of 1048576"),
         (
-            eqshard.Rules((eqshard.Rule("w", "a -> a*"), eqshard.Rule("w", "a -> a2*", index=1))),
+            eqshard.Rules(
+                (
+                    eqshard.Rule("w", eqshard.parse("a -> a*")),
+                    eqshard.Rule("w", eqshard.parse("a -> a2*"), index=1),
+                )
+            ),
             None,
             r"\$\.rules\[1\]\.path: this rule can never match: \$\.rules\[0\] has the same path",
         ),

@@ -116,7 +116,7 @@ def test_cli_survives_unprintable_text_and_odd_models(run_cli, tmp_path):
         ("builtins:print", "holds no arrays"),
     ]:
         result = run_cli("check", ok, "--model", model)
-        assert result.code == 1, result.out
+        assert result.code == 2, result.out
         assert message in result.err
     json_py = tmp_path / "json.py"
     json_py.write_text("import jax.numpy as jnp\ndef build():\n    return {'w': jnp.ones(8)}\n")
