@@ -16,6 +16,7 @@ from ._errors import (
     EqshardError as EqshardError,
     EqshardWarning as EqshardWarning,
     ExpressionError as ExpressionError,
+    MeshWarning as MeshWarning,
     Problem as Problem,
     SpecError as SpecError,
     UnreadableError as UnreadableError,

@@ -11,7 +11,7 @@ from jaxtyping import PyTree
 from ._errors import Problem, SpecError, warn
 from ._fields import FROM_FIELDS
 from ._plan import Planned, Unspecified, plan_for
-from ._sharding import Device
+from ._sharding import AnyMesh, Device
 from ._values import source_for, unplaceable
 
 __all__ = ["apply", "place"]
@@ -29,6 +29,7 @@ def apply(
     model: PyTree[Any],
     spec: Any = FROM_FIELDS,
     *,
+    mesh: AnyMesh | None = None,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
 ) -> PyTree[Any]:
@@ -52,7 +53,9 @@ def apply(
     - `spec`: as for `eqshard.plan`: by default the model's `eqshard.field`s; else a
         spec tree, a prefix of one, a single expression, or a resolver such as
         `eqshard.Rules`.
-    - `devices`: the devices to use, all of them; `jax.devices()` by default.
+    - `mesh`: the `jax.sharding.Mesh` to lay the model out on, with its axis names;
+        by default the mesh of `jax.set_mesh`, if one is set.
+    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
     - `unspecified`: what an array leaf with no expression gets: `"replicate"` (a
         full copy on every device, the default) or `"keep"` (left where it is).
 
@@ -69,7 +72,8 @@ def apply(
     each: key path, shape, expression, the rule it breaks), or naming the first
     path where the spec's structure differs from the model's.
     """
-    return place(model, plan_for(model, spec, devices=devices, unspecified=unspecified))
+    planned = plan_for(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+    return place(model, planned)
 
 
 def place(tree: Any, planned: Planned, what: str = "`eqshard.apply`") -> Any:

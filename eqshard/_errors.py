@@ -18,6 +18,7 @@ __all__ = [
     "EqshardError",
     "EqshardWarning",
     "ExpressionError",
+    "MeshWarning",
     "Problem",
     "SpecError",
     "UnreadableError",
@@ -275,6 +276,14 @@ def _unused_message(path: str) -> str:
 
 
 UnusedRuleWarning.__module__ = "eqshard"
+
+
+class MeshWarning(EqshardWarning):
+    """The layouts of a plan group the devices in ways that disagree, so they share
+    only a mesh with more axes than any one of them needs."""
+
+
+MeshWarning.__module__ = "eqshard"
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 

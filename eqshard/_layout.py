@@ -16,10 +16,9 @@ einshard's rules, which `layout` follows to the device:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from ._errors import EqshardError, whole_number
 from ._expression import Element, Expression, parse
@@ -27,11 +26,9 @@ from ._expression import Element, Expression, parse
 __all__ = [
     "MAX_ELEMENTS",
     "Layout",
-    "SharedMesh",
     "integer_root",
     "layout",
     "shape_of",
-    "shared_mesh",
 ]
 
 MAX_ELEMENTS = 32
@@ -257,71 +254,3 @@ def layout(expr: str | Expression, shape: Sequence[int], n_devices: int) -> Layo
             )
         spec.append(name)
     return Layout(tuple(mesh_shape), tuple(mesh_axes), tuple(spec))
-
-
-@dataclasses.dataclass(frozen=True)
-class SharedMesh:
-    """One row-major mesh on which a set of layouts can all be written.
-
-    - `mesh_shape`: the size of each axis.
-    - `mesh_axes`: their names, `m0`, `m1`, ...
-    """
-
-    mesh_shape: tuple[int, ...]
-    mesh_axes: tuple[str, ...]
-
-    def spec_of(self, lay: Layout) -> tuple[str | tuple[str, ...] | None, ...]:
-        """`lay`'s spec on this mesh: each array dim's mesh axes, major first.
-
-        A layout axis that covers the devices from stride `lo` to `hi` becomes the
-        shared axes between those strides, so every device holds the same block.
-        """
-        ends = list(itertools.accumulate(self.mesh_shape, operator.mul))
-        starts = [1, *ends[:-1]]
-        axes_of: dict[str, tuple[str, ...]] = {}
-        before = 1  # the product of the layout's mesh sizes before this axis
-        for axis, size in zip(lay.mesh_axes, lay.mesh_shape):
-            axes_of[axis] = tuple(
-                name
-                for name, start, end in zip(self.mesh_axes, starts, ends)
-                if before <= start < end <= before * size
-            )
-            before *= size
-        spec: list[str | tuple[str, ...] | None] = []
-        for axis in lay.spec:
-            names = axes_of.get(axis, ()) if axis is not None else ()
-            spec.append(None if not names else names[0] if len(names) == 1 else names)
-        return tuple(spec)
-
-
-def _boundaries(lay: Layout) -> list[int]:
-    """The products of a layout's mesh sizes, from the first (major) axis on."""
-    return list(itertools.accumulate(lay.mesh_shape, operator.mul))
-
-
-def shared_mesh(layouts: Iterable[Layout], n_devices: int) -> SharedMesh | None:
-    """The coarsest mesh on which every layout can be written, or `None`.
-
-    Each layout splits the row-major device order at the products of its leading
-    mesh sizes. A shared mesh exists when all those split points, over all layouts,
-    form a chain in which each divides the next; its axes are the steps of the
-    chain. With a power-of-two device count there is always one.
-
-    **Example:** layouts with meshes `(2, 4)` and `(8,)` share the mesh `(2, 4)`;
-    `(2, 6)` and `(3, 4)` on 12 devices share none (2 does not divide 3).
-    """
-    points = {n_devices}
-    for lay in layouts:
-        points.update(_boundaries(lay))
-    chain = sorted(points)
-    sizes = []
-    previous = 1
-    for point in chain:
-        if point % previous:
-            return None
-        if point != previous:
-            sizes.append(point // previous)
-        previous = point
-    if not sizes:
-        sizes = [1]
-    return SharedMesh(tuple(sizes), tuple(f"m{i}" for i in range(len(sizes))))

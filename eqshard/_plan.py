@@ -1,12 +1,12 @@
-"""Plans: the sharding of every array leaf of a model, on one shared mesh.
+"""Plans: the sharding of every array leaf of a model, on one mesh.
 
-`plan(model, spec)` resolves the spec, lays out every array leaf, and fits all
-the layouts onto one mesh where one exists (always, on a power-of-two device
-count). Each leaf's devices hold exactly the blocks that `eqshard.sharding` (and
-einshard) would give them; only the mesh they are written on is shared, so the
-model works inside `jax.set_mesh(plan.mesh)`, `shard_map` and
-`with_sharding_constraint` code written against that mesh. Where no shared mesh
-exists, each expression keeps its own mesh, as `eqshard.sharding` builds it.
+`plan(model, spec)` resolves the spec, lays out every array leaf, and fits all the
+layouts onto one mesh (`_fit.py`): the user's (`mesh=`, `jax.set_mesh`, or a spec
+file's declared mesh), where a layout that does not fit is a problem; else the
+coarsest shared row-major mesh, which exists on any power-of-two device count.
+Each leaf's devices hold exactly the blocks that `eqshard.sharding` (and einshard)
+would give them; only the mesh they are written on is shared. Where no shared
+mesh exists, each expression keeps its own mesh, as `eqshard.sharding` builds it.
 """
 
 from __future__ import annotations
@@ -17,18 +17,35 @@ from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem, SpecError, warn
+from ._errors import (
+    EqshardError,
+    EqshardWarning,
+    ExpressionError,
+    MeshWarning,
+    Problem,
+    SpecError,
+    warn,
+)
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
-from ._layout import Layout, layout, shared_mesh
+from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
+from ._layout import Layout, layout
 from ._resolve import Resolved, resolve
 from ._resolver import Target
-from ._sharding import Device, device_tuple, mesh, named_sharding
+from ._sharding import (
+    AnyMesh,
+    Device,
+    device_tuple,
+    mesh as build_mesh,
+    mesh_devices,
+    named_sharding,
+    user_mesh,
+)
 
-__all__ = ["Plan", "Planned", "Unspecified", "make_plan", "plan", "plan_for"]
+__all__ = ["Plan", "Planned", "Unspecified", "declared_mesh", "make_plan", "plan", "plan_for"]
 
 Unspecified = Literal["replicate", "keep"]
 
@@ -51,9 +68,11 @@ class Plan:
 
     **Attributes:**
 
-    - `mesh`: the one mesh (Auto axes `m0`, `m1`, ...) that every sharding is
-        written on, or `None` when the layouts share no mesh (then each sharding
-        has its expression's own mesh, as `eqshard.sharding` builds it).
+    - `mesh`: the one mesh every sharding is written on: the user's (`mesh=`, the
+        mesh of `jax.set_mesh`, or the `"mesh"` a spec file declares, built with
+        Auto axes), else a shared row-major mesh of Auto axes `m0`, `m1`, ...; or
+        `None` when the layouts share no mesh (then each sharding has its
+        expression's own mesh, as `eqshard.sharding` builds it).
     - `shardings`: the model's structure with a `NamedSharding` for each array leaf
         (`None` for other leaves, and for leaves kept where they are).
     - `partition_specs`: the same, with each leaf's `PartitionSpec`.
@@ -61,7 +80,7 @@ class Plan:
         the spec gave none).
     """
 
-    mesh: Mesh | None
+    mesh: AnyMesh | None
     resolved: Resolved = dataclasses.field(repr=False)
     flat_shardings: list[NamedSharding | None] = dataclasses.field(repr=False)
 
@@ -97,6 +116,7 @@ def make_plan(
     model: PyTree[Any],
     spec: Any = FROM_FIELDS,
     *,
+    mesh: AnyMesh | None = None,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
 ) -> Planned:
@@ -107,9 +127,20 @@ def make_plan(
     """
     if unspecified not in ("replicate", "keep"):
         raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
-    devices = device_tuple(devices)
-    n = len(devices)
-    resolved, problems, warnings = resolve(model, spec, Target(n))
+    target_mesh = user_mesh(mesh, devices)
+    problems: list[Problem] = []
+    if target_mesh is None:
+        placed_on = device_tuple(devices)
+        n = len(placed_on)
+        declared, found = declared_mesh(spec, n)
+        problems += found
+        if declared is not None:
+            target_mesh = build_mesh(declared.sizes, declared.names, placed_on)
+    else:
+        placed_on = mesh_devices(target_mesh)
+        n = target_mesh.size
+    resolved, resolving, warnings = resolve(model, spec, Target(n, target_mesh))
+    problems += resolving
 
     layouts: list[Layout | None] = []
     replicate = unspecified == "replicate"
@@ -128,21 +159,85 @@ def make_plan(
             layouts.append(None)
 
     distinct = {lay for lay in layouts if lay is not None}
-    shared = shared_mesh(distinct, n)
-    if shared is None:  # each expression keeps its own mesh, as `eqshard.sharding` builds it
-        common = None
+    if target_mesh is not None:
+        on = mesh_shape_of(target_mesh.axis_names, target_mesh.axis_sizes)
+        specs = {lay: fit(lay, on) for lay in distinct}
+        for i, lay in enumerate(layouts):
+            if lay is not None and specs[lay] is None:
+                problems.append(_does_not_fit(resolved, i, on))
+                resolved.failed.add(i)
+                layouts[i] = None
         by_layout = {
-            lay: named_sharding(lay.mesh_shape, lay.mesh_axes, lay.spec, devices)
-            for lay in distinct
+            lay: NamedSharding(target_mesh, PartitionSpec(*spec))
+            for lay, spec in specs.items()
+            if spec is not None
         }
+        common: AnyMesh | None = target_mesh
     else:
-        common = mesh(shared.mesh_shape, shared.mesh_axes, devices)
-        by_layout = {
-            lay: named_sharding(shared.mesh_shape, shared.mesh_axes, shared.spec_of(lay), devices)
-            for lay in distinct
-        }
+        assert placed_on is not None
+        shared = shared_mesh(distinct, n)
+        if shared is None:  # each expression keeps its own mesh, as `sharding` builds it
+            common = None
+            by_layout = {
+                lay: named_sharding(lay.mesh_shape, lay.mesh_axes, lay.spec, placed_on)
+                for lay in distinct
+            }
+        else:
+            common = build_mesh(shared.sizes, shared.names, placed_on)
+            by_layout = {
+                lay: NamedSharding(common, PartitionSpec(*(fit(lay, shared) or ())))
+                for lay in distinct
+            }
+            found = _disagreement(resolved, layouts, shared, n)
+            if found is not None:
+                warnings.append(found)
     flat = [None if lay is None else by_layout[lay] for lay in layouts]
     return Planned(Plan(mesh=common, resolved=resolved, flat_shardings=flat), problems, warnings)
+
+
+def declared_mesh(spec: Any, n_devices: int) -> tuple[MeshShape | None, list[Problem]]:
+    """The mesh a spec declares for `n_devices` (a spec file's `"mesh"`), if any."""
+    declare = getattr(type(spec), "__eqshard_mesh__", None)
+    if declare is None:
+        return None, []
+    return declare(spec, n_devices)
+
+
+def _does_not_fit(resolved: Resolved, i: int, on: MeshShape) -> Problem:
+    leaf, expr = resolved.leaves[i], resolved.exprs[i]
+    assert expr is not None
+    shape = tuple(leaf.shape)
+    why = misfit(expr, shape, on)
+    return Problem(resolved.where(i), f"{leaf.dtype}{list(shape)} {str(expr)!r} {why}")
+
+
+def _disagreement(
+    resolved: Resolved, layouts: list[Layout | None], shared: MeshShape, n: int
+) -> MeshWarning | None:
+    """A warning when the shared mesh needs more axes than any one layout asks for:
+    their device groupings conflict, and XLA will move data between them."""
+    groups: dict[tuple[int, ...], int] = {}
+    for i, lay in enumerate(layouts):
+        if lay is not None:
+            groups.setdefault(grouping(lay, n), i)
+    most = max((len(g) for g in groups), default=1)
+    if len(shared.sizes) <= most:
+        return None
+    maximal = groupings([lay for lay in layouts if lay is not None], n)
+    named = [
+        f"{resolved.where(groups[g])} ({str(resolved.exprs[groups[g]])!r}) as {g}"
+        for g in maximal
+        if g in groups
+    ]
+    first = groups[maximal[0]] if maximal and maximal[0] in groups else 0
+    return MeshWarning(
+        resolved.where(first),
+        f"the layouts group the devices in ways that disagree: {'; '.join(named)}. They "
+        f"share only the mesh {shared.sizes}, with more axes than any one of them asks "
+        "for, so XLA moves data between the groupings (all-gathers and permutes rather "
+        "than one all-reduce). Give them layouts that group devices alike, or pass "
+        "`mesh=` to be told which do not fit it",
+    )
 
 
 def _fits_plan(tree: Any, given: Plan) -> list[Problem]:
@@ -173,16 +268,18 @@ def plan_for(
     tree: PyTree[Any],
     spec: Any,
     *,
+    mesh: AnyMesh | None = None,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
 ) -> Planned:
     """The plan that lays out `tree`: `spec` itself when it is a `Plan` made for a tree
     of the same structure and shapes, else `make_plan(tree, spec, ...)`."""
     if not isinstance(spec, Plan):
-        return make_plan(tree, spec, devices=devices, unspecified=unspecified)
-    if devices is not None:
+        return make_plan(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+    if devices is not None or mesh is not None:
         raise EqshardError(
-            "`devices` is given with a `Plan`, which has its devices already; pass one or the other"
+            f"`{'devices' if devices is not None else 'mesh'}=` is given with a `Plan`, "
+            "which has its mesh already; pass one or the other"
         )
     return Planned(spec, _fits_plan(tree, spec), [])
 
@@ -191,6 +288,7 @@ def plan(
     model: PyTree[Any],
     spec: Any = FROM_FIELDS,
     *,
+    mesh: AnyMesh | None = None,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
 ) -> Plan:
@@ -205,7 +303,9 @@ def plan(
     p = eqshard.plan(model, spec)
     p.mesh                        # Mesh('m0': 8)
     p.partition_specs.w1          # PartitionSpec(None, 'm0')
-    with jax.set_mesh(p.mesh): ...
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    eqshard.plan(model, spec, mesh=mesh).partition_specs.w1   # P(None, 'model')
     ```
 
     **Arguments:**
@@ -216,7 +316,11 @@ def plan(
         it (one expression or `None` for a whole subtree), a single expression for
         every array leaf, or a resolver such as `eqshard.Rules`. A leaf may be an
         `Expression`, its text, or `None`.
-    - `devices`: the devices to use, all of them; `jax.devices()` by default.
+    - `mesh`: the user's `jax.sharding.Mesh`: every layout is written on it, with its
+        axis names, and must fit it (einshard's device `i` is `mesh.devices.flat[i]`).
+        By default the mesh of `jax.set_mesh`, if one is set, else the mesh a spec
+        file declares.
+    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
     - `unspecified`: what an array leaf whose expression is `None` gets:
         `"replicate"` (a full copy on every device, the default) or `"keep"` (it
         stays where it is).
@@ -227,12 +331,14 @@ def plan(
 
     **Raises:**
 
-    `eqshard.SpecError` listing every faulty leaf, one line each with its key path,
-    shape, expression and the rule it breaks (rank, divisibility, device count or
-    annotation); or naming the first path where the spec's structure differs from
-    the model's.
+    `eqshard.SpecError` listing every faulty leaf, one line each with its dotted
+    path, shape, expression and the rule it breaks (rank, divisibility, device
+    count, annotation, or a layout that does not fit the mesh, with the same counts
+    in the mesh's order where they fit); or naming the first path where the spec's
+    structure differs from the model's. `eqshard.MeshWarning` when, with no user
+    mesh, the layouts group devices in ways that disagree.
     """
-    planned = make_plan(model, spec, devices=devices, unspecified=unspecified)
+    planned = make_plan(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if planned.problems:
         raise SpecError(planned.problems)
     warn(planned.warnings)

@@ -66,24 +66,76 @@ def _index(rules: Rules) -> PathIndex:
     return PathIndex([rule.path for rule in rules.rules])
 
 
-def _from_dims(
-    rules: Rules, item: LeafInfo | None, problems: list[Problem]
-) -> Expression | Problem | None:
+_AXIS_NAME = re.compile(r"[^\W\d]+")
+
+
+def _from_dims(rules: Rules, item: LeafInfo | None, mesh: Any) -> Expression | Problem | None:
+    """The expression `dims` give a leaf, from its annotation: modifiers in the
+    annotation's order, or logical axes laid out in the order of `mesh`'s axes."""
     if item is None or item.annotation is None:
         return None
     annotation = item.annotation
     names = [d for d in annotation.items if isinstance(d, str)]
-    if not any(d in rules.dims for d in names):
+    mapped = {d: rules.dims[d] for d in names if d in rules.dims}
+    if not mapped:
         return None
-    short = " ".join(f"{d}{rules.dims.get(d, '')}" for d in names)
+    where = ", ".join(f"$.dims.{d}" for d in mapped)
+    logical = {d: axis for d, axis in mapped.items() if _AXIS_NAME.fullmatch(axis)}
+    if logical:
+        short = _logical(rules, item, logical, len(logical) == len(mapped), mesh)
+        if isinstance(short, Problem):
+            return short
+    else:
+        short = " ".join(f"{d}{rules.dims.get(d, '')}" for d in names)
     try:
         return complete(parse(short), annotation)
     except ExpressionError as error:
-        dims = ", ".join(f"$.dims.{d}" for d in names if d in rules.dims)
-        return Problem.from_error(item.label, error, f"from {rules.source}::{dims}")
+        return Problem.from_error(item.label, error, f"from {rules.source}::{where}")
 
 
-def match_rules(rules: Rules, model: Any) -> tuple[list[Match], list[Problem]]:
+def _logical(
+    rules: Rules, item: LeafInfo, logical: dict[str, str], alone: bool, mesh: Any
+) -> str | Problem:
+    """The short form that splits each dim over its mesh axis, in the mesh's order,
+    and replicates over the other axes."""
+    where = ", ".join(f"$.dims.{d}" for d in logical)
+    if not alone:
+        return Problem(
+            item.label,
+            f"{rules.source}::{where} map dims of this leaf to mesh axes, and other dims "
+            "of it to shard modifiers; map every dim of one leaf the same way",
+        )
+    if mesh is None:
+        dim, axis = next(iter(logical.items()))
+        return Problem(
+            item.label,
+            f"{rules.source}::$.dims.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
+            f'there is no mesh; declare "mesh" in {rules.source}, or pass `mesh=`',
+        )
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    by_axis: dict[str, str] = {}
+    for dim, axis in logical.items():
+        if axis not in sizes:
+            return Problem(
+                item.label,
+                f"{rules.source}::$.dims.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
+                f"the mesh has the axes {', '.join(map(repr, sizes))}; name one of them",
+            )
+        if axis in by_axis:
+            return Problem(
+                item.label,
+                f"{rules.source}::{where} map both {by_axis[axis]!r} and {dim!r} of this "
+                f"leaf to the mesh axis {axis!r}; a mesh axis splits one dim of a leaf",
+            )
+        by_axis[axis] = dim
+    return " ".join(
+        f"{by_axis[axis]}{size}" if axis in by_axis else str(size) for axis, size in sizes.items()
+    )
+
+
+def match_rules(
+    rules: Rules, model: Any, target: Target | None = None
+) -> tuple[list[Match], list[Problem]]:
     """How each leaf of `model` gets its expression under `rules`, and what went wrong.
 
     The problems are: leaves no rule or dim matches under `"default": "error"`,
@@ -94,6 +146,7 @@ def match_rules(rules: Rules, model: Any) -> tuple[list[Match], list[Problem]]:
     fields = walk_fields(model) if rules.dims else None
     fallback = _REPLICATE if rules.default == "replicate" else None
     index = _index(rules)
+    mesh = None if target is None else target.mesh
     matches: list[Match] = []
     problems: list[Problem] = []
     for i, (path, leaf) in enumerate(flat):
@@ -106,7 +159,7 @@ def match_rules(rules: Rules, model: Any) -> tuple[list[Match], list[Problem]]:
             rule = rules.rules[position]
             matches.append(Match(name, rule.expr, "rule", rule.index))
             continue
-        expr = _from_dims(rules, fields[i] if fields else None, problems)
+        expr = _from_dims(rules, fields[i] if fields else None, mesh)
         if isinstance(expr, Problem):
             problems.append(expr)
             matches.append(Match(name, None, "dims"))
@@ -133,7 +186,7 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
     leaf, problems (unmatched leaves under `"default": "error"`, dims that do not
     fit, a device count other than the file's), and a warning for each rule that
     matched nothing."""
-    matches, problems = match_rules(rules, model)
+    matches, problems = match_rules(rules, model, target)
     if rules.devices is not None and rules.devices != target.devices:
         problems.append(
             Problem(

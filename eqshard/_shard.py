@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 import jax.core
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._apply import place
@@ -15,7 +15,7 @@ from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Unspecified, plan_for
-from ._sharding import Device, sharding
+from ._sharding import AnyMesh, Device, sharding
 from ._values import source_for, unplaceable
 
 __all__ = ["constrain", "shard"]
@@ -25,6 +25,7 @@ def shard(
     x: ArrayLike,
     expr: str | Expression,
     *,
+    mesh: AnyMesh | None = None,
     devices: Sequence[Device] | None = None,
 ) -> Array:
     """Places one array as an einshard expression says.
@@ -42,7 +43,9 @@ def shard(
 
     - `x`: a `jax.Array` or a NumPy array. It is not modified.
     - `expr`: an einshard expression (text or `eqshard.Expression`).
-    - `devices`: the devices to use, all of them; `jax.devices()` by default.
+    - `mesh`: the mesh to place on, with its axis names; by default the mesh of
+        `jax.set_mesh`, if one is set.
+    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
 
     **Returns:**
 
@@ -69,29 +72,15 @@ def shard(
     why = unplaceable(x, "`eqshard.shard`")
     if why is not None:
         raise EqshardError(f"the array {why}")
-    target = sharding(expr, shape, devices=devices)
+    target = sharding(expr, shape, mesh=mesh, devices=devices)
     return jax.device_put(source_for(x, target), target)
-
-
-def _check_context_mesh() -> None:
-    context = jax.sharding.get_abstract_mesh()
-    if context.empty:
-        return
-    kinds = set(context.axis_types) - {AxisType.Auto}
-    if kinds:
-        raise EqshardError(
-            f"`eqshard.constrain` places values on its own mesh of Auto axes, but the "
-            f"mesh set by `jax.set_mesh` has {'/'.join(sorted(k.name for k in kinds))} axes "
-            f"({context}). Under Explicit axes use `jax.sharding.reshard` with that "
-            "mesh; inside `shard_map` the values are already per-device. Or set a mesh "
-            "with `axis_types=(jax.sharding.AxisType.Auto,) * n`"
-        )
 
 
 def constrain(
     x: PyTree[Any],
     spec: Any = FROM_FIELDS,
     *,
+    mesh: AnyMesh | None = None,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
 ) -> PyTree[Any]:
@@ -121,8 +110,11 @@ def constrain(
     - `spec`: for one array, an einshard expression. For a pytree, anything
         `eqshard.apply` takes (by default the `eqshard.field`s), or an
         `eqshard.Plan` made for a model of the same structure.
-    - `devices`: the devices to use, all of them; `jax.devices()` by default. They
-        must be the devices the rest of the computation runs on.
+    - `mesh`: the mesh to constrain on; by default the mesh of `jax.set_mesh`
+        (inside `jit`, its abstract mesh), if one is set. On a mesh of Explicit axes
+        the values are resharded (`jax.sharding.reshard`), as JAX requires there.
+    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
+        They must be the devices the rest of the computation runs on.
     - `unspecified`: as for `eqshard.apply`.
 
     **Returns:**
@@ -132,17 +124,14 @@ def constrain(
     **Raises:**
 
     `eqshard.ExpressionError` or `eqshard.SpecError` when the spec does not fit
-    `x`, and `eqshard.EqshardError` inside `jax.set_mesh` with Explicit or Manual
-    axes, where JAX itself decides layouts and a constraint on another mesh cannot
-    apply.
+    `x` or the mesh, naming each leaf.
     """
-    _check_context_mesh()
     traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
     if is_array_like(x) and isinstance(spec, (str, Expression)):
         if not traced:
-            return shard(x, spec, devices=devices)
-        return jax.lax.with_sharding_constraint(x, sharding(spec, x.shape, devices=devices))
-    planned = plan_for(x, spec, devices=devices, unspecified=unspecified)
+            return shard(x, spec, mesh=mesh, devices=devices)
+        return _constrained([x], [sharding(spec, x.shape, mesh=mesh, devices=devices)])[0]
+    planned = plan_for(x, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if not traced:
         return place(x, planned, "`eqshard.constrain`")
     if planned.problems:
@@ -150,9 +139,22 @@ def constrain(
     p = planned.plan
     leaves, treedef = jax.tree_util.tree_flatten(x)
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
-    constrained = jax.lax.with_sharding_constraint(
-        [leaves[i] for i in indices], [p.flat_shardings[i] for i in indices]
+    constrained = _constrained(
+        [leaves[i] for i in indices], [s for s in p.flat_shardings if s is not None]
     )
     for i, value in zip(indices, constrained):
         leaves[i] = value
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _constrained(values: list[Any], shardings: list[NamedSharding]) -> list[Any]:
+    """`values` held to `shardings` inside `jit`: a sharding constraint where the
+    mesh's axes are Auto, `jax.sharding.reshard` where they are Explicit (the mesh
+    of `jax.set_mesh`, in JAX's sharding-in-types mode)."""
+    explicit = [any(kind == AxisType.Explicit for kind in s.mesh.axis_types) for s in shardings]
+    if not any(explicit):
+        return jax.lax.with_sharding_constraint(values, shardings)
+    return [
+        jax.sharding.reshard(v, s) if e else jax.lax.with_sharding_constraint(v, s)
+        for v, s, e in zip(values, shardings, explicit)
+    ]

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._errors import EqshardError
 from ._expression import Expression, parse
+from ._fit import fit, mesh_shape_of, misfit
 from ._layout import layout, shape_of
 
 if TYPE_CHECKING:
@@ -27,7 +28,17 @@ if TYPE_CHECKING:
 else:
     Device = jax.Device
 
-__all__ = ["cached_sharding", "device_tuple", "mesh", "named_sharding", "sharding"]
+__all__ = [
+    "AnyMesh",
+    "cached_sharding",
+    "context_mesh",
+    "device_tuple",
+    "mesh",
+    "mesh_devices",
+    "named_sharding",
+    "sharding",
+    "user_mesh",
+]
 
 
 def device_tuple(devices: Sequence[Device] | np.ndarray | None) -> tuple[Device, ...]:
@@ -57,6 +68,50 @@ def device_tuple(devices: Sequence[Device] | np.ndarray | None) -> tuple[Device,
         twice = next(d for d in devices if d in seen or seen.add(d))
         raise EqshardError(f"`devices` holds {twice} twice; list each device once")
     return devices
+
+
+AnyMesh = Union[Mesh, AbstractMesh]
+
+
+def context_mesh() -> AnyMesh | None:
+    """The mesh set by `jax.set_mesh`, if any: the concrete one outside `jit`, the
+    abstract one inside it."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    try:
+        concrete = jax.sharding.get_mesh()
+    except ValueError:  # inside `jit`, only the abstract mesh is known
+        return abstract
+    return abstract if concrete.empty else concrete
+
+
+def user_mesh(mesh: object, devices: object) -> AnyMesh | None:
+    """The user's mesh: `mesh=` if given, else the mesh of `jax.set_mesh` when no
+    `devices=` are given either; `None` where eqshard chooses the mesh itself.
+
+    **Raises:** `EqshardError` when both `mesh=` and `devices=` are given, or
+    `mesh=` is not a mesh.
+    """
+    if mesh is None:
+        return context_mesh() if devices is None else None
+    if devices is not None:
+        raise EqshardError(
+            "`mesh=` and `devices=` are both given; pass one: a mesh holds its devices"
+        )
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise EqshardError(
+            f"`mesh=` is a `jax.sharding.Mesh`, such as `jax.make_mesh((2, 4), ('data', "
+            f"'model'))`, not {type(mesh).__name__}; for a list of devices use `devices=`"
+        )
+    if mesh.empty:
+        raise EqshardError("`mesh=` is an empty mesh; give a mesh with devices")
+    return mesh
+
+
+def mesh_devices(mesh: AnyMesh) -> tuple[Device, ...] | None:
+    """A concrete mesh's devices in einshard's order (`mesh.devices.flat`)."""
+    return tuple(mesh.devices.flat) if isinstance(mesh, Mesh) else None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -91,10 +146,27 @@ def cached_sharding(
     return named_sharding(lay.mesh_shape, lay.mesh_axes, lay.spec, devices)
 
 
+@functools.lru_cache(maxsize=8192)
+def sharding_on(expr: str | Expression, shape: tuple[int, ...], on: AnyMesh) -> NamedSharding:
+    """The `NamedSharding` of `expr` written on the user's mesh `on`. Cached.
+
+    **Raises:** `ExpressionError` when the layout does not fit the mesh.
+    """
+    parsed = parse(expr)
+    lay = layout(parsed, shape, on.size)
+    axes = mesh_shape_of(on.axis_names, on.axis_sizes)
+    spec = fit(lay, axes)
+    if spec is None:
+        first, last = parsed.span_of_rhs(0), parsed.span_of_rhs(len(parsed.rhs) - 1)
+        raise parsed.error(misfit(parsed, shape, axes), (first[0], last[1]))
+    return NamedSharding(on, PartitionSpec(*spec))
+
+
 def sharding(
     expr: str | Expression,
     shape: Sequence[int],
     *,
+    mesh: AnyMesh | None = None,
     devices: Sequence[Device] | np.ndarray | None = None,
 ) -> NamedSharding:
     """The `NamedSharding` that an einshard expression gives an array of `shape`.
@@ -105,29 +177,40 @@ def sharding(
     s = eqshard.sharding("a b -> 2 a2* b*", (4, 8))   # on 16 devices
     s.mesh.shape      # {'_0': 2, 'a': 4, 'b': 2}
     s.spec            # PartitionSpec('a', 'b')
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    eqshard.sharding("a b -> a2 b4", (4, 8), mesh=mesh).spec   # P('data', 'model')
     ```
 
     **Arguments:**
 
     - `expr`: an einshard expression, as text or as an `eqshard.Expression`.
     - `shape`: the array's shape.
-    - `devices`: the devices to use, all of them; `jax.devices()` by default. Pass a
-        list to place on a subset. Their order is the row-major order of the mesh.
+    - `mesh`: the mesh to write the layout on, with its axis names; by default the
+        mesh of `jax.set_mesh`, if one is set. einshard's device `i` is
+        `mesh.devices.flat[i]`.
+    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
+        Pass a list to place on a subset. Their order is the row-major order of the
+        mesh.
 
     **Returns:**
 
-    A `jax.sharding.NamedSharding` on a mesh with Auto axes, one per element of the
-    right side (`...` adds none), named after the element (`_<i>` for standalone
-    replication elements). Devices hold the same blocks as under einshard.
-    The result is cached per (expression, shape, devices), so a repeated call costs
-    a dictionary look-up.
+    A `jax.sharding.NamedSharding`. On the user's mesh, it is written with that
+    mesh's axes. Otherwise its mesh has Auto axes, one per element of the right side
+    (`...` adds none), named after the element (`_<i>` for standalone replication
+    elements). Either way, devices hold the same blocks as under einshard. The
+    result is cached, so a repeated call costs a dictionary look-up.
 
     **Raises:**
 
     `eqshard.ExpressionError` with a caret under the fault when the expression is
     malformed, is in short form, does not match the rank of `shape`, does not use
-    exactly the devices given, or splits a dimension unevenly.
+    exactly the devices given, splits a dimension unevenly, or does not fit the
+    mesh (the message gives the same counts in the mesh's order, where they fit).
     """
     if not isinstance(expr, (str, Expression)):
         parse(expr)  # raises the EqshardError that says what an expression is
+    on = user_mesh(mesh, devices)
+    if on is not None:
+        return sharding_on(expr, shape_of(shape), on)
     return cached_sharding(expr, shape_of(shape), device_tuple(devices))

@@ -16,7 +16,9 @@ import dataclasses
 import functools
 import importlib.resources
 import json
+import math
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -36,6 +38,7 @@ from ._errors import (
     whole_number,
 )
 from ._expression import Expression, parse
+from ._fit import MeshShape
 
 if TYPE_CHECKING:
     from ._resolver import Resolution, Target
@@ -101,7 +104,9 @@ class Rules:
 
     **Fields:** `rules` (a tuple of `Rule`), `default` (`"replicate"` or `"error"`),
     `devices` (the device count the file was written for, or `None`), `dims` (dim
-    name to modifier), and `source` (the file name, for messages).
+    name to a modifier or a mesh axis name), `source` (the file name, for
+    messages), and `mesh` (the declared mesh: each axis's name and size, `None` for
+    the one `"*"` axis; or `None`).
     """
 
     rules: tuple[Rule, ...] = ()
@@ -109,25 +114,47 @@ class Rules:
     devices: int | None = None
     dims: Mapping[str, str] = dataclasses.field(default_factory=dict)
     source: str = "<rules>"
+    mesh: tuple[tuple[str, int | None], ...] | None = None
 
     def where(self, json_path: str) -> str:
         """`file::$.json.path`: where a fault of this spec is, in messages."""
         return f"{self.source}::{json_path}"
 
-    def match(self, model: Any) -> tuple[list[Match], list[Problem]]:
+    def match(self, model: Any, target: Target | None = None) -> tuple[list[Match], list[Problem]]:
         """How each leaf of `model` gets its expression, and what went wrong.
 
         The problems are: leaves no rule or dim matches under `"default": "error"`,
-        and dims-derived expressions that do not fit their annotation.
+        and dims-derived expressions that do not fit their annotation (or, for
+        logical axes, `target`'s mesh).
         """
         from ._rules import match_rules
 
-        return match_rules(self, model)
+        return match_rules(self, model, target)
 
     def __eqshard_resolve__(self, model: Any, target: Target) -> Resolution:
         from ._rules import resolve_rules
 
         return resolve_rules(self, model, target)
+
+    def __eqshard_mesh__(self, devices: int) -> tuple[MeshShape | None, list[Problem]]:
+        """The declared mesh on `devices` devices, or why there is none."""
+        if self.mesh is None:
+            return None, []
+        names = tuple(name for name, _ in self.mesh)
+        fixed = math.prod(size for _, size in self.mesh if size is not None)
+        star = any(size is None for _, size in self.mesh)
+        if devices % fixed if star else devices != fixed:
+            need = f"a multiple of {fixed}" if star else str(fixed)
+            return None, [
+                Problem(
+                    self.where("$.mesh"),
+                    f"the mesh {_mesh_text(self.mesh)} needs {need} devices, and the spec "
+                    f'is laid out on {devices}; use {need} devices, or change "mesh"',
+                    file=self.source,
+                )
+            ]
+        sizes = tuple(devices // fixed if size is None else size for _, size in self.mesh)
+        return MeshShape(names, sizes), []
 
     def to_json(self) -> dict[str, Any]:
         """The document of a spec file that loads back to these rules."""
@@ -141,6 +168,8 @@ class Rules:
         ]
         if self.dims:
             document["dims"] = dict(self.dims)
+        if self.mesh is not None:
+            document["mesh"] = [[name, "*" if size is None else size] for name, size in self.mesh]
         return document
 
 
@@ -217,6 +246,10 @@ def _read(path: Path, name: str) -> Any:
         raise _invalid(name, str(error)) from None
 
 
+def _mesh_text(mesh: Sequence[tuple[str, int | None]]) -> str:
+    return "(" + ", ".join(f"{n!r}: {'*' if s is None else s}" for n, s in mesh) + ")"
+
+
 def _schema_problem(name: str, error: ValidationError) -> Problem:
     where = f"{name}::{error.json_path}"
     instance, keyword = error.instance, error.validator
@@ -235,6 +268,12 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
         )
     if "propertyNames" in error.schema_path:
         return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
+    if keyword == "anyOf" and path[:1] == ["dims"]:
+        return Problem(
+            where,
+            f"{instance!r} is neither a shard modifier ('2', '*', '2*') nor the name of a "
+            "mesh axis",
+        )
     if keyword == "pattern" and path[:1] == ["dims"]:
         return Problem(
             where,
@@ -304,16 +343,51 @@ def _rule_problems(
                 )
                 problems.append((_order(["rules", i, "path"]), problem))
             seen.setdefault(path, i)
+    problems += _mesh_problems(document, name)
     dims = document.get("dims")
     for dim, modifier in dims.items() if isinstance(dims, dict) else ():
         where = f"{name}::$.dims.{dim}"
         if isinstance(modifier, str) and where not in schema_paths:
+            if _AXIS_NAME.fullmatch(modifier):
+                continue  # a logical axis: checked against the mesh it is laid out on
             try:
                 parse(f"x{modifier}")
             except ExpressionError as bad:
                 problem = Problem(where, f"{modifier[:24]!r}: {bad.rule}")
                 problems.append((_order(["dims", dim]), problem))
     return problems
+
+
+_AXIS_NAME = re.compile(r"[^\W\d]+")
+
+
+def _mesh_problems(document: dict[str, Any], name: str) -> list[tuple[list[Any], Problem]]:
+    """What the schema cannot say of `"mesh"`: names once, one `"*"` at most, and
+    sizes that agree with `"devices"`."""
+    mesh = document.get("mesh")
+    if not isinstance(mesh, list) or not all(
+        isinstance(axis, list) and len(axis) == 2 and isinstance(axis[0], str) for axis in mesh
+    ):
+        return []  # the schema has said what is wrong
+    found: list[tuple[list[Any], Problem]] = []
+    names = [axis[0] for axis in mesh]
+    for i, axis_name in enumerate(names):
+        if axis_name in names[:i]:
+            message = f"the axis {axis_name!r} is named twice; name each mesh axis once"
+            found.append((_order(["mesh", i]), Problem(f"{name}::$.mesh[{i}]", message)))
+    stars = [i for i, axis in enumerate(mesh) if axis[1] == "*"]
+    for i in stars[1:]:
+        message = "a second '*': at most one axis takes what the device count leaves"
+        found.append((_order(["mesh", i]), Problem(f"{name}::$.mesh[{i}][1]", message)))
+    sizes = [axis[1] for axis in mesh if isinstance(axis[1], int)]
+    devices = document.get("devices")
+    if isinstance(devices, int) and len(sizes) + len(stars) == len(mesh):
+        fixed = math.prod(sizes)
+        if (stars and devices % fixed) or (not stars and devices != fixed):
+            need = f"a multiple of {fixed}" if stars else str(fixed)
+            message = f'the mesh needs {need} devices, and "devices" is {devices}; make them agree'
+            found.append((_order(["mesh"]), Problem(f"{name}::$.mesh", message)))
+    return found
 
 
 def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
@@ -365,6 +439,9 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
         devices=None if document.get("devices") is None else int(document["devices"]),
         dims=dict(document.get("dims", {})),
         source=name,
+        mesh=None
+        if document.get("mesh") is None
+        else tuple((n, None if size == "*" else int(size)) for n, size in document["mesh"]),
     )
 
 

@@ -1,4 +1,5 @@
 import json
+import warnings
 
 import equinox as eqx
 import jax
@@ -214,7 +215,9 @@ def _fits(expr):
 @settings(max_examples=60, deadline=None)
 def test_shared_mesh_keeps_every_layout(exprs):
     model = [jax.ShapeDtypeStruct((16, 16), jnp.float32) for _ in exprs]
-    plan = eqshard.plan(model, exprs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", eqshard.MeshWarning)  # groupings may disagree
+        plan = eqshard.plan(model, exprs)
     assert plan.mesh is not None  # 8 is a power of two
     for expr, sharding in zip(exprs, plan.shardings):
         assert sharding.mesh is plan.mesh
@@ -272,7 +275,7 @@ def test_the_shared_mesh_works_with_set_mesh_and_shard_map():
     sharded = eqshard.apply(model)
     x = jnp.ones((4, 16))
     expected = np.asarray(jax.nn.relu(x @ model.w1) @ model.w2)
-    assert plan.mesh is not None
+    assert isinstance(plan.mesh, jax.sharding.Mesh)
     with jax.set_mesh(plan.mesh):
         out = jax.jit(lambda w1, w2, x: jax.nn.relu(x @ w1) @ w2)(sharded.w1, sharded.w2, x)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-5)
