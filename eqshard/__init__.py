@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._apply import apply as apply
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
     from ._plan import Plan as Plan, plan as plan
+    from ._report import Report as Report, report as report
     from ._resolve import spec as spec
     from ._resolver import (
         Resolution as Resolution,
@@ -52,6 +53,8 @@ _LAZY = {
     "field": "._fields",
     "Plan": "._plan",
     "plan": "._plan",
+    "Report": "._report",
+    "report": "._report",
     "spec": "._resolve",
     "Resolution": "._resolver",
     "Resolver": "._resolver",

@@ -28,7 +28,7 @@ from jaxtyping import AbstractArray
 
 from ._expression import Element, Expression, LeftItem, _is_name_char
 
-__all__ = ["Annotation", "annotation_of", "complete", "field_annotations"]
+__all__ = ["Annotation", "annotation_of", "complete", "field_annotations", "for_rank"]
 
 # One item per annotated dimension: a name, None (no usable name) or ... (variadic).
 DimItem = typing.Union[str, None, EllipsisType]
@@ -112,6 +112,15 @@ def _resolve_one(cls: type, hint: object) -> object:
         return eval(hint, dict(vars(module)) if module else {}, dict(vars(cls)))
     except Exception:
         return None
+
+
+def for_rank(annotation: Annotation, ndim: int) -> Annotation:
+    """`annotation` for a leaf of `ndim` dims: a stack of layers (`eqx.filter_vmap`)
+    puts axes in front that the annotation does not name; they are never split."""
+    extra = ndim - len(annotation.items)
+    if extra <= 0 or ... in annotation.items:
+        return annotation
+    return dataclasses.replace(annotation, items=(None,) * extra + annotation.items)
 
 
 def _fresh_names(taken: set[str], count: int) -> list[str]:

@@ -8,9 +8,10 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
+from ._derive import plan_for
 from ._errors import Problem, SpecError, warn
 from ._fields import FROM_FIELDS
-from ._plan import Planned, Unspecified, plan_for
+from ._plan import Planned, Unspecified
 from ._sharding import AnyMesh, Device
 from ._values import source_for, unplaceable
 

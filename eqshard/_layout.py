@@ -175,6 +175,10 @@ def _check_rank(expr: Expression, lhs: tuple, shape: tuple[int, ...]) -> None:
             f"array has {len(shape)} (shape {shape}); name one axis per dimension, or "
             "use '...' for the rest"
         )
+        if named < len(shape):  # as in a stack of layers, whose axis comes first
+            rhs = " ".join("..." if item is ... else str(item) for item in expr.rhs)
+            lhs_text = " ".join(str(name) for name in lhs)
+            rule += f" (for a stack of layers: '... {lhs_text} -> ... {rhs}')"
     raise expr.error(rule, _lhs_span(expr))
 
 

@@ -33,6 +33,7 @@ from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
+from ._paths import segments
 from ._resolve import Resolved, resolve
 from ._resolver import Target
 from ._sharding import (
@@ -45,7 +46,7 @@ from ._sharding import (
     user_mesh,
 )
 
-__all__ = ["Plan", "Planned", "Unspecified", "declared_mesh", "make_plan", "plan", "plan_for"]
+__all__ = ["Plan", "Planned", "Unspecified", "declared_mesh", "make_plan", "plan"]
 
 Unspecified = Literal["replicate", "keep"]
 
@@ -83,6 +84,24 @@ class Plan:
     mesh: AnyMesh | None
     resolved: Resolved = dataclasses.field(repr=False)
     flat_shardings: list[NamedSharding | None] = dataclasses.field(repr=False)
+    devices: tuple[Device, ...] | None = dataclasses.field(default=None, repr=False)
+
+    def replicated(self) -> NamedSharding:
+        """A full copy on every device of the plan, on its mesh where it has one."""
+        if self.mesh is not None:
+            return NamedSharding(self.mesh, PartitionSpec())
+        assert self.devices is not None
+        return named_sharding((len(self.devices),), ("_0",), (), self.devices)
+
+    @functools.cached_property
+    def by_path(self) -> dict[tuple[str, ...], int]:
+        """The index of each array leaf that the plan lays out, by its path's segments."""
+        paths = jax.tree_util.tree_flatten_with_path(self.resolved.model)[0]
+        return {
+            segments(path): i
+            for i, (path, _) in enumerate(paths)
+            if self.flat_shardings[i] is not None
+        }
 
     def _tree(self, flat: list[Any]) -> Any:
         return jax.tree_util.tree_unflatten(self.resolved.treedef, flat)
@@ -99,8 +118,9 @@ class Plan:
     def expressions(self) -> PyTree[Expression | None]:
         return self._tree(self.resolved.exprs)
 
-    def __repr__(self) -> str:
-        return f"Plan(mesh={self.mesh}, shardings={self.shardings})"
+    def __repr__(self) -> str:  # short: a plan may lay out thousands of leaves
+        laid_out = sum(s is not None for s in self.flat_shardings)
+        return f"Plan(mesh={self.mesh}, leaves={laid_out})"
 
 
 class Planned(NamedTuple):
@@ -192,7 +212,8 @@ def make_plan(
             if found is not None:
                 warnings.append(found)
     flat = [None if lay is None else by_layout[lay] for lay in layouts]
-    return Planned(Plan(mesh=common, resolved=resolved, flat_shardings=flat), problems, warnings)
+    made = Plan(mesh=common, resolved=resolved, flat_shardings=flat, devices=placed_on)
+    return Planned(made, problems, warnings)
 
 
 def declared_mesh(spec: Any, n_devices: int) -> tuple[MeshShape | None, list[Problem]]:
@@ -238,50 +259,6 @@ def _disagreement(
         "than one all-reduce). Give them layouts that group devices alike, or pass "
         "`mesh=` to be told which do not fit it",
     )
-
-
-def _fits_plan(tree: Any, given: Plan) -> list[Problem]:
-    """Why `given` cannot lay out `tree`: another structure, or leaves of other shapes."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    resolved = given.resolved
-    if treedef != resolved.treedef:
-        return [
-            Problem(
-                "the root",
-                f"the plan was made for a pytree of another structure ({len(resolved.leaves)} "
-                f"leaves; this one has {len(leaves)}); make the plan from a model of the "
-                "same structure, or pass the spec instead",
-            )
-        ]
-    return [
-        Problem(
-            resolved.where(i),
-            f"the plan was made for shape {tuple(old.shape)}, and this leaf has "
-            f"{tuple(new.shape)}; make the plan from this model",
-        )
-        for i, (new, old, sharding) in enumerate(zip(leaves, resolved.leaves, given.flat_shardings))
-        if sharding is not None and tuple(getattr(new, "shape", ())) != tuple(old.shape)
-    ]
-
-
-def plan_for(
-    tree: PyTree[Any],
-    spec: Any,
-    *,
-    mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
-    unspecified: Unspecified = "replicate",
-) -> Planned:
-    """The plan that lays out `tree`: `spec` itself when it is a `Plan` made for a tree
-    of the same structure and shapes, else `make_plan(tree, spec, ...)`."""
-    if not isinstance(spec, Plan):
-        return make_plan(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
-    if devices is not None or mesh is not None:
-        raise EqshardError(
-            f"`{'devices' if devices is not None else 'mesh'}=` is given with a `Plan`, "
-            "which has its mesh already; pass one or the other"
-        )
-    return Planned(spec, _fits_plan(tree, spec), [])
 
 
 def plan(

@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 
-from ._fields import is_array_like
+from ._derive import plan_for
+from ._errors import SpecError
+from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Plan
+from ._sharding import AnyMesh, Device
 
 __all__ = [
     "LeafRow",
+    "Report",
     "human_bytes",
     "leaf_rows",
     "leaf_table",
+    "report",
     "spec_text",
     "total_bytes_per_device",
 ]
@@ -124,3 +131,93 @@ def leaf_table(rows: list[LeafRow], *, title: str | None = None) -> Table:
             "-" if row.bytes_per_device is None else human_bytes(row.bytes_per_device),
         )
     return table
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """Where every array leaf of a tree goes, and what one device holds of it.
+
+    `print(report)` shows the table; in a rich console or notebook it renders as
+    one. `to_json()` gives the same to machines.
+
+    **Attributes:**
+
+    - `rows`: one `LeafRow` per array leaf, in tree order.
+    - `total_bytes`: the bytes of every array leaf, whole.
+    - `bytes_per_device`: what one device holds (`None` if a leaf is not laid out).
+    """
+
+    rows: list[LeafRow]
+    title: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(row.total_bytes for row in self.rows)
+
+    @property
+    def bytes_per_device(self) -> int | None:
+        return total_bytes_per_device(self.rows)
+
+    def __rich__(self) -> Table:
+        table = leaf_table(self.rows, title=self.title)
+        per_device = self.bytes_per_device
+        table.caption = f"{len(self.rows)} array leaves, {human_bytes(self.total_bytes)} in all" + (
+            "" if per_device is None else f"; each device holds {human_bytes(per_device)}"
+        )
+        table.caption_justify = "left"
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=160, record=True, file=io.StringIO(), markup=False, emoji=False)
+        console.print(self)
+        return console.export_text().rstrip() + "\n"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "leaves": [dataclasses.asdict(row) for row in self.rows],
+            "total_bytes": self.total_bytes,
+            "bytes_per_device": self.bytes_per_device,
+        }
+
+
+def report(
+    tree: Any,
+    spec: Any = FROM_FIELDS,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Sequence[Device] | None = None,
+) -> Report:
+    """The per-leaf table of where a model or an optimizer state goes.
+
+    **Example:**
+
+    ```python
+    plan = eqshard.plan(model, rules)
+    print(eqshard.report(model, plan))
+    print(eqshard.report(opt_state, plan))    # moments follow their parameters
+    ```
+
+    **Arguments:**
+
+    - `tree`: a model, an optimizer state built from it, or any pytree; concrete or
+        abstract.
+    - `spec`: anything `eqshard.apply` takes, a `Plan` included.
+    - `mesh`, `devices`: as for `eqshard.plan`.
+
+    **Returns:**
+
+    A `Report`: per array leaf its dotted path, shape, dtype, expression (or
+    "replicated"), where the expression came from (a rule, a field, the parameter
+    whose layout an optimizer moment follows, or "replicated: no parameter here"),
+    its `PartitionSpec` and the bytes one device holds; with the totals.
+
+    **Raises:**
+
+    `eqshard.SpecError` listing every leaf that cannot be laid out.
+    """
+    planned = plan_for(tree, spec, mesh=mesh, devices=devices)
+    if planned.problems:
+        raise SpecError(planned.problems)
+    return Report(leaf_rows(planned.plan))

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
-from ._annotation import complete
+from ._annotation import complete, for_rank
 from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem, SpecError, warn
 from ._expression import Expression, parse
 from ._fields import FROM_FIELDS, LeafInfo, is_array_like, leaf_name, walk_fields
@@ -69,7 +69,7 @@ def _completed(item: LeafInfo, expr: Expression) -> Expression | Problem:
             "the full form 'x y -> ...'",
         )
     try:
-        return complete(expr, item.annotation)
+        return complete(expr, for_rank(item.annotation, len(getattr(item.leaf, "shape", ()))))
     except ExpressionError as error:
         return Problem.from_error(item.label, error, repr(error.expression))
 

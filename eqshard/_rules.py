@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import jax
 
-from ._annotation import complete
+from ._annotation import complete, for_rank
 from ._errors import ExpressionError, Problem, SpecError, UnusedRuleWarning
 from ._expression import Expression, parse
 from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
@@ -74,7 +74,7 @@ def _from_dims(rules: Rules, item: LeafInfo | None, mesh: Any) -> Expression | P
     annotation's order, or logical axes laid out in the order of `mesh`'s axes."""
     if item is None or item.annotation is None:
         return None
-    annotation = item.annotation
+    annotation = for_rank(item.annotation, len(getattr(item.leaf, "shape", ())))
     names = [d for d in annotation.items if isinstance(d, str)]
     mapped = {d: rules.dims[d] for d in names if d in rules.dims}
     if not mapped:

@@ -11,10 +11,11 @@ from jax.sharding import AxisType, NamedSharding
 from jaxtyping import Array, ArrayLike, PyTree
 
 from ._apply import place
+from ._derive import plan_for
 from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
-from ._plan import Unspecified, plan_for
+from ._plan import Unspecified
 from ._sharding import AnyMesh, Device, sharding
 from ._values import source_for, unplaceable
 
