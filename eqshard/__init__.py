@@ -34,6 +34,7 @@ from ._specfile import (
 
 if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazily
     from ._apply import apply as apply
+    from ._checkpoint import abstract as abstract, restore as restore
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
     from ._plan import Plan as Plan, plan as plan
     from ._report import Report as Report, report as report
@@ -49,6 +50,8 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
 
 _LAZY = {
     "apply": "._apply",
+    "abstract": "._checkpoint",
+    "restore": "._checkpoint",
     "FROM_FIELDS": "._fields",
     "field": "._fields",
     "Plan": "._plan",

@@ -79,6 +79,8 @@ class Plan:
     - `partition_specs`: the same, with each leaf's `PartitionSpec`.
     - `expressions`: the same, with each leaf's complete `Expression` (`None` where
         the spec gave none).
+    - `abstract`: the tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
+        at every array leaf, other leaves unchanged: what Orbax restores into.
     """
 
     mesh: AnyMesh | None
@@ -117,6 +119,19 @@ class Plan:
     @functools.cached_property
     def expressions(self) -> PyTree[Expression | None]:
         return self._tree(self.resolved.exprs)
+
+    @functools.cached_property
+    def abstract(self) -> PyTree[Any]:
+        """The tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at every
+        array leaf the plan lays out, and every other leaf unchanged: a target for
+        Orbax's `restore` and for `jax.jit`'s `out_shardings`."""
+        leaves = [
+            leaf
+            if sharding is None
+            else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            for leaf, sharding in zip(self.resolved.leaves, self.flat_shardings)
+        ]
+        return self._tree(leaves)
 
     def __repr__(self) -> str:  # short: a plan may lay out thousands of leaves
         laid_out = sum(s is not None for s in self.flat_shardings)

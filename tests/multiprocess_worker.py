@@ -1,8 +1,9 @@
 """One process of a two-process `jax.distributed` run over loopback.
 
 Run as a script by `test_multiprocess.py`, never imported: `python
-multiprocess_worker.py PORT PROCESS_ID`. Each process has 4 CPU devices; the
-model is placed over all 8 with a spec file, then trained one step.
+multiprocess_worker.py PORT PROCESS_ID [CHECKPOINT_DIR]`. Each process has 4 CPU
+devices; the model is placed over all 8 with a spec file, its loss is computed,
+and with a directory it is saved with Orbax and restored in another layout.
 """
 
 import json
@@ -58,6 +59,7 @@ def main() -> None:
     mesh = eqshard.plan(model, rules).mesh
     assert mesh is not None  # 8 devices: one shared mesh
     expected = float(jnp.mean(jax.vmap(model)(x) ** 2))  # each process, on its own
+    orbax = _orbax_round_trip(sys.argv[3], model, sharded) if len(sys.argv) > 3 else {}
     print(
         json.dumps(
             {
@@ -74,10 +76,50 @@ def main() -> None:
                 "local_ok": local_ok,
                 "loss": float(value),
                 "expected": expected,
+                **orbax,
             }
         )
     )
     jax.distributed.shutdown()
+
+
+def _orbax_round_trip(directory, model, sharded):
+    """Save the sharded model with Orbax from both processes, restore it into
+    `eqshard.abstract` with another layout, and compare each local shard."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    import eqshard
+
+    arrays = eqx.filter(sharded, eqx.is_array)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(f"{directory}/ckpt", arrays)
+        checkpointer.wait_until_finished()
+        # another layout: the first weight by columns rather than rows
+        other = eqshard.plan(
+            model,
+            eqshard.load(
+                {"eqshard": 1, "rules": [{"path": "layers.0.weight", "expr": "o i -> o i*"}]}
+            ),
+        )
+        target = eqshard.abstract(eqx.filter(model, eqx.is_array), other)
+        restored = checkpointer.restore(f"{directory}/ckpt", target)
+    saved = [np.asarray(x) for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))]
+    leaves = jax.tree_util.tree_leaves(restored)
+    return {
+        "orbax_addressable": any(leaf.is_fully_addressable for leaf in leaves),
+        "orbax_ok": all(
+            np.array_equal(np.asarray(shard.data), reference[shard.index])
+            for leaf, reference in zip(leaves, saved)
+            for shard in leaf.addressable_shards
+        ),
+        "orbax_layout": all(
+            leaf.sharding.is_equivalent_to(t.sharding, leaf.ndim)
+            for leaf, t in zip(leaves, jax.tree_util.tree_leaves(target))
+        ),
+    }
 
 
 if __name__ == "__main__":

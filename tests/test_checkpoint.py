@@ -1,0 +1,154 @@
+"""Checkpoints that restore straight into shards, on any device count, from
+Equinox's files and through Orbax."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqshard
+from eqshard import EqshardError
+
+ocp = pytest.importorskip("orbax.checkpoint")
+
+RULES = eqshard.load(
+    {
+        "eqshard": 1,
+        "rules": [
+            {"path": "**.layers.0.weight", "expr": "o i -> o* i"},
+            {"path": "**.layers.0.bias", "expr": "o -> o*"},
+            {"path": "**.layers.1.weight", "expr": "o i -> o i*"},
+        ],
+    }
+)
+OTHER = "... -> * ..."  # another layout: everything replicated
+
+
+def _build():
+    return eqx.nn.MLP(16, 16, 64, 1, key=jax.random.key(0))
+
+
+def _optimizer():
+    return optax.adam(1e-2)
+
+
+def _trained_state():
+    """A model and Adam state on 8 devices, one step in, so the moments are not zero."""
+    model = _build()
+    plan = eqshard.plan(model, RULES)
+    model = eqshard.apply(model, plan)
+    state = eqshard.apply(_optimizer().init(eqx.filter(model, eqx.is_array)), plan)
+    grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(jnp.ones((4, 16))) ** 2))(model)
+    updates, state = _optimizer().update(grads, state)
+    return eqx.apply_updates(model, updates), state
+
+
+def _like():
+    return eqx.filter_eval_shape(
+        lambda: (_build(), _optimizer().init(eqx.filter(_build(), eqx.is_array)))
+    )
+
+
+def _assert_identical(restored, saved):
+    for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(saved)):
+        if eqx.is_array(b):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bit for bit
+
+
+def _assert_in_shards(tree, plan_like):
+    """Every device holds exactly its shard of every leaf, and nothing more."""
+    for leaf, target in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(plan_like)):
+        if isinstance(target, jax.ShapeDtypeStruct):
+            assert leaf.sharding.is_equivalent_to(target.sharding, leaf.ndim)
+            for shard in leaf.addressable_shards:
+                assert shard.data.shape == target.sharding.shard_shape(leaf.shape)
+
+
+@pytest.mark.parametrize("n", [8, 4])
+@pytest.mark.parametrize("layout", ["same", "other"])
+def test_restore_an_equinox_file_into_shards(tmp_path, n, layout):
+    saved = _trained_state()
+    eqx.tree_serialise_leaves(tmp_path / "state.eqx", saved)
+    devices = jax.devices()[:n]
+    model_like = eqx.filter_eval_shape(_build)
+    plan = eqshard.plan(model_like, RULES if layout == "same" else OTHER, devices=devices)
+    restored = eqshard.restore(tmp_path / "state.eqx", _like(), plan)
+    _assert_identical(restored, saved)
+    _assert_in_shards(restored, eqshard.abstract(_like(), plan))
+    model, state = restored
+    assert len(model.layers[0].weight.sharding.device_set) == n
+    if layout == "same":
+        assert model.layers[0].weight.sharding.shard_shape((64, 16)) == (64 // n, 16)
+        assert state[0].mu.layers[0].weight.sharding == model.layers[0].weight.sharding
+    assert model.activation is jax.nn.relu  # non-array leaves as in `like`
+
+
+def test_a_file_that_does_not_match_like_names_the_leaf(tmp_path):
+    eqx.tree_serialise_leaves(tmp_path / "model.eqx", _build())
+    wider = eqx.filter_eval_shape(lambda: eqx.nn.MLP(16, 16, 32, 1, key=jax.random.key(0)))
+    with pytest.raises(
+        EqshardError,
+        match=r"layers\.0\.weight \(Linear\.weight\): the file holds float32\[64, 16\] here, and `like` has float32\[32, 16\]",
+    ):
+        eqshard.restore(tmp_path / "model.eqx", wider, OTHER)
+    as_f16 = jax.tree_util.tree_map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, jnp.float16) if isinstance(x, jax.ShapeDtypeStruct) else x
+        ),
+        eqx.filter_eval_shape(_build),
+    )
+    with pytest.raises(
+        EqshardError, match="holds float32\\[64, 16\\] here, and `like` has float16"
+    ):
+        eqshard.restore(tmp_path / "model.eqx", as_f16, OTHER)
+    with pytest.raises(EqshardError, match="fewer leaves than `like`"):
+        eqshard.restore(tmp_path / "model.eqx", _like(), OTHER)
+    eqx.tree_serialise_leaves(tmp_path / "state.eqx", _trained_state())
+    with pytest.raises(EqshardError, match="the file holds more leaves than `like`"):
+        eqshard.restore(tmp_path / "state.eqx", eqx.filter_eval_shape(_build), OTHER)
+
+
+def test_typed_keys_are_refused_with_the_workaround(tmp_path):
+    like = {"key": jax.eval_shape(lambda: jax.random.key(0)), "w": jnp.ones(8)}
+    with pytest.raises(EqshardError, match=r"jax\.random\.wrap_key_data"):
+        eqshard.restore(tmp_path / "x.eqx", like, OTHER)
+
+
+def _orbax_round_trip(tmp_path, state, like, plan):
+    arrays, _ = eqx.partition(state, eqx.is_array)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", arrays)
+        checkpointer.wait_until_finished()
+        target = eqshard.abstract(eqx.filter(like, eqx.is_array_like), plan)
+        return checkpointer.restore(tmp_path / "ckpt", target), target
+
+
+@pytest.mark.parametrize("n", [4, 2])
+def test_orbax_restores_an_8_device_save_on_fewer_devices(tmp_path, n):
+    saved = _trained_state()
+    plan = eqshard.plan(eqx.filter_eval_shape(_build), RULES, devices=jax.devices()[:n])
+    restored, target = _orbax_round_trip(tmp_path, saved, _like(), plan)
+    _assert_identical(restored, eqx.filter(saved, eqx.is_array))
+    _assert_in_shards(restored, target)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        optax.masked(optax.adam(1e-2), lambda p: jax.tree_util.tree_map(lambda x: x.ndim == 2, p)),
+        optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    ],
+    ids=["masked", "MultiSteps"],
+)
+def test_orbax_round_trips_masked_and_multisteps_states(tmp_path, optimizer):
+    model = _build()
+    plan = eqshard.plan(model, RULES)
+    params = eqx.filter(model, eqx.is_array)
+    state = eqshard.apply(optimizer.init(params), plan)
+    like = jax.eval_shape(optimizer.init, params)
+    restored, target = _orbax_round_trip(tmp_path, state, like, plan)
+    _assert_identical(restored, eqx.filter(state, eqx.is_array))
+    _assert_in_shards(restored, target)
