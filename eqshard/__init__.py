@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._apply import apply as apply
     from ._checkpoint import abstract as abstract, restore as restore
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
+    from ._init import init as init
     from ._plan import Plan as Plan, plan as plan
     from ._report import Report as Report, report as report
     from ._resolve import spec as spec
@@ -54,6 +55,7 @@ _LAZY = {
     "restore": "._checkpoint",
     "FROM_FIELDS": "._fields",
     "field": "._fields",
+    "init": "._init",
     "Plan": "._plan",
     "plan": "._plan",
     "Report": "._report",

@@ -2,30 +2,50 @@
 
 Nothing here touches device memory: the model is built with
 `eqx.filter_eval_shape`, and each device count is a subset of simulated devices.
+
+The command line checks each device count in a process of its own
+(`check_in_processes`, which runs `main_worker`), so every count gets a JAX
+started for it, and a model that sets its own device count at import works.
+This module imports JAX only when a check runs, so the process that starts the
+workers never pays for it up front.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import json
 import os
+import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import equinox as eqx
-import jax
-from rich.table import Table
-
-from ._errors import EqshardError, Problem
-from ._plan import make_plan
-from ._report import LeafRow, leaf_rows, leaf_table, total_bytes_per_device
+from ._errors import EqshardError, Problem, SpecError, UnreadableError, whole_number
 from ._specfile import Rules
 
-__all__ = ["CheckResult", "abstract_model", "check", "result_table"]
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ._report import LeafRow
+
+__all__ = [
+    "CheckResult",
+    "ModelError",
+    "abstract_model",
+    "check",
+    "check_in_processes",
+    "main_worker",
+    "result_table",
+]
+
+WORKER_TIMEOUT_SECONDS = 1800.0  # one device count: import, build abstractly, lay out
+WORKERS = 4  # device counts checked at once, at most one per CPU core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +64,8 @@ class CheckResult:
 
     @property
     def bytes_per_device(self) -> int | None:
+        from ._report import total_bytes_per_device
+
         return total_bytes_per_device(self.rows)
 
     @property
@@ -62,6 +84,52 @@ class CheckResult:
             "problems": [p.to_json() for p in self.problems],
             "notes": self.notes,
         }
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any]) -> CheckResult:
+        """The result that a `to_json()` document describes.
+
+        `ok`, `bytes_per_device` and `coverage` follow from the rows and problems,
+        so they are not read. A problem keeps its `file` where its entry has one:
+        `to_json` writes it wherever the problem's `where` names the file (every
+        problem `check` makes), and `main_worker` writes every problem whole, so
+        the results it sends come back equal.
+
+        **Arguments:**
+
+        - `document`: a mapping with the keys `file`, `devices`, `leaves`,
+            `problems` and `notes`, as `to_json()` (or the worker) wrote them.
+
+        **Returns:**
+
+        A `CheckResult` equal to the one that was written.
+
+        **Raises:**
+
+        `KeyError`, `TypeError` or `ValueError` when `document` is not such a mapping.
+        """
+        return cls(
+            source=str(document["file"]),
+            devices=int(document["devices"]),
+            rows=[_leaf_row(entry) for entry in document["leaves"]],
+            problems=[_problem(entry) for entry in document["problems"]],
+            notes=[str(note) for note in document["notes"]],
+        )
+
+
+def _leaf_row(entry: Mapping[str, Any]) -> LeafRow:
+    """The row a `dataclasses.asdict(row)` entry describes (JSON makes its shape a list)."""
+    from ._report import LeafRow
+
+    names = {field.name for field in dataclasses.fields(LeafRow)}
+    values = {key: value for key, value in entry.items() if key in names}
+    values["shape"] = tuple(values["shape"])
+    return LeafRow(**values)
+
+
+def _problem(entry: Mapping[str, Any]) -> Problem:
+    """The problem a `Problem.to_json()` or `dataclasses.asdict(problem)` entry describes."""
+    return Problem(entry["where"], entry["message"], entry.get("detail") or "", entry.get("file"))
 
 
 def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
@@ -135,6 +203,9 @@ def abstract_model(target: str) -> Any:
             f"--model {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:build' or "
             "'model.py:build', where CALLABLE() returns the model"
         )
+    import equinox as eqx
+    import jax
+
     # The user's code may print: keep stdout for eqshard's own output (JSON, tables).
     with contextlib.redirect_stdout(sys.stderr):
         module = _import(target, module_name)
@@ -166,6 +237,11 @@ def check(
     expressions that do not fit, the file's device count, unmatched leaves under
     `"default": "error"`, and (with `strict`) rules that match nothing.
     """
+    import jax
+
+    from ._plan import make_plan
+    from ._report import leaf_rows
+
     results = []
     for n in device_counts:
         planned = make_plan(model, rules, devices=jax.devices()[:n])
@@ -183,4 +259,239 @@ def check(
 
 def result_table(result: CheckResult) -> Table:
     """The per-leaf table of one check."""
+    from ._report import leaf_table
+
     return leaf_table(result.rows, title=f"{result.source} on {result.devices} devices")
+
+
+def check_in_processes(
+    source: str,
+    model: str,
+    device_counts: Sequence[int],
+    *,
+    strict: bool = False,
+    timeout: float = WORKER_TIMEOUT_SECONDS,
+) -> list[CheckResult]:
+    """`check`, with each device count in a fresh Python process (`main_worker`).
+
+    Each process starts JAX on as many simulated CPU devices as its count, then
+    imports and builds the model, so a count may be more than this process could
+    simulate, and a model that sets `jax_num_cpu_devices` at import works. Up to
+    `WORKERS` counts run at once; the first error, in the order of the counts, stops
+    the others. The workers' stderr is this process's, so what the model prints,
+    and its warnings, show as they come (once per count).
+
+    **Arguments:**
+
+    - `source`: the spec file's path, as the user wrote it; each worker loads it,
+        and the results name it so.
+    - `model`: `MODULE:CALLABLE`, as for `abstract_model`, imported by each worker
+        with this process's `sys.path`.
+    - `device_counts`: the device counts to check, in the order of the results.
+    - `strict`: a rule that matches nothing is a problem rather than a note.
+    - `timeout`: the seconds each worker may take.
+
+    **Returns:**
+
+    One `CheckResult` per count, equal to what `check` gives for it in a process
+    started with that many devices.
+
+    **Raises:**
+
+    What a worker raised, as the same class here: `ModelError` (exit code 2) when
+    the model cannot be imported or built, and when a worker ends without an answer
+    or takes longer than `timeout`; `EqshardError` when JAX started with fewer
+    devices than a count (XLA_FLAGS, or the model, set a smaller one); `SpecError`
+    when the spec file cannot be loaded.
+    """
+    counts = list(dict.fromkeys(device_counts))
+    at_once = max(1, min(WORKERS, os.cpu_count() or 1))
+    results: dict[int, CheckResult] = {}
+    for start in range(0, len(counts), at_once):
+        running = [
+            (n, _start_worker(source, model, n, strict)) for n in counts[start : start + at_once]
+        ]
+        try:
+            if not results:  # JAX, for the results' rows, imported while the workers run
+                from . import _report  # noqa: F401
+            for n, process in running:
+                results[n] = _answer(n, process, timeout)
+        finally:
+            for _, process in running:  # after an error, the rest are not needed
+                if process.returncode is None:
+                    process.kill()
+                    process.communicate()
+    return [results[n] for n in device_counts]
+
+
+def _start_worker(source: str, model: str, devices: int, strict: bool) -> subprocess.Popen[bytes]:
+    """A worker for one device count, with its request already written."""
+    program = (  # this process's import path, so the worker imports what this one would
+        "import sys\n"
+        f"sys.path[:] = {sys.path!r}\n"
+        "try:\n"
+        "    from eqshard._check import main_worker\n"
+        "except BaseException as error:\n"
+        "    print(f'eqshard check: a worker cannot start: {type(error).__name__}: {error}',\n"
+        "          file=sys.stderr)\n"
+        "    raise SystemExit(3) from None\n"
+        "raise SystemExit(main_worker())\n"
+    )
+    request = {"spec": source, "model": model, "devices": devices, "strict": strict}
+    with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: nothing to feed or close
+        stdin.write(json.dumps(request, ensure_ascii=True).encode("ascii"))
+        stdin.seek(0)
+        return subprocess.Popen(
+            [sys.executable, "-c", program],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            # Ctrl-C reaches this process alone, which stops the workers (killing a
+            # worker halfway through starting Python or importing NumPy would
+            # print tracebacks)
+            start_new_session=True,
+        )
+
+
+def _answer(devices: int, process: subprocess.Popen[bytes], timeout: float) -> CheckResult:
+    """The worker's result, or its error raised here."""
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise ModelError(
+            f"checking on {devices} devices took longer than {timeout:g} s, and was stopped; "
+            "does importing or building the model wait for something?"
+        ) from None
+    try:
+        document = json.loads(out)
+    except ValueError:
+        document = None
+    if not isinstance(document, dict) or not ("result" in document or "error" in document):
+        code = process.returncode
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        raise ModelError(
+            f"checking on {devices} devices: its process ended ({how}) without an answer; "
+            "what it printed is above. Run the model's build in Python to see why"
+        )
+    if "error" in document:
+        raise _rebuilt_error(document["error"])
+    return CheckResult.from_json(document["result"])
+
+
+def _rebuilt_error(entry: Mapping[str, Any]) -> BaseException:
+    """A worker's error, as this process raises it: eqshard's errors and Python's
+    own as the same class (so the command line prints the same message and picks
+    the same exit code), anything else as an exception of the same name."""
+    kind, message = str(entry["type"]), str(entry["message"])
+    if kind in ("SpecError", "UnreadableError") and "problems" in entry:
+        cls = UnreadableError if kind == "UnreadableError" else SpecError
+        return cls([_problem(p) for p in entry["problems"]], entry.get("headline"))
+    if kind == "ModelError":
+        return ModelError(message)
+    if entry.get("eqshard"):
+        error = EqshardError(message)
+        if entry.get("exit_code") != 1:  # a subclass with an exit code of its own
+            setattr(error, "exit_code", entry["exit_code"])  # noqa: B010
+        return error
+    builtin = getattr(builtins, kind, None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception):
+        with contextlib.suppress(Exception):
+            return builtin(message)
+    return type(kind if kind.isidentifier() else "Exception", (Exception,), {})(message)
+
+
+def main_worker() -> int:
+    """Checks one device count in this fresh process, for `check_in_processes`.
+
+    `check_in_processes` runs it with `python -c`, after setting `sys.path` to its
+    own; by hand, run `python -m eqshard._check`. It reads one JSON request from stdin,
+    `{"spec": PATH, "model": "MODULE:CALLABLE", "devices": N, "strict": BOOL}`;
+    starts JAX on N simulated CPU devices (unless XLA_FLAGS sets a count) before
+    it imports the model, which may set its own count; loads the spec, builds the
+    model abstractly, and checks it on N devices. It writes one JSON document to
+    stdout, and nothing else goes there (what the model prints goes to stderr):
+
+    - `{"result": {...}}`: the `CheckResult`, as `to_json()` writes it but with
+        each problem whole (`where`, `message`, `detail`, `file`), for
+        `CheckResult.from_json`;
+    - `{"error": {"type", "message", "exit_code", "eqshard"}}`: what was raised
+        (its class name, its text, the command line's exit code for it, whether it
+        is an `EqshardError`), with `headline` and `problems` for a `SpecError`.
+
+    **Returns:**
+
+    The exit code: 0 once it has answered, whatever the answer; 130 on Ctrl-C,
+    without an answer. It never prints a traceback.
+    """
+    sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "w", encoding="ascii")  # stdout, for the answer alone
+    with contextlib.suppress(OSError):
+        os.dup2(2, 1)  # anything else written to stdout, by Python or C, goes to stderr
+    try:
+        result = _check_one(json.load(sys.stdin))
+        document: dict[str, Any] = {
+            "result": {
+                **result.to_json(),
+                "problems": [dataclasses.asdict(p) for p in result.problems],
+            }
+        }
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as error:  # whatever it is, an answer rather than a traceback
+        document = {"error": _error_entry(error)}
+    with contextlib.suppress(OSError), answer:  # OSError: the reader has gone
+        json.dump(document, answer, ensure_ascii=True)
+    return 0
+
+
+def _check_one(request: Mapping[str, Any]) -> CheckResult:
+    """The worker's check of one device count, JAX not yet started."""
+    import jax
+
+    from ._specfile import load
+
+    devices = whole_number(request["devices"], "devices")
+    jax.config.update("jax_platforms", "cpu")
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", devices)
+    rules = load(request["spec"])
+    model = abstract_model(str(request["model"]))  # it may set its own device count
+    started = len(jax.devices())
+    if started < devices:
+        raise EqshardError(
+            f"checking on {devices} devices needs {devices} simulated devices, but JAX "
+            f"started with {started}; XLA_FLAGS or the model's own "
+            "jax.config.update('jax_num_cpu_devices', ...) set that count: leave the count "
+            "to `eqshard check`, or check on at most that many devices"
+        )
+    (result,) = check(rules, model, [devices], strict=bool(request["strict"]))
+    return result
+
+
+def _error_entry(error: BaseException) -> dict[str, Any]:
+    """What the worker says of an error (the exit code as `eqshard._cli` chooses it)."""
+    try:
+        message = str(error)
+    except Exception:  # a user's exception whose text cannot be had
+        message = f"{type(error).__name__} (its message cannot be shown)"
+    code = getattr(error, "exit_code", None)
+    if not isinstance(code, int):
+        plain = isinstance(error, EqshardError) and not isinstance(error, UnreadableError)
+        code = 1 if plain else 2
+    entry: dict[str, Any] = {
+        "type": type(error).__name__,
+        "message": message,
+        "exit_code": code,
+        "eqshard": isinstance(error, EqshardError),
+    }
+    if isinstance(error, SpecError):
+        entry["headline"] = error.headline
+        entry["problems"] = [dataclasses.asdict(p) for p in error.problems]
+    return entry
+
+
+if __name__ == "__main__":  # `python -m eqshard._check`: one worker
+    from eqshard._check import main_worker as _main_worker  # the package's copy of this module
+
+    sys.exit(_main_worker())

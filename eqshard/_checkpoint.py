@@ -115,10 +115,11 @@ def _read(file: BinaryIO, like: Any, *, sharding: Any, where: str) -> Any:
         raise EqshardError(f"{where}: {error}; the file is cut short") from None
     if sharding is None:
         return jnp.asarray(np.array(data))
+    # A CPU device may use a host buffer in place: give it a copy, never the file's
+    # pages. An accelerator copies the shard to its own memory anyway.
+    on_cpu = any(device.platform == "cpu" for device in sharding.device_set)
     return jax.make_array_from_callback(
-        tuple(shape),
-        sharding,
-        lambda index: np.array(data[index]),  # a copy: never the file
+        tuple(shape), sharding, lambda index: np.array(data[index]) if on_cpu else data[index]
     )
 
 

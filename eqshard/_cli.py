@@ -168,6 +168,15 @@ def _validate(args: argparse.Namespace) -> int:
     return code
 
 
+def _check_in_processes() -> bool:
+    """Whether `check` runs each device count in a process of its own: when nothing
+    in this process has imported JAX (the command line itself, which imports it only
+    here), so each count gets a JAX started for it, and a model may set its own
+    device count. A program that imported JAX first (eqshard used as a library, the
+    tests) keeps its JAX and its configuration, and the check runs in it."""
+    return "jax" not in sys.modules
+
+
 def _check_command(args: argparse.Namespace) -> int:
     from ._specfile import load
 
@@ -178,20 +187,28 @@ def _check_command(args: argparse.Namespace) -> int:
             f'{args.file} says "devices": {max(counts)}; check it with --devices N, up to '
             f"{MAX_SIMULATED} simulated devices"
         )
-    _use_devices(max(counts))
-    import jax
+    if _check_in_processes():
+        from ._check import check_in_processes
 
-    from ._check import abstract_model, check, result_table
+        results = check_in_processes(args.file, args.model, counts, strict=args.strict)
+    else:
+        _use_devices(max(counts))
+        import jax
+
+        from ._check import abstract_model, check
+
+        if len(jax.devices()) < max(counts):
+            raise EqshardError(
+                f"checking on {max(counts)} devices needs {max(counts)} simulated devices, "
+                f"but JAX started with {len(jax.devices())} (is XLA_FLAGS setting a device "
+                "count?)"
+            )
+        model = abstract_model(args.model)
+        results = check(rules, model, counts, strict=args.strict)
+
+    from ._check import result_table
     from ._report import human_bytes
 
-    if len(jax.devices()) < max(counts):
-        raise EqshardError(
-            f"checking on {max(counts)} devices needs {max(counts)} simulated devices, but "
-            f"JAX started with {len(jax.devices())} (is XLA_FLAGS setting a device count?)"
-        )
-
-    model = abstract_model(args.model)
-    results = check(rules, model, counts, strict=args.strict)
     if args.format == "json":
         _emit_json({"ok": all(r.ok for r in results), "checks": [r.to_json() for r in results]})
         return 0 if all(r.ok for r in results) else 1

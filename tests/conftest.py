@@ -25,19 +25,26 @@ TESTS = Path(__file__).parent
 # run. EQSHARD_NO_BUDGET=1 turns this off (under coverage, a debugger, a loaded machine).
 BUDGET_SECONDS = {
     "tests/test_apply.py": 19.0,
+    "tests/test_check_processes.py": 25.0,
+    "tests/test_checkpoint.py": 25.0,
     "tests/test_cli.py": 27.0,
+    "tests/test_cli_faults.py": 12.0,
     "tests/test_cli_specs.py": 23.0,
     "tests/test_einshard_compat.py": 35.0,
+    "tests/test_examples.py": 30.0,
     "tests/test_expression.py": 6.0,
-    "tests/test_faults.py": 4.0,
+    "tests/test_faults.py": 6.0,
     "tests/test_hardening.py": 3.0,
+    "tests/test_init.py": 30.0,
     "tests/test_layout.py": 3.0,
-    "tests/test_multiprocess.py": 11.0,
+    "tests/test_mesh.py": 20.0,
+    "tests/test_multiprocess.py": 30.0,
     "tests/test_paths.py": 3.0,
     "tests/test_resolver.py": 4.0,
     "tests/test_rules.py": 8.0,
     "tests/test_sharding.py": 10.0,
     "tests/test_spec.py": 7.5,
+    "tests/test_state.py": 20.0,
     "tests/test_train.py": 31.0,
 }
 DEFAULT_BUDGET_SECONDS = 15.0

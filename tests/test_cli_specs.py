@@ -9,6 +9,7 @@ import json
 import runpy
 from pathlib import Path
 
+import jax
 import pytest
 
 import eqshard
@@ -355,6 +356,7 @@ def test_check_device_count_that_does_not_fit(run_cli, spec_file):
 
 def test_check_on_more_devices_than_jax_started_with(run_cli):
     # JAX is up in this process with 8 devices; `check` says so rather than crash.
+    assert len(jax.devices()) == 8  # started, whatever ran before
     result = run_cli("check", EXAMPLE, "--model", MODEL, "--devices", "16")
     assert result.code == 1
     assert result.err == (

@@ -1,0 +1,100 @@
+"""`init`: build a model straight into its shards, never whole on one device.
+
+The model is first built abstractly (`eqx.filter_eval_shape`), which gives its
+structure, its non-array leaves and the plan. Then one `jax.jit` runs the factory
+with `out_shardings` for the array leaves only: XLA's SPMD partitioner splits the
+computation, random-number generation included (JAX's partitionable threefry), so
+each device computes and holds only its shards. Non-array leaves (functions,
+Python floats such as `Dropout.p`, static fields) never pass through `jit`, so
+they come back exactly as the factory makes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+
+from ._derive import plan_for
+from ._errors import EqshardError, SpecError
+from ._fields import FROM_FIELDS
+from ._plan import Plan
+from ._sharding import AnyMesh, Device
+
+__all__ = ["init", "initializer"]
+
+Model = TypeVar("Model")
+
+
+def _is_array(x: object) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+
+
+def initializer(factory: Callable[[], Any], plan: Plan) -> Any:
+    """The jitted function that builds `factory()`'s array leaves in `plan`'s shardings.
+
+    It returns the array part of the model (`eqx.partition(model, eqx.is_array)[0]`);
+    `.lower().compile().memory_analysis()` on it shows what each device holds.
+    """
+    flat = [
+        (s if s is not None else plan.replicated()) if _is_array(leaf) else None
+        for leaf, s in zip(plan.resolved.leaves, plan.flat_shardings)
+    ]
+    out_shardings = jax.tree_util.tree_unflatten(plan.resolved.treedef, flat)
+
+    def arrays() -> Any:
+        return eqx.filter(factory(), eqx.is_array)
+
+    return jax.jit(arrays, out_shardings=out_shardings)
+
+
+def init(
+    factory: Callable[[], Model],
+    spec: Any = FROM_FIELDS,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Sequence[Device] | None = None,
+) -> Model:
+    """Builds a model straight into its shards: no device ever holds a whole leaf it
+    should hold only a shard of.
+
+    **Example:**
+
+    ```python
+    model = eqshard.init(functools.partial(GPT, cfg, key=key), rules, mesh=mesh)
+    ```
+
+    **Arguments:**
+
+    - `factory`: a function of no arguments that builds the model (pass
+        `functools.partial(MyModel, cfg, key=key)` or a lambda). It must be pure JAX:
+        it is traced twice (once abstractly, once under `jit`).
+    - `spec`: anything `eqshard.apply` takes, a `Plan` included.
+    - `mesh`, `devices`: as for `eqshard.plan`.
+
+    **Returns:**
+
+    The model, its array leaves placed as the spec says, with the values
+    `eqshard.apply(factory(), spec)` gives (bit for bit on CPU); every other leaf
+    exactly as `factory` makes it.
+
+    **Raises:**
+
+    `eqshard.SpecError` listing every leaf that cannot be laid out;
+    `eqshard.EqshardError` when `factory` fails to trace, saying why.
+    """
+    try:
+        abstract = eqx.filter_eval_shape(factory)
+    except Exception as error:
+        raise EqshardError(
+            f"`eqshard.init` traces `factory` to build the model abstractly, and it raised "
+            f"{type(error).__name__}: {error}; `factory` takes no arguments and is pure "
+            "JAX (use functools.partial(MyModel, ..., key=key))"
+        ) from error
+    planned = plan_for(abstract, spec, mesh=mesh, devices=devices)
+    if planned.problems:
+        raise SpecError(planned.problems)
+    arrays = initializer(factory, planned.plan)()
+    return eqx.combine(arrays, eqx.filter(abstract, _is_array, inverse=True))
