@@ -138,6 +138,11 @@ def _walk(
         out.append(LeafInfo(path, node, expr, owner, annotation))
         return
     children, _ = flat
+    names = getattr(node, "_fields", None) if isinstance(node, tuple) else None
+    if names is not None:
+        # A NamedTuple (an optax state): name each field by its own name. Some JAX
+        # releases give every field the first one's key (jax-ml/jax#39297).
+        children = [(GetAttrKey(name), child) for name, (_, child) in zip(names, children)]
     if not isinstance(node, eqx.Module):
         for key, child in children:
             _walk(child, (*path, key), expr, owner, annotation, out)

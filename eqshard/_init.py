@@ -1,16 +1,20 @@
 """`init`: build a model straight into its shards, never whole on one device.
 
 The model is first built abstractly (`eqx.filter_eval_shape`), which gives its
-structure, its non-array leaves and the plan. Then one `jax.jit` runs the factory
-with `out_shardings` for the array leaves only: XLA's SPMD partitioner splits the
+structure, its non-array leaves and the plan. Then the array leaves are built in
+groups, one `jax.jit` each with `out_shardings`: XLA's SPMD partitioner splits the
 computation, random-number generation included (JAX's partitionable threefry), so
-each device computes and holds only its shards. Non-array leaves (functions,
-Python floats such as `Dropout.p`, static fields) never pass through `jit`, so
-they come back exactly as the factory makes them.
+each device computes and holds only its shards, and XLA drops the rest of the
+factory as dead code, so only one group's temporaries are alive at a time (one
+`jit` for the whole model holds the random-number temporaries of every leaf at
+once: about 2.4 times the model's bytes). Non-array leaves (functions, Python
+floats such as `Dropout.p`, static fields) never pass through `jit`, so they come
+back exactly as the factory makes them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -96,5 +100,47 @@ def init(
     planned = plan_for(abstract, spec, mesh=mesh, devices=devices)
     if planned.problems:
         raise SpecError(planned.problems)
-    arrays = initializer(factory, planned.plan)()
-    return eqx.combine(arrays, eqx.filter(abstract, _is_array, inverse=True))
+    plan = planned.plan
+    leaves = list(plan.resolved.leaves)
+    for group in _groups(leaves):
+        for i, array in zip(group, _initializer(factory, plan, group)()):
+            leaves[i] = array
+    return jax.tree_util.tree_unflatten(plan.resolved.treedef, leaves)
+
+
+def _groups(leaves: list[Any]) -> list[list[int]]:
+    """The array leaves in groups built by one `jit` each, in model order.
+
+    Each `jit` computes only its group (XLA drops the rest of the factory as dead
+    code), so the random-number temporaries of one group are alive at a time. A
+    group holds at most `max(largest leaf, all / 32)` bytes: few programs to
+    compile, and temporaries a small share of the model.
+    """
+    sizes = {
+        i: math.prod(leaf.shape) * leaf.dtype.itemsize
+        for i, leaf in enumerate(leaves)
+        if _is_array(leaf)
+    }
+    if not sizes:
+        return []
+    budget = max(max(sizes.values()), sum(sizes.values()) // 32)
+    groups: list[list[int]] = [[]]
+    held = 0
+    for i, size in sizes.items():
+        if groups[-1] and held + size > budget:
+            groups.append([])
+            held = 0
+        groups[-1].append(i)
+        held += size
+    return groups
+
+
+def _initializer(factory: Callable[[], Any], plan: Plan, group: list[int]) -> Any:
+    """The jitted function that builds the leaves `group` of `factory()`, in order."""
+    shardings = [plan.flat_shardings[i] or plan.replicated() for i in group]
+
+    def arrays() -> list[Any]:
+        leaves = jax.tree_util.tree_leaves(factory())
+        return [leaves[i] for i in group]
+
+    return jax.jit(arrays, out_shardings=shardings)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import eqshard
-from eqshard._init import initializer
+from eqshard._init import _groups, _initializer
 
 
 class Block(eqx.Module):
@@ -76,27 +76,25 @@ def test_no_device_holds_more_of_a_leaf_than_its_shard():
 
     spec = eqshard.load({"eqshard": 1, "rules": [{"path": "**.weight", "expr": "o i -> o* i"}]})
     plan = eqshard.plan(eqx.filter_eval_shape(factory), spec)
-    analysis = initializer(factory, plan).lower().compile().memory_analysis()
-    assert analysis is not None
-    shard_bytes = sum(
-        np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-        for x, s in zip(plan.resolved.leaves, plan.flat_shardings)
-        if s is not None
-    )
-    # per device: its shards alone (and a few bytes of the output tuple's table)
-    assert shard_bytes <= analysis.output_size_in_bytes < shard_bytes + 256
-    # and no buffer of the program, temporaries included, is larger than a shard
-    program = initializer(factory, plan).lower().compile().as_text()
-    sizes = [
-        int(np.prod([int(d) for d in dims.split(",")]))
-        for dims in re.findall(r"\w+\[(\d+(?:,\d+)*)\]", program)
-    ]
-    largest_shard = max(
-        int(np.prod(s.shard_shape(x.shape)))
-        for x, s in zip(plan.resolved.leaves, plan.flat_shardings)
-        if s is not None
-    )
-    assert max(sizes) <= largest_shard < 512 * 512
+    leaves = plan.resolved.leaves
+    shard = {i: s.shard_shape(leaves[i].shape) for i, s in enumerate(plan.flat_shardings) if s}
+    groups = _groups(list(leaves))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+    assert [i for group in groups for i in group] == arrays
+    for group in groups:  # the programs `init` runs, one per group of leaves
+        compiled = _initializer(factory, plan, group).lower().compile()
+        analysis = compiled.memory_analysis()
+        assert analysis is not None
+        shards = [int(np.prod(shard[i])) for i in group]
+        # per device: its shards of the group alone (and a few bytes of a tuple table)
+        assert 4 * sum(shards) <= analysis.output_size_in_bytes < 4 * sum(shards) + 256
+        # and no buffer of the program, temporaries included, is larger than a shard
+        sizes = [
+            int(np.prod([int(d) for d in dims.split(",")]))
+            for dims in re.findall(r"\w+\[(\d+(?:,\d+)*)\]", compiled.as_text())
+        ]
+        assert max(sizes) <= max(shards)
+    assert max(int(np.prod(shard[i])) for i in arrays) < 512**2  # every weight is split
 
 
 def test_init_names_a_factory_that_cannot_be_traced():

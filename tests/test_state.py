@@ -210,3 +210,12 @@ def test_errors_never_print_a_whole_plan():
         eqshard.plan({"a": jnp.ones(8)}, {"a": plan})
     assert len(str(info.value)) < 300
     assert "the spec holds Plan Plan(mesh=" in str(info.value)
+
+
+def test_named_tuple_fields_keep_their_own_names():
+    state = optax.adam(1e-3).init({"w": jnp.zeros((8, 4))})
+    plan = eqshard.plan(
+        state, eqshard.load({"eqshard": 1, "rules": [{"path": "0.nu.w", "expr": "o i -> o* i"}]})
+    )
+    assert plan.resolved.paths == ["0.count", "0.mu.w", "0.nu.w"]
+    assert plan.partition_specs[0].nu["w"] == jax.sharding.PartitionSpec("m0", None)

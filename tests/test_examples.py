@@ -1,0 +1,57 @@
+"""The examples run and check what they claim, and their spec files are valid."""
+
+import runpy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def gpt_stacked() -> dict[str, Any]:
+    """The namespace of examples/gpt_stacked.py, imported, not run as a script."""
+    return runpy.run_path(str(EXAMPLES / "gpt_stacked.py"), run_name="not_main")
+
+
+def test_gpt_stacked_trains_sharded_as_unsharded(gpt_stacked):
+    result = gpt_stacked["main"](steps=2)
+    assert len(result["losses"]) == len(result["reference"]) == 2
+    np.testing.assert_allclose(result["losses"], result["reference"], rtol=1e-5)
+    assert result["collectives"]["all-reduce"] >= 1
+    assert tuple(result["plan"].mesh.axis_names) == ("data", "model")
+
+
+def test_count_collectives_counts_async_starts_once_and_finds_loop_bodies(gpt_stacked):
+    hlo = """\
+%body.1 (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups=[2,4]<=[8], to_apply=%add
+  ROOT %t = (s32[], f32[4]) tuple(%i, %ar)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %w = (s32[], f32[4]) while(%init), condition=%cond.1, body=%body.1
+  %all-reduce-start.2 = f32[4]{0} all-reduce-start(f32[4]{0} %a), to_apply=%add
+  %all-reduce-done.2 = f32[4]{0} all-reduce-done(f32[4]{0} %all-reduce-start.2)
+  %ag = (f32[8]{0}, f32[8]{0}) all-gather(f32[4]{0} %a, f32[4]{0} %b), dimensions={0}
+  ROOT %cp = f32[4]{0} collective-permute(f32[4]{0} %all-reduce-done.2), source_target_pairs={{0,1}}
+}
+"""
+    count = gpt_stacked["count_collectives"]
+    assert count(hlo) == {
+        "all-reduce": 2,
+        "all-gather": 1,
+        "reduce-scatter": 0,
+        "collective-permute": 1,
+        "all-to-all": 0,
+    }
+    assert count(hlo, in_loops=True)["all-reduce"] == 1
+    assert sum(count(hlo, in_loops=True).values()) == 1
+
+
+def test_gpt_spec_file_is_valid(run_cli):
+    result = run_cli("validate", EXAMPLES / "specs" / "gpt.eqshard.json")
+    assert result.code == 0, result.out + result.err
+    assert "ok" in result.out
