@@ -108,13 +108,17 @@ def init(
     return jax.tree_util.tree_unflatten(plan.resolved.treedef, leaves)
 
 
+_GROUP_BYTES = 1 << 26
+
+
 def _groups(leaves: list[Any]) -> list[list[int]]:
     """The array leaves in groups built by one `jit` each, in model order.
 
     Each `jit` computes only its group (XLA drops the rest of the factory as dead
     code), so the random-number temporaries of one group are alive at a time. A
-    group holds at most `max(largest leaf, all / 32)` bytes: few programs to
-    compile, and temporaries a small share of the model.
+    group holds at most `max(largest leaf, all / 16, 64 MiB)` bytes: few programs
+    to compile (one for a small model), and temporaries a small share of a large
+    model.
     """
     sizes = {
         i: math.prod(leaf.shape) * leaf.dtype.itemsize
@@ -123,7 +127,7 @@ def _groups(leaves: list[Any]) -> list[list[int]]:
     }
     if not sizes:
         return []
-    budget = max(max(sizes.values()), sum(sizes.values()) // 32)
+    budget = max(max(sizes.values()), sum(sizes.values()) // 16, _GROUP_BYTES)
     groups: list[list[int]] = [[]]
     held = 0
     for i, size in sizes.items():
