@@ -35,6 +35,7 @@ from ._specfile import (
 if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazily
     from ._apply import apply as apply
     from ._checkpoint import abstract as abstract, restore as restore
+    from ._cost import Cost as Cost, Hardware as Hardware, cost as cost
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
     from ._init import init as init
     from ._plan import Plan as Plan, plan as plan
@@ -52,6 +53,9 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
 _LAZY = {
     "apply": "._apply",
     "abstract": "._checkpoint",
+    "Cost": "._cost",
+    "Hardware": "._cost",
+    "cost": "._cost",
     "restore": "._checkpoint",
     "FROM_FIELDS": "._fields",
     "field": "._fields",

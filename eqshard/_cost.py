@@ -1,0 +1,415 @@
+"""What a spec costs: memory per device and communication of the user's own step.
+
+`cost` lays out the model and its optimizer state by the spec (abstractly: no
+device memory is spent), compiles the user's training step over them, and reads
+the compiled program: its collectives (kind, bytes, the mesh axes they run over,
+and where XLA says they come from), its FLOPs and bytes accessed, and XLA's memory
+analysis. XLA's SPMD partitioner runs the same on simulated CPU devices as on
+accelerators, so the communication is known from a laptop; XLA:CPU reports hardly
+any temporaries, so the peak it gives is a lower bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from ._derive import plan_for
+from ._errors import EqshardError
+from ._plan import Plan, plan
+from ._report import leaf_rows, total_bytes_per_device
+from ._sharding import AnyMesh, Device, sharding
+
+__all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
+
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_OP = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
+_ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=(\{[\d,{}\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
+_PAIRS = re.compile(r"source_target_pairs=\{([\d,{}\s]*)\}")
+_NAME = re.compile(r'op_name="([^"]*)"')
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2}
+
+
+def _itemsize(dtype: str) -> int:
+    if dtype in _BYTES:
+        return _BYTES[dtype]
+    digits = re.sub(r"\D", "", dtype)
+    return max(1, int(digits) // 8) if digits else 4
+
+
+def _shape_bytes(text: str) -> int:
+    return sum(
+        math.prod(int(d) for d in m["dims"].split(",") if d) * _itemsize(m["dtype"])
+        for m in _ARRAY.finditer(text)
+    )
+
+
+_MESH_GROUPS = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}"
+)
+
+
+def _device_ids(text: str | None, count: int) -> np.ndarray:
+    """The device ids of XLA's mesh, in its order: `[2,4]T(1,0)` (an iota, reshaped
+    and transposed), an explicit list, or none (row-major)."""
+    if not text:
+        return np.arange(count)
+    iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if iota is None:
+        return np.array([int(i) for i in re.findall(r"\d+", text)])
+    ids = np.arange(count).reshape([int(d) for d in iota.group(1).split(",")])
+    if iota.group(2):
+        ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
+    return ids.reshape(-1)
+
+
+def _mesh_groups(sizes_text: str, ids_text: str | None, axes_text: str) -> list[list[int]]:
+    """Groups from XLA's mesh notation: `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}` is
+    the devices of a (2, 4) grid (row-major, or in `device_ids` order) that differ
+    along `axis_1`."""
+    names, sizes = [], []
+    for item in sizes_text.split(","):
+        name, _, size = item.partition("=")
+        names.append(name.strip().strip("'\""))
+        sizes.append(int(size))
+    over = {a.strip().strip("'\"") for a in axes_text.split(",") if a.strip()}
+    ids = _device_ids(ids_text, math.prod(sizes)).reshape(sizes)
+    inner = [i for i, n in enumerate(names) if n in over]
+    outer = [i for i, n in enumerate(names) if n not in over]
+    grouped = ids.transpose(outer + inner).reshape(-1, math.prod(sizes[i] for i in inner))
+    return grouped.tolist()
+
+
+def _groups(text: str) -> list[list[int]]:
+    """Device groups of a collective, from any of XLA's notations."""
+    meshed = _MESH_GROUPS.search(text)
+    if meshed is not None:
+        return _mesh_groups(meshed.group(1), meshed.group(2), meshed.group(3))
+    found = _GROUPS.search(text)
+    if found is not None:
+        spec = found.group(1)
+        if re.fullmatch(r"\{\s*\}", spec):
+            return [[-1]]  # XLA's "every device, one group"
+        if spec.startswith("{"):
+            return [
+                [int(i) for i in g.split(",") if i.strip()]
+                for g in re.findall(r"\{([\d,\s]*)\}", spec[1:-1])
+            ]
+        # iota form: [groups, size]<=[reshape...] with an optional T(perm)
+        shape, reshape, *perm = re.findall(r"\[([\d,]+)\]|T\(([\d,]+)\)", spec)
+        dims = [int(d) for d in shape[0].split(",")]
+        ids = np.arange(math.prod(dims)).reshape([int(d) for d in reshape[0].split(",")])
+        if perm:
+            ids = ids.transpose([int(p) for p in perm[0][1].split(",")])
+        return ids.reshape(dims[0], -1).tolist()
+    pairs = _PAIRS.search(text)
+    if pairs is not None:
+        return [
+            [int(i) for i in p.split(",")] for p in re.findall(r"\{(\d+,\d+)\}", pairs.group(0))
+        ]
+    return []
+
+
+def _axes(groups: list[list[int]], mesh: AnyMesh | None) -> tuple[str, ...]:
+    """The mesh axes along which a collective's devices differ."""
+    if mesh is None or not groups:
+        return ()
+    shape = tuple(mesh.axis_sizes)
+    if groups == [[-1]]:
+        return tuple(name for name, size in zip(mesh.axis_names, shape) if size > 1)
+    varying: set[int] = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.array(group), shape)).T
+        varying |= {a for a in range(len(shape)) if len(set(coords[:, a].tolist())) > 1}
+    return tuple(name for a, name in enumerate(mesh.axis_names) if a in varying)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the compiled step.
+
+    - `kind`: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`,
+        `"collective-permute"` or `"all-to-all"` (XLA's async `-start` forms count
+        once).
+    - `bytes`: the bytes of its result on each device (a tuple collective: all of
+        them).
+    - `axes`: the mesh axes its device groups run over.
+    - `source`: where XLA records it comes from (the op's name in the step).
+    """
+
+    kind: str
+    bytes: int
+    axes: tuple[str, ...]
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device. `peak` is a lower bound: XLA:CPU reports few temporaries."""
+
+    parameters: int
+    optimizer: int
+    gradients: int
+    arguments: int
+    outputs: int
+    temporaries: int
+
+    @property
+    def peak(self) -> int:
+        """Arguments, outputs and temporaries, as the compiled program allocates them."""
+        return self.arguments + self.outputs + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """A named hardware profile for a roofline estimate, with its source."""
+
+    name: str
+    flops: dict[str, float]  # peak dense FLOP/s by parameter dtype
+    memory_bandwidth: float  # bytes/s
+    interconnect_bandwidth: float  # bytes/s, per device, one direction
+    source: str
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        "NVIDIA H100 SXM5",
+        {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12},  # f32 as TF32
+        3.35e12,
+        450e9,  # NVLink 4: 900 GB/s both directions
+        "NVIDIA H100 Tensor Core GPU datasheet (dense, without sparsity)",
+    ),
+    "tpu-v5e": Hardware(
+        "Google Cloud TPU v5e",
+        {"bfloat16": 197e12, "float32": 197e12 / 4},
+        819e9,
+        200e9,  # ICI: 1,600 Gbit/s per chip
+        "Google Cloud TPU v5e documentation (system architecture)",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A roofline estimate of one step, in seconds: never a measurement."""
+
+    hardware: Hardware
+    compute: float
+    memory: float
+    communication: float
+
+    @property
+    def seconds(self) -> float:
+        """Compute or memory, whichever bounds the step, plus communication (no
+        overlap assumed)."""
+        return max(self.compute, self.memory) + self.communication
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What one step of the user's training step costs, per device, under a spec.
+
+    **Attributes:** `memory` (`Memory`), `collectives` (list of `Collective`),
+    `flops` and `bytes_accessed` (per device, from XLA's cost analysis), `mesh`,
+    `devices` and `dtype` (the parameters' dtype, for the estimate).
+    """
+
+    memory: Memory
+    collectives: list[Collective]
+    flops: float
+    bytes_accessed: float
+    mesh: AnyMesh | None
+    devices: int
+    dtype: str
+
+    def bytes_by_axes(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        """Bytes moved per step, by (kind, mesh axes): comparable across backends,
+        which combine collectives differently."""
+        totals: dict[tuple[str, tuple[str, ...]], int] = {}
+        for c in self.collectives:
+            totals[(c.kind, c.axes)] = totals.get((c.kind, c.axes), 0) + c.bytes
+        return totals
+
+    def estimate(self, hardware: str | Hardware = "h100") -> Estimate:
+        """A roofline estimate of one step on `hardware` (`"h100"`, `"tpu-v5e"`, or a
+        `Hardware`): FLOPs at peak, bytes at memory bandwidth, and each collective
+        over one link (a ring: an all-reduce moves 2 (n-1)/n of its bytes)."""
+        if isinstance(hardware, str):
+            if hardware not in HARDWARE:
+                raise EqshardError(
+                    f"no hardware profile {hardware!r}; the profiles are "
+                    f"{', '.join(map(repr, HARDWARE))}, or pass an `eqshard.Hardware`"
+                )
+            hardware = HARDWARE[hardware]
+        peak = hardware.flops.get(self.dtype, min(hardware.flops.values()))
+        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)) if self.mesh else {}
+        moved = 0.0
+        for c in self.collectives:
+            n = math.prod(sizes.get(a, 1) for a in c.axes) or 1
+            factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
+                c.kind, (n - 1) / n
+            )
+            moved += c.bytes * factor
+        return Estimate(
+            hardware,
+            self.flops / peak,
+            self.bytes_accessed / hardware.memory_bandwidth,
+            moved / hardware.interconnect_bandwidth,
+        )
+
+
+def _collectives(text: str, mesh: AnyMesh | None) -> list[Collective]:
+    found = []
+    for line in text.splitlines():
+        op = _OP.search(line)
+        if op is None:
+            continue
+        name = _NAME.search(line)
+        found.append(
+            Collective(
+                op["kind"],
+                _shape_bytes(op["shape"]),
+                _axes(_groups(line), mesh),
+                name.group(1) if name else "",
+            )
+        )
+    return found
+
+
+def _abstract(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+    return x
+
+
+def cost(
+    step: Any,
+    model: Any,
+    *args: Any,
+    spec: Any,
+    batch: str | None = "b ... -> b* ...",
+    mesh: AnyMesh | None = None,
+    devices: int | Sequence[Device] | None = None,
+) -> Cost:
+    """Compiles the user's step under a spec, without running it, and reads its cost.
+
+    **Example:**
+
+    ```python
+    c = eqshard.cost(train_step, model, opt_state, batch, spec=rules, devices=8)
+    c.memory.parameters, c.memory.optimizer, c.memory.peak    # bytes per device
+    [(k.kind, k.bytes, k.axes) for k in c.collectives]        # "all-reduce", ...
+    c.flops                                                   # per device
+    c.estimate("h100").seconds                                # a roofline estimate
+    ```
+
+    **Arguments:**
+
+    - `step`: the training step, as scripts write it: an `eqx.filter_jit` function
+        (its donation is kept) or a plain one, called as `step(model, *args)`.
+    - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`).
+    - `*args`: the rest of the step's arguments, concrete or abstract. One built from
+        the model (an optimizer state: its leaves end with parameters' paths) is laid
+        out by the model's plan, as `eqshard.apply(opt_state, plan)` does; the array
+        leaves of the others (the batch) by `batch`.
+    - `spec`: anything `eqshard.apply` takes, a `Plan` included.
+    - `batch`: the expression of the other arguments' array leaves (data parallel by
+        default; `"... -> * ..."` replicates them).
+    - `mesh`, `devices`: as for `eqshard.plan`; `devices` may be a count (the first
+        that many devices this process has).
+
+    **Returns:**
+
+    A `Cost`.
+
+    **Raises:**
+
+    `eqshard.SpecError` when the spec does not lay out the model or the state;
+    `eqshard.EqshardError` when more devices are asked for than this process has.
+    """
+    if isinstance(devices, int):
+        have = len(jax.devices())
+        if devices > have:
+            raise EqshardError(
+                f"the cost on {devices} devices needs {devices} devices, and this process "
+                f"has {have}; run it where JAX has that many (for simulated CPU devices, "
+                f'jax.config.update("jax_num_cpu_devices", {devices}) before JAX starts)'
+            )
+        devices = jax.devices()[:devices]
+    abstract_model = jax.tree_util.tree_map(_abstract, model)
+    p = spec if isinstance(spec, Plan) else plan(abstract_model, spec, mesh=mesh, devices=devices)
+    laid_out = [p.abstract]
+    optimizer_bytes = 0
+    for arg in args:
+        state = plan_for(jax.tree_util.tree_map(_abstract, arg), p)
+        if not state.problems:  # built from the model: an optimizer state
+            optimizer_bytes += total_bytes_per_device(leaf_rows(state.plan)) or 0
+            laid_out.append(state.plan.abstract)
+        else:  # no parameter's path in it: a batch
+            laid_out.append(jax.tree_util.tree_map(lambda x: _batch(x, batch, p), arg))
+    parameters = total_bytes_per_device(leaf_rows(p)) or 0
+    fn = getattr(step, "__wrapped__", step)
+    donate_first = bool(getattr(step, "donate_first", False))
+    donate_rest = bool(getattr(step, "donate_rest", False))
+    dynamic, static = eqx.partition(laid_out, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+    def run(first: Any, rest: Any) -> Any:
+        everything = eqx.combine([first, *rest], static)
+        return eqx.filter(fn(*everything), eqx.is_array)
+
+    donate = tuple(i for i, on in enumerate((donate_first, donate_rest)) if on)
+    compiled = jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:]).compile()
+    analysis = compiled.memory_analysis()
+    costs = compiled.cost_analysis()
+    if isinstance(costs, list):
+        costs = costs[0] if costs else {}
+    costs = costs or {}
+    grads = sum(
+        row.bytes_per_device or 0
+        for row in leaf_rows(p)
+        if np.issubdtype(np.dtype(row.dtype), np.inexact)
+    )
+    dtypes = [row.dtype for row in leaf_rows(p)]
+    return Cost(
+        memory=Memory(
+            parameters=parameters,
+            optimizer=optimizer_bytes,
+            gradients=grads,
+            arguments=getattr(analysis, "argument_size_in_bytes", 0),
+            outputs=getattr(analysis, "output_size_in_bytes", 0)
+            - getattr(analysis, "alias_size_in_bytes", 0),
+            temporaries=getattr(analysis, "temp_size_in_bytes", 0),
+        ),
+        collectives=_collectives(compiled.as_text() or "", p.mesh),
+        flops=float(costs.get("flops", 0.0)),
+        bytes_accessed=float(costs.get("bytes accessed", 0.0)),
+        mesh=p.mesh,
+        devices=len(p.devices) if p.devices is not None else 0,
+        dtype=max(set(dtypes), key=dtypes.count) if dtypes else "float32",
+    )
+
+
+def _batch(x: Any, expr: str | None, p: Plan) -> Any:
+    """A batch leaf, abstract and laid out by `expr`: on the plan's mesh where it
+    fits, else on its own mesh over the same devices."""
+    if not (isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)):
+        return x
+    if expr is None or not x.shape:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.replicated())
+    target = None
+    if p.mesh is not None:
+        try:
+            target = sharding(expr, x.shape, mesh=p.mesh)
+        except EqshardError:
+            target = None
+    if target is None:
+        target = sharding(expr, x.shape, devices=p.devices)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)

@@ -1,0 +1,119 @@
+"""What a spec costs: the compiled step's communication and memory, per device."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import AxisType
+
+import eqshard
+from eqshard._cost import _collectives, _groups
+
+OPTIMIZER = optax.adam(1e-3)
+MODEL = eqx.filter_eval_shape(lambda: eqx.nn.MLP(256, 256, 1024, 1, key=jax.random.key(0)))
+STATE = jax.eval_shape(
+    OPTIMIZER.init, eqx.filter(MODEL, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+)
+BATCH = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+MEGATRON = eqshard.load(
+    {
+        "eqshard": 1,
+        "rules": [
+            {"path": "layers.0.weight", "expr": "o i -> * o4 i"},
+            {"path": "layers.0.bias", "expr": "o -> * o4"},
+            {"path": "layers.1.weight", "expr": "o i -> * o i4"},
+        ],
+    }
+)
+PARAMETER_BYTES = (256 * 1024 + 1024 + 1024 * 256 + 256) * 4
+
+
+@eqx.filter_jit(donate="all-except-first")
+def step(model, state, x):
+    loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    updates, state = OPTIMIZER.update(grads, state)
+    return eqx.apply_updates(model, updates), state, loss
+
+
+def _cost(spec, batch, mesh=None):
+    return eqshard.cost(
+        step, MODEL, STATE, BATCH, spec=spec, batch=batch, mesh=mesh, devices=None if mesh else 8
+    )
+
+
+def test_replicated_communicates_nothing():
+    c = _cost("... -> * ...", "... -> * ...")
+    assert c.collectives == []
+    assert c.memory.parameters == PARAMETER_BYTES
+    assert c.memory.optimizer == 2 * PARAMETER_BYTES + 4  # two moments and a count
+    assert c.memory.peak >= c.memory.parameters + c.memory.optimizer
+
+
+def test_data_parallel_all_reduces_the_gradients_over_every_device():
+    c = _cost("... -> * ...", "b ... -> b* ...")
+    [(kind, axes)] = c.bytes_by_axes()
+    assert kind == "all-reduce"
+    assert c.mesh is not None
+    assert set(axes) == set(c.mesh.axis_names)
+    assert PARAMETER_BYTES <= c.bytes_by_axes()[(kind, axes)] <= PARAMETER_BYTES + 64
+
+
+def test_megatron_all_reduces_activations_over_the_model_axis():
+    c = _cost(MEGATRON, "... -> * ...")
+    moved = c.bytes_by_axes()
+    assert {kind for kind, _ in moved} == {"all-reduce"}
+    assert sum(moved.values()) < PARAMETER_BYTES / 8  # activations, far smaller than weights
+    # each device holds a quarter of every split leaf, and all of layers.1.bias
+    assert c.memory.parameters == (256 * 1024 // 4 + 1024 // 4 + 1024 * 256 // 4 + 256) * 4
+    assert c.memory.optimizer == 2 * c.memory.parameters + 4
+
+
+def test_two_dimensional_communicates_over_both_axes():
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    c = _cost(MEGATRON, "b ... -> b2 ... 4", mesh)
+    moved = c.bytes_by_axes()
+    assert set(moved) == {("all-reduce", ("model",)), ("all-reduce", ("data",))}
+    assert moved[("all-reduce", ("model",))] < moved[("all-reduce", ("data",))]
+    # the gradients over `data` are the parameters as the layout splits them
+    assert moved[("all-reduce", ("data",))] <= c.memory.parameters + 64
+    estimate = c.estimate("h100")
+    assert estimate.seconds > estimate.communication > 0
+    assert c.estimate("tpu-v5e").seconds > estimate.seconds
+    with pytest.raises(eqshard.EqshardError, match="no hardware profile 'a100'"):
+        c.estimate("a100")
+
+
+def test_more_devices_than_the_process_has_is_a_clear_error():
+    with pytest.raises(eqshard.EqshardError, match="needs 64 devices, and this process has 8"):
+        eqshard.cost(step, MODEL, STATE, BATCH, spec="... -> * ...", devices=64)
+
+
+@pytest.mark.parametrize(
+    ("groups", "axes"),
+    [
+        ("replica_groups={{0,1,2,3},{4,5,6,7}}", ("model",)),
+        ("replica_groups={{0,4},{1,5},{2,6},{3,7}}", ("data",)),
+        ("replica_groups=[2,4]<=[8]", ("model",)),
+        ("replica_groups=[4,2]<=[2,4]T(1,0)", ("data",)),
+        ("replica_groups={}", ("data", "model")),
+        ("replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}", ("model",)),
+        (
+            "replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}",
+            ("model",),
+        ),
+    ],
+)
+def test_every_replica_group_notation_names_its_mesh_axes(groups, axes):
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    line = (
+        f"  %all-reduce.6 = (f32[32,32]{{1,0}}, f32[32]{{0}}) all-reduce(%a, %b), "
+        f"channel_id=2, {groups}, use_global_device_ids=true, to_apply=%add, "
+        f'metadata={{op_name="jit(step)/dot_general"}}'
+    )
+    [collective] = _collectives(line, mesh)
+    assert collective.kind == "all-reduce"
+    assert collective.bytes == (32 * 32 + 32) * 4
+    assert collective.axes == axes
+    assert collective.source == "jit(step)/dot_general"
+    assert _groups(line)
