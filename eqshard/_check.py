@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,11 +37,15 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckResult",
     "ModelError",
+    "StepInputs",
     "abstract_model",
     "check",
     "check_in_processes",
+    "cost_line",
     "main_worker",
     "result_table",
+    "step_inputs",
+    "summary_table",
 ]
 
 WORKER_TIMEOUT_SECONDS = 1800.0  # one device count: import, build abstractly, lay out
@@ -50,13 +54,20 @@ WORKERS = 4  # device counts checked at once, at most one per CPU core
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
-    """What `check` found for one device count."""
+    """What `check` found for one device count.
+
+    `cost`, with a step to compile (`--step`), is what one step costs per device:
+    `parameters`, `optimizer`, `gradients` and `peak_lower_bound` in bytes, `flops`
+    and `bytes_accessed`, `communication` (a list of `{"kind", "axes", "bytes"}`,
+    one per kind of collective and mesh axes) and `estimate_h100_seconds`.
+    """
 
     source: str
     devices: int
     rows: list[LeafRow]
     problems: list[Problem]
     notes: list[str]
+    cost: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -83,6 +94,7 @@ class CheckResult:
             "coverage": self.coverage,
             "problems": [p.to_json() for p in self.problems],
             "notes": self.notes,
+            "cost": self.cost,
         }
 
     @classmethod
@@ -98,7 +110,8 @@ class CheckResult:
         **Arguments:**
 
         - `document`: a mapping with the keys `file`, `devices`, `leaves`,
-            `problems` and `notes`, as `to_json()` (or the worker) wrote them.
+            `problems` and `notes` (and `cost`, which may be missing), as
+            `to_json()` (or the worker) wrote them.
 
         **Returns:**
 
@@ -114,6 +127,7 @@ class CheckResult:
             rows=[_leaf_row(entry) for entry in document["leaves"]],
             problems=[_problem(entry) for entry in document["problems"]],
             notes=[str(note) for note in document["notes"]],
+            cost=None if document.get("cost") is None else dict(document["cost"]),
         )
 
 
@@ -148,26 +162,33 @@ def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
 
 
 class ModelError(EqshardError):
-    """The model named by `--model` cannot be imported or built (exit code 2)."""
+    """The model named by `--model` (or the step, optimizer or batch named by
+    `--step`, `--optimizer`, `--batch`) cannot be imported, built or compiled (exit
+    code 2)."""
 
     exit_code = 2
 
 
-def _import(target: str, module_name: str) -> Any:
+def _import(
+    target: str, module_name: str, option: str = "--model", modules: dict[str, Any] | None = None
+) -> Any:
     """Imports the user's module: a dotted name, or a `.py` file whose folder is
     appended to `sys.path` (so its sibling modules import, and never shadow the
-    standard library)."""
+    standard library). A file already in `modules` is not run again."""
     try:
         if not (module_name.endswith(".py") or "/" in module_name or os.sep in module_name):
             return importlib.import_module(module_name)
         path = Path(module_name)
         if not path.is_file():
-            raise ModelError(f"--model {target!r}: there is no file {module_name!r}")
+            raise ModelError(f"{option} {target!r}: there is no file {module_name!r}")
         if path.suffix != ".py":
             raise ModelError(
-                f"--model {target!r}: {module_name!r} is not a Python file; name a .py "
+                f"{option} {target!r}: {module_name!r} is not a Python file; name a .py "
                 "file or a dotted module"
             )
+        key = str(path.resolve())
+        if modules is not None and key in modules:
+            return modules[key]
         folder = str(path.resolve().parent)
         if folder not in sys.path:
             sys.path.append(folder)
@@ -178,48 +199,78 @@ def _import(target: str, module_name: str) -> Any:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
+        if modules is not None:
+            modules[key] = module
         return module
     except EqshardError:
         raise
     except KeyboardInterrupt:
         raise
     except ImportError as error:
-        raise ModelError(f"--model {target!r}: cannot import {module_name!r}: {error}") from None
+        raise ModelError(f"{option} {target!r}: cannot import {module_name!r}: {error}") from None
     except BaseException as error:  # the user's module failed: report, don't crash
         raise ModelError(
-            f"--model {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
+            f"{option} {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
         ) from None
 
 
-def abstract_model(target: str) -> Any:
-    """Builds `MODULE:CALLABLE` abstractly. MODULE is a dotted module name or a `.py` file.
-
-    This is the one place where eqshard imports user code, and only because the
-    user named it on the command line; a spec file never does.
-    """
+def _user_callable(
+    target: str, option: str, example: str, returns: str, modules: dict[str, Any] | None
+) -> tuple[str, Callable[..., Any]]:
+    """The callable `MODULE:CALLABLE` names, with its name; its module imported
+    with stdout sent to stderr."""
     module_name, sep, attribute = target.rpartition(":")
     if not sep or not module_name or not attribute:
         raise ModelError(
-            f"--model {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:build' or "
-            "'model.py:build', where CALLABLE() returns the model"
+            f"{option} {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:{example}' or "
+            f"'model.py:{example}', where {returns}"
         )
-    import equinox as eqx
-    import jax
-
     # The user's code may print: keep stdout for eqshard's own output (JSON, tables).
     with contextlib.redirect_stdout(sys.stderr):
-        module = _import(target, module_name)
-        factory = getattr(module, attribute, None)
-        if not callable(factory):
-            raise ModelError(f"--model {target!r}: {module_name} has no callable {attribute!r}")
+        module = _import(target, module_name, option, modules)
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ModelError(f"{option} {target!r}: {module_name} has no callable {attribute!r}")
+    return attribute, factory
+
+
+def _call(
+    option: str,
+    target: str,
+    what: str,
+    fn: Callable[[], Any],
+    keep: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """`fn()`, with what the user's code raises (but `keep`) as a `ModelError`, and
+    what it prints on stderr."""
+    with contextlib.redirect_stdout(sys.stderr):
         try:
-            model = eqx.filter_eval_shape(factory)
+            return fn()
         except KeyboardInterrupt:
+            raise
+        except keep:
             raise
         except BaseException as error:  # the user's code failed: report, don't crash
             raise ModelError(
-                f"--model {target!r}: {attribute}() raised {type(error).__name__}: {error}"
+                f"{option} {target!r}: {what} raised {type(error).__name__}: {error}"
             ) from None
+
+
+def abstract_model(target: str, *, modules: dict[str, Any] | None = None) -> Any:
+    """Builds `MODULE:CALLABLE` abstractly. MODULE is a dotted module name or a `.py` file.
+
+    With `step_inputs`, this is the one place where eqshard imports user code, and
+    only because the user named it on the command line; a spec file never does. A
+    `.py` file in
+    `modules` (imported by an earlier call given the same dictionary) is not run again.
+    """
+    attribute, factory = _user_callable(
+        target, "--model", "build", "CALLABLE() returns the model", modules
+    )
+    import equinox as eqx
+    import jax
+
+    model = _call("--model", target, f"{attribute}()", lambda: eqx.filter_eval_shape(factory))
     if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(model)):
         raise ModelError(
             f"--model {target!r}: {attribute}() returned {type(model).__name__}, which holds "
@@ -228,19 +279,84 @@ def abstract_model(target: str) -> Any:
     return model
 
 
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The user's training step and the arguments after the model, abstract:
+    `(opt_state, batch)` with an optimizer, else `(batch,)`. `target` is the
+    `--step` text, for messages."""
+
+    step: Callable[..., Any]
+    args: tuple[Any, ...]
+    target: str
+
+
+def step_inputs(
+    model: Any,
+    step: str,
+    batch: str,
+    optimizer: str | None = None,
+    *,
+    modules: dict[str, Any] | None = None,
+) -> StepInputs:
+    """Imports `--step`, `--batch` and `--optimizer` (each `MODULE:CALLABLE`, as
+    for `abstract_model`) and builds the batch and the optimizer's state of the
+    abstract `model` abstractly (no device memory)."""
+    import equinox as eqx
+    import jax
+
+    _, fn = _user_callable(
+        step,
+        "--step",
+        "step",
+        "CALLABLE is the training step, step(model, opt_state, batch)",
+        modules,
+    )
+    name, make_batch = _user_callable(
+        batch, "--batch", "batch", "CALLABLE() returns the step's batch", modules
+    )
+    batch_value = _call("--batch", batch, f"{name}()", lambda: eqx.filter_eval_shape(make_batch))
+    args: tuple[Any, ...] = (batch_value,)
+    if optimizer is not None:
+        name, make = _user_callable(
+            optimizer, "--optimizer", "optimizer", "CALLABLE() returns an optax optimizer", modules
+        )
+        opt = _call("--optimizer", optimizer, f"{name}()", make)
+        init = getattr(opt, "init", None)
+        if not callable(init):
+            raise ModelError(
+                f"--optimizer {optimizer!r}: {name}() returned {type(opt).__name__}, which has "
+                "no init; name a callable that returns an optax optimizer"
+            )
+        params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        state = _call(
+            "--optimizer", optimizer, f"{name}().init(params)", lambda: jax.eval_shape(init, params)
+        )
+        args = (state, batch_value)
+    return StepInputs(fn, args, step)
+
+
 def check(
-    rules: Rules, model: Any, device_counts: Sequence[int], *, strict: bool = False
+    rules: Rules,
+    model: Any,
+    device_counts: Sequence[int],
+    *,
+    strict: bool = False,
+    step: StepInputs | None = None,
+    max_memory: int | None = None,
 ) -> list[CheckResult]:
     """Lays out `model` under `rules` on each device count; collects every fault.
 
     Every leaf that can be laid out is, so one run reports every independent fault:
     expressions that do not fit, the file's device count, unmatched leaves under
-    `"default": "error"`, and (with `strict`) rules that match nothing.
+    `"default": "error"`, and (with `strict`) rules that match nothing. With `step`,
+    the step is compiled over the laid-out arguments (`eqshard.cost`) and each result
+    has its cost. With `max_memory` (bytes per device), a check whose peak lower
+    bound (without `step`: its parameters per device) is more has a problem.
     """
     import jax
 
     from ._plan import make_plan
-    from ._report import leaf_rows
+    from ._report import leaf_rows, total_bytes_per_device
 
     results = []
     for n in device_counts:
@@ -253,8 +369,56 @@ def check(
             else:
                 notes.append(str(problem))
         rows = leaf_rows(planned.plan)
-        results.append(CheckResult(rules.source, n, rows, problems, notes))
+        cost = None
+        if step is not None and not planned.problems:  # one that cannot be laid out: no step
+            cost = _cost_entry(step, model, planned.plan, n)
+        if max_memory is not None:
+            if cost is not None:
+                needed, what = cost["peak_lower_bound"], "the step needs at least"
+            else:
+                needed, what = total_bytes_per_device(rows), "the parameters alone take"
+            if needed is not None and needed > max_memory:
+                problems.append(_memory_problem(rules.source, n, needed, what, max_memory))
+        results.append(CheckResult(rules.source, n, rows, problems, notes, cost))
     return results
+
+
+def _memory_problem(source: str, devices: int, needed: int, what: str, limit: int) -> Problem:
+    from ._report import human_bytes
+
+    bound = " (a lower bound)" if what.startswith("the step") else ""
+    return Problem(
+        source,
+        f"{what} {human_bytes(needed)} per device on {devices} devices{bound}, more than "
+        f"--max-memory {human_bytes(limit)}: it does not fit",
+    )
+
+
+def _cost_entry(step: StepInputs, model: Any, plan: Any, devices: int) -> dict[str, Any]:
+    """`eqshard.cost` of the step on this plan, as `CheckResult.cost` holds it."""
+    from ._cost import cost
+
+    found = _call(
+        "--step",
+        step.target,
+        f"compiling the step on {devices} devices",
+        lambda: cost(step.step, model, *step.args, spec=plan, devices=devices),
+        keep=(EqshardError,),  # the spec's faults (the optimizer state's layout), as they are
+    )
+    memory = found.memory
+    return {
+        "parameters": memory.parameters,
+        "optimizer": memory.optimizer,
+        "gradients": memory.gradients,
+        "peak_lower_bound": memory.peak,
+        "flops": found.flops,
+        "bytes_accessed": found.bytes_accessed,
+        "communication": [
+            {"kind": kind, "axes": list(axes), "bytes": size}
+            for (kind, axes), size in sorted(found.bytes_by_axes().items())
+        ],
+        "estimate_h100_seconds": found.estimate("h100").seconds,
+    }
 
 
 def result_table(result: CheckResult) -> Table:
@@ -264,12 +428,86 @@ def result_table(result: CheckResult) -> Table:
     return leaf_table(result.rows, title=f"{result.source} on {result.devices} devices")
 
 
+def _seconds(value: float) -> str:
+    """`4.4e-6` -> `'4.4 us'`."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
+def _communication(cost: Mapping[str, Any]) -> list[str]:
+    """`all-reduce over data 514.0 KiB`, one per kind of collective and mesh axes."""
+    from ._report import human_bytes
+
+    return [
+        f"{entry['kind']}{' over ' + '+'.join(entry['axes']) if entry['axes'] else ''} "
+        f"{human_bytes(entry['bytes'])}"
+        for entry in cost["communication"]
+    ]
+
+
+def cost_line(cost: Mapping[str, Any]) -> str:
+    """One line of what a step costs: memory per device, communication per step,
+    and the estimate on an H100 (a `CheckResult.cost`)."""
+    from ._report import human_bytes
+
+    memory = f"parameters {human_bytes(cost['parameters'])}"
+    if cost["optimizer"]:
+        memory += f", optimizer {human_bytes(cost['optimizer'])}"
+    moved = ", ".join(_communication(cost)) or "no communication"
+    return (
+        f"cost: {memory}, peak >= {human_bytes(cost['peak_lower_bound'])} per device; "
+        f"{moved} per step; estimate on an H100: {_seconds(cost['estimate_h100_seconds'])}"
+    )
+
+
+def summary_table(results: Sequence[CheckResult]) -> Table:
+    """The checks side by side: spec, devices, whether it fits, parameters and
+    optimizer state per device, the peak's lower bound, communication per step and
+    the estimate on an H100 (the last three with a step to compile)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from ._report import human_bytes
+
+    table = Table(title=Text("the checks side by side"), title_justify="left")
+    table.add_column("spec")
+    table.add_column("devices", justify="right")
+    table.add_column("fits")
+    table.add_column("parameters + optimizer / device", justify="right")
+    table.add_column("peak >= / device", justify="right")
+    table.add_column("communication / step")
+    table.add_column("estimate (H100)", justify="right")
+    for result in results:
+        cost = result.cost
+        if cost is not None:
+            held: int | None = cost["parameters"] + cost["optimizer"]
+        else:
+            held = result.bytes_per_device
+        problems = len(result.problems)
+        table.add_row(
+            Text(result.source),
+            str(result.devices),
+            "yes" if result.ok else f"no ({problems} problem{'s' * (problems != 1)})",
+            "-" if held is None else human_bytes(held),
+            "-" if cost is None else human_bytes(cost["peak_lower_bound"]),
+            "-" if cost is None else "\n".join(_communication(cost)) or "none",
+            "-" if cost is None else _seconds(cost["estimate_h100_seconds"]),
+        )
+    return table
+
+
 def check_in_processes(
     source: str,
     model: str,
     device_counts: Sequence[int],
     *,
     strict: bool = False,
+    step: str | None = None,
+    optimizer: str | None = None,
+    batch: str | None = None,
+    max_memory: int | None = None,
     timeout: float = WORKER_TIMEOUT_SECONDS,
 ) -> list[CheckResult]:
     """`check`, with each device count in a fresh Python process (`main_worker`).
@@ -289,6 +527,10 @@ def check_in_processes(
         with this process's `sys.path`.
     - `device_counts`: the device counts to check, in the order of the results.
     - `strict`: a rule that matches nothing is a problem rather than a note.
+    - `step`, `optimizer`, `batch`: `MODULE:CALLABLE`s, as for `step_inputs`; with
+        `step` (and `batch`), each worker compiles the step and its result has its
+        cost.
+    - `max_memory`: bytes per device, as for `check`.
     - `timeout`: the seconds each worker may take.
 
     **Returns:**
@@ -307,9 +549,18 @@ def check_in_processes(
     counts = list(dict.fromkeys(device_counts))
     at_once = max(1, min(WORKERS, os.cpu_count() or 1))
     results: dict[int, CheckResult] = {}
+    request = {
+        "spec": source,
+        "model": model,
+        "strict": strict,
+        "step": step,
+        "optimizer": optimizer,
+        "batch": batch,
+        "max_memory": max_memory,
+    }
     for start in range(0, len(counts), at_once):
         running = [
-            (n, _start_worker(source, model, n, strict)) for n in counts[start : start + at_once]
+            (n, _start_worker({**request, "devices": n})) for n in counts[start : start + at_once]
         ]
         try:
             if not results:  # JAX, for the results' rows, imported while the workers run
@@ -324,7 +575,7 @@ def check_in_processes(
     return [results[n] for n in device_counts]
 
 
-def _start_worker(source: str, model: str, devices: int, strict: bool) -> subprocess.Popen[bytes]:
+def _start_worker(request: Mapping[str, Any]) -> subprocess.Popen[bytes]:
     """A worker for one device count, with its request already written."""
     program = (  # this process's import path, so the worker imports what this one would
         "import sys\n"
@@ -337,7 +588,6 @@ def _start_worker(source: str, model: str, devices: int, strict: bool) -> subpro
         "    raise SystemExit(3) from None\n"
         "raise SystemExit(main_worker())\n"
     )
-    request = {"spec": source, "model": model, "devices": devices, "strict": strict}
     with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: nothing to feed or close
         stdin.write(json.dumps(request, ensure_ascii=True).encode("ascii"))
         stdin.seek(0)
@@ -406,10 +656,12 @@ def main_worker() -> int:
 
     `check_in_processes` runs it with `python -c`, after setting `sys.path` to its
     own; by hand, run `python -m eqshard._check`. It reads one JSON request from stdin,
-    `{"spec": PATH, "model": "MODULE:CALLABLE", "devices": N, "strict": BOOL}`;
-    starts JAX on N simulated CPU devices (unless XLA_FLAGS sets a count) before
-    it imports the model, which may set its own count; loads the spec, builds the
-    model abstractly, and checks it on N devices. It writes one JSON document to
+    `{"spec": PATH, "model": "MODULE:CALLABLE", "devices": N, "strict": BOOL}`, with
+    optionally `"step"`, `"optimizer"`, `"batch"` (`MODULE:CALLABLE` or null) and
+    `"max_memory"` (bytes or null); starts JAX on N simulated CPU devices (unless
+    XLA_FLAGS sets a count) before it imports the model, which may set its own
+    count; loads the spec, builds the model (and the step's arguments) abstractly,
+    and checks it on N devices (compiling the step, with one). It writes one JSON document to
     stdout, and nothing else goes there (what the model prints goes to stderr):
 
     - `{"result": {...}}`: the `CheckResult`, as `to_json()` writes it but with
@@ -456,7 +708,8 @@ def _check_one(request: Mapping[str, Any]) -> CheckResult:
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", devices)
     rules = load(request["spec"])
-    model = abstract_model(str(request["model"]))  # it may set its own device count
+    modules: dict[str, Any] = {}
+    model = abstract_model(str(request["model"]), modules=modules)  # it may set its own count
     started = len(jax.devices())
     if started < devices:
         raise EqshardError(
@@ -465,7 +718,24 @@ def _check_one(request: Mapping[str, Any]) -> CheckResult:
             "jax.config.update('jax_num_cpu_devices', ...) set that count: leave the count "
             "to `eqshard check`, or check on at most that many devices"
         )
-    (result,) = check(rules, model, [devices], strict=bool(request["strict"]))
+    step = None
+    if request.get("step") is not None:
+        step = step_inputs(
+            model,
+            str(request["step"]),
+            str(request["batch"]),
+            None if request.get("optimizer") is None else str(request["optimizer"]),
+            modules=modules,
+        )
+    limit = request.get("max_memory")
+    (result,) = check(
+        rules,
+        model,
+        [devices],
+        strict=bool(request["strict"]),
+        step=step,
+        max_memory=None if limit is None else whole_number(limit, "max_memory"),
+    )
     return result
 
 

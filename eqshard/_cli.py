@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -104,6 +105,38 @@ def _at_most(limit: int, what: str):
 
 
 _device_count = _at_most(MAX_SIMULATED, "simulated devices")
+
+_MEMORY_UNITS = {
+    "": 1,
+    "B": 1,
+    "kB": 1000,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
+}
+_MEMORY = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?) ?(?P<unit>[A-Za-z]*)", re.ASCII)
+
+
+def _memory_size(text: str) -> int:
+    """An argparse type: bytes, as `80GB`, `16GiB`, `1.5TB` or a plain byte count."""
+    found = _MEMORY.fullmatch(text.strip())
+    unit = None if found is None else _MEMORY_UNITS.get(found["unit"])
+    if found is None or unit is None or (not found["unit"] and "." in found["number"]):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory size: write a byte count or a number with a unit, "
+            "e.g. 80GB or 16GiB (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    size = round(float(found["number"]) * unit)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
+    return size
+
+
 _demo_devices = _at_most(
     MAX_DEMO_DEVICES, "simulated devices: the demo compiles and runs a training step on each"
 )
@@ -180,33 +213,63 @@ def _check_in_processes() -> bool:
 def _check_command(args: argparse.Namespace) -> int:
     from ._specfile import load
 
-    rules = load(args.file)
-    counts = args.devices or [rules.devices or 8]
-    if max(counts) > MAX_SIMULATED:
-        raise EqshardError(
-            f'{args.file} says "devices": {max(counts)}; check it with --devices N, up to '
-            f"{MAX_SIMULATED} simulated devices"
+    if args.step is None and (args.batch is not None or args.optimizer is not None):
+        option = "--batch" if args.batch is not None else "--optimizer"
+        raise _UsageError(f"eqshard check: error: {option} is for the step: name it with --step")
+    if args.step is not None and args.batch is None:
+        raise _UsageError(
+            "eqshard check: error: --step needs --batch MODULE:CALLABLE, where CALLABLE() "
+            "returns the step's batch"
         )
+    checks = []  # (file, its rules, its device counts)
+    for name in dict.fromkeys(args.files):
+        rules = load(name)
+        counts = args.devices or [rules.devices or 8]
+        if max(counts) > MAX_SIMULATED:
+            raise EqshardError(
+                f'{name} says "devices": {max(counts)}; check it with --devices N, up to '
+                f"{MAX_SIMULATED} simulated devices"
+            )
+        checks.append((name, rules, counts))
+    results = []
     if _check_in_processes():
         from ._check import check_in_processes
 
-        results = check_in_processes(args.file, args.model, counts, strict=args.strict)
+        for name, _, counts in checks:
+            results += check_in_processes(
+                name,
+                args.model,
+                counts,
+                strict=args.strict,
+                step=args.step,
+                optimizer=args.optimizer,
+                batch=args.batch,
+                max_memory=args.max_memory,
+            )
     else:
-        _use_devices(max(counts))
+        most = max(max(counts) for _, _, counts in checks)
+        _use_devices(most)
         import jax
 
-        from ._check import abstract_model, check
+        from ._check import abstract_model, check, step_inputs
 
-        if len(jax.devices()) < max(counts):
+        if len(jax.devices()) < most:
             raise EqshardError(
-                f"checking on {max(counts)} devices needs {max(counts)} simulated devices, "
+                f"checking on {most} devices needs {most} simulated devices, "
                 f"but JAX started with {len(jax.devices())} (is XLA_FLAGS setting a device "
                 "count?)"
             )
-        model = abstract_model(args.model)
-        results = check(rules, model, counts, strict=args.strict)
+        modules: dict[str, object] = {}  # each of the user's files imported once
+        model = abstract_model(args.model, modules=modules)
+        step = None
+        if args.step is not None:
+            step = step_inputs(model, args.step, str(args.batch), args.optimizer, modules=modules)
+        for _, rules, counts in checks:
+            results += check(
+                rules, model, counts, strict=args.strict, step=step, max_memory=args.max_memory
+            )
 
-    from ._check import result_table
+    from ._check import cost_line, result_table, summary_table
     from ._report import human_bytes
 
     if args.format == "json":
@@ -223,12 +286,16 @@ def _check_command(args: argparse.Namespace) -> int:
             + (f", {coverage['none']} by none" if coverage["none"] else "")
             + ("" if total is None else f"; each device holds {human_bytes(total)}")
         )
+        if result.cost is not None:
+            _out(cost_line(result.cost))
         for note in result.notes:
             _out(f"warning: {note}")
         for problem in result.problems:
             _out(problem)
         verdict = "ok" if result.ok else f"{len(result.problems)} problem(s)"
         _out(f"{result.source} on {result.devices} devices: {verdict}\n")
+    if len(results) > 1:
+        console.print(summary_table(results))
     return 0 if all(r.ok for r in results) else 1
 
 
@@ -300,21 +367,48 @@ def _parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "check",
-        help="resolve a spec file against a model, abstractly, on N devices",
+        help="resolve spec files against a model, abstractly, on N devices",
         description=(
-            "Build the model abstractly (no device memory), resolve the spec file's "
+            "Build the model abstractly (no device memory), resolve each spec file's "
             "rules on N simulated devices for each N given, and print a per-leaf "
-            "table with the totals per device. Exit 1 when a leaf is unmatched under "
+            "table with the totals per device. With --step, compile the training step "
+            "over the laid-out arguments and print what it costs per device: memory, "
+            "communication per step and an estimate on an H100. Several files or "
+            "counts are compared side by side. Exit 1 when a leaf is unmatched under "
             '"default": "error", a dim does not divide, the device count does not '
-            "fit, or (with --strict) a rule matched nothing."
+            "fit, a check needs more than --max-memory, or (with --strict) a rule "
+            "matched nothing."
         ),
     )
-    check.add_argument("file", metavar="FILE")
+    check.add_argument("files", nargs="+", metavar="FILE")
     check.add_argument(
         "--model",
         required=True,
         metavar="MODULE:CALLABLE",
         help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
+    )
+    check.add_argument(
+        "--step",
+        metavar="MODULE:CALLABLE",
+        help="the training step, called step(model, opt_state, batch) with --optimizer, "
+        "else step(model, batch); compiled (never run) to find its cost",
+    )
+    check.add_argument(
+        "--optimizer",
+        metavar="MODULE:CALLABLE",
+        help="what returns the optax optimizer whose state the step takes",
+    )
+    check.add_argument(
+        "--batch",
+        metavar="MODULE:CALLABLE",
+        help="what returns the step's batch (needed with --step)",
+    )
+    check.add_argument(
+        "--max-memory",
+        type=_memory_size,
+        metavar="SIZE",
+        help="memory per device, e.g. 80GB or 16GiB: a check that needs more (the step's "
+        "peak, or without --step the parameters) does not fit",
     )
     check.add_argument(
         "--devices",

@@ -1,0 +1,195 @@
+"""`eqshard check --step`: what each spec costs per device and communicates per step.
+
+Most tests check in this process (`run_cli`, on its 8 CPU devices); one runs the
+command line as a user does, each device count in a worker process.
+"""
+
+import contextlib
+import io
+import json
+
+import pytest
+
+MODULE = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def build():
+    return eqx.nn.MLP(64, 64, 256, 1, key=jax.random.key(0))
+
+
+def optimizer():
+    return optax.adam(1e-3)
+
+
+def batch():
+    return jnp.zeros((32, 64))
+
+
+@eqx.filter_jit
+def step(model, opt_state, x):
+    def loss_fn(m):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    params = eqx.filter(model, eqx.is_array)
+    updates, opt_state = optimizer().update(grads, opt_state, params)
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+def failing_step(model, opt_state, x):
+    raise ValueError("no step here")
+"""
+
+REPLICATED = {"eqshard": 1, "default": "replicate"}
+MEGATRON = {
+    "eqshard": 1,
+    "rules": [
+        {"path": "layers.0.weight", "expr": "o i -> o* i"},
+        {"path": "layers.0.bias", "expr": "o -> o*"},
+        {"path": "layers.1.weight", "expr": "o i -> o i*"},
+    ],
+}
+PARAMETER_BYTES = (64 * 256 + 256 + 256 * 64 + 64) * 4  # float32
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cost")
+    module = folder / "costmodel.py"
+    module.write_text(MODULE)
+    specs = []
+    for name, spec in (("replicated", REPLICATED), ("megatron", MEGATRON)):
+        path = folder / f"{name}.eqshard.json"
+        path.write_text(json.dumps(spec))
+        specs.append(str(path))
+    return specs, str(module)
+
+
+def _step_args(module: str, step: str = "step") -> list[str]:
+    return [
+        "--model",
+        f"{module}:build",
+        "--step",
+        f"{module}:{step}",
+        "--optimizer",
+        f"{module}:optimizer",
+        "--batch",
+        f"{module}:batch",
+    ]
+
+
+@pytest.fixture(scope="module")
+def report(files):
+    """Both specs, checked with the step on 8 devices, in this process, as JSON
+    (once for the module: `run_cli` is a fixture of each test)."""
+    from eqshard._cli import main
+
+    specs, module = files
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        limits = ["--devices", "8", "--max-memory", "80GB", "--format", "json"]
+        code = main(["check", *specs, *_step_args(module), *limits])
+    assert code == 0, out.getvalue()
+    return json.loads(out.getvalue())
+
+
+def test_replicated_communicates_only_the_gradient_all_reduce(report):
+    replicated = report["checks"][0]
+    assert replicated["ok"] is True
+    assert replicated["problems"] == []
+    cost = replicated["cost"]
+    assert cost["parameters"] == PARAMETER_BYTES  # every device holds them all
+    assert cost["gradients"] == PARAMETER_BYTES
+    assert cost["optimizer"] == pytest.approx(2 * PARAMETER_BYTES, abs=64)  # adam: mu, nu
+    assert cost["peak_lower_bound"] >= cost["parameters"] + cost["optimizer"]
+    (moved,) = cost["communication"]  # the batch is split: the gradients are summed
+    assert (moved["kind"], moved["axes"]) == ("all-reduce", ["m0"])
+    assert moved["bytes"] == pytest.approx(PARAMETER_BYTES, abs=16)  # and the loss
+    assert cost["flops"] > 0
+    assert cost["estimate_h100_seconds"] > 0
+
+
+def test_megatron_holds_an_eighth_of_the_parameters(report):
+    replicated, megatron = (check["cost"] for check in report["checks"])
+    assert report["checks"][1]["ok"] is True
+    ratio = megatron["parameters"] / replicated["parameters"]
+    assert ratio == pytest.approx(1 / 8, rel=0.05)  # layers.1.bias stays whole
+    assert megatron["peak_lower_bound"] < replicated["peak_lower_bound"] / 4
+    kinds = {entry["kind"] for entry in megatron["communication"]}
+    assert kinds <= {"all-reduce", "all-gather", "reduce-scatter"}
+    total = sum(entry["bytes"] for entry in megatron["communication"])
+    assert total < PARAMETER_BYTES / 4  # activations move, not gradients
+
+
+def test_text_shows_the_cost_and_the_specs_side_by_side(run_cli, files):
+    specs, module = files
+    result = run_cli("check", *specs, *_step_args(module), "--devices", 8)
+    assert result.code == 0, result.out + result.err
+    lines = result.out.splitlines()
+    costs = [line for line in lines if line.startswith("cost: ")]
+    assert len(costs) == 2
+    assert costs[0].startswith("cost: parameters 129.2 KiB, optimizer 258.5 KiB, peak >= ")
+    assert "all-reduce over m0 129.3 KiB per step; estimate on an H100: " in costs[0]
+    table = result.out[result.out.index("the checks side by side") :]
+    for name in ("spec", "devices", "fits", "communication / step", "estimate (H100)"):
+        assert name in table
+    rows = [line for line in table.splitlines() if "eqshard.json" in line]
+    assert len(rows) == 2
+    assert "replicated.eqshard.json" in rows[0]
+    assert "megatron.eqshard.json" in rows[1]
+    assert all(" yes " in row for row in rows)
+    assert "all-reduce over m0 129.3 KiB" in rows[0]
+
+
+def test_more_than_max_memory_does_not_fit(run_cli, files):
+    specs, module = files
+    result = run_cli("check", specs[0], "--model", f"{module}:build", "--max-memory", "1KB")
+    assert result.code == 1
+    message = (
+        f"{specs[0]}: the parameters alone take 129.2 KiB per device on 8 devices, more "
+        "than --max-memory 1000 B: it does not fit"
+    )
+    assert message in result.out
+    as_json = run_cli(
+        "check", specs[0], "--model", f"{module}:build", "--max-memory", "1KB", "--format", "json"
+    )
+    assert as_json.code == 1
+    (check,) = json.loads(as_json.out)["checks"]
+    assert check["ok"] is False
+    assert check["problems"] == [{"where": specs[0], "message": message.split(": ", 1)[1]}]
+
+
+@pytest.mark.parametrize("size", ["12XB", "1.5", "GB", "-1GB", "0"])
+def test_bad_max_memory_exits_2(run_cli, files, size):
+    specs, module = files
+    result = run_cli("check", specs[0], "--model", f"{module}:build", "--max-memory", size)
+    assert result.code == 2
+    assert "--max-memory" in result.err
+    assert result.out == ""
+
+
+def test_a_failing_step_and_a_missing_batch_exit_2(run_cli, files):
+    specs, module = files
+    result = run_cli("check", specs[0], *_step_args(module, "failing_step"))
+    assert result.code == 2
+    assert "raised ValueError: no step here" in result.err
+    assert "Traceback" not in result.err
+    result = run_cli("check", specs[0], "--model", f"{module}:build", "--step", f"{module}:step")
+    assert result.code == 2
+    assert "--step needs --batch" in result.err
+
+
+def test_worker_processes_carry_the_cost(run_python, files, report):
+    specs, module = files
+    command = ["-m", "eqshard", "check", specs[0], *_step_args(module)]
+    result = run_python([*command, "--devices", "8", "--format", "json"])
+    assert result.returncode == 0, result.stderr
+    (check,) = json.loads(result.stdout)["checks"]
+    expected = report["checks"][0]["cost"]
+    seconds = expected["estimate_h100_seconds"]
+    assert check["cost"]["estimate_h100_seconds"] == pytest.approx(seconds)
+    assert {**check["cost"], "estimate_h100_seconds": seconds} == expected
