@@ -295,7 +295,7 @@ def cost(
     model: Any,
     *args: Any,
     spec: Any,
-    batch: str | None = "b ... -> b* ...",
+    batch: str | None = None,
     mesh: AnyMesh | None = None,
     devices: int | Sequence[Device] | None = None,
 ) -> Cost:
@@ -321,8 +321,10 @@ def cost(
         out by the model's plan, as `eqshard.apply(opt_state, plan)` does; the array
         leaves of the others (the batch) by `batch`.
     - `spec`: anything `eqshard.apply` takes, a `Plan` included.
-    - `batch`: the expression of the other arguments' array leaves (data parallel by
-        default; `"... -> * ..."` replicates them).
+    - `batch`: the expression of the other arguments' array leaves. By default they
+        are data parallel: their leading dim is split over the first axis of a mesh
+        the user or the spec file gives (the data axis, by convention), else over
+        every device. `"... -> * ..."` replicates them.
     - `mesh`, `devices`: as for `eqshard.plan`; `devices` may be a count (the first
         that many devices this process has).
 
@@ -346,6 +348,8 @@ def cost(
         devices = jax.devices()[:devices]
     abstract_model = jax.tree_util.tree_map(_abstract, model)
     p = spec if isinstance(spec, Plan) else plan(abstract_model, spec, mesh=mesh, devices=devices)
+    if batch is None:
+        batch = _data_parallel(p)
     laid_out = [p.abstract]
     optimizer_bytes = 0
     for arg in args:
@@ -418,6 +422,15 @@ def _dot_flops(jaxpr: Any) -> float:
                 if hasattr(inner, "eqns"):
                     total += times * _dot_flops(inner)
     return total
+
+
+def _data_parallel(p: Plan) -> str:
+    """The default batch layout: the leading dim over the first axis of the user's
+    (or the spec file's) mesh, replicated over the others; else over every device."""
+    if p.mesh is None or not p.mesh_is_given:
+        return "b ... -> b* ..."
+    first, rest = p.mesh.axis_sizes[0], p.mesh.size // p.mesh.axis_sizes[0]
+    return f"b ... -> b{first} ..." + (f" {rest}" if rest > 1 else "")
 
 
 def _first(costs: Any) -> dict[str, Any]:

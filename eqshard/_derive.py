@@ -85,7 +85,7 @@ def _by_parameter(tree: Any, given: Plan) -> Planned:
             )
         )
     resolved = Resolved(tree, leaves, treedef, exprs, origins, set())
-    derived = Plan(given.mesh, resolved, shardings, given.devices)
+    derived = Plan(given.mesh, resolved, shardings, given.devices, given.mesh_is_given)
     return Planned(derived, problems, [])
 
 

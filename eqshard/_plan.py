@@ -79,6 +79,7 @@ class Plan:
     - `partition_specs`: the same, with each leaf's `PartitionSpec`.
     - `expressions`: the same, with each leaf's complete `Expression` (`None` where
         the spec gave none).
+    - `mesh_is_given`: whether `mesh` is the user's or a spec file's, not eqshard's.
     - `abstract`: the tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
         at every array leaf, other leaves unchanged: what Orbax restores into.
     """
@@ -87,6 +88,7 @@ class Plan:
     resolved: Resolved = dataclasses.field(repr=False)
     flat_shardings: list[NamedSharding | None] = dataclasses.field(repr=False)
     devices: tuple[Device, ...] | None = dataclasses.field(default=None, repr=False)
+    mesh_is_given: bool = dataclasses.field(default=False, repr=False)
 
     def replicated(self) -> NamedSharding:
         """A full copy on every device of the plan, on its mesh where it has one."""
@@ -227,7 +229,7 @@ def make_plan(
             if found is not None:
                 warnings.append(found)
     flat = [None if lay is None else by_layout[lay] for lay in layouts]
-    made = Plan(mesh=common, resolved=resolved, flat_shardings=flat, devices=placed_on)
+    made = Plan(common, resolved, flat, placed_on, mesh_is_given=target_mesh is not None)
     return Planned(made, problems, warnings)
 
 

@@ -167,6 +167,20 @@ def make_step(optimizer: optax.GradientTransformation, plan: Any = None):
     return step
 
 
+def optimizer() -> optax.GradientTransformation:
+    """AdamW, decaying the weight matrices only (`eqshard check --optimizer`)."""
+    return optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
+
+
+def batch() -> Int[Array, "batch seq"]:
+    """A batch of token ids, shaped as training takes them (`eqshard check --batch`)."""
+    return jnp.zeros((BATCH, SEQ + 1), jnp.int32)
+
+
+step = make_step(optimizer())
+"""The training step as `eqshard check --step examples/gpt_stacked.py:step` costs it."""
+
+
 _COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\("
 )
@@ -211,15 +225,15 @@ def main(steps: int = 3) -> dict[str, Any]:
     mesh = jax.make_mesh(
         MESH_SHAPE, MESH_AXES, axis_types=(AxisType.Auto,) * 2, devices=devices[:8]
     )
-    optimizer = optax.adamw(1e-2, weight_decay=0.1, mask=decay_mask)
+    adamw = optimizer()
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, (BATCH, SEQ + 1)))
     # exact float32 matmuls on accelerators too, so the two runs can be compared
     with jax.default_device(devices[0]), jax.default_matmul_precision("highest"):
         model = build()
-        opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+        opt_state = adamw.init(eqx.filter(model, eqx.is_array))
 
         # The reference: the same model, data and optimizer, on one device.
-        reference_step = make_step(optimizer)
+        reference_step = make_step(adamw)
         ref_model, ref_state = model, opt_state
         reference = []
         for _ in range(steps):
@@ -230,16 +244,18 @@ def main(steps: int = 3) -> dict[str, Any]:
             plan = eqshard.plan(model, eqshard.load(SPEC))  # on the mesh set above
             model = eqshard.apply(model, plan)
             opt_state = eqshard.apply(opt_state, plan)  # moments follow their parameters
-            batch = eqshard.shard(tokens, "b s -> b2 s 4")  # over 'data', whole on 'model'
-            step = make_step(optimizer, plan)
+            tokens_in_shards = eqshard.shard(
+                tokens, "b s -> b2 s 4"
+            )  # over 'data', whole on 'model'
+            sharded_step = make_step(adamw, plan)
             # compiled once: its HLO is read for the collectives, and it runs the steps
             # (equinox types filter_jit's result as the function it wraps, without `lower`)
-            lowered = step.lower(model, opt_state, batch)  # pyright: ignore[reportFunctionMemberAccess]
+            lowered = sharded_step.lower(model, opt_state, tokens_in_shards)  # pyright: ignore[reportFunctionMemberAccess]
             compiled = lowered.compile()
             hlo = compiled.compiled.as_text() or ""  # equinox's Compiled wraps JAX's
             losses = []
             for i in range(steps):
-                value, model, opt_state = compiled(model, opt_state, batch)
+                value, model, opt_state = compiled(model, opt_state, tokens_in_shards)
                 losses.append(float(value))
                 print(f"step {i}: loss {losses[-1]:.6f} (unsharded {reference[i]:.6f})")
 
