@@ -342,8 +342,9 @@ def cost(
         if devices > have:
             raise EqshardError(
                 f"the cost on {devices} devices needs {devices} devices, and this process "
-                f"has {have}; run it where JAX has that many (for simulated CPU devices, "
-                f'jax.config.update("jax_num_cpu_devices", {devices}) before JAX starts)'
+                f"has {have}; `eqshard check SPEC --model ... --step ... --devices "
+                f"{devices}` runs each count in a process of its own, or set "
+                f'jax.config.update("jax_num_cpu_devices", {devices}) before JAX starts'
             )
         devices = jax.devices()[:devices]
     abstract_model = jax.tree_util.tree_map(_abstract, model)

@@ -4,8 +4,12 @@ import runpy
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
+import jax
 import numpy as np
 import pytest
+
+import eqshard
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -55,3 +59,19 @@ def test_gpt_spec_file_is_valid(run_cli):
     result = run_cli("validate", EXAMPLES / "specs" / "gpt.eqshard.json")
     assert result.code == 0, result.out + result.err
     assert "ok" in result.out
+
+
+def test_the_cost_of_the_stacked_gpt_is_what_megatron_implies(gpt_stacked):
+    ns = gpt_stacked
+    model = eqx.filter_eval_shape(ns["build"])
+    optimizer = ns["optimizer"]()
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    state = jax.eval_shape(optimizer.init, params)
+    rules = eqshard.load(ns["SPEC"])
+    c = eqshard.cost(ns["step"], model, state, ns["batch"](), spec=rules, devices=8)
+    moved = c.bytes_by_axes()
+    # activations over `model` (the row-parallel layers), gradients over `data`
+    assert set(moved) == {("all-reduce", ("data",)), ("all-reduce", ("model",))}
+    assert 0 < moved[("all-reduce", ("data",))] <= c.memory.parameters + 64
+    assert c.memory.optimizer == 2 * c.memory.parameters + 4  # AdamW's two moments
+    assert c.estimate("h100").seconds > 0
