@@ -24,16 +24,9 @@ import subprocess
 import sys
 import time
 
+from _memory import reset_peak, rss  # benchmarks/_memory.py
+
 CASES = ["eqshard.init", "one jit, out_shardings", "build, then apply"]
-
-
-def _rss() -> tuple[int, int]:
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = value.split()
-    return int(fields["VmRSS"][0]) * 1024, int(fields["VmHWM"][0]) * 1024
 
 
 def _case(name: str, width: int, depth: int) -> dict:
@@ -53,9 +46,8 @@ def _case(name: str, width: int, depth: int) -> dict:
     abstract = eqx.filter_eval_shape(factory)
     plan = eqshard.plan(abstract, rules)
     jax.block_until_ready(jax.device_put(np.zeros(8, np.float32)))  # start the backend
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS mark
-    base, _ = _rss()
+    reset_peak()
+    base, _ = rss()
     start = time.perf_counter()
     if name == "eqshard.init":
         model = eqshard.init(factory, plan)
@@ -66,7 +58,7 @@ def _case(name: str, width: int, depth: int) -> dict:
         model = eqshard.apply(factory(), plan)
     jax.block_until_ready(eqx.filter(model, eqx.is_array))
     seconds = time.perf_counter() - start
-    _, peak = _rss()
+    _, peak = rss()
     stats = [d.memory_stats() or {} for d in jax.local_devices()]
     model_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)))
     return {

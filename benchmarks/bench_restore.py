@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from _memory import reset_peak, rss  # benchmarks/_memory.py
+
 CASES = ["read bytes", "eqx.tree_deserialise_leaves", "np.load + device_put", "eqshard.restore"]
 
 
@@ -57,22 +59,6 @@ def _write(path: str, n_leaves: int, rows: int, cols: int) -> None:
     eqx.tree_serialise_leaves(path, leaves)
 
 
-def _rss() -> tuple[int, int]:
-    """(current, peak) resident bytes of this process, from /proc."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = value.split()
-    return int(fields["VmRSS"][0]) * 1024, int(fields["VmHWM"][0]) * 1024
-
-
-def _reset_peak() -> None:
-    """Resets the kernel's peak-RSS mark (VmHWM) to the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def _case(name: str, path: str, n_leaves: int, rows: int, cols: int) -> dict:
     jax = _setup()
     import equinox as eqx
@@ -84,8 +70,8 @@ def _case(name: str, path: str, n_leaves: int, rows: int, cols: int) -> dict:
     plan = eqshard.plan(like, "... o -> ... o*")
     shardings = plan.flat_shardings
     jax.block_until_ready(jax.device_put(np.zeros(8, np.float32)))  # start the backend
-    _reset_peak()
-    base, _ = _rss()
+    reset_peak()
+    base, _ = rss()
     start = time.perf_counter()
     if name == "read bytes":
         with open(path, "rb") as f:
@@ -102,7 +88,7 @@ def _case(name: str, path: str, n_leaves: int, rows: int, cols: int) -> dict:
         out = eqshard.restore(path, like, plan)
     jax.block_until_ready(out)
     seconds = time.perf_counter() - start
-    _, peak = _rss()
+    _, peak = rss()
     on_host = jax.devices()[0].platform == "cpu" and name != "read bytes"
     kept = n_leaves * rows * cols * 4 if on_host else 0  # the restored arrays themselves
     stats = [d.memory_stats() or {} for d in jax.local_devices()]
