@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -325,8 +327,11 @@ def cost(
         are data parallel: their leading dim is split over the first axis of a mesh
         the user or the spec file gives (the data axis, by convention), else over
         every device. `"... -> * ..."` replicates them.
-    - `mesh`, `devices`: as for `eqshard.plan`; `devices` may be a count (the first
-        that many devices this process has).
+    - `mesh`, `devices`: as for `eqshard.plan`; `devices` may be a count: the first
+        that many devices of this process, or, where it has fewer, that many
+        simulated CPU devices in a new process (the step and the abstract arguments
+        travel there with cloudpickle, the `eqshard[cost]` extra), so a laptop can
+        ask for 64.
 
     **Returns:**
 
@@ -335,17 +340,12 @@ def cost(
     **Raises:**
 
     `eqshard.SpecError` when the spec does not lay out the model or the state;
-    `eqshard.EqshardError` when more devices are asked for than this process has.
+    `eqshard.EqshardError` when the step cannot be compiled, or more devices are
+    asked for than this process has and cloudpickle is not installed.
     """
     if isinstance(devices, int):
-        have = len(jax.devices())
-        if devices > have:
-            raise EqshardError(
-                f"the cost on {devices} devices needs {devices} devices, and this process "
-                f"has {have}; `eqshard check SPEC --model ... --step ... --devices "
-                f"{devices}` runs each count in a process of its own, or set "
-                f'jax.config.update("jax_num_cpu_devices", {devices}) before JAX starts'
-            )
+        if devices > len(jax.devices()):
+            return _in_a_process_of_its_own(step, model, args, spec, batch, devices)
         devices = jax.devices()[:devices]
     abstract_model = jax.tree_util.tree_map(_abstract, model)
     p = spec if isinstance(spec, Plan) else plan(abstract_model, spec, mesh=mesh, devices=devices)
@@ -423,6 +423,87 @@ def _dot_flops(jaxpr: Any) -> float:
                 if hasattr(inner, "eqns"):
                     total += times * _dot_flops(inner)
     return total
+
+
+def _bare(tree: Any) -> Any:
+    """`tree` with every array abstract and without a sharding: nothing in it holds
+    this process's devices, so it can cross to another process."""
+    return jax.tree_util.tree_map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype)
+            if isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)
+            else x
+        ),
+        tree,
+    )
+
+
+def _in_a_process_of_its_own(
+    step: Any, model: Any, args: tuple[Any, ...], spec: Any, batch: str | None, devices: int
+) -> Cost:
+    """`cost` on `devices` simulated CPU devices, in a new process that has them: the
+    step, the abstract arguments and the spec travel with cloudpickle."""
+    try:
+        import cloudpickle
+    except ImportError:
+        raise EqshardError(
+            f"the cost on {devices} devices needs {devices} devices, and this process has "
+            f"{len(jax.devices())}: eqshard compiles in a process of its own that has them, "
+            "which needs cloudpickle (`pip install 'eqshard[cost]'`); or run `eqshard check "
+            "SPEC --model ... --step ...`, which starts one per device count"
+        ) from None
+    if isinstance(spec, Plan):
+        raise EqshardError(
+            "a `Plan` holds this process's devices and cannot go to another process; "
+            "pass the spec it was made from"
+        )
+    payload = cloudpickle.dumps((step, _bare(model), _bare(args), spec, batch, devices))
+    done = subprocess.run(
+        [sys.executable, "-c", "from eqshard._cost import _worker; _worker()"],
+        input=payload,
+        stdout=subprocess.PIPE,
+        timeout=3600,
+        check=False,
+    )
+    try:
+        answer = cloudpickle.loads(done.stdout)
+    except Exception:
+        raise EqshardError(
+            f"the process that compiles on {devices} devices ended with code "
+            f"{done.returncode} and no answer; its messages are above"
+        ) from None
+    if isinstance(answer, BaseException):
+        raise answer
+    return answer
+
+
+def _worker() -> None:
+    """The other side of `_in_a_process_of_its_own`: reads the request on stdin,
+    writes the `Cost` (or the error) on stdout, pickled, and nothing else there."""
+    import os
+
+    import cloudpickle
+
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever else prints goes to stderr
+    request = sys.stdin.buffer.read()
+    jax.config.update("jax_platforms", "cpu")
+    step, model, args, spec, batch, devices = cloudpickle.loads(request)
+    jax.config.update("jax_num_cpu_devices", devices)
+    try:
+        answer: Any = cost(step, model, *args, spec=spec, batch=batch, devices=devices)
+        if answer.mesh is not None:
+            answer = dataclasses.replace(answer, mesh=answer.mesh.abstract_mesh)
+    except Exception as error:
+        answer = (
+            error
+            if isinstance(error, EqshardError)
+            else EqshardError(
+                f"compiling the step on {devices} devices raised {type(error).__name__}: {error}"
+            )
+        )
+    out.write(cloudpickle.dumps(answer))
+    out.close()
 
 
 def _data_parallel(p: Plan) -> str:

@@ -84,9 +84,25 @@ def test_two_dimensional_communicates_over_both_axes():
         c.estimate("a100")
 
 
-def test_more_devices_than_the_process_has_is_a_clear_error():
-    with pytest.raises(eqshard.EqshardError, match="needs 64 devices, and this process has 8"):
-        eqshard.cost(step, MODEL, STATE, BATCH, spec="... -> * ...", devices=64)
+def test_more_devices_than_the_process_has_compile_in_a_process_of_their_own():
+    c = _cost_on(16)
+    assert c.devices == 16
+    assert c.mesh is not None
+    assert c.mesh.size == 16
+    # data parallel over 16: each device holds everything, and the gradients'
+    # all-reduce runs over all 16
+    assert c.memory.parameters == PARAMETER_BYTES
+    [((kind, axes), moved)] = c.bytes_by_axes().items()
+    assert kind == "all-reduce"
+    assert set(axes) == set(c.mesh.axis_names)
+    assert PARAMETER_BYTES <= moved <= PARAMETER_BYTES + 64
+    p = eqshard.plan(MODEL, "... -> * ...")
+    with pytest.raises(eqshard.EqshardError, match="a `Plan` holds this process's devices"):
+        eqshard.cost(step, MODEL, STATE, BATCH, spec=p, devices=16)
+
+
+def _cost_on(n):
+    return eqshard.cost(step, MODEL, STATE, BATCH, spec="... -> * ...", devices=n)
 
 
 @pytest.mark.parametrize(
