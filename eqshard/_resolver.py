@@ -92,7 +92,10 @@ class Resolver(Protocol):
     a `Target`, and returns a `Resolution`. It raises nothing for a fault in the
     spec: it reports it in `Resolution.problems`. The dunder name keeps a model or
     spec tree that happens to have a `resolve` method from being taken for a
-    resolver. To cross a process boundary (as `eqshard.testing` does), a resolver
+    resolver. A resolver may also declare the mesh it is written for, as `Rules`
+    does for a spec file's `"mesh"`: `__eqshard_mesh__(devices) -> (MeshShape |
+    None, problems)`, used when the user gives no mesh. To cross a process boundary
+    (to a worker process of `eqshard check`, or `eqshard.cost` on more devices), a resolver
     must pickle.
     """
 
