@@ -14,7 +14,9 @@ On a GPU host, the device's own `peak_bytes_in_use` is printed too.
 
 - `eqshard.init`: one `jit` per group of leaves, each with `out_shardings`;
 - `one jit, out_shardings`: the whole factory in one `jit` (the usual recipe);
-- `build, then apply`: the model built whole on one device, then placed.
+- `build, then apply`: the model built whole on one device, then placed;
+- `constants, one jit (floor)`: a program with no random numbers, writing a
+  constant per leaf in its shards: what JAX's runtime adds to any `jit`.
 """
 
 import argparse
@@ -26,7 +28,12 @@ import time
 
 from _memory import reset_peak, rss  # benchmarks/_memory.py
 
-CASES = ["eqshard.init", "one jit, out_shardings", "build, then apply"]
+CASES = [
+    "eqshard.init",
+    "one jit, out_shardings",
+    "build, then apply",
+    "constants, one jit (floor)",
+]
 
 
 def _case(name: str, width: int, depth: int) -> dict:
@@ -54,8 +61,24 @@ def _case(name: str, width: int, depth: int) -> dict:
     elif name == "one jit, out_shardings":
         arrays = initializer(factory, plan)()
         model = eqx.combine(arrays, eqx.filter(abstract, eqx.is_array, inverse=True))
-    else:
+    elif name == "build, then apply":
         model = eqshard.apply(factory(), plan)
+    else:  # the floor: a program that only writes its outputs, no random numbers
+
+        def constants():  # a different value per leaf, so XLA cannot share buffers
+            leaves, treedef = jax.tree.flatten(abstract)
+            return jax.tree.unflatten(
+                treedef,
+                [
+                    jax.numpy.full(x.shape, i, x.dtype)
+                    if isinstance(x, jax.ShapeDtypeStruct)
+                    else x
+                    for i, x in enumerate(leaves)
+                ],
+            )
+
+        arrays = initializer(constants, plan)()
+        model = eqx.combine(arrays, eqx.filter(abstract, eqx.is_array, inverse=True))
     jax.block_until_ready(eqx.filter(model, eqx.is_array))
     seconds = time.perf_counter() - start
     _, peak = rss()

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import eqshard
-from eqshard._init import _groups, _initializer
+from eqshard._init import _compiled, _groups
+from eqshard._rng_lowering import unrolled_threefry
 
 
 class Block(eqx.Module):
@@ -82,12 +83,15 @@ def test_no_device_holds_more_of_a_leaf_than_its_shard():
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
     assert [i for group in groups for i in group] == arrays
     for group in groups:  # the programs `init` runs, one per group of leaves
-        compiled = _initializer(factory, plan, group).lower().compile()
+        compiled = _compiled(factory, plan, group)
         analysis = compiled.memory_analysis()
         assert analysis is not None
         shards = [int(np.prod(shard[i])) for i in group]
         # per device: its shards of the group alone (and a few bytes of a tuple table)
         assert 4 * sum(shards) <= analysis.output_size_in_bytes < 4 * sum(shards) + 256
+        # no random-number temporaries (rolled, they are 3x the group's shards): the
+        # hash is fused into the loop that writes each output; a few keys remain
+        assert analysis.temp_size_in_bytes < 4096 < 4 * max(shards)
         # and no buffer of the program, temporaries included, is larger than a shard
         sizes = [
             int(np.prod([int(d) for d in dims.split(",")]))
@@ -95,6 +99,25 @@ def test_no_device_holds_more_of_a_leaf_than_its_shard():
         ]
         assert max(sizes) <= max(shards)
     assert max(int(np.prod(shard[i])) for i in arrays) < 512**2  # every weight is split
+
+
+def test_unrolled_threefry_is_scoped_and_changes_no_value():
+    def uniform(n):
+        return jax.random.uniform(jax.random.key(3), (256, 256), maxval=n)
+
+    def temp(compiled):
+        analysis = compiled.memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    with unrolled_threefry() as took_effect:
+        assert took_effect  # JAX still keeps its rules where `_rng_lowering` looks
+        unrolled = jax.jit(functools.partial(uniform, 1.0)).lower().compile()
+    assert temp(unrolled) < 1024
+    # outside the block, the user's programs lower as JAX lowers them (rolled on CPU)
+    rolled = jax.jit(functools.partial(uniform, 1.0)).lower().compile()
+    assert temp(rolled) >= 2 * 256 * 256 * 4
+    assert np.array_equal(np.asarray(unrolled()), np.asarray(rolled()))
 
 
 def test_init_names_a_factory_that_cannot_be_traced():
