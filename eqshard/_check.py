@@ -12,22 +12,26 @@ workers never pays for it up front.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._errors import EqshardError, Problem, SpecError, UnreadableError, whole_number
+from ._errors import EqshardError, Problem, whole_number
 from ._specfile import Rules
+from ._workers import (
+    ModelError,
+    call,
+    error_entry,
+    problem_of,
+    start_worker,
+    user_callable,
+    worker_answer,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -125,7 +129,7 @@ class CheckResult:
             source=str(document["file"]),
             devices=int(document["devices"]),
             rows=[_leaf_row(entry) for entry in document["leaves"]],
-            problems=[_problem(entry) for entry in document["problems"]],
+            problems=[problem_of(entry) for entry in document["problems"]],
             notes=[str(note) for note in document["notes"]],
             cost=None if document.get("cost") is None else dict(document["cost"]),
         )
@@ -139,11 +143,6 @@ def _leaf_row(entry: Mapping[str, Any]) -> LeafRow:
     values = {key: value for key, value in entry.items() if key in names}
     values["shape"] = tuple(values["shape"])
     return LeafRow(**values)
-
-
-def _problem(entry: Mapping[str, Any]) -> Problem:
-    """The problem a `Problem.to_json()` or `dataclasses.asdict(problem)` entry describes."""
-    return Problem(entry["where"], entry["message"], entry.get("detail") or "", entry.get("file"))
 
 
 def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
@@ -161,101 +160,6 @@ def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
     return counts
 
 
-class ModelError(EqshardError):
-    """The model named by `--model` (or the step, optimizer or batch named by
-    `--step`, `--optimizer`, `--batch`) cannot be imported, built or compiled (exit
-    code 2)."""
-
-    exit_code = 2
-
-
-def _import(
-    target: str, module_name: str, option: str = "--model", modules: dict[str, Any] | None = None
-) -> Any:
-    """Imports the user's module: a dotted name, or a `.py` file whose folder is
-    appended to `sys.path` (so its sibling modules import, and never shadow the
-    standard library). A file already in `modules` is not run again."""
-    try:
-        if not (module_name.endswith(".py") or "/" in module_name or os.sep in module_name):
-            return importlib.import_module(module_name)
-        path = Path(module_name)
-        if not path.is_file():
-            raise ModelError(f"{option} {target!r}: there is no file {module_name!r}")
-        if path.suffix != ".py":
-            raise ModelError(
-                f"{option} {target!r}: {module_name!r} is not a Python file; name a .py "
-                "file or a dotted module"
-            )
-        key = str(path.resolve())
-        if modules is not None and key in modules:
-            return modules[key]
-        folder = str(path.resolve().parent)
-        if folder not in sys.path:
-            sys.path.append(folder)
-        name = f"_eqshard_model_{path.stem}"  # never shadows a module such as `json`
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ModelError(f"--model {target!r}: cannot load {module_name!r}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        if modules is not None:
-            modules[key] = module
-        return module
-    except EqshardError:
-        raise
-    except KeyboardInterrupt:
-        raise
-    except ImportError as error:
-        raise ModelError(f"{option} {target!r}: cannot import {module_name!r}: {error}") from None
-    except BaseException as error:  # the user's module failed: report, don't crash
-        raise ModelError(
-            f"{option} {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
-        ) from None
-
-
-def _user_callable(
-    target: str, option: str, example: str, returns: str, modules: dict[str, Any] | None
-) -> tuple[str, Callable[..., Any]]:
-    """The callable `MODULE:CALLABLE` names, with its name; its module imported
-    with stdout sent to stderr."""
-    module_name, sep, attribute = target.rpartition(":")
-    if not sep or not module_name or not attribute:
-        raise ModelError(
-            f"{option} {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:{example}' or "
-            f"'model.py:{example}', where {returns}"
-        )
-    # The user's code may print: keep stdout for eqshard's own output (JSON, tables).
-    with contextlib.redirect_stdout(sys.stderr):
-        module = _import(target, module_name, option, modules)
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise ModelError(f"{option} {target!r}: {module_name} has no callable {attribute!r}")
-    return attribute, factory
-
-
-def _call(
-    option: str,
-    target: str,
-    what: str,
-    fn: Callable[[], Any],
-    keep: tuple[type[BaseException], ...] = (),
-) -> Any:
-    """`fn()`, with what the user's code raises (but `keep`) as a `ModelError`, and
-    what it prints on stderr."""
-    with contextlib.redirect_stdout(sys.stderr):
-        try:
-            return fn()
-        except KeyboardInterrupt:
-            raise
-        except keep:
-            raise
-        except BaseException as error:  # the user's code failed: report, don't crash
-            raise ModelError(
-                f"{option} {target!r}: {what} raised {type(error).__name__}: {error}"
-            ) from None
-
-
 def abstract_model(target: str, *, modules: dict[str, Any] | None = None) -> Any:
     """Builds `MODULE:CALLABLE` abstractly. MODULE is a dotted module name or a `.py` file.
 
@@ -264,13 +168,13 @@ def abstract_model(target: str, *, modules: dict[str, Any] | None = None) -> Any
     `.py` file in
     `modules` (imported by an earlier call given the same dictionary) is not run again.
     """
-    attribute, factory = _user_callable(
+    attribute, factory = user_callable(
         target, "--model", "build", "CALLABLE() returns the model", modules
     )
     import equinox as eqx
     import jax
 
-    model = _call("--model", target, f"{attribute}()", lambda: eqx.filter_eval_shape(factory))
+    model = call("--model", target, f"{attribute}()", lambda: eqx.filter_eval_shape(factory))
     if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(model)):
         raise ModelError(
             f"--model {target!r}: {attribute}() returned {type(model).__name__}, which holds "
@@ -304,23 +208,23 @@ def step_inputs(
     import equinox as eqx
     import jax
 
-    _, fn = _user_callable(
+    _, fn = user_callable(
         step,
         "--step",
         "step",
         "CALLABLE is the training step, step(model, opt_state, batch)",
         modules,
     )
-    name, make_batch = _user_callable(
+    name, make_batch = user_callable(
         batch, "--batch", "batch", "CALLABLE() returns the step's batch", modules
     )
-    batch_value = _call("--batch", batch, f"{name}()", lambda: eqx.filter_eval_shape(make_batch))
+    batch_value = call("--batch", batch, f"{name}()", lambda: eqx.filter_eval_shape(make_batch))
     args: tuple[Any, ...] = (batch_value,)
     if optimizer is not None:
-        name, make = _user_callable(
+        name, make = user_callable(
             optimizer, "--optimizer", "optimizer", "CALLABLE() returns an optax optimizer", modules
         )
-        opt = _call("--optimizer", optimizer, f"{name}()", make)
+        opt = call("--optimizer", optimizer, f"{name}()", make)
         init = getattr(opt, "init", None)
         if not callable(init):
             raise ModelError(
@@ -328,7 +232,7 @@ def step_inputs(
                 "no init; name a callable that returns an optax optimizer"
             )
         params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-        state = _call(
+        state = call(
             "--optimizer", optimizer, f"{name}().init(params)", lambda: jax.eval_shape(init, params)
         )
         args = (state, batch_value)
@@ -378,12 +282,12 @@ def check(
             else:
                 needed, what = total_bytes_per_device(rows), "the parameters alone take"
             if needed is not None and needed > max_memory:
-                problems.append(_memory_problem(rules.source, n, needed, what, max_memory))
+                problems.append(_memoryproblem_of(rules.source, n, needed, what, max_memory))
         results.append(CheckResult(rules.source, n, rows, problems, notes, cost))
     return results
 
 
-def _memory_problem(source: str, devices: int, needed: int, what: str, limit: int) -> Problem:
+def _memoryproblem_of(source: str, devices: int, needed: int, what: str, limit: int) -> Problem:
     from ._report import human_bytes
 
     bound = " (a lower bound)" if what.startswith("the step") else ""
@@ -398,7 +302,7 @@ def _cost_entry(step: StepInputs, model: Any, plan: Any, devices: int) -> dict[s
     """`eqshard.cost` of the step on this plan, as `CheckResult.cost` holds it."""
     from ._cost import cost
 
-    found = _call(
+    found = call(
         "--step",
         step.target,
         f"compiling the step on {devices} devices",
@@ -560,7 +464,7 @@ def check_in_processes(
     }
     for start in range(0, len(counts), at_once):
         running = [
-            (n, _start_worker({**request, "devices": n})) for n in counts[start : start + at_once]
+            (n, start_worker({**request, "devices": n})) for n in counts[start : start + at_once]
         ]
         try:
             if not results:  # JAX, for the results' rows, imported while the workers run
@@ -575,80 +479,15 @@ def check_in_processes(
     return [results[n] for n in device_counts]
 
 
-def _start_worker(request: Mapping[str, Any]) -> subprocess.Popen[bytes]:
-    """A worker for one device count, with its request already written."""
-    program = (  # this process's import path, so the worker imports what this one would
-        "import sys\n"
-        f"sys.path[:] = {sys.path!r}\n"
-        "try:\n"
-        "    from eqshard._check import main_worker\n"
-        "except BaseException as error:\n"
-        "    print(f'eqshard check: a worker cannot start: {type(error).__name__}: {error}',\n"
-        "          file=sys.stderr)\n"
-        "    raise SystemExit(3) from None\n"
-        "raise SystemExit(main_worker())\n"
-    )
-    with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: nothing to feed or close
-        stdin.write(json.dumps(request, ensure_ascii=True).encode("ascii"))
-        stdin.seek(0)
-        return subprocess.Popen(
-            [sys.executable, "-c", program],
-            stdin=stdin,
-            stdout=subprocess.PIPE,
-            # Ctrl-C reaches this process alone, which stops the workers (killing a
-            # worker halfway through starting Python or importing NumPy would
-            # print tracebacks)
-            start_new_session=True,
-        )
-
-
 def _answer(devices: int, process: subprocess.Popen[bytes], timeout: float) -> CheckResult:
     """The worker's result, or its error raised here."""
-    try:
-        out, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
-        raise ModelError(
-            f"checking on {devices} devices took longer than {timeout:g} s, and was stopped; "
-            "does importing or building the model wait for something?"
-        ) from None
-    try:
-        document = json.loads(out)
-    except ValueError:
-        document = None
-    if not isinstance(document, dict) or not ("result" in document or "error" in document):
-        code = process.returncode
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        raise ModelError(
-            f"checking on {devices} devices: its process ended ({how}) without an answer; "
-            "what it printed is above. Run the model's build in Python to see why"
-        )
-    if "error" in document:
-        raise _rebuilt_error(document["error"])
+    document = worker_answer(
+        process,
+        timeout,
+        f"checking on {devices} devices",
+        "Run the model's build in Python to see why",
+    )
     return CheckResult.from_json(document["result"])
-
-
-def _rebuilt_error(entry: Mapping[str, Any]) -> BaseException:
-    """A worker's error, as this process raises it: eqshard's errors and Python's
-    own as the same class (so the command line prints the same message and picks
-    the same exit code), anything else as an exception of the same name."""
-    kind, message = str(entry["type"]), str(entry["message"])
-    if kind in ("SpecError", "UnreadableError") and "problems" in entry:
-        cls = UnreadableError if kind == "UnreadableError" else SpecError
-        return cls([_problem(p) for p in entry["problems"]], entry.get("headline"))
-    if kind == "ModelError":
-        return ModelError(message)
-    if entry.get("eqshard"):
-        error = EqshardError(message)
-        if entry.get("exit_code") != 1:  # a subclass with an exit code of its own
-            setattr(error, "exit_code", entry["exit_code"])  # noqa: B010
-        return error
-    builtin = getattr(builtins, kind, None)
-    if isinstance(builtin, type) and issubclass(builtin, Exception):
-        with contextlib.suppress(Exception):
-            return builtin(message)
-    return type(kind if kind.isidentifier() else "Exception", (Exception,), {})(message)
 
 
 def main_worker() -> int:
@@ -691,7 +530,7 @@ def main_worker() -> int:
     except KeyboardInterrupt:
         return 130
     except BaseException as error:  # whatever it is, an answer rather than a traceback
-        document = {"error": _error_entry(error)}
+        document = {"error": error_entry(error)}
     with contextlib.suppress(OSError), answer:  # OSError: the reader has gone
         json.dump(document, answer, ensure_ascii=True)
     return 0
@@ -737,31 +576,3 @@ def _check_one(request: Mapping[str, Any]) -> CheckResult:
         max_memory=None if limit is None else whole_number(limit, "max_memory"),
     )
     return result
-
-
-def _error_entry(error: BaseException) -> dict[str, Any]:
-    """What the worker says of an error (the exit code as `eqshard._cli` chooses it)."""
-    try:
-        message = str(error)
-    except Exception:  # a user's exception whose text cannot be had
-        message = f"{type(error).__name__} (its message cannot be shown)"
-    code = getattr(error, "exit_code", None)
-    if not isinstance(code, int):
-        plain = isinstance(error, EqshardError) and not isinstance(error, UnreadableError)
-        code = 1 if plain else 2
-    entry: dict[str, Any] = {
-        "type": type(error).__name__,
-        "message": message,
-        "exit_code": code,
-        "eqshard": isinstance(error, EqshardError),
-    }
-    if isinstance(error, SpecError):
-        entry["headline"] = error.headline
-        entry["problems"] = [dataclasses.asdict(p) for p in error.problems]
-    return entry
-
-
-if __name__ == "__main__":  # `python -m eqshard._check`: one worker
-    from eqshard._check import main_worker as _main_worker  # the package's copy of this module
-
-    sys.exit(_main_worker())

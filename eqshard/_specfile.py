@@ -44,7 +44,17 @@ if TYPE_CHECKING:
     from ._resolver import Resolution, Target
     from ._rules import Match
 
-__all__ = ["MAX_BYTES", "VERSION", "Rule", "Rules", "document_problems", "dump", "load", "schema"]
+__all__ = [
+    "MAX_BYTES",
+    "VERSION",
+    "Rule",
+    "Rules",
+    "document_problems",
+    "dump",
+    "load",
+    "schema",
+    "write_atomically",
+]
 
 MAX_BYTES = 1 << 20
 """Spec files larger than this (1 MiB) are refused unread."""
@@ -499,10 +509,10 @@ def dump(
             f"({error.object[error.start : error.end]!r}, a lone surrogate); fix that key "
             "or expression"
         ) from None
-    _write_atomically(Path(target), data)
+    write_atomically(Path(target), data)
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """Writes `data` to a new file beside `path`, then renames it over `path`: the
     file is either the old one or the new one, whole, even on a full disk."""
     name = os.fspath(path)

@@ -45,6 +45,7 @@ BUDGET_SECONDS = {
     "tests/test_sharding.py": 10.0,
     "tests/test_spec.py": 7.5,
     "tests/test_state.py": 20.0,
+    "tests/test_testing.py": 60.0,  # worker processes: each imports JAX and compiles
     "tests/test_train.py": 31.0,
 }
 DEFAULT_BUDGET_SECONDS = 15.0

@@ -1,0 +1,105 @@
+"""Running the harness's work on each device count, in processes of their own."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .._errors import EqshardError, whole_number
+from .._workers import ModelError, start_worker, worker_answer
+
+__all__ = ["TIMEOUT_SECONDS", "MeshTemplate", "default_counts", "mesh_template", "run_per_count"]
+
+MeshTemplate = Mapping[str, "int | str"]
+TIMEOUT_SECONDS = 600.0
+_ENTRY = "eqshard.testing._worker:main"
+
+
+def mesh_template(mesh: Any) -> dict[str, int | str] | None:
+    """A mesh template checked: axis names to sizes, one of them `"*"` at most (the
+    rest of the devices)."""
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise EqshardError(
+            f"`mesh` must be a mesh template such as {{'data': '*', 'model': 4}} (axis "
+            f"names to sizes, '*' for the rest of the devices), not {mesh!r}"
+        )
+    template: dict[str, int | str] = {}
+    for name, size in mesh.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise EqshardError(f"`mesh`: axis name {name!r} is not an identifier")
+        if size != "*":
+            size = whole_number(size, f"mesh axis {name!r}")
+            if size < 1:
+                raise EqshardError(f"`mesh`: axis {name!r} has size {size}; sizes are >= 1")
+        template[name] = size
+    if list(template.values()).count("*") > 1:
+        raise EqshardError(f"`mesh` {mesh!r}: at most one axis may be '*'")
+    return template
+
+
+def default_counts(spec: Any, template: Mapping[str, int | str] | None) -> tuple[int, ...]:
+    """The device counts a spec is written for: its file's `"devices"`, else counts
+    its mesh (the template, else the file's `"mesh"`) fits (the fixed axes' product,
+    and twice that where one axis is `"*"`), else 1, 2 and 8."""
+    rules = _rules(spec)
+    if rules is not None and rules.devices is not None:
+        return (rules.devices,)
+    sizes: list[int | None] | None = None
+    if template is not None:
+        sizes = [None if size == "*" else int(size) for size in template.values()]
+    elif rules is not None and rules.mesh is not None:
+        sizes = [size for _, size in rules.mesh]
+    if sizes is None:
+        return (1, 2, 8)
+    fixed = math.prod(size for size in sizes if size is not None)
+    if None not in sizes:
+        return (fixed,)
+    return (1, 2, 8) if fixed == 1 else (fixed, 2 * fixed)
+
+
+def _rules(spec: Any) -> Any:
+    from .._specfile import Rules, load
+
+    if isinstance(spec, Rules):
+        return spec
+    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and spec.endswith(".json")):
+        return load(spec)
+    return None
+
+
+def run_per_count(
+    request: Mapping[str, Any], counts: Sequence[int], doing: str, timeout: float
+) -> dict[int, dict[str, Any]]:
+    """Each count's `result`, its work run in a fresh process (up to one per CPU
+    core at once); the first error, in the order of the counts, is raised here."""
+    counts = [whole_number(n, "devices") for n in dict.fromkeys(counts)]
+    if not counts or any(n < 1 for n in counts):
+        raise EqshardError(f"`devices` must name device counts >= 1, not {list(counts)}")
+    at_once = max(1, min(4, os.cpu_count() or 1))
+    results: dict[int, dict[str, Any]] = {}
+    for start in range(0, len(counts), at_once):
+        running = [
+            (n, start_worker({**request, "devices": n}, _ENTRY))
+            for n in counts[start : start + at_once]
+        ]
+        try:
+            for n, process in running:
+                what = f"{doing} on {n} devices"
+                try:
+                    results[n] = worker_answer(
+                        process, timeout, what, "Run the callables in Python to see why"
+                    )["result"]
+                except EqshardError:
+                    raise
+                except Exception as error:  # the user's code raised, in the worker
+                    raise ModelError(f"{what}: {type(error).__name__}: {error}") from None
+        finally:
+            for _, process in running:
+                if process.returncode is None:
+                    process.kill()
+                    process.communicate()
+    return results

@@ -1,0 +1,358 @@
+"""The harness's work for one device count, in a process of its own.
+
+`main` reads one JSON request from stdin, starts JAX on that many simulated CPU
+devices, imports the user's callables by name, and answers one JSON document on
+stdout (`{"result": ...}` or `{"error": ...}`, as `eqshard check`'s workers do):
+
+- `"task": "layouts"`: every array leaf's layout on that count, for golden files;
+- `"task": "equivalence"`: the unsharded and the sharded loss, gradients and one
+    optimizer step, compared leaf by leaf, and optionally the compiled step's
+    communication against a budget.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import math
+import os
+import pickle
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._errors import EqshardError, whole_number
+from .._workers import error_entry, user_callable
+
+__all__ = ["main"]
+
+
+def main() -> int:
+    """Answers one request from stdin on stdout; see the module's docstring.
+
+    **Returns:**
+
+    The exit code: 0 once it has answered, 130 on Ctrl-C. It never prints a
+    traceback; what the user's code prints goes to stderr.
+    """
+    import json
+
+    sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "w", encoding="ascii")  # stdout, for the answer alone
+    with contextlib.suppress(OSError):
+        os.dup2(2, 1)
+    try:
+        request = json.load(sys.stdin)
+        document: dict[str, Any] = {"result": _TASKS[request["task"]](request)}
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as error:  # an answer rather than a traceback
+        document = {"error": error_entry(error)}
+    with contextlib.suppress(OSError), answer:
+        json.dump(document, answer, ensure_ascii=True)
+    return 0
+
+
+def _start(request: Mapping[str, Any]) -> int:
+    """Starts JAX on the request's device count (simulated CPU devices)."""
+    import jax
+
+    devices = whole_number(request["devices"], "devices")
+    jax.config.update("jax_platforms", "cpu")
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", devices)
+    started = len(jax.devices())
+    if started < devices:
+        raise EqshardError(
+            f"testing on {devices} devices needs {devices} simulated devices, but JAX "
+            f"started with {started}: XLA_FLAGS or the user's code set that count; leave "
+            "the count to eqshard.testing"
+        )
+    return devices
+
+
+def _callable(request: Mapping[str, Any], what: str, modules: dict[str, Any]) -> Any:
+    _, fn = user_callable(str(request[what]), f"`{what}`", what, f"`{what}` is importable", modules)
+    return fn
+
+
+def _spec(request: Mapping[str, Any]) -> Any:
+    entry = request["spec"]
+    if "file" in entry:
+        from .._specfile import load
+
+        return load(entry["file"])
+    return pickle.loads(base64.b64decode(entry["pickle"]))  # the parent pickled it
+
+
+def _target(request: Mapping[str, Any], devices: int) -> dict[str, Any]:
+    """`plan`'s `mesh=` (from the request's mesh template) or `devices=`."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    template = request.get("mesh")
+    if template is None:
+        return {"devices": jax.devices()[:devices]}
+    sizes = [int(size) if size != "*" else 0 for size in template.values()]
+    fixed = math.prod(size for size in sizes if size)
+    if devices % fixed:
+        raise EqshardError(
+            f"the mesh {template} needs a multiple of {fixed} devices, not {devices}; "
+            "test on device counts the mesh fits"
+        )
+    sizes = [size or devices // fixed for size in sizes]
+    if math.prod(sizes) != devices:
+        raise EqshardError(f"the mesh {template} does not fit {devices} devices")
+    grid = np.array(jax.devices()[:devices]).reshape(sizes)
+    return {"mesh": Mesh(grid, tuple(template))}
+
+
+def _plan(model: Any, request: Mapping[str, Any], devices: int) -> Any:
+    from .._plan import plan
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # layouts are compared, not warnings
+        return plan(model, _spec(request), **_target(request, devices))
+
+
+def _layouts(request: Mapping[str, Any]) -> dict[str, Any]:
+    devices = _start(request)
+    import equinox as eqx
+
+    from .._report import leaf_rows
+
+    modules: dict[str, Any] = {}
+    build = _callable(request, "build", modules)
+    model = eqx.filter_eval_shape(build)
+    p = _plan(model, request, devices)
+    mesh = dict(zip(p.mesh.axis_names, p.mesh.axis_sizes)) if p.mesh is not None else None
+    return {
+        "mesh": mesh,
+        "leaves": {
+            row.path: {
+                "expression": row.expression,
+                "partition_spec": row.partition_spec,
+                "shape": list(row.shape),
+                "dtype": row.dtype,
+                "bytes_per_device": row.bytes_per_device,
+            }
+            for row in leaf_rows(p)
+        },
+    }
+
+
+def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
+    devices = _start(request)
+    import equinox as eqx
+
+    from .._apply import apply
+
+    modules: dict[str, Any] = {}
+    build = _callable(request, "build", modules)
+    loss = _callable(request, "loss", modules)
+    make_batch = _callable(request, "batch", modules)
+    optimizer = None
+    if request.get("optimizer") is not None:
+        optimizer = _callable(request, "optimizer", modules)()
+
+    model = build()
+    batch = make_batch()
+    state = None if optimizer is None else optimizer.init(eqx.filter(model, eqx.is_array))
+    gradient, update = _gradient(loss), _update(optimizer)
+    want = gradient(model, batch)  # on one device: JAX's default placement
+    if optimizer is not None:
+        want += update(model, state, want[1])
+
+    p = _plan(model, request, devices)
+    batch_expr = request.get("batch_spec")
+    placed_model = apply(model, p)
+    placed_state = None if state is None else apply(state, p)
+    placed_batch = _placed_batch(batch, batch_expr, p)
+    got = gradient(placed_model, placed_batch)
+    if optimizer is not None:  # from the same gradients: see `assert_equivalent`
+        got += update(placed_model, placed_state, apply(want[1], p))
+
+    rtol, atol = request.get("rtol"), request.get("atol")
+    differences = []
+    for name, g, w in zip(_PARTS, got, want):
+        differences += _compare(name, g, w, rtol, atol)
+    result: dict[str, Any] = {"differences": differences, "over_budget": []}
+    budget = request.get("max_communication")
+    if budget:
+        from .._cost import cost
+
+        rest = (placed_batch,) if state is None else (placed_state, placed_batch)
+        step = _step(loss, optimizer)
+        c = cost(step, placed_model, *rest, spec=p, batch=batch_expr)
+        result["over_budget"] = _over_budget(c.collectives, budget)
+    return result
+
+
+_PARTS = ("loss", "gradients", "parameters after one step", "optimizer state after one step")
+
+
+def _gradient(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """`(loss, gradients)` of `loss(model, batch)`, jitted."""
+    import equinox as eqx
+
+    @eqx.filter_jit
+    def gradient(model: Any, batch: Any) -> tuple[Any, ...]:
+        return tuple(eqx.filter_value_and_grad(loss)(model, batch))
+
+    return gradient
+
+
+def _update(optimizer: Any) -> Callable[..., Any]:
+    """`(parameters, state)` after one optimizer step from given gradients, jitted."""
+    import equinox as eqx
+
+    @eqx.filter_jit
+    def update(model: Any, state: Any, grads: Any) -> tuple[Any, ...]:
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state
+
+    return update
+
+
+def _step(loss: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
+    """The whole training step, as `eqshard.cost` compiles it for the budget."""
+    import equinox as eqx
+
+    if optimizer is None:
+
+        @eqx.filter_jit
+        def step(model: Any, batch: Any) -> Any:
+            return eqx.filter_value_and_grad(loss)(model, batch)
+
+        return step
+
+    @eqx.filter_jit
+    def step_with_optimizer(model: Any, state: Any, batch: Any) -> Any:
+        value, grads = eqx.filter_value_and_grad(loss)(model, batch)
+        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
+        return value, eqx.apply_updates(model, updates), state
+
+    return step_with_optimizer
+
+
+def _placed_batch(batch: Any, expr: str | None, p: Any) -> Any:
+    """The batch laid out as `eqshard.cost` lays it out: by `expr`, else data
+    parallel over the mesh's first axis (or every device)."""
+    import jax
+
+    from .._cost import _batch, _data_parallel
+
+    expr = _data_parallel(p) if expr is None else expr
+
+    def place(x: Any) -> Any:
+        laid = _batch(x, expr, p)
+        sharding = getattr(laid, "sharding", None)
+        return x if sharding is None else jax.device_put(x, sharding)
+
+    try:
+        return jax.tree_util.tree_map(place, batch)
+    except EqshardError as error:
+        raise EqshardError(
+            f"the batch cannot be laid out by {expr!r}: {error}\npass `batch_spec=` (an "
+            "expression for every batch leaf; '... -> * ...' replicates it)"
+        ) from None
+
+
+def default_tolerance(dtype: Any) -> tuple[float, float]:
+    """`(rtol, atol)` for a dtype: see `eqshard.testing.TOLERANCES`."""
+    from ._tolerances import TOLERANCES
+
+    return TOLERANCES.get(str(dtype), (0.0, 0.0))
+
+
+def _compare(
+    part: str, got: Any, want: Any, rtol: float | None, atol: float | None
+) -> list[dict[str, Any]]:
+    """Every leaf of `got` that differs from `want` beyond the tolerance."""
+    import equinox as eqx
+    import jax
+    import numpy as np
+
+    from .._paths import dotted
+
+    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(eqx.filter(got, eqx.is_array))
+    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(eqx.filter(want, eqx.is_array))
+    if got_def != want_def:
+        return [
+            {"part": part, "leaf": "", "message": "the sharded run's tree differs in structure"}
+        ]
+    found = []
+    for (path, g), (_, w) in zip(got_leaves, want_leaves):
+        name = dotted(path) or part
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape or g.dtype != w.dtype:
+            found.append(
+                {
+                    "part": part,
+                    "leaf": name,
+                    "message": f"sharded {g.dtype}{list(g.shape)}, unsharded {w.dtype}{list(w.shape)}",
+                }
+            )
+            continue
+        r, a = default_tolerance(w.dtype)
+        r = r if rtol is None else rtol
+        a = a if atol is None else atol
+        if np.issubdtype(w.dtype, np.inexact):
+            g64, w64 = g.astype(np.float64), w.astype(np.float64)
+            bad = ~np.isclose(g64, w64, rtol=r, atol=a, equal_nan=True)
+            error = np.where(bad, np.abs(g64 - w64), 0.0)
+        else:
+            bad = g != w
+            error = bad.astype(np.float64)
+        if not bad.any():
+            continue
+        worst = np.unravel_index(int(np.argmax(error)), bad.shape) if bad.shape else ()
+        found.append(
+            {
+                "part": part,
+                "leaf": name,
+                "dtype": str(w.dtype),
+                "count": int(bad.sum()),
+                "size": int(bad.size),
+                "index": [int(i) for i in worst],
+                "sharded": float(g[worst]) if bad.shape else float(g),
+                "unsharded": float(w[worst]) if bad.shape else float(w),
+                "difference": float(error[worst]) if bad.shape else float(error),
+                "rtol": r,
+                "atol": a,
+            }
+        )
+    return found
+
+
+def _over_budget(collectives: Any, budget: Mapping[str, int]) -> list[dict[str, Any]]:
+    """The collective kinds whose bytes per step exceed the budget."""
+    over = []
+    for kind, limit in budget.items():
+        mine = [c for c in collectives if c.kind == kind]
+        moved = sum(c.bytes for c in mine)
+        if moved > limit:
+            over.append(
+                {
+                    "kind": kind,
+                    "bytes": moved,
+                    "limit": limit,
+                    "ops": [
+                        {"bytes": c.bytes, "axes": list(c.axes), "source": c.source}
+                        for c in sorted(mine, key=lambda c: -c.bytes)[:5]
+                    ],
+                    "count": len(mine),
+                }
+            )
+    return over
+
+
+_TASKS: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "layouts": _layouts,
+    "equivalence": _equivalence,
+}
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""`eqshard.testing`: equivalence per device count, golden layouts, and the pytest
+plugin, each count in a worker process of its own."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import eqshard
+from eqshard.testing import assert_equivalent, assert_layouts
+
+ROOT = Path(__file__).parent.parent
+GPT = "examples/gpt_stacked.py"
+GPT_SPEC = ROOT / "examples" / "specs" / "gpt.eqshard.json"
+MEGATRON = {"eqshard": 1, "rules": [{"path": "layers.*.weight", "expr": "o i -> o i*"}]}
+
+
+def test_the_stacked_gpt_trains_as_unsharded_and_gathers_no_parameter():
+    assert_equivalent(
+        f"{GPT}:build",
+        GPT_SPEC,  # declares its mesh: data x model 4
+        f"{GPT}:loss",
+        f"{GPT}:batch",
+        devices=(8,),
+        optimizer=f"{GPT}:optimizer",
+        max_communication={"all-gather": 0, "all-to-all": 0},
+    )
+
+
+def test_the_stacked_gpt_layouts_match_the_golden_file():
+    assert_layouts(f"{GPT}:build", GPT_SPEC, golden=ROOT / "tests/golden/gpt.json", devices=(8, 64))
+
+
+def test_a_difference_names_the_leaf_the_count_and_the_largest_difference():
+    import harness_models as m
+
+    with pytest.raises(AssertionError) as caught:  # tolerance 0: the last bits differ
+        assert_equivalent(
+            m.build, eqshard.load(MEGATRON), m.loss, m.batch, devices=(8,), rtol=0, atol=0
+        )
+    text = str(caught.value)
+    assert text.startswith("on 8 devices, ")
+    assert "  gradients layers.0.weight (float32): " in text
+    assert "  loss (float32): 1 of 1 elements; the largest difference " in text
+    assert "(rtol 0, atol 0)" in text
+
+
+def test_over_the_communication_budget_names_the_collectives():
+    import harness_models as m
+
+    with pytest.raises(AssertionError) as caught:  # row parallel: an all-reduce per layer
+        assert_equivalent(
+            m.build,
+            eqshard.load(MEGATRON),
+            m.loss,
+            m.batch,
+            devices=(2,),
+            optimizer=m.optimizer,
+            max_communication={"all-reduce": 0},
+        )
+    text = str(caught.value)
+    assert text.startswith("on 2 devices, the step's all-reduces move ")
+    assert "over the budget of 0 (" in text
+    assert "differ" not in text  # the values themselves agree
+
+
+def _golden_project(tmp_path: Path, expr: str) -> None:
+    (tmp_path / "spec.eqshard.json").write_text(
+        json.dumps({"eqshard": 1, "rules": [{"path": "layers.*.weight", "expr": expr}]})
+    )
+
+
+def test_golden_layouts_are_written_then_a_changed_spec_names_the_leaf(tmp_path, monkeypatch):
+    import harness_models as m
+
+    golden = tmp_path / "golden" / "mlp.json"
+    _golden_project(tmp_path, "o i -> o* i")
+    spec = tmp_path / "spec.eqshard.json"
+    with pytest.raises(AssertionError, match=r"no golden layouts yet; run `pytest --eqshard-upd"):
+        assert_layouts(m.build, spec, golden=golden, devices=(2,))
+    monkeypatch.setenv("EQSHARD_UPDATE", "1")
+    assert_layouts(m.build, spec, golden=golden, devices=(2,))
+    monkeypatch.delenv("EQSHARD_UPDATE")
+    recorded = json.loads(golden.read_text())["layouts"]["2"]
+    assert recorded["leaves"]["layers.1.weight"] == {
+        "expression": "o i -> o* i",
+        "partition_spec": "P('m0', None)",
+        "shape": [32, 32],
+        "dtype": "float32",
+        "bytes_per_device": 16 * 32 * 4,
+    }
+    assert_layouts(m.build, spec, golden=golden, devices=(2,))  # unchanged: passes
+
+    _golden_project(tmp_path, "o i -> o i*")  # a changed expression
+    with pytest.raises(AssertionError) as caught:
+        assert_layouts(m.build, spec, golden=golden, devices=(2,))
+    text = str(caught.value)
+    assert text.startswith(f"layouts differ from {golden} (golden -> now); if the change is")
+    assert "  ~ layers.0.weight\n      expression: 'o i -> o* i' -> 'o i -> o i*'\n" in text
+    assert "      partition_spec: \"P('m0', None)\" -> \"P(None, 'm0')\"\n" in text
+
+    spec.write_text(
+        json.dumps({"eqshard": 1, "rules": [{"path": "layer.*.weight", "expr": "o i -> o* i"}]})
+    )
+    with pytest.raises(AssertionError) as caught:  # a rule that stops matching
+        assert_layouts(m.build, spec, golden=golden, devices=(2,))
+    assert "      bytes_per_device: 2048 -> 4096" in str(caught.value)
+
+
+def test_callables_must_be_importable_by_name(tmp_path):
+    def build():
+        return None
+
+    with pytest.raises(
+        eqshard.EqshardError,
+        match=r"`build` \(test_testing:test_callables_.*inside a function or is a lambda; each device count runs in a new process",
+    ):
+        assert_layouts(build, "x -> x*", golden=tmp_path / "g.json")
+    # a module pytest imported with --import-mode=importlib: no process can import it
+    path = tmp_path / "test_mine.py"
+    path.write_text("def build():\n    return None\n")
+    loader = importlib.util.spec_from_file_location("tests.test_mine", path)
+    assert loader is not None
+    assert loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    with pytest.raises(eqshard.EqshardError) as caught:
+        assert_layouts(module.build, "x -> x*", golden=tmp_path / "g.json")
+    assert str(caught.value).startswith(
+        "`build` (tests.test_mine:build): a new process cannot import module 'tests.test_mine' "
+        f"from {path} by that name (pytest's --import-mode=importlib"
+    )
+    assert "or pass 'path/to/file.py:build'" in str(caught.value)
+
+
+def test_bad_arguments_are_refused_before_any_process_starts(tmp_path):
+    import harness_models as m
+
+    plan = eqshard.plan(m.build(), "... -> * ...")
+    with pytest.raises(eqshard.EqshardError, match="`spec` is a `Plan`, which holds this process"):
+        assert_layouts(m.build, plan, golden=tmp_path / "g.json")
+    with pytest.raises(
+        eqshard.EqshardError, match=r"`mesh` {'a': '\*', 'b': '\*'}: at most one axis may be '\*'"
+    ):
+        assert_layouts(m.build, "x", mesh={"a": "*", "b": "*"}, golden=tmp_path / "g.json")
+    with pytest.raises(eqshard.EqshardError, match="'all-gathers' is not a collective kind"):
+        assert_equivalent(m.build, "x", m.loss, m.batch, max_communication={"all-gathers": 0})
+    with pytest.raises(
+        eqshard.EqshardError, match=r"write MODULE:CALLABLE, e\.g\. 'mypkg\.model:loss'"
+    ):
+        assert_equivalent(m.build, "x", "harness_models.loss", m.batch)
+
+
+def test_a_user_project_in_ten_lines_with_the_plugin(tmp_path):
+    (tmp_path / "mymodel.py").write_text(
+        "import equinox as eqx, jax\n\n"
+        "def build():\n    return eqx.nn.Linear(8, 4, key=jax.random.key(0))\n"
+    )
+    (tmp_path / "test_spec.py").write_text(
+        textwrap.dedent(
+            """\
+            import sys
+            from eqshard.testing import assert_layouts
+
+            def test_spec_layouts():
+                assert "jax" not in sys.modules  # the plugin and the harness start no JAX
+                assert_layouts("mymodel:build", "o ... -> o* ...", golden="golden/mymodel.json", devices=(2,))
+                assert "jax" not in sys.modules
+            """
+        )
+    )
+    run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)]
+    update = subprocess.run(
+        [*run, "--eqshard-update"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert update.returncode == 0, update.stdout + update.stderr
+    golden = json.loads((tmp_path / "golden" / "mymodel.json").read_text())
+    assert golden["layouts"]["2"]["leaves"]["weight"]["partition_spec"] == "P('m0', None)"
+    compare = subprocess.run(run, capture_output=True, text=True, cwd=tmp_path)
+    assert compare.returncode == 0, compare.stdout + compare.stderr
+    off = subprocess.run(
+        [*run, "-p", "no:eqshard", "--eqshard-update"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert off.returncode == 4  # pytest's usage error: the option is the plugin's
+    assert "unrecognized arguments: --eqshard-update" in off.stderr
