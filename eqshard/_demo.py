@@ -1,151 +1,829 @@
-"""`eqshard demo`: a small transformer block, tensor parallel, trained one step.
+"""`eqshard demo`: one small GPT, trained under each parallelism strategy.
 
-It builds the block from `eqx.nn` modules, gives third-party leaves expressions
-with `eqx.tree_at`, places it with `eqshard.apply`, and checks one
-`eqx.filter_jit` training step against the same step unsharded.
+The model is built from `eqx.nn` modules (`Embedding`, `LayerNorm`,
+`MultiheadAttention`, `Linear`); its blocks are stacked with `eqx.filter_vmap` and
+run with `jax.lax.scan`. It is trained with AdamW for a few steps on a fixed batch
+of deterministic random tokens (next-token prediction), once unsharded on one device
+as the reference, then once per spec file in `demo_specs/` (a link to
+`examples/specs/demo/`): data parallel, FSDP-style, Megatron tensor parallel, and 2D.
+Each run lays out the model and the optimizer state by the spec's plan, the batch
+over the mesh's `data` axis, and keeps every layout through the step; `eqshard.cost`
+compiles the same step over the same layouts to say what it holds and moves per
+device. The table compares them, final loss against the reference's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rich.console import Console
+from jaxtyping import Array, Bool, Float, Int
 
 from ._apply import apply
-from ._plan import plan
-from ._report import human_bytes, leaf_rows, leaf_table, total_bytes_per_device
-from ._resolve import spec as spec_of
+from ._cost import Cost, _batch, _data_parallel, cost
+from ._errors import EqshardError, Problem, UnreadableError
+from ._plan import Plan, plan
+from ._report import human_bytes
 from ._shard import constrain
+from ._specfile import load
 
-__all__ = ["Block", "main", "megatron_spec"]
+__all__ = [
+    "BATCH",
+    "LAYERS",
+    "SPECS",
+    "STRATEGIES",
+    "TOLERANCE",
+    "AdamState",
+    "Block",
+    "Outcome",
+    "adamw_init",
+    "adamw_update",
+    "batch_expression",
+    "build",
+    "communication",
+    "demo_devices",
+    "fits",
+    "loss",
+    "main",
+    "make_step",
+    "per_step",
+    "reference",
+    "run",
+    "spec_path",
+    "table",
+    "to_json",
+    "tokens",
+]
+
+VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 128, 64, 8, 256, 2, 16, 16
+"""The model's sizes: each divides by 8 (the Megatron split needs HEADS to), BATCH by 16."""
+
+SPECS = Path(__file__).parent / "demo_specs"
+"""The strategies' spec files: `eqshard/demo_specs`, a link to `examples/specs/demo`."""
+
+STRATEGIES = ("data-parallel", "fsdp", "megatron", "2d")
+"""The strategies the demo runs by default, in order: `SPECS / f"{name}.eqshard.json"`."""
+
+TOLERANCE = 1e-5
+"""The largest relative difference from the unsharded losses that counts as equal.
+
+A sharded step sums the same numbers in another order (partial sums over devices,
+then a collective), so its float32 results may differ from the unsharded ones in the
+last bits; AdamW, which divides by the square root of the second moment, carries
+such differences into the next step. On the demo's 8 CPU devices they stay below
+1e-6; 1e-5 is ten times that, and far below what a wrong layout (a missing
+all-reduce, a misplaced shard) does to a loss.
+"""
 
 
 class Block(eqx.Module):
-    """Embedding, attention, MLP and an output head, pre-norm."""
+    """One pre-norm transformer block: causal self-attention, then a GELU MLP."""
 
-    embed: eqx.nn.Embedding
     norm1: eqx.nn.LayerNorm
     attn: eqx.nn.MultiheadAttention
     norm2: eqx.nn.LayerNorm
-    mlp: eqx.nn.MLP
-    head: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
 
-    def __init__(self, vocab: int, dim: int, heads: int, hidden: int, *, key: Any):
-        keys = jax.random.split(key, 4)
-        self.embed = eqx.nn.Embedding(vocab, dim, key=keys[0])
-        self.norm1 = eqx.nn.LayerNorm(dim)
-        self.attn = eqx.nn.MultiheadAttention(heads, dim, key=keys[1])
-        self.norm2 = eqx.nn.LayerNorm(dim)
-        self.mlp = eqx.nn.MLP(dim, dim, hidden, 1, activation=jax.nn.gelu, key=keys[2])
-        self.head = eqx.nn.Linear(dim, vocab, key=keys[3])
+    def __init__(self, key: Array):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm1 = eqx.nn.LayerNorm(DIM)
+        self.attn = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(DIM)
+        self.up = eqx.nn.Linear(DIM, HIDDEN, key=k2)
+        self.down = eqx.nn.Linear(HIDDEN, DIM, key=k3)
 
-    def __call__(self, tokens: jax.Array, activations: str | None = None) -> jax.Array:
-        """Logits for `tokens`; `activations` optionally constrains the residual stream."""
-        x = jax.vmap(self.embed)(tokens)
+    def __call__(
+        self, x: Float[Array, "seq embed"], mask: Bool[Array, "seq seq"]
+    ) -> Float[Array, "seq embed"]:
         y = jax.vmap(self.norm1)(x)
-        x = x + self.attn(y, y, y)
-        if activations is not None:
-            x = constrain(x, activations)
-        x = x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
-        return jax.vmap(self.head)(x)
+        x = x + self.attn(y, y, y, mask=mask)
+        y = jax.vmap(self.norm2)(x)
+        return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(y)))
 
 
-def megatron_spec(model: Block) -> Any:
-    """Heads, MLP units, the vocabulary and the embedding split over all devices."""
-    return eqx.tree_at(
-        lambda s: (
-            s.attn.query_proj.weight,
-            s.attn.key_proj.weight,
-            s.attn.value_proj.weight,
-            s.attn.output_proj.weight,
-            s.mlp.layers[0].weight,
-            s.mlp.layers[0].bias,
-            s.mlp.layers[1].weight,
-            s.head.weight,
-        ),
-        spec_of(model),
-        ("o i -> o* i",) * 3
-        + ("o i -> o i*", "o i -> o* i", "o -> o*", "o i -> o i*", "v d -> v* d"),
-        is_leaf=lambda x: x is None,
-    )
+class GPT(eqx.Module):
+    """Token and position embeddings, `LAYERS` stacked blocks, a LayerNorm, logits."""
+
+    embed: eqx.nn.Embedding
+    pos: eqx.nn.Embedding
+    blocks: Block  # stacked: every array leaf has a leading axis of LAYERS
+    norm: eqx.nn.LayerNorm
+    unembed: eqx.nn.Linear
+
+    def __init__(self, key: Array):
+        k_embed, k_pos, k_blocks, k_unembed = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k_embed)
+        self.pos = eqx.nn.Embedding(SEQ, DIM, key=k_pos)
+        self.blocks = eqx.filter_vmap(Block)(jax.random.split(k_blocks, LAYERS))
+        self.norm = eqx.nn.LayerNorm(DIM)
+        self.unembed = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k_unembed)
+
+    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        n = tokens.shape[0]
+        x = jax.vmap(self.embed)(tokens) + jax.vmap(self.pos)(jnp.arange(n))
+        causal = jnp.tril(jnp.ones((n, n), dtype=bool))
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def layer(x: Float[Array, "seq embed"], block_params: Any) -> tuple[Array, None]:
+            block = eqx.combine(block_params, static)  # one layer's slice of the stack
+            return block(x, causal), None
+
+        x, _ = jax.lax.scan(layer, x, params)
+        return jax.vmap(lambda v: self.unembed(self.norm(v)))(x)
 
 
-def _loss(model: Block, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-    logp = jax.nn.log_softmax(jax.vmap(model)(tokens))
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+def build(seed: int = 0) -> GPT:
+    """The demo's model, with GPT-2's initialisation: weights N(0, 0.02), biases 0,
+    LayerNorm scales 1.
+
+    `eqx.filter_eval_shape` gives the structure without computing anything, and
+    NumPy gives the values, as a checkpoint would: on a CPU, eqx.nn's own
+    initialisers take seconds, compiling one random kernel per leaf.
+
+    **Example:**
+
+    ```python
+    model = build()
+    model.blocks.attn.query_proj.weight.shape   # (LAYERS, DIM, DIM)
+    ```
+
+    **Arguments:**
+
+    - `seed`: the seed of the values.
+
+    **Returns:**
+
+    A `GPT`, on JAX's default device.
+    """
+    rng = np.random.default_rng(seed)
+
+    def init(path: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf  # not an array: a dropout rate, a flag
+        *_, owner, name = jax.tree_util.keystr(path, simple=True, separator=".").split(".")
+        if name == "bias":
+            value = np.zeros(leaf.shape)
+        elif owner.startswith("norm"):
+            value = np.ones(leaf.shape)
+        else:
+            value = rng.normal(0.0, 0.02, leaf.shape)
+        return jnp.asarray(value.astype(leaf.dtype))
+
+    return jax.tree_util.tree_map_with_path(init, eqx.filter_eval_shape(GPT, jax.random.key(seed)))
 
 
-@eqx.filter_jit
-def _step(model: Block, tokens: jax.Array, targets: jax.Array, keep: Any = None):
-    loss, grads = eqx.filter_value_and_grad(_loss)(model, tokens, targets)
-    model = eqx.apply_updates(model, jax.tree_util.tree_map(lambda g: -0.1 * g, grads))
-    return loss, (model if keep is None else constrain(model, keep))
+def tokens(seed: int = 1) -> Int[np.ndarray, "batch seq_plus_1"]:
+    """The fixed batch: `BATCH` rows of `SEQ + 1` deterministic random token ids; the
+    model reads the first `SEQ` of each row and predicts the next token."""
+    return np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
 
 
-def main(console: Console) -> int:
-    """Runs the demo and returns 0 when the sharded step matches, else 1."""
-    devices = jax.devices()
-    n = len(devices)
-    dim = n * -(-64 // n)  # about 64, and divisible by the device count: any n works
-    vocab = 4 * dim
-    model = Block(vocab=vocab, dim=dim, heads=n, hidden=4 * dim, key=jax.random.key(0))
-    spec = megatron_spec(model)
-    sharded = apply(model, spec)
-    p = plan(model, spec)
+def loss(model: GPT, batch: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:
+    """Next-token cross-entropy, averaged over the batch and the positions."""
+    logp = jax.nn.log_softmax(jax.vmap(model)(batch[:, :-1]))
+    return -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1))
 
-    console.print(
-        f"[bold]eqshard demo[/bold]: a transformer block on {n} {devices[0].platform.upper()} "
-        f"devices, tensor parallel (mesh {dict(p.mesh.shape) if p.mesh else 'per expression'})"
-    )
-    rows = leaf_rows(p)
-    console.print(leaf_table(rows))
-    total = sum(row.total_bytes for row in rows)
-    console.print(
-        f"parameters {human_bytes(total)}; each device holds "
-        f"{human_bytes(total_bytes_per_device(rows) or 0)}\n"
-    )
 
-    tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, vocab)
-    targets = jnp.roll(tokens, -1, axis=1)
-    loss_ref, ref = _step(model, tokens, targets)
-    loss, updated = _step(sharded, tokens, targets, p)
-    diffs = [
-        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-        for a, b in zip(
-            jax.tree_util.tree_leaves(eqx.filter(updated, eqx.is_array)),
-            jax.tree_util.tree_leaves(eqx.filter(ref, eqx.is_array)),
+class AdamState(NamedTuple):
+    """The state of the demo's AdamW: the step count and the two moments, each
+    shaped like the model's arrays, so eqshard lays them out by parameter path."""
+
+    steps: Array
+    mu: Any
+    nu: Any
+
+
+LEARNING_RATE, B1, B2, EPS, WEIGHT_DECAY = 1e-2, 0.9, 0.999, 1e-8, 1e-4
+
+
+def adamw_init(params: Any) -> AdamState:
+    """A minimal AdamW for the demo (optax is not a dependency of eqshard): the state
+    of `optax.adamw` without its mask, zero moments and a zero count.
+
+    **Example:**
+
+    ```python
+    state = adamw_init(eqx.filter(model, eqx.is_array))
+    ```
+
+    **Arguments:**
+
+    - `params`: the model's arrays (`eqx.filter(model, eqx.is_array)`).
+
+    **Returns:**
+
+    An `AdamState`.
+    """
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return AdamState(jnp.zeros((), jnp.int32), zeros, zeros)
+
+
+def adamw_update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+    """One step of the demo's minimal AdamW: `optax.adamw(LEARNING_RATE, B1, B2, EPS,
+    weight_decay=WEIGHT_DECAY)`'s update, every array decayed.
+
+    **Example:**
+
+    ```python
+    updates, state = adamw_update(grads, state, eqx.filter(model, eqx.is_array))
+    model = eqx.apply_updates(model, updates)
+    ```
+
+    **Arguments:**
+
+    - `grads`: the gradients, shaped like `params`.
+    - `state`: the `AdamState` of the previous step.
+    - `params`: the model's arrays, for the weight decay.
+
+    **Returns:**
+
+    The updates, shaped like `params`, and the new state.
+    """
+    count = state.steps + 1
+    mu = jax.tree.map(lambda m, g: B1 * m + (1 - B1) * g, state.mu, grads)
+    nu = jax.tree.map(lambda v, g: B2 * v + (1 - B2) * g * g, state.nu, grads)
+    unbias1 = 1 - B1 ** count.astype(jnp.float32)
+    unbias2 = 1 - B2 ** count.astype(jnp.float32)
+
+    def update(m: Array, v: Array, p: Array) -> Array:
+        adam = (m / unbias1) / (jnp.sqrt(v / unbias2) + EPS)
+        return -LEARNING_RATE * (adam + WEIGHT_DECAY * p)
+
+    return jax.tree.map(update, mu, nu, params), AdamState(count, mu, nu)
+
+
+def make_step(keep: Plan | None = None) -> Callable[..., Any]:
+    """The training step, `step(model, state, batch) -> (loss, model, state)`, under
+    `eqx.filter_jit`.
+
+    **Example:**
+
+    ```python
+    step = make_step(p)
+    value, model, state = step(model, state, batch)
+    ```
+
+    **Arguments:**
+
+    - `keep`: a plan of the model: the step constrains the updated model and
+        optimizer state to it, so every leaf leaves the step laid out as it came in.
+
+    **Returns:**
+
+    The step.
+    """
+
+    @eqx.filter_jit
+    def step(model: GPT, state: AdamState, batch: Int[Array, "batch seq_plus_1"]):
+        value, grads = eqx.filter_value_and_grad(loss)(model, batch)
+        updates, state = adamw_update(grads, state, eqx.filter(model, eqx.is_array))
+        model = eqx.apply_updates(model, updates)
+        if keep is not None:
+            model = constrain(model, keep)
+            state = constrain(state, keep)
+        return value, model, state
+
+    return step
+
+
+def spec_path(name: str) -> Path:
+    """The spec file of a strategy: `"fsdp"` is `SPECS / "fsdp.eqshard.json"`, and
+    anything else is taken as a path to the user's own spec for the demo's model.
+
+    **Example:**
+
+    ```python
+    spec_path("megatron").name   # 'megatron.eqshard.json'
+    ```
+
+    **Arguments:**
+
+    - `name`: one of `STRATEGIES`, or a path.
+
+    **Returns:**
+
+    The file's path (not checked to exist: `eqshard.load` says so).
+    """
+    return SPECS / f"{name}.eqshard.json" if name in STRATEGIES else Path(name)
+
+
+def batch_expression(p: Plan) -> str:
+    """How the batch is laid out under a plan: its leading dim split over a mesh
+    axis named `data` when the spec's mesh starts with one (as `eqshard.cost` lays
+    out a batch by default), else a full copy on every device.
+
+    **Example:**
+
+    ```python
+    batch_expression(plan(model, load(spec_path("2d"))))   # 'b ... -> b2 ... 4'
+    ```
+
+    **Arguments:**
+
+    - `p`: the plan of the model.
+
+    **Returns:**
+
+    An einshard expression for the batch.
+    """
+    if p.mesh is not None and p.mesh_is_given and p.mesh.axis_names[0] == "data":
+        return _data_parallel(p)
+    return "... -> * ..."
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One training run of the demo.
+
+    - `name`: the strategy (`"fsdp"`), the spec file's name for a user's spec, or
+        `"unsharded"`.
+    - `losses`: the loss of each step.
+    - `model`, `state`: the trained model and AdamW state, laid out as the plan says.
+    - `plan`: the model's plan (`None` unsharded), and `batch`, the batch's
+        expression.
+    - `cost`: what `eqshard.cost` says of one step (`None` unsharded).
+    - `seconds_per_step`: the mean of the steps after the first, measured on
+        accelerators only (`None` on CPU devices, whose timings say nothing of them).
+    - `skipped`: why the strategy did not run on these devices, else `None`.
+    """
+
+    name: str
+    losses: tuple[float, ...] = ()
+    model: Any = None
+    state: Any = None
+    plan: Plan | None = None
+    batch: str | None = None
+    cost: Cost | None = None
+    seconds_per_step: float | None = None
+    skipped: str | None = None
+
+    def difference(self, reference: Outcome) -> float:
+        """The largest relative difference of this run's losses from `reference`'s."""
+        return max(
+            (abs(a - b) / max(abs(b), 1e-30) for a, b in zip(self.losses, reference.losses)),
+            default=math.inf,
         )
+
+    def agrees(self, reference: Outcome) -> bool:
+        """Whether every loss equals the reference's, within `TOLERANCE`."""
+        return len(self.losses) == len(reference.losses) and (
+            self.difference(reference) <= TOLERANCE
+        )
+
+
+Progress = Callable[[str, int, float], None]
+"""`progress(name, steps_done, loss)`, called after every step."""
+
+
+def _train(
+    name: str,
+    step: Callable[..., Any],
+    model: Any,
+    state: AdamState,
+    batch: Array,
+    steps: int,
+    progress: Progress | None,
+    timed: bool,
+) -> tuple[tuple[float, ...], Any, AdamState, float | None]:
+    losses: list[float] = []
+    started = 0.0
+    for i in range(steps):
+        if i == 1:  # after the first step, which compiled it
+            started = time.perf_counter()
+        value, model, state = step(model, state, batch)
+        losses.append(float(value))  # waits for the step
+        if progress is not None:
+            progress(name, i + 1, losses[-1])
+    seconds = (time.perf_counter() - started) / (steps - 1) if timed and steps > 1 else None
+    return tuple(losses), model, state, seconds
+
+
+def reference(steps: int, devices: Sequence[Any], progress: Progress | None = None) -> Outcome:
+    """The unsharded run: the model, the optimizer state and the batch on `devices[0]`.
+
+    **Example:**
+
+    ```python
+    ref = reference(5, jax.devices())
+    ref.losses   # five floats, the first about log(VOCAB)
+    ```
+
+    **Arguments:**
+
+    - `steps`: how many training steps.
+    - `devices`: the devices of the sharded runs; the first runs this one.
+    - `progress`: called after every step.
+
+    **Returns:**
+
+    An `Outcome` named `"unsharded"`.
+    """
+    with jax.default_device(devices[0]), jax.default_matmul_precision("highest"):
+        model = build()
+        state = adamw_init(eqx.filter(model, eqx.is_array))
+        losses, model, state, seconds = _train(
+            "unsharded",
+            make_step(),
+            model,
+            state,
+            jnp.asarray(tokens()),
+            steps,
+            progress,
+            devices[0].platform != "cpu",
+        )
+    return Outcome("unsharded", losses, model, state, seconds_per_step=seconds)
+
+
+def run(
+    spec: str | Path,
+    steps: int,
+    devices: Sequence[Any],
+    progress: Progress | None = None,
+    *,
+    name: str | None = None,
+) -> Outcome:
+    """Trains the demo's model under one spec file and says what a step costs.
+
+    The model and its AdamW state are placed by the spec's plan on `devices`, the
+    batch by `batch_expression`; the step keeps every layout, and `eqshard.cost`
+    compiles it over the same layouts.
+
+    **Example:**
+
+    ```python
+    out = run(spec_path("fsdp"), 5, jax.devices())
+    out.cost.memory.parameters   # bytes per device
+    ```
+
+    **Arguments:**
+
+    - `spec`: the spec file.
+    - `steps`: how many training steps.
+    - `devices`: the devices to run on.
+    - `progress`: called after every step.
+    - `name`: the strategy's name; by default the file's, without `.eqshard.json`.
+
+    **Returns:**
+
+    An `Outcome`.
+
+    **Raises:**
+
+    `eqshard.SpecError` when the file cannot be read or does not lay out the model
+    on these devices; `eqshard.ExpressionError` when the batch does not divide over
+    them.
+    """
+    label = name or _label(Path(spec))
+    rules = load(spec)
+    with jax.default_device(devices[0]), jax.default_matmul_precision("highest"):
+        model = build()
+        state = adamw_init(eqx.filter(model, eqx.is_array))
+        p = plan(model, rules, devices=devices)
+        expr = batch_expression(p)
+        batch = tokens()
+        placed = jax.device_put(batch, _batch(batch, expr, p).sharding)
+        model, state = apply(model, p), apply(state, p)
+        step = make_step(p)
+        summary = cost(step, model, state, placed, spec=p, batch=expr)
+        losses, model, state, seconds = _train(
+            label, step, model, state, placed, steps, progress, devices[0].platform != "cpu"
+        )
+    return Outcome(label, losses, model, state, p, expr, summary, seconds)
+
+
+def per_step(c: Cost) -> dict[tuple[str, tuple[str, ...]], int]:
+    """The bytes each device moves in one step, by (collective, mesh axes).
+
+    `eqshard.cost` lists each collective of the compiled step once; one in the body
+    of the scan over the layers (XLA names its source `.../while/body/...`) runs once
+    per layer, so it counts `LAYERS` times here: the demo's step has no other loop.
+
+    **Example:**
+
+    ```python
+    per_step(run(spec_path("data-parallel"), 1, devices).cost)
+    # {('all-reduce', ('data',)): ...}: the gradients, summed over 'data'
+    ```
+
+    **Arguments:**
+
+    - `c`: the `Cost` of the demo's step.
+
+    **Returns:**
+
+    Bytes per device, by `(kind, axes)`.
+    """
+    totals: dict[tuple[str, tuple[str, ...]], int] = {}
+    for collective in c.collectives:
+        times = LAYERS if "/while/body/" in collective.source else 1
+        key = (collective.kind, collective.axes)
+        totals[key] = totals.get(key, 0) + times * collective.bytes
+    return dict(sorted(totals.items()))
+
+
+def communication(c: Cost) -> str:
+    """`per_step` as text: one line per (collective, mesh axes), `none` when the step
+    moves nothing."""
+    lines = [
+        f"{kind} over {','.join(axes) or 'all'}: {human_bytes(total)}"
+        for (kind, axes), total in per_step(c).items()
     ]
-    kept = all(
-        a.sharding.is_equivalent_to(b.sharding, a.ndim)
-        for a, b in zip(
-            jax.tree_util.tree_leaves(eqx.filter(updated, eqx.is_array)),
-            jax.tree_util.tree_leaves(eqx.filter(sharded, eqx.is_array)),
+    return "\n".join(lines) or "none"
+
+
+def _mesh_text(p: Plan | None) -> str:
+    if p is None or p.mesh is None:
+        return "-"
+    return " x ".join(f"{name}={size}" for name, size in zip(p.mesh.axis_names, p.mesh.axis_sizes))
+
+
+def table(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> Any:
+    """The strategies side by side, as a rich table.
+
+    **Example:**
+
+    ```python
+    console.print(table([run(spec_path("fsdp"), 5, devices)], reference(5, devices), devices))
+    ```
+
+    **Arguments:**
+
+    - `outcomes`: the sharded runs.
+    - `ref`: the unsharded run.
+    - `devices`: the devices they ran on.
+
+    **Returns:**
+
+    A `rich.table.Table`.
+    """
+    from rich.table import Table
+
+    timed = devices[0].platform != "cpu"
+    n = len(devices)
+    table = Table(
+        title=f"{len(ref.losses)} AdamW steps on {n} {devices[0].platform.upper()} devices",
+        title_justify="left",
+        caption=(
+            "Bytes per device of the parameters and the AdamW state, from each spec's "
+            "plan; communication per device and step, from the collectives of the "
+            "step as eqshard.cost compiles it (those in the scan over the layers, once "
+            f"per layer). = unsharded: every step's loss within {TOLERANCE:g} "
+            "(relative) of the unsharded run's, with the largest difference."
+            + (
+                ""
+                if timed
+                else " No step times: simulated CPU devices say nothing of accelerators."
+            )
+        ),
+        caption_justify="left",
+    )
+    for column in ("strategy", "mesh", "batch"):
+        table.add_column(column)
+    for column in ("params / device", "optimizer / device"):
+        table.add_column(column, justify="right")
+    table.add_column("communication / step")
+    table.add_column("final loss", justify="right")
+    table.add_column("= unsharded")
+    if timed:
+        table.add_column("ms / step (measured)", justify="right")
+    arrays = jax.tree_util.tree_leaves(eqx.filter(ref.model, eqx.is_array))
+    params = sum(a.nbytes for a in arrays)
+    optimizer = sum(a.nbytes for a in jax.tree_util.tree_leaves(ref.state))
+
+    def ms(o: Outcome) -> str:
+        return "-" if o.seconds_per_step is None else f"{1000 * o.seconds_per_step:.2f}"
+
+    extra = [ms(ref)] if timed else []
+    table.add_row(
+        "unsharded",
+        "1 device",
+        "whole",
+        human_bytes(params),
+        human_bytes(optimizer),
+        "none",
+        f"{ref.losses[-1]:.6f}",
+        "(reference)",
+        *extra,
+    )
+    for o in outcomes:
+        if o.skipped is not None or o.cost is None:
+            gaps = ["-"] * (len(table.columns) - 2)
+            table.add_row(o.name, *gaps[:4], f"skipped: {o.skipped}", *gaps[4:])
+            continue
+        batch = "split over data" if o.batch != "... -> * ..." else "whole"
+        verdict = (
+            f"yes ({o.difference(ref):.0e})" if o.agrees(ref) else f"NO ({o.difference(ref):.1e})"
         )
+        table.add_row(
+            o.name,
+            _mesh_text(o.plan),
+            batch,
+            human_bytes(o.cost.memory.parameters),
+            human_bytes(o.cost.memory.optimizer),
+            communication(o.cost),
+            f"{o.losses[-1]:.6f}",
+            verdict,
+            *([ms(o)] if timed else []),
+        )
+    return table
+
+
+def demo_devices(count: int | None = None) -> list[Any]:
+    """The devices the demo runs on: the first `count` of JAX's; by default all the
+    accelerators when there are several, else the simulated CPU devices.
+
+    **Raises:**
+
+    `eqshard.EqshardError` when JAX has fewer than `count` devices.
+    """
+    devices = jax.devices()
+    if count is None and len(devices) == 1 and devices[0].platform != "cpu":
+        devices = jax.devices("cpu")  # one accelerator shards nothing: show it on CPUs
+    if count is not None:
+        if len(devices) < count:
+            raise EqshardError(f"asked for {count} devices, but JAX started with {len(devices)}")
+        devices = devices[:count]
+    return list(devices)
+
+
+def main(
+    console: Any,
+    *,
+    spec: str | None = None,
+    steps: int = 8,
+    devices: int | None = None,
+    emit: Callable[[Any], None] | None = None,
+) -> int:
+    """Runs the demo and prints the strategy table (or hands `emit` the results).
+
+    **Example:**
+
+    ```python
+    main(rich.console.Console(), spec="fsdp", steps=3)
+    ```
+
+    **Arguments:**
+
+    - `console`: a rich console to print on.
+    - `spec`: one strategy of `STRATEGIES`, or a path to a spec file for the demo's
+        model; by default every strategy.
+    - `steps`: how many AdamW steps each run trains.
+    - `devices`: how many of JAX's devices to use (see `demo_devices`).
+    - `emit`: where the results go as one JSON-able document, instead of the
+        progress bar and the table (the command line's `--format json`).
+
+    **Returns:**
+
+    0 when every strategy that ran trained to the unsharded losses, else 1.
+
+    **Raises:**
+
+    `eqshard.UnreadableError` when `spec` names no strategy and no file;
+    `eqshard.SpecError` (or `eqshard.ExpressionError`) when it does not fit these
+    devices (see `fits`). Strategies run by default that do not fit are shown as
+    skipped; `eqshard.EqshardError` when JAX has fewer devices than `devices`.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    chosen = demo_devices(devices)
+    if spec is not None and spec not in STRATEGIES and not Path(spec).is_file():
+        raise UnreadableError(
+            [
+                Problem(
+                    spec,
+                    f"no such strategy or file; the strategies are {', '.join(STRATEGIES)}, "
+                    "or give the path of a spec file for the demo's model",
+                )
+            ],
+            "unreadable",
+        )
+    skipped: dict[str, str] = {}  # the strategies that do not fit these devices, and why
+    for name in STRATEGIES if spec is None else (spec,):
+        try:
+            fits(spec_path(name), chosen)
+        except EqshardError as error:
+            if spec is not None:
+                raise
+            problems = getattr(error, "problems", None)
+            skipped[name] = problems[0].message if problems else str(error).splitlines()[0]
+    names = [n for n in (STRATEGIES if spec is None else (spec,)) if n not in skipped]
+    bar = Progress(
+        TextColumn("{task.description:>16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[loss]}"),
+        console=console,
+        disable=emit is not None,
     )
-    params, static = eqx.partition(sharded, eqx.is_array)
-    hlo = (
-        jax.jit(lambda q, t: jax.vmap(eqx.combine(q, static))(t))
-        .lower(params, tokens)
-        .compile()
-        .as_text()
-        or ""
-    )
-    ok = abs(float(loss) - float(loss_ref)) <= 1e-5 * abs(float(loss_ref)) and max(diffs) < 1e-4
-    console.print(
-        f"one eqx.filter_jit training step: loss {float(loss):.6f} sharded, {float(loss_ref):.6f} unsharded"
-    )
-    console.print(f"largest parameter difference after the update: {max(diffs):.1e}")
-    console.print(f"parameters keep their layouts through the step: {kept}")
-    console.print(
-        f"the compiled forward pass communicates with {hlo.count('all-reduce(')} all-reduce(s) "
-        f"and {hlo.count('all-gather(')} all-gather(s)"
-    )
-    console.print(
-        "[green]sharded and unsharded agree[/green]" if ok and kept else "[red]MISMATCH[/red]"
-    )
-    return 0 if ok and kept else 1
+    if emit is None:
+        console.print(
+            f"eqshard demo: a {LAYERS}-layer GPT (eqx.nn, stacked and scanned), AdamW, "
+            f"{steps} steps on {len(chosen)} {chosen[0].platform.upper()} devices"
+        )
+    labels = {name: _label(spec_path(name)) for name in names}
+    tasks = {
+        label: bar.add_task(label, total=steps, loss="compiling")
+        for label in ("unsharded", *labels.values())
+    }
+
+    def progress(name: str, done: int, value: float) -> None:
+        bar.update(tasks[name], completed=done, loss=f"loss {value:.4f}")
+
+    with bar:
+        ref = reference(steps, chosen, progress)
+        outcomes = {name: run(spec_path(name), steps, chosen, progress) for name in names}
+    ordered = [
+        outcomes[name] if name in outcomes else Outcome(name, skipped=skipped[name])
+        for name in (STRATEGIES if spec is None else (spec,))
+    ]
+    ok = all(o.agrees(ref) for o in outcomes.values())
+    if emit is not None:
+        emit(to_json(ordered, ref, chosen))
+    else:
+        console.print(table(ordered, ref, chosen))
+        console.print(
+            "every strategy trains to the unsharded losses"
+            if ok
+            else "MISMATCH: a strategy's losses differ from the unsharded run's"
+        )
+    return 0 if ok else 1
+
+
+def fits(spec: str | Path, devices: Sequence[Any]) -> Plan:
+    """Checks, without computing anything, that a spec file lays out the demo's model
+    and its batch on `devices`.
+
+    **Example:**
+
+    ```python
+    fits(spec_path("2d"), jax.devices()[:2])   # raises: 'model' needs 4 devices
+    ```
+
+    **Arguments:**
+
+    - `spec`: the spec file.
+    - `devices`: the devices.
+
+    **Returns:**
+
+    The plan of the abstract model.
+
+    **Raises:**
+
+    `eqshard.SpecError` when the file cannot be read or does not lay out the model;
+    `eqshard.ExpressionError` when the batch does not split over the `data` axis.
+    """
+    p = plan(eqx.filter_eval_shape(GPT, jax.random.key(0)), load(spec), devices=devices)
+    _batch(jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32), batch_expression(p), p)
+    return p
+
+
+def _label(spec: Path) -> str:
+    """A strategy's name: its spec file's, without `.eqshard.json`."""
+    return spec.name.removesuffix(".json").removesuffix(".eqshard")
+
+
+def to_json(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> dict[str, Any]:
+    """The results as one JSON-able document: `ok`, the devices, the tolerance, the
+    unsharded losses, and for each strategy its mesh, bytes per device,
+    communication, losses and whether they equal the unsharded ones (or why it was
+    skipped)."""
+
+    def entry(o: Outcome) -> dict[str, Any]:
+        if o.skipped is not None or o.cost is None or o.plan is None:
+            return {"strategy": o.name, "skipped": o.skipped}
+        return {
+            "strategy": o.name,
+            "mesh": dict(zip(o.plan.mesh.axis_names, o.plan.mesh.axis_sizes))
+            if o.plan.mesh is not None
+            else None,
+            "batch": o.batch,
+            "parameter_bytes_per_device": o.cost.memory.parameters,
+            "optimizer_bytes_per_device": o.cost.memory.optimizer,
+            "communication": [
+                {"kind": kind, "axes": list(axes), "bytes": total}
+                for (kind, axes), total in per_step(o.cost).items()
+            ],
+            "losses": list(o.losses),
+            "equals_unsharded": o.agrees(ref),
+            "relative_difference": o.difference(ref),
+            "seconds_per_step": o.seconds_per_step,
+        }
+
+    return {
+        "ok": all(o.agrees(ref) for o in outcomes if o.skipped is None),
+        "devices": len(devices),
+        "platform": devices[0].platform,
+        "tolerance": TOLERANCE,
+        "unsharded": {"losses": list(ref.losses), "seconds_per_step": ref.seconds_per_step},
+        "strategies": [entry(o) for o in outcomes],
+    }

@@ -127,23 +127,33 @@ def test_python_m_eqshard_bad_usage_exits_2_without_traceback(run_python):
     )
 
 
-def test_demo_trains_one_step_and_agrees(run_python):
-    result = run_python(["-m", "eqshard", "demo", "--devices", "4"])
+def test_demo_trains_a_strategy_from_its_spec_file(run_python, tmp_path):
+    """`python -m eqshard demo` as a user runs it, from another directory: it finds
+    its spec files, trains FSDP on 4 simulated devices and prints the table."""
+    run_elsewhere = (  # `python -m eqshard ...`, in the directory given first
+        "import os, runpy, sys; os.chdir(sys.argv.pop(1)); "
+        "runpy.run_module('eqshard', run_name='__main__', alter_sys=True)"
+    )
+    args = ["demo", "--spec", "fsdp", "--devices", "4", "--steps", "2"]
+    result = run_python(["-c", run_elsewhere, str(tmp_path), *args])
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "a transformer block on 4 CPU devices, tensor parallel (mesh {'m0': 4})" in out
-    assert [
-        "attn.query_proj.weight",
-        "[64, 64]",
-        "float32",
-        "o i -> o* i",
-        "",
-        "P('m0', None)",
-        "4.0 KiB",
-    ] in _cells(out)
-    assert "parameters 323.2 KiB; each device holds 130.5 KiB" in out
-    assert "parameters keep their layouts through the step: True" in out
-    assert "sharded and unsharded agree" in out
+    assert "2 steps on 4 CPU devices" in out
+    rows = {cells[0]: cells for cells in _cells(out) if cells[0]}
+    assert rows["unsharded"][3:5] == ["457.0 KiB", "914.0 KiB"]
+    # a quarter of the parameters and of the AdamW moments (and the step count)
+    assert rows["fsdp"][1:5] == ["data=4", "split over data", "114.2 KiB", "228.5 KiB"]
+    assert rows["fsdp"][7].startswith("yes (")
+    assert "every strategy trains to the unsharded losses" in out
+
+
+def test_demo_names_what_it_cannot_run(run_cli):
+    result = run_cli("demo", "--spec", "ring-attention")
+    assert result.code == 2
+    assert "no such strategy or file; the strategies are data-parallel, fsdp" in result.err
+    result = run_cli("demo", "--spec", "2d", "--devices", "2")
+    assert result.code == 1
+    assert "needs a multiple of 4 devices" in result.err
 
 
 def test_example_reproduces_einshards_mlp(capsys):

@@ -7,14 +7,63 @@ import numpy as np
 import pytest
 
 import eqshard
-from eqshard._demo import Block as DemoBlock, megatron_spec
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, BATCH = 32, 16, 8, 64, 8, 4
 
 
+class Block(eqx.Module):
+    """Embedding, attention, MLP and an output head, pre-norm: all eqx.nn modules."""
+
+    embed: eqx.nn.Embedding
+    norm1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 4)
+        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=keys[0])
+        self.norm1 = eqx.nn.LayerNorm(DIM)
+        self.attn = eqx.nn.MultiheadAttention(HEADS, DIM, key=keys[1])
+        self.norm2 = eqx.nn.LayerNorm(DIM)
+        self.mlp = eqx.nn.MLP(DIM, DIM, HIDDEN, 1, activation=jax.nn.gelu, key=keys[2])
+        self.head = eqx.nn.Linear(DIM, VOCAB, key=keys[3])
+
+    def __call__(self, tokens, activations=None):
+        """Logits for `tokens`; `activations` optionally constrains the residual stream."""
+        x = jax.vmap(self.embed)(tokens)
+        y = jax.vmap(self.norm1)(x)
+        x = x + self.attn(y, y, y)
+        if activations is not None:
+            x = eqshard.constrain(x, activations)
+        x = x + jax.vmap(self.mlp)(jax.vmap(self.norm2)(x))
+        return jax.vmap(self.head)(x)
+
+
 def block(key):
-    """The demo's transformer block (eqx.nn Embedding, LayerNorm, attention, MLP, Linear)."""
-    return DemoBlock(VOCAB, DIM, HEADS, HIDDEN, key=key)
+    return Block(key)
+
+
+def megatron_spec(model):
+    """Heads, MLP units, the vocabulary and the embedding split over all devices:
+    third-party leaves given expressions with `eqx.tree_at`."""
+    return eqx.tree_at(
+        lambda s: (
+            s.attn.query_proj.weight,
+            s.attn.key_proj.weight,
+            s.attn.value_proj.weight,
+            s.attn.output_proj.weight,
+            s.mlp.layers[0].weight,
+            s.mlp.layers[0].bias,
+            s.mlp.layers[1].weight,
+            s.head.weight,
+        ),
+        eqshard.spec(model),
+        ("o i -> o* i",) * 3
+        + ("o i -> o i*", "o i -> o* i", "o -> o*", "o i -> o i*", "v d -> v* d"),
+        is_leaf=lambda x: x is None,
+    )
 
 
 def loss(model, tokens, targets, activations=None):

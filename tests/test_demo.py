@@ -1,0 +1,209 @@
+"""`eqshard demo`: each strategy trains to the unsharded losses, holds what its spec
+says, and the table reports it.
+
+The four strategies train once, two steps each, in this process on its 8 CPU
+devices (`outcomes`); every test reads those runs. The command line itself runs in
+tests/test_cli.py.
+"""
+
+import dataclasses
+import io
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from rich.console import Console
+
+import eqshard
+from eqshard import _demo
+
+STEPS = 2  # the second step's loss shows the first update
+
+
+@pytest.fixture(scope="module")
+def devices():
+    return jax.devices()
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    return _demo.reference(STEPS, devices)
+
+
+@pytest.fixture(scope="module")
+def outcomes(devices):
+    return {name: _demo.run(_demo.spec_path(name), STEPS, devices) for name in _demo.STRATEGIES}
+
+
+def _arrays(tree):
+    return jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
+
+
+def _spec(leaf):
+    """A leaf's PartitionSpec with one entry per dim (JAX drops trailing `None`s)."""
+    spec = tuple(leaf.sharding.spec)
+    return P(*spec, *[None] * (leaf.ndim - len(spec)))
+
+
+@pytest.mark.parametrize("name", _demo.STRATEGIES)
+def test_each_strategy_trains_to_the_unsharded_losses(outcomes, reference, name):
+    outcome = outcomes[name]
+    assert len(outcome.losses) == STEPS
+    np.testing.assert_allclose(outcome.losses, reference.losses, rtol=_demo.TOLERANCE)
+    assert outcome.agrees(reference)
+    assert reference.losses[1] < reference.losses[0]  # the step does train
+    # and the trained parameters are the unsharded ones. Adam moves a parameter by
+    # about the learning rate whatever the size of its gradient, so where a gradient
+    # is near 0, a difference in its last bits can move it by as much: compare root
+    # mean squares, which one such element barely moves. A wrong gradient moves
+    # most parameters by the learning rate (1e-2).
+    for got, want in zip(_arrays(outcome.model), _arrays(reference.model)):
+        rms = float(np.sqrt(np.mean((np.asarray(got) - np.asarray(want)) ** 2)))
+        assert rms < _demo.LEARNING_RATE / 100
+
+
+def test_a_different_loss_does_not_agree(outcomes, reference):
+    outcome = outcomes["fsdp"]
+    off = dataclasses.replace(outcome, losses=(outcome.losses[0], outcome.losses[1] * 1.0001))
+    assert not off.agrees(reference)
+    assert not dataclasses.replace(outcome, losses=outcome.losses[:1]).agrees(reference)
+
+
+def test_fsdp_holds_an_eighth_of_what_data_parallel_holds(outcomes, reference):
+    dp, fsdp = outcomes["data-parallel"].cost, outcomes["fsdp"].cost
+    assert dp is not None
+    assert fsdp is not None
+    whole = sum(a.nbytes for a in _arrays(reference.model))
+    assert dp.memory.parameters == whole
+    assert fsdp.memory.parameters * 8 == whole
+    # the AdamW moments follow their parameters; the step count (int32) is replicated
+    assert dp.memory.optimizer == 2 * whole + 4
+    assert (fsdp.memory.optimizer - 4) * 8 == 2 * whole
+
+
+def test_data_parallel_replicates_everything_and_splits_the_batch(outcomes):
+    outcome = outcomes["data-parallel"]
+    assert outcome.batch == "b ... -> b8 ..."
+    for leaf in _arrays(outcome.model) + _arrays(outcome.state):
+        assert leaf.sharding.is_fully_replicated
+    # per step, the gradients are summed over 'data', once: every layer's in the scan
+    assert _demo.per_step(outcome.cost) == {
+        ("all-reduce", ("data",)): sum(a.nbytes for a in _arrays(outcome.model)) + 4
+    }
+
+
+def test_fsdp_splits_every_leaf_and_its_moments_over_data(outcomes):
+    outcome = outcomes["fsdp"]
+    assert outcome.batch == "b ... -> b8 ..."
+    for tree in (outcome.model, outcome.state.mu, outcome.state.nu):
+        for leaf in _arrays(tree):
+            assert _spec(leaf) == P(*[None] * (leaf.ndim - 1), "data")
+            assert leaf.sharding.shard_shape(leaf.shape)[-1] * 8 == leaf.shape[-1]
+    weight = outcome.model.blocks.up.weight  # (layers, hidden, dim): dim over devices
+    for shard in weight.addressable_shards:
+        start = 8 * shard.device.id  # the mesh is every device, in order
+        np.testing.assert_array_equal(
+            np.asarray(shard.data), np.asarray(weight)[:, :, start : start + 8]
+        )
+
+
+def test_megatron_splits_heads_units_and_vocabulary_over_model(outcomes):
+    outcome = outcomes["megatron"]
+    model, mesh = outcome.model, outcome.plan.mesh
+    assert dict(zip(mesh.axis_names, mesh.axis_sizes)) == {"model": 8}
+    assert outcome.batch == "... -> * ..."
+    assert _spec(model.blocks.attn.query_proj.weight) == P(None, "model", None)
+    assert _spec(model.blocks.attn.output_proj.weight) == P(None, None, "model")
+    assert _spec(model.blocks.down.weight) == P(None, None, "model")
+    assert _spec(model.embed.weight) == P("model", None)
+    assert model.blocks.norm1.weight.sharding.is_fully_replicated
+    assert model.blocks.down.bias.sharding.is_fully_replicated
+    # device k holds head k (DIM // HEADS rows of each layer's query projection)
+    query = model.blocks.attn.query_proj.weight
+    rows = _demo.DIM // _demo.HEADS
+    for shard in query.addressable_shards:
+        k = shard.device.id
+        np.testing.assert_array_equal(
+            np.asarray(shard.data), np.asarray(query)[:, k * rows : (k + 1) * rows]
+        )
+    # the moments of a weight are laid out as the weight
+    assert _spec(outcome.state.mu.blocks.attn.query_proj.weight) == P(None, "model", None)
+    assert {axes for _, axes in _demo.per_step(outcome.cost)} == {("model",)}
+
+
+def test_2d_splits_over_model_and_copies_over_data(outcomes):
+    outcome = outcomes["2d"]
+    mesh = outcome.plan.mesh
+    assert dict(zip(mesh.axis_names, mesh.axis_sizes)) == {"data": 2, "model": 4}
+    assert outcome.batch == "b ... -> b2 ... 4"
+    up = outcome.model.blocks.up.weight  # (layers, hidden, dim): hidden over 'model'
+    assert _spec(up) == P(None, "model", None)
+    rows = _demo.HIDDEN // 4
+    for shard in up.addressable_shards:
+        k = shard.device.id % 4  # devices 0-3 are data 0, 4-7 data 1: same blocks
+        np.testing.assert_array_equal(
+            np.asarray(shard.data), np.asarray(up)[:, k * rows : (k + 1) * rows]
+        )
+    kinds = _demo.per_step(outcome.cost)
+    assert {axes for _, axes in kinds} == {("data",), ("model",)}
+
+
+def test_a_spec_that_does_not_fit_is_named(devices):
+    with pytest.raises(eqshard.SpecError, match=r"needs a multiple of 4 devices"):
+        _demo.fits(_demo.spec_path("2d"), devices[:2])
+    assert _demo.fits(_demo.spec_path("megatron"), devices[:4]).mesh is not None
+
+
+def test_the_table_and_the_json_report_every_strategy(outcomes, reference, devices):
+    ordered = list(outcomes.values())
+    console = Console(file=io.StringIO(), width=250)
+    console.print(_demo.table(ordered, reference, devices))
+    text = console.file.getvalue()  # pyright: ignore[reportAttributeAccessIssue]
+    rows = {
+        cells[0]: cells
+        for cells in (
+            [c.strip() for c in line.strip().strip("│").split("│")]
+            for line in text.splitlines()
+            if line.startswith("│")
+        )
+        if cells[0]
+    }
+    assert rows["unsharded"][3:5] == ["457.0 KiB", "914.0 KiB"]
+    assert rows["fsdp"][1:5] == ["data=8", "split over data", "57.1 KiB", "114.3 KiB"]
+    assert rows["2d"][1] == "data=2 x model=4"
+    assert all(rows[name][7].startswith("yes (") for name in _demo.STRATEGIES)
+    assert "No step times: simulated CPU devices" in text
+
+    report = _demo.to_json(ordered, reference, devices)
+    assert report["ok"] is True
+    assert [s["strategy"] for s in report["strategies"]] == list(_demo.STRATEGIES)
+    fsdp = report["strategies"][1]
+    assert (
+        fsdp["parameter_bytes_per_device"] * 8
+        == report["strategies"][0]["parameter_bytes_per_device"]
+    )
+    assert fsdp["seconds_per_step"] is None  # not measured on CPU devices
+
+
+def test_the_minimal_adamw_is_optax_adamw():
+    params = {"w": jnp.arange(6.0).reshape(2, 3) / 7, "b": jnp.array([0.5, -1.0])}
+    ours = _demo.adamw_init(params)
+    theirs_opt = optax.adamw(
+        _demo.LEARNING_RATE, _demo.B1, _demo.B2, _demo.EPS, weight_decay=_demo.WEIGHT_DECAY
+    )
+    theirs = theirs_opt.init(params)
+    p_ours = p_theirs = params
+    for i in range(3):
+        grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), p_ours)
+        u_ours, ours = _demo.adamw_update(grads, ours, p_ours)
+        u_theirs, theirs = theirs_opt.update(grads, theirs, p_theirs)
+        p_ours, p_theirs = (
+            optax.apply_updates(p_ours, u_ours),
+            optax.apply_updates(p_theirs, u_theirs),
+        )
+        for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_theirs)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
