@@ -12,12 +12,9 @@ workers never pays for it up front.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +23,8 @@ from ._specfile import Rules
 from ._workers import (
     ModelError,
     call,
-    error_entry,
     problem_of,
+    serve,
     start_worker,
     user_callable,
     worker_answer,
@@ -515,25 +512,12 @@ def main_worker() -> int:
     The exit code: 0 once it has answered, whatever the answer; 130 on Ctrl-C,
     without an answer. It never prints a traceback.
     """
-    sys.stdout.flush()
-    answer = os.fdopen(os.dup(1), "w", encoding="ascii")  # stdout, for the answer alone
-    with contextlib.suppress(OSError):
-        os.dup2(2, 1)  # anything else written to stdout, by Python or C, goes to stderr
-    try:
-        result = _check_one(json.load(sys.stdin))
-        document: dict[str, Any] = {
-            "result": {
-                **result.to_json(),
-                "problems": [dataclasses.asdict(p) for p in result.problems],
-            }
-        }
-    except KeyboardInterrupt:
-        return 130
-    except BaseException as error:  # whatever it is, an answer rather than a traceback
-        document = {"error": error_entry(error)}
-    with contextlib.suppress(OSError), answer:  # OSError: the reader has gone
-        json.dump(document, answer, ensure_ascii=True)
-    return 0
+    return serve(_answer_one)
+
+
+def _answer_one(request: Mapping[str, Any]) -> dict[str, Any]:
+    result = _check_one(request)
+    return {**result.to_json(), "problems": [dataclasses.asdict(p) for p in result.problems]}
 
 
 def _check_one(request: Mapping[str, Any]) -> CheckResult:

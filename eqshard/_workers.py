@@ -34,6 +34,7 @@ __all__ = [
     "error_entry",
     "problem_of",
     "rebuilt_error",
+    "serve",
     "start_worker",
     "user_callable",
     "worker_answer",
@@ -251,3 +252,29 @@ if __name__ == "__main__":  # `python -m eqshard._check`: one worker
     from eqshard._check import main_worker as _main_worker  # the package's copy of this module
 
     sys.exit(_main_worker())
+
+
+def serve(handle: Callable[[Mapping[str, Any]], Any]) -> int:
+    """A worker's main: reads one JSON request from stdin and writes one JSON
+    document to stdout, `{"result": handle(request)}` or `{"error": error_entry(...)}`;
+    nothing else goes to stdout (what the user's code prints, from Python or C, goes
+    to stderr).
+
+    **Returns:**
+
+    The exit code: 0 once it has answered, whatever the answer; 130 on Ctrl-C,
+    without an answer. It never prints a traceback.
+    """
+    sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "w", encoding="ascii")  # stdout, for the answer alone
+    with contextlib.suppress(OSError):
+        os.dup2(2, 1)  # anything else written to stdout, by Python or C, goes to stderr
+    try:
+        document: dict[str, Any] = {"result": handle(json.load(sys.stdin))}
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as error:  # whatever it is, an answer rather than a traceback
+        document = {"error": error_entry(error)}
+    with contextlib.suppress(OSError), answer:  # OSError: the reader has gone
+        json.dump(document, answer, ensure_ascii=True)
+    return 0

@@ -13,17 +13,15 @@ stdout (`{"result": ...}` or `{"error": ...}`, as `eqshard check`'s workers do):
 from __future__ import annotations
 
 import base64
-import contextlib
 import math
 import os
 import pickle
-import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import EqshardError, whole_number
-from .._workers import error_entry, user_callable
+from .._workers import serve, user_callable
 
 __all__ = ["main"]
 
@@ -33,25 +31,9 @@ def main() -> int:
 
     **Returns:**
 
-    The exit code: 0 once it has answered, 130 on Ctrl-C. It never prints a
-    traceback; what the user's code prints goes to stderr.
+    The exit code, as `eqshard._workers.serve` gives it.
     """
-    import json
-
-    sys.stdout.flush()
-    answer = os.fdopen(os.dup(1), "w", encoding="ascii")  # stdout, for the answer alone
-    with contextlib.suppress(OSError):
-        os.dup2(2, 1)
-    try:
-        request = json.load(sys.stdin)
-        document: dict[str, Any] = {"result": _TASKS[request["task"]](request)}
-    except KeyboardInterrupt:
-        return 130
-    except BaseException as error:  # an answer rather than a traceback
-        document = {"error": error_entry(error)}
-    with contextlib.suppress(OSError), answer:
-        json.dump(document, answer, ensure_ascii=True)
-    return 0
+    return serve(lambda request: _TASKS[request["task"]](request))
 
 
 def _start(request: Mapping[str, Any]) -> int:
