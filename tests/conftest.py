@@ -24,6 +24,7 @@ TESTS = Path(__file__).parent
 # einshard oracle. A file over its budget fails the session, after every test has
 # run. EQSHARD_NO_BUDGET=1 turns this off (under coverage, a debugger, a loaded machine).
 BUDGET_SECONDS = {
+    "README.md": 40.0,  # every code block, Orbax and a compiled step included
     "tests/test_apply.py": 19.0,
     "tests/test_check_processes.py": 25.0,
     "tests/test_checkpoint.py": 25.0,
