@@ -145,12 +145,20 @@ class Collective:
         them).
     - `axes`: the mesh axes its device groups run over.
     - `source`: where XLA records it comes from (the op's name in the step).
+    - `count`: how many times one step runs it: more than once inside a loop whose
+        trip count XLA knows, such as `jax.lax.scan` over stacked layers.
     """
 
     kind: str
     bytes: int
     axes: tuple[str, ...]
     source: str
+    count: int = 1
+
+    @property
+    def total_bytes(self) -> int:
+        """`bytes` times `count`: what it moves on each device in one step."""
+        return self.bytes * self.count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +245,7 @@ class Cost:
         which combine collectives differently."""
         totals: dict[tuple[str, tuple[str, ...]], int] = {}
         for c in self.collectives:
-            totals[(c.kind, c.axes)] = totals.get((c.kind, c.axes), 0) + c.bytes
+            totals[(c.kind, c.axes)] = totals.get((c.kind, c.axes), 0) + c.total_bytes
         return totals
 
     def estimate(self, hardware: str | Hardware = "h100") -> Estimate:
@@ -259,7 +267,7 @@ class Cost:
             factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
                 c.kind, (n - 1) / n
             )
-            moved += c.bytes * factor
+            moved += c.total_bytes * factor
         return Estimate(
             hardware,
             self.flops / peak,
@@ -269,8 +277,16 @@ class Cost:
 
 
 def _collectives(text: str, mesh: AnyMesh | None) -> list[Collective]:
+    """The collectives of a compiled program's HLO text, each with the number of
+    times one run executes it (`_runs`)."""
     found = []
+    runs = _runs(text)
+    computation = ""
     for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            computation = header["name"]
+            continue
         op = _OP.search(line)
         if op is None:
             continue
@@ -281,9 +297,56 @@ def _collectives(text: str, mesh: AnyMesh | None) -> list[Collective]:
                 _shape_bytes(op["shape"]),
                 _axes(_groups(line), mesh),
                 name.group(1) if name else "",
+                runs.get(computation, 1),
             )
         )
     return found
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(")
+_CALLEE = re.compile(r"\b(?:body|calls|to_apply|condition)=%(?P<name>[^\s,)}]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+_BODY = re.compile(r"\bbody=%(?P<name>[^\s,)}]+)")
+
+
+def _runs(text: str) -> dict[str, int]:
+    """How many times one run of the program executes each computation: the entry
+    once, a `while` body its known trip count times per run of its caller (once
+    where XLA does not know it), anything else called once per run of its caller
+    (each branch of a conditional counted, as if taken)."""
+    calls: dict[str, list[tuple[str, int]]] = {}
+    entry = ""
+    computation = ""
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            computation = header["name"]
+            if line.startswith("ENTRY"):
+                entry = computation
+            continue
+        callees = calls.setdefault(computation, [])
+        body = _BODY.search(line)
+        trips = _TRIP_COUNT.search(line)
+        for callee in _CALLEE.finditer(line):
+            n = int(trips["n"]) if body and trips and callee["name"] == body["name"] else 1
+            callees.append((callee["name"], n))
+        branches = _BRANCHES.search(line)
+        if branches is not None:
+            for name in branches["names"].split(","):
+                callees.append((name.strip().lstrip("%"), 1))
+    runs: dict[str, int] = {}
+
+    def visit(name: str, times: int, seen: tuple[str, ...]) -> None:
+        if name in seen:  # HLO has no recursion; a malformed text must not hang
+            return
+        runs[name] = runs.get(name, 0) + times
+        for callee, n in calls.get(name, []):
+            visit(callee, times * n, (*seen, name))
+
+    if entry:
+        visit(entry, 1, ())
+    return runs
 
 
 def _abstract(x: Any) -> Any:

@@ -504,9 +504,8 @@ def run(
 def per_step(c: Cost) -> dict[tuple[str, tuple[str, ...]], int]:
     """The bytes each device moves in one step, by (collective, mesh axes).
 
-    `eqshard.cost` lists each collective of the compiled step once; one in the body
-    of the scan over the layers (XLA names its source `.../while/body/...`) runs once
-    per layer, so it counts `LAYERS` times here: the demo's step has no other loop.
+    `eqshard.cost` counts a collective in the body of the scan over the layers once
+    per layer (`Collective.count`, from the loop's trip count).
 
     **Example:**
 
@@ -523,12 +522,7 @@ def per_step(c: Cost) -> dict[tuple[str, tuple[str, ...]], int]:
 
     Bytes per device, by `(kind, axes)`.
     """
-    totals: dict[tuple[str, tuple[str, ...]], int] = {}
-    for collective in c.collectives:
-        times = LAYERS if "/while/body/" in collective.source else 1
-        key = (collective.kind, collective.axes)
-        totals[key] = totals.get(key, 0) + times * collective.bytes
-    return dict(sorted(totals.items()))
+    return dict(sorted(c.bytes_by_axes().items()))
 
 
 def communication(c: Cost) -> str:

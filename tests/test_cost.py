@@ -133,3 +133,57 @@ def test_every_replica_group_notation_names_its_mesh_axes(groups, axes):
     assert collective.axes == axes
     assert collective.source == "jit(step)/dot_general"
     assert _groups(line)
+
+
+def test_a_collective_in_a_loop_counts_once_per_trip():
+    hlo = """\
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%inner (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar.1 = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%outer (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %w.2 = (s32[], f32[4]) while(%t), condition=%cond, body=%inner, backend_config={"known_trip_count":{"n":"2"}}
+  %ag.1 = f32[8]{0} all-gather(f32[1]{0} %y), replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+%cond (p: (s32[], f32[4])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%unknown (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar.3 = f32[2]{0} all-reduce(f32[2]{0} %z), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %w.1 = (s32[], f32[4]) while(%init), condition=%cond, body=%outer, backend_config={"known_trip_count":{"n":"3"}}
+  %w.3 = (s32[], f32[4]) while(%init), condition=%cond, body=%unknown
+  %ar.2 = f32[4]{0} all-reduce(f32[4]{0} %a), replica_groups=[1,8]<=[8], to_apply=%add
+}
+"""
+    found = [(c.kind, c.bytes, c.count, c.total_bytes) for c in _collectives(hlo, None)]
+    assert found == [
+        ("all-reduce", 16, 6, 96),  # in the inner loop: 2 trips per trip of the outer's 3
+        ("all-gather", 32, 3, 96),
+        ("all-reduce", 8, 1, 8),  # a loop XLA knows no trip count of: counted once
+        ("all-reduce", 16, 1, 16),
+    ]
+
+
+def test_the_stacked_gpt_counts_its_scanned_collectives_per_layer():
+    import runpy
+    from pathlib import Path
+
+    gpt = runpy.run_path(str(Path(__file__).parent.parent / "examples/gpt_stacked.py"))
+    model = gpt["build"]()
+    state = gpt["optimizer"]().init(eqx.filter(model, eqx.is_array))
+    c = eqshard.cost(gpt["step"], model, state, gpt["batch"](), spec=eqshard.load(gpt["SPEC"]))
+    looped = [x for x in c.collectives if "while" in x.source]
+    assert looped
+    assert {x.count for x in looped} == {gpt["LAYERS"]}
+    assert all(x.count == 1 for x in c.collectives if "while" not in x.source)
+    by_axes = c.bytes_by_axes()
+    assert sum(by_axes.values()) == sum(x.bytes * x.count for x in c.collectives)

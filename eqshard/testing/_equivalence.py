@@ -160,5 +160,6 @@ def _over_budget(n: int, over: list[dict[str, Any]]) -> list[str]:
         )
         for op in o["ops"]:
             axes = ", ".join(op["axes"]) or "-"
-            lines.append(f"  {op['bytes']:,} bytes over ({axes}) from {op['source'] or '?'}")
+            times = f" ({op['count']} runs)" if op["count"] > 1 else ""
+            lines.append(f"  {op['bytes']:,} bytes{times} over ({axes}) from {op['source'] or '?'}")
     return lines

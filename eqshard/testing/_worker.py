@@ -314,7 +314,7 @@ def _over_budget(collectives: Any, budget: Mapping[str, int]) -> list[dict[str, 
     over = []
     for kind, limit in budget.items():
         mine = [c for c in collectives if c.kind == kind]
-        moved = sum(c.bytes for c in mine)
+        moved = sum(c.total_bytes for c in mine)
         if moved > limit:
             over.append(
                 {
@@ -322,10 +322,15 @@ def _over_budget(collectives: Any, budget: Mapping[str, int]) -> list[dict[str, 
                     "bytes": moved,
                     "limit": limit,
                     "ops": [
-                        {"bytes": c.bytes, "axes": list(c.axes), "source": c.source}
-                        for c in sorted(mine, key=lambda c: -c.bytes)[:5]
+                        {
+                            "bytes": c.total_bytes,
+                            "count": c.count,
+                            "axes": list(c.axes),
+                            "source": c.source,
+                        }
+                        for c in sorted(mine, key=lambda c: -c.total_bytes)[:5]
                     ],
-                    "count": len(mine),
+                    "count": sum(c.count for c in mine),
                 }
             )
     return over
