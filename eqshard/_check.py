@@ -279,12 +279,12 @@ def check(
             else:
                 needed, what = total_bytes_per_device(rows), "the parameters alone take"
             if needed is not None and needed > max_memory:
-                problems.append(_memoryproblem_of(rules.source, n, needed, what, max_memory))
+                problems.append(_memory_problem(rules.source, n, needed, what, max_memory))
         results.append(CheckResult(rules.source, n, rows, problems, notes, cost))
     return results
 
 
-def _memoryproblem_of(source: str, devices: int, needed: int, what: str, limit: int) -> Problem:
+def _memory_problem(source: str, devices: int, needed: int, what: str, limit: int) -> Problem:
     from ._report import human_bytes
 
     bound = " (a lower bound)" if what.startswith("the step") else ""
@@ -560,3 +560,9 @@ def _check_one(request: Mapping[str, Any]) -> CheckResult:
         max_memory=None if limit is None else whole_number(limit, "max_memory"),
     )
     return result
+
+
+if __name__ == "__main__":  # `python -m eqshard._check`: one worker
+    from eqshard._check import main_worker as _main_worker  # the package's copy of this module
+
+    raise SystemExit(_main_worker())

@@ -146,7 +146,9 @@ class Collective:
     - `axes`: the mesh axes its device groups run over.
     - `source`: where XLA records it comes from (the op's name in the step).
     - `count`: how many times one step runs it: more than once inside a loop whose
-        trip count XLA knows, such as `jax.lax.scan` over stacked layers.
+        trip count XLA knows, such as `jax.lax.scan` over stacked layers; once in a
+        loop whose trip count depends on values (a lower bound there); once in each
+        branch of a `cond`, as if every branch ran.
     """
 
     kind: str
@@ -304,8 +306,11 @@ def _collectives(text: str, mesh: AnyMesh | None) -> list[Collective]:
 
 
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(")
-_CALLEE = re.compile(r"\b(?:body|calls|to_apply|condition)=%(?P<name>[^\s,)}]+)")
-_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
+_CALLEE = re.compile(
+    r"\b(?:body|calls|to_apply|condition|true_computation|false_computation)="
+    r"%(?P<name>[^\s,)}]+)"
+)
+_BRANCHES = re.compile(r"(?:branch|called)_computations=\{(?P<names>[^}]*)\}")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
 _BODY = re.compile(r"\bbody=%(?P<name>[^\s,)}]+)")
 

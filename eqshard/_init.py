@@ -41,8 +41,10 @@ def _is_array(x: object) -> bool:
 def initializer(factory: Callable[[], Any], plan: Plan) -> Any:
     """The jitted function that builds `factory()`'s array leaves in `plan`'s shardings.
 
-    It returns the array part of the model (`eqx.partition(model, eqx.is_array)[0]`);
-    `.lower().compile().memory_analysis()` on it shows what each device holds.
+    It returns the array part of the model (`eqx.partition(model, eqx.is_array)[0]`),
+    in one program, lowered as JAX lowers it: the usual recipe, which
+    `benchmarks/bench_init.py` compares `init` with (`init` builds groups of leaves,
+    its random numbers lowered unrolled on CPU).
     """
     flat = [
         (s if s is not None else plan.replicated()) if _is_array(leaf) else None

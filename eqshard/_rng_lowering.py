@@ -15,7 +15,9 @@ and XLA 0.12 compiles chains of unrolled hashes (a key split, then a split of
 that) very slowly (a small block took minutes). It swaps a rule in
 JAX's private lowering table, so it is defensive: when that table or the primitive
 is not where this JAX keeps them, it does nothing, which costs memory but never
-changes a value. `tests/test_init.py` checks that it still takes effect.
+changes a value. `tests/test_init.py` checks that it still takes effect. The table
+is the process's: while the block runs, another thread's CPU `jit` lowers large
+random arrays unrolled too, which changes no value either.
 """
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def _rules() -> tuple[dict[Any, Any], Any, Any] | None:
         except (ImportError, AttributeError):
             continue
         if primitive in table and primitive in default:
-            return table, primitive, default[primitive].rule
+            unrolled = getattr(default[primitive], "rule", None)
+            if callable(unrolled) and dataclasses.is_dataclass(table[primitive]):
+                return table, primitive, unrolled
     return None
 
 

@@ -113,7 +113,9 @@ def user_callable(
     # The user's code may print: keep stdout for eqshard's own output (JSON, tables).
     with contextlib.redirect_stdout(sys.stderr):
         module = _import_user_module(target, module_name, option, modules)
-    factory = getattr(module, attribute, None)
+    factory: Any = module
+    for name in attribute.split("."):  # a qualname: `Factory.build` names a method
+        factory = getattr(factory, name, None)
     if not callable(factory):
         raise ModelError(f"{option} {target!r}: {module_name} has no callable {attribute!r}")
     return attribute, factory
@@ -142,7 +144,9 @@ def call(
 
 
 def start_worker(
-    request: Mapping[str, Any], entry: str = "eqshard._check:main_worker"
+    request: Mapping[str, Any],
+    entry: str = "eqshard._check:main_worker",
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """A fresh Python process running `entry` (`module:function`, which reads
     `request` as JSON from stdin and answers one JSON document on stdout), with this
@@ -166,6 +170,7 @@ def start_worker(
             [sys.executable, "-c", program],
             stdin=stdin,
             stdout=subprocess.PIPE,
+            env=None if env is None else dict(env),
             # Ctrl-C reaches this process alone, which stops the workers (killing a
             # worker halfway through starting Python or importing NumPy would
             # print tracebacks)
@@ -246,12 +251,6 @@ def error_entry(error: BaseException) -> dict[str, Any]:
         entry["headline"] = error.headline
         entry["problems"] = [dataclasses.asdict(p) for p in error.problems]
     return entry
-
-
-if __name__ == "__main__":  # `python -m eqshard._check`: one worker
-    from eqshard._check import main_worker as _main_worker  # the package's copy of this module
-
-    sys.exit(_main_worker())
 
 
 def serve(handle: Callable[[Mapping[str, Any]], Any]) -> int:

@@ -187,3 +187,49 @@ def test_a_user_project_in_ten_lines_with_the_plugin(tmp_path):
     )
     assert off.returncode == 4  # pytest's usage error: the option is the plugin's
     assert "unrecognized arguments: --eqshard-update" in off.stderr
+
+
+def test_leaves_compare_within_their_dtype_tolerance_complex_and_bfloat16_included():
+    import jax.numpy as jnp
+
+    from eqshard.testing._worker import _compare
+
+    one = jnp.ones((2, 3), jnp.bfloat16)
+    assert _compare("loss", one * 1.0078125, one, None, None) == []  # 1 ulp: within 1.6e-2
+    [bf16] = _compare("loss", one * 1.25, one, None, None)
+    assert (bf16["dtype"], bf16["count"], bf16["difference"]) == ("bfloat16", 6, 0.25)
+    z = jnp.full((2,), 1 + 1j, jnp.complex64)
+    [imaginary] = _compare("gradients", z + 4j, z, None, None)  # the imaginary part counts
+    assert (imaginary["sharded"], imaginary["unsharded"]) == ("(1+5j)", "(1+1j)")
+    assert imaginary["difference"] == 4.0
+    [exact] = _compare("state", jnp.arange(3), jnp.arange(3).at[1].set(7), None, None)
+    assert (exact["count"], exact["index"]) == (1, [1])
+
+
+def test_counts_callables_and_methods_are_taken_as_written():
+    import functools
+
+    import harness_models as m
+
+    from eqshard._workers import user_callable
+    from eqshard.testing._processes import device_counts
+    from eqshard.testing._references import callable_reference
+
+    assert device_counts(8, "x", None) == (8,)
+    assert device_counts([2, 8], "x", None) == (2, 8)
+    with pytest.raises(eqshard.EqshardError, match=r"`devices` is a device count or a seq"):
+        device_counts("8", "x", None)
+    reference = callable_reference(m.Factory.build, "build")
+    assert reference == "harness_models:Factory.build"
+    assert user_callable(reference, "`build`", "build", "", None)[1] is m.Factory.build
+    with pytest.raises(eqshard.EqshardError, match=r"`build` is a functools.partial, which"):
+        callable_reference(functools.partial(m.build), "build")
+
+
+def test_a_suite_that_sets_xla_flags_still_tests_any_count(monkeypatch, tmp_path):
+    import harness_models as m
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    monkeypatch.setenv("EQSHARD_UPDATE", "1")
+    assert_layouts(m.build, "o ... -> o* ...", golden=tmp_path / "g.json", devices=(4,))
+    assert '"4": {\n   "mesh": {"m0": 4}' in (tmp_path / "g.json").read_text()

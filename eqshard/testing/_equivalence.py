@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import EqshardError, whole_number
-from ._processes import TIMEOUT_SECONDS, default_counts, mesh_template, run_per_count
+from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
 from ._references import callable_reference, spec_reference
 
 __all__ = ["COLLECTIVE_KINDS", "assert_equivalent"]
@@ -80,6 +80,8 @@ def assert_equivalent(
         `"all-reduce"`, `"reduce-scatter"`, `"collective-permute"`, `"all-to-all"`)
         that the compiled step may move on each device, summed over the step, from
         `eqshard.cost`. `{"all-gather": 0}` asserts that no parameter is gathered.
+        A collective in a loop counts once per trip where XLA knows the trip count
+        (`jax.lax.scan`), else once; every branch of a `cond` counts.
     - `build`, `loss`, `batch` and `optimizer` are imported again in each process:
         pass them as top-level functions of an importable module (or as
         `"mypkg.model:build"`, `"path/to/file.py:build"`).
@@ -93,7 +95,7 @@ def assert_equivalent(
     worker processes, and when the user's code fails there, saying what raised.
     """
     template = mesh_template(mesh)
-    counts = tuple(devices) if devices is not None else default_counts(spec, template)
+    counts = device_counts(devices, spec, template)
     request: dict[str, Any] = {
         "task": "equivalence",
         "build": callable_reference(build, "build"),
@@ -143,7 +145,7 @@ def _differences(n: int, found: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"  {where} ({d['dtype']}): {d['count']} of {d['size']} elements; the largest "
             f"difference {d['difference']:.3g} at {index or 'the scalar'}: sharded "
-            f"{d['sharded']!r}, unsharded {d['unsharded']!r} (rtol {d['rtol']:g}, "
+            f"{d['sharded']}, unsharded {d['unsharded']} (rtol {d['rtol']:g}, "
             f"atol {d['atol']:g})"
         )
     if len(found) > _SHOWN:

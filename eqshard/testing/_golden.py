@@ -10,7 +10,7 @@ from typing import Any
 from .._errors import EqshardError
 from .._specfile import write_atomically
 from ._plugin import update_requested
-from ._processes import TIMEOUT_SECONDS, default_counts, mesh_template, run_per_count
+from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
 from ._references import callable_reference, spec_reference
 
 __all__ = ["GOLDEN_VERSION", "assert_layouts"]
@@ -64,7 +64,7 @@ def assert_layouts(
     and for bad arguments.
     """
     template = mesh_template(mesh)
-    counts = tuple(devices) if devices is not None else default_counts(spec, template)
+    counts = device_counts(devices, spec, template)
     request = {
         "task": "layouts",
         "build": callable_reference(build, "build"),

@@ -10,7 +10,14 @@ from typing import Any
 from .._errors import EqshardError, whole_number
 from .._workers import ModelError, start_worker, worker_answer
 
-__all__ = ["TIMEOUT_SECONDS", "MeshTemplate", "default_counts", "mesh_template", "run_per_count"]
+__all__ = [
+    "TIMEOUT_SECONDS",
+    "MeshTemplate",
+    "default_counts",
+    "device_counts",
+    "mesh_template",
+    "run_per_count",
+]
 
 MeshTemplate = Mapping[str, "int | str"]
 TIMEOUT_SECONDS = 600.0
@@ -41,6 +48,22 @@ def mesh_template(mesh: Any) -> dict[str, int | str] | None:
     return template
 
 
+def device_counts(
+    devices: Any, spec: Any, template: Mapping[str, int | str] | None
+) -> tuple[int, ...]:
+    """The device counts to test: `devices` (a count or a sequence of counts), else
+    the spec's own (`default_counts`)."""
+    if devices is None:
+        return default_counts(spec, template)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return (devices,)
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+        raise EqshardError(
+            f"`devices` is a device count or a sequence of them, such as (1, 2, 8), not {devices!r}"
+        )
+    return tuple(devices)
+
+
 def default_counts(spec: Any, template: Mapping[str, int | str] | None) -> tuple[int, ...]:
     """The device counts a spec is written for: its file's `"devices"`, else counts
     its mesh (the template, else the file's `"mesh"`) fits (the fixed axes' product,
@@ -66,9 +89,27 @@ def _rules(spec: Any) -> Any:
 
     if isinstance(spec, Rules):
         return spec
-    if isinstance(spec, os.PathLike) or (isinstance(spec, str) and spec.endswith(".json")):
+    if isinstance(spec, os.PathLike) or (
+        isinstance(spec, str) and (spec.endswith(".json") or os.path.isfile(spec))
+    ):
         return load(spec)
     return None
+
+
+def _without_device_count(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a worker: XLA_FLAGS without a simulated device count (a
+    test suite's conftest often sets one), so each worker sets its own."""
+    env = dict(environ)
+    flags = [
+        flag
+        for flag in env.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
 
 
 def run_per_count(
@@ -80,10 +121,11 @@ def run_per_count(
     if not counts or any(n < 1 for n in counts):
         raise EqshardError(f"`devices` must name device counts >= 1, not {list(counts)}")
     at_once = max(1, min(4, os.cpu_count() or 1))
+    env = _without_device_count(os.environ)
     results: dict[int, dict[str, Any]] = {}
     for start in range(0, len(counts), at_once):
         running = [
-            (n, start_worker({**request, "devices": n}, _ENTRY))
+            (n, start_worker({**request, "devices": n}, _ENTRY, env))
             for n in counts[start : start + at_once]
         ]
         try:

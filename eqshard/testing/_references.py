@@ -11,6 +11,7 @@ pytest imported with `--import-mode=importlib`) is refused here, with the fix.
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.util
 import inspect
 import os
@@ -49,6 +50,11 @@ def callable_reference(obj: Any, what: str) -> str:
     if not callable(obj):
         raise EqshardError(
             f"`{what}` must be a callable or its 'module:qualname', not {type(obj).__name__}"
+        )
+    if isinstance(obj, functools.partial):
+        raise EqshardError(
+            f"`{what}` is a functools.partial, which a new process cannot import by name; "
+            f"define a top-level function that calls it, and pass that (or 'mypkg.model:{what}')"
         )
     module = getattr(obj, "__module__", None)
     qualname = getattr(obj, "__qualname__", None)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import EqshardError, whole_number
-from .._workers import serve, user_callable
+from .._workers import call, serve, user_callable
 
 __all__ = ["main"]
 
@@ -107,7 +107,7 @@ def _layouts(request: Mapping[str, Any]) -> dict[str, Any]:
 
     modules: dict[str, Any] = {}
     build = _callable(request, "build", modules)
-    model = eqx.filter_eval_shape(build)
+    model = call("`build`", request["build"], "build()", lambda: eqx.filter_eval_shape(build))
     p = _plan(model, request, devices)
     mesh = dict(zip(p.mesh.axis_names, p.mesh.axis_sizes)) if p.mesh is not None else None
     return {
@@ -137,11 +137,20 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
     make_batch = _callable(request, "batch", modules)
     optimizer = None
     if request.get("optimizer") is not None:
-        optimizer = _callable(request, "optimizer", modules)()
+        make = _callable(request, "optimizer", modules)
+        optimizer = call("`optimizer`", request["optimizer"], "optimizer()", make)
 
-    model = build()
-    batch = make_batch()
-    state = None if optimizer is None else optimizer.init(eqx.filter(model, eqx.is_array))
+    model = call("`build`", request["build"], "build()", build)
+    batch = call("`batch`", request["batch"], "batch()", make_batch)
+    state = None
+    if optimizer is not None:
+        params = eqx.filter(model, eqx.is_array)
+        state = call(
+            "`optimizer`",
+            request["optimizer"],
+            "optimizer().init(...)",
+            lambda: optimizer.init(params),
+        )
     gradient, update = _gradient(loss), _update(optimizer)
     want = gradient(model, batch)  # on one device: JAX's default placement
     if optimizer is not None:
@@ -255,6 +264,7 @@ def _compare(
     """Every leaf of `got` that differs from `want` beyond the tolerance."""
     import equinox as eqx
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from .._paths import dotted
@@ -281,8 +291,9 @@ def _compare(
         r, a = default_tolerance(w.dtype)
         r = r if rtol is None else rtol
         a = a if atol is None else atol
-        if np.issubdtype(w.dtype, np.inexact):
-            g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        if jnp.issubdtype(w.dtype, jnp.inexact):  # bfloat16 and float8 included
+            wide = np.complex128 if jnp.issubdtype(w.dtype, jnp.complexfloating) else np.float64
+            g64, w64 = g.astype(wide), w.astype(wide)
             bad = ~np.isclose(g64, w64, rtol=r, atol=a, equal_nan=True)
             error = np.where(bad, np.abs(g64 - w64), 0.0)
         else:
@@ -299,8 +310,8 @@ def _compare(
                 "count": int(bad.sum()),
                 "size": int(bad.size),
                 "index": [int(i) for i in worst],
-                "sharded": float(g[worst]) if bad.shape else float(g),
-                "unsharded": float(w[worst]) if bad.shape else float(w),
+                "sharded": repr(g[worst].item()),
+                "unsharded": repr(w[worst].item()),
                 "difference": float(error[worst]) if bad.shape else float(error),
                 "rtol": r,
                 "atol": a,
