@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 import eqshard
-from eqshard import _demo
+from eqshard import _demo, _demo_model
 
 STEPS = 2  # the second step's loss shows the first update
 
@@ -63,7 +63,7 @@ def test_each_strategy_trains_to_the_unsharded_losses(outcomes, reference, name)
     # most parameters by the learning rate (1e-2).
     for got, want in zip(_arrays(outcome.model), _arrays(reference.model)):
         rms = float(np.sqrt(np.mean((np.asarray(got) - np.asarray(want)) ** 2)))
-        assert rms < _demo.LEARNING_RATE / 100
+        assert rms < _demo_model.LEARNING_RATE / 100
 
 
 def test_a_different_loss_does_not_agree(outcomes, reference):
@@ -124,7 +124,7 @@ def test_megatron_splits_heads_units_and_vocabulary_over_model(outcomes):
     assert model.blocks.down.bias.sharding.is_fully_replicated
     # device k holds head k (DIM // HEADS rows of each layer's query projection)
     query = model.blocks.attn.query_proj.weight
-    rows = _demo.DIM // _demo.HEADS
+    rows = _demo_model.DIM // _demo_model.HEADS
     for shard in query.addressable_shards:
         k = shard.device.id
         np.testing.assert_array_equal(
@@ -142,7 +142,7 @@ def test_2d_splits_over_model_and_copies_over_data(outcomes):
     assert outcome.batch == "b ... -> b2 ... 4"
     up = outcome.model.blocks.up.weight  # (layers, hidden, dim): hidden over 'model'
     assert _spec(up) == P(None, "model", None)
-    rows = _demo.HIDDEN // 4
+    rows = _demo_model.HIDDEN // 4
     for shard in up.addressable_shards:
         k = shard.device.id % 4  # devices 0-3 are data 0, 4-7 data 1: same blocks
         np.testing.assert_array_equal(
@@ -191,15 +191,19 @@ def test_the_table_and_the_json_report_every_strategy(outcomes, reference, devic
 
 def test_the_minimal_adamw_is_optax_adamw():
     params = {"w": jnp.arange(6.0).reshape(2, 3) / 7, "b": jnp.array([0.5, -1.0])}
-    ours = _demo.adamw_init(params)
+    ours = _demo_model.adamw_init(params)
     theirs_opt = optax.adamw(
-        _demo.LEARNING_RATE, _demo.B1, _demo.B2, _demo.EPS, weight_decay=_demo.WEIGHT_DECAY
+        _demo_model.LEARNING_RATE,
+        _demo_model.B1,
+        _demo_model.B2,
+        _demo_model.EPS,
+        weight_decay=_demo_model.WEIGHT_DECAY,
     )
     theirs = theirs_opt.init(params)
     p_ours = p_theirs = params
     for i in range(3):
         grads = jax.tree.map(lambda p, i=i: jnp.sin(p * (i + 1)), p_ours)
-        u_ours, ours = _demo.adamw_update(grads, ours, p_ours)
+        u_ours, ours = _demo_model.adamw_update(grads, ours, p_ours)
         u_theirs, theirs = theirs_opt.update(grads, theirs, p_theirs)
         p_ours, p_theirs = (
             optax.apply_updates(p_ours, u_ours),
