@@ -51,7 +51,7 @@ def abstract(
     - `tree`: a model, an optimizer state, or a whole training state; concrete or
         abstract (`eqx.filter_eval_shape`).
     - `spec`: anything `eqshard.apply` takes. A `Plan` made for the model lays out
-        the optimizer state by parameter path, as `apply(opt_state, plan)` does.
+        the optimizer state by structure, as `apply(opt_state, plan)` does.
     - `mesh`, `devices`: as for `eqshard.plan`.
 
     **Returns:**

@@ -387,7 +387,7 @@ def cost(
         (its donation is kept) or a plain one, called as `step(model, *args)`.
     - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`).
     - `*args`: the rest of the step's arguments, concrete or abstract. One built from
-        the model (an optimizer state: its leaves end with parameters' paths) is laid
+        the model (an optimizer state: it holds subtrees shaped like the model) is laid
         out by the model's plan, as `eqshard.apply(opt_state, plan)` does; the array
         leaves of the others (the batch) by `batch`.
     - `spec`: anything `eqshard.apply` takes, a `Plan` included.
@@ -426,7 +426,7 @@ def cost(
         if not state.problems:  # built from the model: an optimizer state
             optimizer_bytes += total_bytes_per_device(leaf_rows(state.plan)) or 0
             laid_out.append(state.plan.abstract)
-        else:  # no parameter's path in it: a batch
+        else:  # nothing shaped like the model in it: a batch
             laid_out.append(jax.tree_util.tree_map(lambda x: _batch(x, batch, p), arg))
     parameters = total_bytes_per_device(leaf_rows(p)) or 0
     fn = getattr(step, "__wrapped__", step)

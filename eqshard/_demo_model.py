@@ -155,7 +155,7 @@ def loss(model: GPT, batch: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:
 
 class AdamState(NamedTuple):
     """The state of the demo's AdamW: the step count and the two moments, each
-    shaped like the model's arrays, so eqshard lays them out by parameter path."""
+    shaped like the model's arrays, so eqshard lays them out by structure."""
 
     steps: Array
     mu: Any

@@ -1,18 +1,25 @@
 """A model's plan, applied to any tree made of the model: the model, its optimizer state.
 
-Optimizer states are not model-shaped. Adam's moments follow
-`eqx.filter(model, eqx.is_array)`, `optax.masked` and `multi_transform` put
-`MaskedNode`s (empty subtrees) where leaves are masked, `MultiSteps` keeps an
-accumulator beside the inner state, and Adafactor keeps factored moments at the
-parameters' paths with other shapes. So a leaf is matched by key path: one whose
-path ends with a parameter's path (the longest such) and has its shape gets that
-parameter's sharding; every other array leaf (step counts, factored moments) is
-replicated, and its origin says so.
+A leaf gets a parameter's sharding only where it sits in a subtree that has the
+structure of the plan's model, at that parameter's position, with its shape. Such
+a subtree may be the model itself inside a bigger tree (`(model, opt_state)`),
+`eqx.filter(model, eqx.is_array)` (with `None` where leaves were filtered out), or
+an optimizer's copy of it: Adam's moments, `MultiSteps`' accumulators, the inner
+states of `optax.masked` and `multi_transform` (with `optax.MaskedNode` where a
+leaf or a whole subtree is masked). This is the correspondence
+`optax.tree_map_params` gives. Nothing is guessed from key paths, so no leaf ever
+takes the layout of a parameter whose name merely ends like its own.
+
+Every other array leaf is replicated, and its origin says why: a leaf in no such
+subtree (step counts, custom state), or one whose shape differs from its
+parameter's (Adafactor's factored moments). A leaf whose parameter the plan keeps
+where it is (`unspecified="keep"`) is kept too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -21,15 +28,109 @@ from jaxtyping import PyTree
 from ._errors import EqshardError, Problem
 from ._expression import Expression
 from ._fields import is_array_like
-from ._paths import segments
 from ._plan import Plan, Planned, Unspecified, make_plan
-from ._resolve import Resolved
+from ._resolve import Resolved, abstract_leaves
 from ._sharding import AnyMesh, Device
 
 __all__ = ["REPLICATED", "plan_for"]
 
 REPLICATED = "replicated: no parameter here"
-"""The origin of a leaf of a tree that no parameter of the plan's model matches."""
+"""The origin of a leaf that sits in no subtree shaped like the plan's model."""
+
+_flatten_one = jax.tree_util.default_registry.flatten_one_level
+
+
+def _masked_node_type() -> type | None:
+    optax = sys.modules.get("optax")  # without optax imported, no state holds its nodes
+    return getattr(optax, "MaskedNode", None)
+
+
+def _is_hole(x: Any) -> bool:
+    """`None` or `optax.MaskedNode`: where a filtered or masked copy of the model has
+    nothing."""
+    return x is None or type(x) is _masked_node_type()
+
+
+class _Model:
+    """The plan's model as a template to match subtrees against."""
+
+    def __init__(self, given: Plan) -> None:
+        self.tree = given.resolved.model
+        self.root = None if _flatten_one(self.tree) is None else type(self.tree)
+        # Flattened with holes as leaves, the model and an exact copy of it with
+        # holes anywhere a leaf was have equal structures: one C-speed comparison.
+        flat, self.with_holes = jax.tree_util.tree_flatten(self.tree, is_leaf=_is_hole)
+        count = iter(range(len(flat)))
+        self.index_with_holes = [None if _is_hole(leaf) else next(count) for leaf in flat]
+
+    def match(self, node: Any) -> list[int | None] | None:
+        """The model index of each leaf of `node` (`None` where the model has no
+        leaf there), when `node` has the model's structure; else `None`."""
+        if self.root is None:  # the model is one array: so is any leaf
+            return [0] if _flatten_one(node) is None else None
+        if type(node) is not self.root:
+            return None
+        flat, structure = jax.tree_util.tree_flatten(node, is_leaf=_is_hole)
+        if structure == self.with_holes:
+            return [j for leaf, j in zip(flat, self.index_with_holes) if not _is_hole(leaf)]
+        out: list[int | None] = []
+        return out if _match(node, self.tree, iter(range(1 << 62)), out) else None
+
+
+def _match(node: Any, model: Any, indices: Iterator[int], out: list[int | None]) -> bool:
+    """Appends the model index of each leaf of `node` to `out` (drawing the model's
+    leaf indices, in order, from `indices`), if `node` has the structure of the
+    model's subtree `model`, holes allowed; `False` where it does not."""
+    model_children = _flatten_one(model)
+    if model_children is None:  # a leaf of the model
+        j = next(indices)
+        children = _flatten_one(node)
+        if children is None:
+            out.append(j)
+        return children is None or not children[0]  # not a subtree where a leaf is
+    if _is_hole(node):  # filtered or masked: no leaves here
+        for _ in jax.tree_util.tree_leaves(model):
+            next(indices)
+        return True
+    if not model_children[0]:  # no leaf of the model here: no parameter either
+        out.extend([None] * len(jax.tree_util.tree_leaves(node)))
+        return True
+    children = _flatten_one(node)
+    if children is None or type(node) is not type(model):
+        return False
+    (these, aux), (theirs, model_aux) = children, model_children
+    if len(these) != len(theirs) or aux != model_aux:
+        return False
+    return all(_match(child, part, indices, out) for child, part in zip(these, theirs))
+
+
+def _correspondence(tree: Any, model: _Model) -> list[int | None]:
+    """The model index of each leaf of `tree`, from its subtrees that have the
+    model's structure; `None` for leaves in no such subtree."""
+    out: list[int | None] = []
+
+    def visit(node: Any) -> None:
+        found = model.match(node)
+        if found is not None:
+            out.extend(found)
+            return
+        children = _flatten_one(node)
+        if children is None:
+            out.append(None)
+            return
+        for child in children[0]:
+            visit(child)
+
+    visit(tree)
+    return out
+
+
+def _described(model: Any) -> str:
+    """`a GPT of 42 leaves`, or `one array`, for messages."""
+    if _flatten_one(model) is None:
+        return "one array"
+    count = len(jax.tree_util.tree_leaves(model))
+    return f"a {type(model).__name__} of {count} {'leaf' if count == 1 else 'leaves'}"
 
 
 def _same_structure(tree: Any, given: Plan) -> list[Problem] | None:
@@ -50,56 +151,52 @@ def _same_structure(tree: Any, given: Plan) -> list[Problem] | None:
     ]
 
 
-def _by_parameter(tree: Any, given: Plan) -> Planned:
-    """`given`'s shardings for each leaf of `tree` whose path ends with a parameter's
-    path and has its shape; a full copy for every other array leaf."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+def _by_structure(tree: Any, given: Plan) -> Planned:
+    """`given`'s shardings for each leaf of `tree` at a parameter's position in a
+    subtree shaped like the plan's model, with that parameter's shape; a full copy
+    for every other array leaf."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     model = given.resolved
-    leaves = [leaf for _, leaf in flat]
-    exprs: list[Expression | None] = [None] * len(flat)
-    origins: list[str | None] = [None] * len(flat)
-    shardings: list[Any] = [None] * len(flat)
+    positions = _correspondence(tree, _Model(given))
+    assert len(positions) == len(leaves)  # both in `tree_leaves` order
+    exprs: list[Expression | None] = [None] * len(leaves)
+    origins: list[str | None] = [None] * len(leaves)
+    shardings: list[Any] = [None] * len(leaves)
     replicated = given.replicated()
     matched = unmatched = 0
-    for i, (path, leaf) in enumerate(flat):
+    for i, (leaf, j) in enumerate(zip(leaves, positions)):
         if not is_array_like(leaf):
             continue
-        segs = segments(path)
-        found = _parameter(segs, tuple(leaf.shape), given)
-        if found is None:
+        parameter = None if j is None else model.leaves[j]
+        if parameter is None or not is_array_like(parameter):
             shardings[i], origins[i] = replicated, REPLICATED
             unmatched += len(leaf.shape) > 0
             continue
-        j, parameter = found
+        assert j is not None
+        name = model.paths[j]
+        if tuple(leaf.shape) != tuple(parameter.shape):
+            shardings[i] = replicated
+            origins[i] = (
+                f"replicated: its shape {tuple(leaf.shape)} is not parameter {name}'s "
+                f"{tuple(parameter.shape)}"
+            )
+            continue
         shardings[i], exprs[i] = given.flat_shardings[j], model.exprs[j]
-        origins[i] = f"parameter {'.'.join(parameter)}"
+        origins[i] = f"parameter {name}" if shardings[i] is not None else f"kept, as {name} is"
         matched += 1
     problems = []
     if not matched and unmatched:
         problems.append(
             Problem(
                 "the root",
-                f"the plan was made for a model of {len(model.leaves)} leaves, and no leaf of "
-                "this tree ends with one of its parameters' paths and shapes; make the plan "
-                "from the model this tree was built from",
+                f"the plan was made for {_described(model.model)}, and no subtree of this "
+                "tree has its structure and shapes; make the plan from the model this tree "
+                "was built from",
             )
         )
-    resolved = Resolved(tree, leaves, treedef, exprs, origins, set())
+    resolved = Resolved(*abstract_leaves(tree, leaves, treedef), exprs, origins, set())
     derived = Plan(given.mesh, resolved, shardings, given.devices, given.mesh_is_given)
     return Planned(derived, problems, [])
-
-
-def _parameter(
-    segs: tuple[str, ...], shape: tuple[int, ...], given: Plan
-) -> tuple[int, tuple[str, ...]] | None:
-    """The parameter whose path is the longest suffix of `segs`, if it has `shape`."""
-    for k in range(len(segs)):
-        j = given.by_path.get(segs[k:])
-        if j is not None:
-            if tuple(given.resolved.leaves[j].shape) == shape:
-                return j, segs[k:]
-            return None
-    return None
 
 
 def plan_for(
@@ -112,7 +209,8 @@ def plan_for(
 ) -> Planned:
     """The plan that lays out `tree`. For a spec, `make_plan(tree, spec, ...)`. For a
     `Plan`: the plan itself when `tree` is shaped like its model, else the plan
-    applied by key path (an optimizer state built from the model).
+    applied by structure (a training state or an optimizer state built from the
+    model; see the module's notes).
     """
     if not isinstance(spec, Plan):
         return make_plan(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
@@ -124,4 +222,4 @@ def plan_for(
     same = _same_structure(tree, spec)
     if same is not None:
         return Planned(spec, same, [])
-    return _by_parameter(tree, spec)
+    return _by_structure(tree, spec)

@@ -33,7 +33,6 @@ from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
-from ._paths import segments
 from ._resolve import Resolved, resolve
 from ._resolver import Target
 from ._sharding import (
@@ -96,16 +95,6 @@ class Plan:
             return NamedSharding(self.mesh, PartitionSpec())
         assert self.devices is not None
         return named_sharding((len(self.devices),), ("_0",), (), self.devices)
-
-    @functools.cached_property
-    def by_path(self) -> dict[tuple[str, ...], int]:
-        """The index of each array leaf that the plan lays out, by its path's segments."""
-        paths = jax.tree_util.tree_flatten_with_path(self.resolved.model)[0]
-        return {
-            segments(path): i
-            for i, (path, _) in enumerate(paths)
-            if self.flat_shardings[i] is not None
-        }
 
     def _tree(self, flat: list[Any]) -> Any:
         return jax.tree_util.tree_unflatten(self.resolved.treedef, flat)

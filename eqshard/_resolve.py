@@ -11,6 +11,8 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.core
+import numpy as np
 from jaxtyping import PyTree
 
 from ._annotation import complete, for_rank
@@ -20,12 +22,38 @@ from ._fields import FROM_FIELDS, LeafInfo, is_array_like, leaf_name, walk_field
 from ._resolver import Resolver, Target, is_resolver
 from ._spectree import SpecTree, not_a_spec_leaf
 
-__all__ = ["Resolved", "resolve", "spec"]
+__all__ = ["Resolved", "abstract_leaves", "resolve", "spec"]
+
+
+def _abstract(x: Any) -> Any:
+    """An array's shape, dtype, weak type and (for a placed array) sharding, without
+    its buffer; any other leaf as it is."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        weak = getattr(x, "weak_type", False)  # a PRNG key array has none
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=weak)
+    if isinstance(x, jax.core.Tracer):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x.aval, "weak_type", False))
+    if isinstance(x, np.ndarray):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def abstract_leaves(tree: Any, leaves: list[Any], treedef: Any) -> tuple[Any, list[Any], Any]:
+    """`tree`, its leaves and its treedef with every array leaf abstract
+    (`jax.ShapeDtypeStruct`), as a `Resolved` holds them: a plan never keeps the
+    user's arrays alive, nor holds them in a `jit` cache as a static argument."""
+    abstract = [_abstract(x) for x in leaves]
+    if all(a is x for a, x in zip(abstract, leaves)):
+        return tree, leaves, treedef
+    return jax.tree_util.tree_unflatten(treedef, abstract), abstract, treedef
 
 
 @dataclasses.dataclass
 class Resolved:
     """A model's leaves, flattened, each with its complete expression (or `None`).
+
+    - `model`, `leaves`: the model and its leaves, every array abstract
+        (`abstract_leaves`).
 
     - `exprs`: the complete expression of each leaf, `None` where there is none.
     - `origins`: where each came from, when the resolver says.
@@ -42,6 +70,18 @@ class Resolved:
     origins: list[str | None]
     failed: set[int]
     _fields: list[LeafInfo] | None = None
+
+    def forget_values(self) -> None:
+        """Holds the model's arrays abstract from now on (`abstract_leaves`)."""
+        model, leaves, _ = abstract_leaves(self.model, self.leaves, self.treedef)
+        if leaves is self.leaves:
+            return
+        self.model, self.leaves = model, leaves
+        if self._fields is not None:
+            self._fields = [
+                LeafInfo(item.path, leaf, item.expr, item.owner, item.annotation)
+                for item, leaf in zip(self._fields, leaves)
+            ]
 
     @property
     def fields(self) -> list[LeafInfo]:
@@ -122,6 +162,7 @@ def resolve(
                 continue
             expr = done
         resolved.exprs[i] = expr
+    resolved.forget_values()
     return resolved, problems, list(resolution.warnings)
 
 

@@ -310,13 +310,21 @@ def test_keys_and_weakly_typed_leaves_keep_their_types():
     assert (placed["scale"] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
 
 
-def test_a_plan_lays_out_another_tree_by_parameter_paths_or_refuses_it():
-    plan = eqshard.plan({"a": jnp.ones(8), "b": jnp.ones(8)}, "x -> x*")
-    with pytest.raises(SpecError, match="no leaf of this tree ends with one of its parameters"):
-        eqshard.constrain({"c": jnp.ones(8), "d": jnp.ones(8)}, plan)
-    placed = eqshard.constrain({"a": jnp.ones(8), "c": jnp.ones(8)}, plan)
-    assert placed["a"].sharding == plan.shardings["a"]
-    assert placed["c"].sharding.is_fully_replicated
+def test_a_plan_lays_out_another_tree_by_structure_or_refuses_it():
+    plan = eqshard.plan({"a": jnp.ones(8), "b": jnp.ones(8)}, {"a": "x -> x*", "b": None})
+    with pytest.raises(
+        SpecError,
+        match=r"the root: the plan was made for a dict of 2 leaves, and no subtree of this "
+        r"tree has its structure and shapes; make the plan from the model this tree was "
+        r"built from",
+    ):
+        eqshard.constrain({"a": jnp.ones(8), "c": jnp.ones(8)}, plan)  # keys differ
+    placed = eqshard.constrain(
+        {"step": jnp.ones(8), "copies": [{"a": jnp.ones(8), "b": jnp.ones(8)}]}, plan
+    )
+    assert placed["copies"][0]["a"].sharding == plan.shardings["a"]
+    assert placed["copies"][0]["b"].sharding.is_fully_replicated
+    assert placed["step"].sharding.is_fully_replicated
 
 
 def test_apply_places_everything_in_one_device_put(monkeypatch):

@@ -2,6 +2,7 @@
 parameters, stacked layers, and `report`."""
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -9,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings, strategies as st
 from jaxtyping import Array, Float
 
 import eqshard
 from eqshard import SpecError
-from eqshard._paths import segments
 
 RULES = {
     "eqshard": 1,
@@ -58,45 +59,172 @@ OPTIMIZERS = {
 }
 
 
-def _parameter_of(path, params):
-    """The parameter whose path ends `path`, if it has the same shape: what a moment
-    must be laid out like."""
-    segs = segments(path)
-    for k in range(len(segs)):
-        if segs[k:] in params:
-            return params[segs[k:]]
-    return None
+def _is_masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+
+def _parameters_of(optimizer, state, params):
+    """For each leaf of `state`, the index of the parameter (in `params`' leaves) it
+    belongs to, or -1: optax's own map from a state to its parameters, from the
+    optimizer's structure."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    index = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
+    mapped = optax.tree_map_params(
+        optimizer,
+        lambda _, i: i,
+        state,
+        index,
+        transform_non_params=lambda _: -1,
+        is_leaf=_is_masked,
+    )
+
+    # Masked and filtered places are `MaskedNode`s in the state, and `None` or the
+    # parameter's index in the map: pair them, then drop them.
+    def hole(x):
+        return x is None or _is_masked(x)
+
+    found = jax.tree_util.tree_leaves(mapped, is_leaf=hole)
+    held = jax.tree_util.tree_leaves(state, is_leaf=hole)
+    assert len(found) == len(held)
+    return [i for i, leaf in zip(found, held) if not hole(leaf)]
+
+
+def _expected_shardings(optimizer, state, params, plan):
+    """What each leaf of `state` must be laid out as: its parameter's sharding where
+    it has one and that parameter's shape, else a full copy."""
+    shardings = [
+        s
+        for s, leaf in zip(plan.flat_shardings, plan.resolved.leaves)
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
+    ]
+    model_leaves = jax.tree_util.tree_leaves(params)
+    assert len(shardings) == len(model_leaves)
+    expected = []
+    for leaf, i in zip(jax.tree_util.tree_leaves(state), _parameters_of(optimizer, state, params)):
+        if i >= 0 and leaf.shape == model_leaves[i].shape:
+            expected.append(shardings[i])
+        else:
+            expected.append(None)  # replicated
+    return expected
+
+
+def _assert_laid_out_as(laid_out, expected):
+    leaves = jax.tree_util.tree_leaves(laid_out)
+    assert len(leaves) == len(expected)
+    for k, (leaf, want) in enumerate(zip(leaves, expected)):
+        if want is None:
+            assert leaf.sharding.is_fully_replicated, (k, leaf)
+        else:
+            assert leaf.sharding == want, (k, leaf.sharding, want)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_every_moment_has_its_parameters_blocks(name):
     model = _model()
     plan = eqshard.plan(model, eqshard.load(RULES))
-    params = {
-        segments(path): (leaf.shape, sharding)
-        for (path, leaf), sharding in zip(
-            jax.tree_util.tree_flatten_with_path(model)[0], plan.flat_shardings
-        )
-        if sharding is not None
-    }
+    params = eqx.filter(model, eqx.is_array)
     optimizer = OPTIMIZERS[name](model)
-    state = eqshard.apply(optimizer.init(eqx.filter(model, eqx.is_array)), plan)
+    state = eqshard.apply(optimizer.init(params), plan)
+    expected = _expected_shardings(optimizer, state, params, plan)
+    _assert_laid_out_as(state, expected)
+    for leaf, want in zip(jax.tree_util.tree_leaves(state), expected):
+        if want is not None:  # device by device, the parameter's blocks
+            assert _blocks(leaf.sharding, leaf.shape) == _blocks(want, leaf.shape)
     report = eqshard.report(state, plan)
-    followed = expected_bytes = 0
-    for (path, leaf), row in zip(jax.tree_util.tree_flatten_with_path(state)[0], report.rows):
-        parameter = _parameter_of(path, params)
-        if parameter is not None and parameter[0] == leaf.shape:
-            assert _blocks(leaf.sharding, leaf.shape) == _blocks(parameter[1], leaf.shape), path
-            assert row.origin == f"parameter {'.'.join(segments(path)[-3:])}"
-            shards = math.prod(parameter[1].shard_shape(leaf.shape))
-            expected_bytes += shards * leaf.dtype.itemsize
-            followed += leaf.ndim > 0 and leaf.sharding.num_devices == 8
-        else:  # step counts, factored moments
-            assert leaf.sharding.is_fully_replicated, path
+    names = [row.path for row in eqshard.report(model, plan).rows]
+    for row, leaf, i, want in zip(
+        report.rows,
+        jax.tree_util.tree_leaves(state),
+        _parameters_of(optimizer, state, params),
+        expected,
+    ):
+        if want is not None:
+            assert row.origin == f"parameter {names[i]}"
+        elif i >= 0:  # Adafactor's factored moments
+            assert row.origin == (
+                f"replicated: its shape {leaf.shape} is not parameter {names[i]}'s "
+                f"{jax.tree_util.tree_leaves(params)[i].shape}"
+            )
+        else:  # step counts
             assert row.origin == "replicated: no parameter here"
-            expected_bytes += leaf.nbytes
-    assert followed >= (2 if name in ("masked adam", "adafactor") else 3)
-    assert report.bytes_per_device == expected_bytes
+    assert sum(want is not None for want in expected) >= (
+        2 if name in ("masked adam", "adafactor", "lion") else 4
+    )
+    assert report.bytes_per_device == sum(
+        math.prod((want or leaf.sharding).shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf, want in zip(jax.tree_util.tree_leaves(state), expected)
+    )
+
+
+def _linears(key, *shapes):
+    keys = jax.random.split(key, len(shapes))
+    return [eqx.nn.Linear(i, o, key=k) for (o, i), k in zip(shapes, keys)]
+
+
+def test_a_model_inside_a_pair_keeps_its_own_layouts():
+    # (blocks, head) with `blocks` a list: inside (model, opt_state) the head's path
+    # is `0.1.weight`, which is also the path of `blocks[1].weight` in the model.
+    blocks = _linears(jax.random.key(0), (16, 16), (16, 16))
+    head = _linears(jax.random.key(1), (16, 16))[0]
+    model = (blocks, head)
+    spec = eqx.tree_at(
+        lambda s: (s[0][1].weight, s[1].weight),
+        eqshard.spec(model),
+        ("o i -> o* i", "o i -> o i*"),
+        is_leaf=lambda x: x is None,
+    )
+    plan = eqshard.plan(model, spec)
+    optimizer = optax.adam(1e-3)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    laid_out = eqshard.abstract((model, opt_state), plan)
+    assert laid_out[0][1].weight.sharding == plan.shardings[1].weight
+    assert laid_out[0][1].weight.sharding.spec == jax.sharding.PartitionSpec(None, "m0")
+    assert laid_out[0][0][1].weight.sharding.spec == jax.sharding.PartitionSpec("m0", None)
+    assert laid_out[1][0].mu[1].weight.sharding == plan.shardings[1].weight
+    assert laid_out[1][0].nu[0][1].weight.sharding == plan.shardings[0][1].weight
+
+
+class VAE(eqx.Module):
+    weight: Float[Array, "o i"]
+    mu: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.weight = jax.random.normal(key, (16, 16))
+        self.mu = eqx.nn.Linear(16, 16, key=key)
+
+
+def test_a_submodule_named_like_an_optimizer_field_does_not_lend_its_layout():
+    model = VAE(jax.random.key(0))
+    spec = eqshard.load(
+        {
+            "eqshard": 1,
+            "rules": [
+                {"path": "weight", "expr": "o i -> o* i"},
+                {"path": "mu.weight", "expr": "o i -> o i*"},
+            ],
+        }
+    )
+    plan = eqshard.plan(model, spec)
+    optimizer = optax.adam(1e-3)
+    state = eqshard.apply(optimizer.init(eqx.filter(model, eqx.is_array)), plan)
+    # Adam's first moment of `weight` is at `0.mu.weight`, which ends with `mu.weight`.
+    assert state[0].mu.weight.sharding == plan.shardings.weight
+    assert state[0].mu.weight.sharding.spec == jax.sharding.PartitionSpec("m0", None)
+    assert state[0].mu.mu.weight.sharding == plan.shardings.mu.weight
+    assert state[0].nu.weight.sharding == plan.shardings.weight
+
+
+def test_a_kept_parameters_moment_is_kept_not_given_another_layout():
+    model = {"a": {"w": jnp.ones((16, 8))}, "w": jnp.ones((16, 8))}
+    plan = eqshard.plan(model, {"a": {"w": None}, "w": "a b -> a* b"}, unspecified="keep")
+    state: Any = optax.adam(1e-3).init(model)
+    before = state[0].mu["a"]["w"].sharding
+    placed = eqshard.apply(state, plan)
+    assert placed[0].mu["a"]["w"].sharding == before  # kept where it was
+    assert placed[0].mu["a"]["w"] is state[0].mu["a"]["w"]
+    assert placed[0].mu["w"].sharding == plan.shardings["w"]
+    rows = {row.path: row.origin for row in eqshard.report(state, plan).rows}
+    assert rows["0.mu.a.w"] == "kept, as a.w is"
 
 
 def test_a_jitted_step_keeps_every_layout_with_one_trace():
@@ -219,3 +347,123 @@ def test_named_tuple_fields_keep_their_own_names():
     )
     assert plan.resolved.paths == ["0.count", "0.mu.w", "0.nu.w"]
     assert plan.partition_specs[0].nu["w"] == jax.sharding.PartitionSpec("m0", None)
+
+
+# Random models whose names and shapes collide with each other and with the
+# optimizers' own field names, so that any matching by key path would go wrong.
+_NAMES = ("weight", "mu", "nu", "v", "trace", "count", "0", "1")
+_SHAPES = ((16,), (8,), (16, 8), (8, 16), (4,))
+
+
+class Node(eqx.Module):
+    weight: Any
+    mu: Any
+    extra: Any
+
+
+def _leaf_layouts(shape):
+    """Expressions that fit `shape` on 8 devices."""
+    layouts = ["... -> * ..."]
+    if shape[0] % 8 == 0:
+        layouts.append("a ... -> a* ...")
+    if len(shape) == 2 and shape[1] % 8 == 0:
+        layouts.append("a b -> a b*")
+    return layouts
+
+
+@st.composite
+def _layouts(draw, depth=0):
+    """A tree of `(shape, expression)` leaves, floats and `None`s in dicts, lists and
+    modules, with colliding names."""
+    if depth >= 3 or draw(st.integers(0, 3)) == 0:
+        kind = draw(st.integers(0, 9))
+        if kind == 0:
+            return None
+        if kind == 1:
+            return 0.5  # a non-array leaf, like Dropout.p
+        shape = draw(st.sampled_from(_SHAPES))
+        return (shape, draw(st.sampled_from(_leaf_layouts(shape))))
+    container = draw(st.integers(0, 2))
+    child = _layouts(depth + 1)
+    if container == 0:
+        keys = draw(st.lists(st.sampled_from(_NAMES), min_size=1, max_size=3, unique=True))
+        return {key: draw(child) for key in keys}
+    if container == 1:
+        return [draw(child) for _ in range(draw(st.integers(1, 3)))]
+    return Node(draw(child), draw(child), draw(child))
+
+
+def _is_layout(x):
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], str)
+
+
+_RANDOM_OPTIMIZERS = [
+    "adam",
+    "adamw with a mask",
+    "masked adam",
+    "multi_transform",
+    "adafactor",
+    "MultiSteps",
+    "lion",
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(_layouts(), st.sampled_from(_RANDOM_OPTIMIZERS), st.integers(0, 2**31 - 1))
+def test_random_trees_with_colliding_names_follow_optax_s_own_map(layouts, name, seed):
+    rng = np.random.default_rng(seed)
+    model = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.standard_normal(x[0]), jnp.float32) if _is_layout(x) else x,
+        layouts,
+        is_leaf=_is_layout,
+    )
+    spec = jax.tree_util.tree_map(
+        lambda x: x[1] if _is_layout(x) else None, layouts, is_leaf=_is_layout
+    )
+    if not any(eqx.is_array(x) for x in jax.tree_util.tree_leaves(model)):
+        return
+    plan = eqshard.plan(model, spec)
+    params = eqx.filter(model, eqx.is_array)
+    optimizer = OPTIMIZERS[name](model)
+    state = optimizer.init(params)
+    expected = _expected_shardings(optimizer, state, params, plan)
+    _assert_laid_out_as(eqshard.abstract(state, plan), expected)
+    # the model itself, and filtered, inside a training state
+    pair = eqshard.abstract((model, state), plan)
+    assert [getattr(x, "sharding", None) for x in jax.tree_util.tree_leaves(pair[0])] == list(
+        plan.flat_shardings
+    )
+    _assert_laid_out_as(pair[1], expected)
+    filtered = eqshard.abstract((params, state), plan)[0]
+    assert [x.sharding for x in jax.tree_util.tree_leaves(filtered)] == [
+        s for s in plan.flat_shardings if s is not None
+    ]
+
+
+def test_a_plan_keeps_none_of_the_models_arrays_alive():
+    import gc
+
+    def live(shape):
+        return sum(x.shape == shape for x in jax.live_arrays())
+
+    model = eqx.nn.Linear(24, 40, key=jax.random.key(0))  # shapes no other test uses
+    optimizer = optax.adam(1e-3)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    plan = eqshard.plan(model, eqshard.load(RULES_FOR_LINEAR))
+    derived = eqshard.report((model, opt_state), plan)  # a plan for the whole state
+
+    @eqx.filter_jit
+    def step(x, plan):  # a plan as a static argument, held in the jit cache
+        return eqshard.constrain(x, plan)
+
+    step(model, plan)
+    assert live((40, 24)) == 3  # the weight and its two moments
+    del model, opt_state
+    gc.collect()
+    assert live((40, 24)) == 0
+    assert plan.abstract.weight.shape == (40, 24)
+    assert plan.abstract.weight.sharding.spec == jax.sharding.PartitionSpec("m0", None)
+    assert derived.rows[0].path == "0.weight"
+
+
+RULES_FOR_LINEAR = {"eqshard": 1, "rules": [{"path": "weight", "expr": "o i -> o* i"}]}
