@@ -18,54 +18,18 @@ import pytest  # noqa: E402
 
 TESTS = Path(__file__).parent
 
-# Seconds of setup and call per test file: about 2.5 times what each took on a
-# 2-core machine, in the whole suite or alone (alone, a file pays for JAX's first
-# compilations), and at least 3 s; test_einshard_compat.py as in CI, with the
-# einshard oracle. A file over its budget fails the session, after every test has
-# run. EQSHARD_NO_BUDGET=1 turns this off (under coverage, a debugger, a loaded machine).
-BUDGET_SECONDS = {
+# Seconds of setup and call per test file, printed after the run beside a rough
+# expectation (about 2.5 times what each took on a 2-core machine). Time is a
+# benchmark's business (benchmarks/): a slow or loaded machine never fails the suite.
+EXPECTED_SECONDS = {
     "README.md": 40.0,  # every code block, Orbax and a compiled step included
-    "tests/test_apply.py": 19.0,
-    "tests/test_check_processes.py": 25.0,
-    "tests/test_checkpoint.py": 25.0,
-    "tests/test_cli.py": 50.0,
-    "tests/test_cli_faults.py": 12.0,
-    "tests/test_cli_specs.py": 23.0,
     "tests/test_demo.py": 100.0,  # 9 compiles: 5 training steps and 4 of eqshard.cost
-    "tests/test_einshard_compat.py": 35.0,
-    "tests/test_examples.py": 30.0,
-    "tests/test_expression.py": 6.0,
-    "tests/test_faults.py": 6.0,
-    "tests/test_hardening.py": 3.0,
-    "tests/test_init.py": 30.0,
-    "tests/test_layout.py": 3.0,
-    "tests/test_mesh.py": 20.0,
-    "tests/test_multiprocess.py": 30.0,
-    "tests/test_paths.py": 3.0,
-    "tests/test_resolver.py": 4.0,
-    "tests/test_rules.py": 8.0,
-    "tests/test_sharding.py": 10.0,
-    "tests/test_spec.py": 7.5,
-    "tests/test_state.py": 20.0,
     "tests/test_testing.py": 60.0,  # worker processes: each imports JAX and compiles
-    "tests/test_train.py": 31.0,
+    "tests/test_cli.py": 50.0,
 }
-DEFAULT_BUDGET_SECONDS = 15.0
+DEFAULT_EXPECTED_SECONDS = 30.0
 
 _seconds_per_file: defaultdict[str, float] = defaultdict(float)
-
-
-def _budget_is_on() -> bool:
-    return os.environ.get("EQSHARD_NO_BUDGET", "") in ("", "0")
-
-
-def _over_budget() -> list[tuple[str, float, float]]:
-    """`(file, seconds, budget)` for each file that took longer than its budget."""
-    return [
-        (file, seconds, budget)
-        for file, seconds in sorted(_seconds_per_file.items())
-        if seconds > (budget := BUDGET_SECONDS.get(file, DEFAULT_BUDGET_SECONDS))
-    ]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -73,27 +37,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _seconds_per_file[report.nodeid.partition("::")[0]] += report.duration
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _budget_is_on() and exitstatus == pytest.ExitCode.OK and _over_budget():
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _seconds_per_file:
         return
     write = terminalreporter.write_line
-    terminalreporter.section("seconds per test file (setup + call) / budget")
-    for file, seconds in sorted(_seconds_per_file.items(), key=lambda item: -item[1]):
-        budget = BUDGET_SECONDS.get(file, DEFAULT_BUDGET_SECONDS)
-        flag = "  OVER BUDGET" if seconds > budget else ""
-        write(f"{seconds:7.2f} / {budget:5.1f}  {file}{flag}")
-    if _budget_is_on():
-        for file, seconds, budget in _over_budget():
-            write(
-                f"FAILED: {file} took {seconds:.1f} s, over its budget of {budget:.1f} s "
-                "(BUDGET_SECONDS in tests/conftest.py; EQSHARD_NO_BUDGET=1 turns this off)",
-                red=True,
-            )
+    terminalreporter.section("seconds per test file (setup + call), never a failure")
+    for file, seconds in sorted(_seconds_per_file.items(), key=lambda item: -item[1])[:10]:
+        expected = EXPECTED_SECONDS.get(file, DEFAULT_EXPECTED_SECONDS)
+        note = "  (slower than expected: a loaded machine?)" if seconds > expected else ""
+        write(f"{seconds:7.2f}  {file}{note}")
 
 
 def _run_python(args, *, python=sys.executable, stdin=None, env=None, timeout=300):
