@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import eqshard
+from eqshard import _cost
 from eqshard._check import check_in_processes
 from eqshard.testing import assert_layouts
 
@@ -97,7 +98,39 @@ def _arguments(module):
     )
 
 
-@pytest.mark.parametrize("work", ["check", "harness"])
+def test_a_step_in_the_users_own_module_costs_on_more_devices(user_module):
+    model, state, batch = _arguments(user_module)
+    c = eqshard.cost(user_module.step, model, state, batch, spec="... -> * ...", devices=16)
+    assert c.devices == 16
+    assert c.mesh is not None
+    assert c.mesh.size == 16
+    assert c.memory.parameters == PARAMETER_BYTES
+    [((kind, axes), moved)] = c.bytes_by_axes().items()  # the gradients, over all 16
+    assert kind == "all-reduce"
+    assert set(axes) == set(c.mesh.axis_names)
+    assert PARAMETER_BYTES <= moved <= PARAMETER_BYTES + 64
+
+
+def test_the_cost_workers_errors_come_back_as_the_same_class(user_module):
+    model, state, batch = _arguments(user_module)
+    spec = eqshard.load(
+        {"eqshard": 1, "rules": [{"path": "layers.0.weight", "expr": "o i -> o32 i"}]}
+    )
+    with pytest.raises(eqshard.SpecError) as raised:
+        eqshard.cost(user_module.step, model, state, batch, spec=spec, devices=16)
+    [problem] = raised.value.problems
+    assert problem.where == "layers.0.weight (Linear.weight)"
+    assert problem.message == (
+        "float32[32, 8] 'o i -> o32 i': o32 shards need 32 devices, 16 are given; choose "
+        "counts whose product is 16, or use '*' to take a share"
+    )
+    assert problem.detail == "    o i -> o32 i\n           ^^^^^"  # its caret
+    assert str(raised.value).startswith("1 problem in the spec:\n  layers.0.weight (Linear")
+    with pytest.raises(user_module.StepError, match=r"^no step here"):  # the user's own class
+        eqshard.cost(user_module.failing_step, model, state, batch, spec="... -> * ...", devices=16)
+
+
+@pytest.mark.parametrize("work", ["check", "harness", "cost"])
 def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
     work, user_module, tmp_path, monkeypatch
 ):
@@ -118,6 +151,15 @@ def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
                 golden=tmp_path / "golden.json",
                 devices=(2,),
                 timeout=0.5,
+            )
+    else:
+        monkeypatch.setattr(_cost, "_TIMEOUT_SECONDS", 0.5)
+        model, state, batch = _arguments(user_module)
+        with pytest.raises(
+            eqshard.EqshardError, match=r"^compiling the step on 16 devices took longer than 0.5 s"
+        ):
+            eqshard.cost(
+                user_module.slow_step, model, state, batch, spec="... -> * ...", devices=16
             )
 
 
