@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ from ._errors import EqshardError, Problem, whole_number
 from ._specfile import Rules
 from ._workers import (
     ModelError,
+    Worker,
     call,
     problem_of,
     serve,
@@ -443,9 +443,10 @@ def check_in_processes(
 
     What a worker raised, as the same class here: `ModelError` (exit code 2) when
     the model cannot be imported or built, and when a worker ends without an answer
-    or takes longer than `timeout`; `EqshardError` when JAX started with fewer
-    devices than a count (XLA_FLAGS, or the model, set a smaller one); `SpecError`
-    when the spec file cannot be loaded.
+    or takes longer than `timeout` ("checking on 8 devices took longer than 1800
+    s"); `EqshardError` when JAX started with fewer devices than a count (XLA_FLAGS,
+    or the model, set a smaller one); `SpecError` when the spec file cannot be
+    loaded.
     """
     counts = list(dict.fromkeys(device_counts))
     at_once = max(1, min(WORKERS, os.cpu_count() or 1))
@@ -461,25 +462,24 @@ def check_in_processes(
     }
     for start in range(0, len(counts), at_once):
         running = [
-            (n, start_worker({**request, "devices": n})) for n in counts[start : start + at_once]
+            (n, start_worker({**request, "devices": n}, "eqshard._check:main_worker"))
+            for n in counts[start : start + at_once]
         ]
         try:
             if not results:  # JAX, for the results' rows, imported while the workers run
                 from . import _report  # noqa: F401
-            for n, process in running:
-                results[n] = _answer(n, process, timeout)
+            for n, worker in running:
+                results[n] = _answer(n, worker, timeout)
         finally:
-            for _, process in running:  # after an error, the rest are not needed
-                if process.returncode is None:
-                    process.kill()
-                    process.communicate()
+            for _, worker in running:  # after an error, the rest are not needed
+                worker.stop()
     return [results[n] for n in device_counts]
 
 
-def _answer(devices: int, process: subprocess.Popen[bytes], timeout: float) -> CheckResult:
+def _answer(devices: int, worker: Worker, timeout: float) -> CheckResult:
     """The worker's result, or its error raised here."""
     document = worker_answer(
-        process,
+        worker,
         timeout,
         f"checking on {devices} devices",
         "Run the model's build in Python to see why",

@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import subprocess
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -506,13 +504,22 @@ def _bare(tree: Any) -> Any:
     )
 
 
+_TIMEOUT_SECONDS = 3600.0  # compiling the step in a process of its own
+
+
 def _in_a_process_of_its_own(
     step: Any, model: Any, args: tuple[Any, ...], spec: Any, batch: str | None, devices: int
 ) -> Cost:
-    """`cost` on `devices` simulated CPU devices, in a new process that has them: the
-    step, the abstract arguments and the spec travel with cloudpickle."""
+    """`cost` on `devices` simulated CPU devices, in a worker process that has them
+    (`eqshard._workers.start_worker`: this process's `sys.path`, errors raised here
+    as the same class); the step, the abstract arguments and the spec travel in the
+    request with cloudpickle, the `Cost` in the answer."""
+    import os
+
+    from ._workers import pickled, start_worker, unpickled, without_device_count, worker_answer
+
     try:
-        import cloudpickle
+        import cloudpickle  # noqa: F401
     except ImportError:
         raise EqshardError(
             f"the cost on {devices} devices needs {devices} devices, and this process has "
@@ -525,53 +532,51 @@ def _in_a_process_of_its_own(
             "a `Plan` holds this process's devices and cannot go to another process; "
             "pass the spec it was made from"
         )
-    payload = cloudpickle.dumps((step, _bare(model), _bare(args), spec, batch, devices))
-    done = subprocess.run(
-        [sys.executable, "-c", "from eqshard._cost import _worker; _worker()"],
-        input=payload,
-        stdout=subprocess.PIPE,
-        timeout=3600,
-        check=False,
+    work = pickled(
+        (step, _bare(model), _bare(args), spec),
+        "the step, its arguments or the spec",
+        "define the step at the top level of a module, or in the script being run",
     )
-    try:
-        answer = cloudpickle.loads(done.stdout)
-    except Exception:
-        raise EqshardError(
-            f"the process that compiles on {devices} devices ended with code "
-            f"{done.returncode} and no answer; its messages are above"
-        ) from None
-    if isinstance(answer, BaseException):
-        raise answer
-    return answer
+    request = {"devices": devices, "batch": batch, "work": work}
+    worker = start_worker(request, "eqshard._cost:_worker", without_device_count(os.environ))
+    document = worker_answer(
+        worker,
+        _TIMEOUT_SECONDS,
+        f"compiling the step on {devices} devices",
+        f"Compile it on at most {len(jax.devices())} devices in this process to see why",
+    )
+    return unpickled(document["result"], "the cost")
 
 
-def _worker() -> None:
-    """The other side of `_in_a_process_of_its_own`: reads the request on stdin,
-    writes the `Cost` (or the error) on stdout, pickled, and nothing else there."""
-    import os
+def _worker() -> int:
+    """The other side of `_in_a_process_of_its_own` (a worker's entry): `cost` on
+    the request's device count, answered as `eqshard._workers.serve` answers: the
+    `Cost`, pickled, or the error."""
+    from ._workers import serve
 
-    import cloudpickle
+    return serve(_cost_here)
 
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # whatever else prints goes to stderr
-    request = sys.stdin.buffer.read()
+
+def _cost_here(request: Any) -> str:
+    """The worker's `cost`, JAX not yet started."""
+    from ._errors import whole_number
+    from ._workers import pickled, unpickled
+
+    devices = whole_number(request["devices"], "devices")
     jax.config.update("jax_platforms", "cpu")
-    step, model, args, spec, batch, devices = cloudpickle.loads(request)
     jax.config.update("jax_num_cpu_devices", devices)
-    try:
-        answer: Any = cost(step, model, *args, spec=spec, batch=batch, devices=devices)
-        if answer.mesh is not None:
-            answer = dataclasses.replace(answer, mesh=answer.mesh.abstract_mesh)
-    except Exception as error:
-        answer = (
-            error
-            if isinstance(error, EqshardError)
-            else EqshardError(
-                f"compiling the step on {devices} devices raised {type(error).__name__}: {error}"
-            )
+    step, model, args, spec = unpickled(request["work"], "the step, its arguments or the spec")
+    started = len(jax.devices())  # the step's module may have started JAX with its own count
+    if started < devices:
+        raise EqshardError(
+            f"compiling the step on {devices} devices needs {devices} simulated devices, "
+            f"but JAX started with {started}: the step's modules set that count "
+            "(jax.config.update('jax_num_cpu_devices', ...)); leave the count to eqshard"
         )
-    out.write(cloudpickle.dumps(answer))
-    out.close()
+    found = cost(step, model, *args, spec=spec, batch=request["batch"], devices=devices)
+    if found.mesh is not None:
+        found = dataclasses.replace(found, mesh=found.mesh.abstract_mesh)
+    return pickled(found, "the cost", "report it as a bug in eqshard")
 
 
 def _data_parallel(p: Plan) -> str:

@@ -1,17 +1,21 @@
-"""Worker processes and the user's code: what `eqshard check` and `eqshard.testing`
-share.
+"""Worker processes and the user's code: what `eqshard check`, `eqshard.testing`
+and `eqshard.cost` share.
 
 - `user_callable` imports the callable a `MODULE:CALLABLE` names (a dotted module
     or a `.py` file), and `call` runs the user's code with what it raises turned
     into a `ModelError` and what it prints sent to stderr;
 - `start_worker` starts a fresh Python process with this one's `sys.path`, which
-    reads one JSON request and answers one JSON document; `worker_answer` reads the
-    answer, raising the worker's error here as the same class (`error_entry` writes
-    it, `rebuilt_error` reads it).
+    reads one JSON request and answers one JSON document (`serve`), and dies when
+    this process dies (`Worker`); `worker_answer` reads the answer, raising the
+    worker's error here as the same class (`error_entry` writes it,
+    `rebuilt_error` reads it) and a timeout as a `ModelError`;
+- `pickled` and `unpickled` carry what JSON cannot (a step, abstract arguments, a
+    spec) inside the request or the answer, as base64 text.
 """
 
 from __future__ import annotations
 
+import base64
 import builtins
 import contextlib
 import dataclasses
@@ -19,9 +23,12 @@ import importlib
 import importlib.util
 import json
 import os
+import pickle
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,13 +37,17 @@ from ._errors import EqshardError, Problem, SpecError, UnreadableError
 
 __all__ = [
     "ModelError",
+    "Worker",
     "call",
     "error_entry",
+    "pickled",
     "problem_of",
     "rebuilt_error",
     "serve",
     "start_worker",
+    "unpickled",
     "user_callable",
+    "without_device_count",
     "worker_answer",
 ]
 
@@ -143,62 +154,177 @@ def call(
             ) from None
 
 
+_LIFELINES: set[int] = set()  # this process's ends of its workers' lifelines
+
+
+def _let_go_of_lifelines() -> None:
+    """In a child forked from this process (without exec), its copies of the
+    lifelines: closed, so that only this process keeps its workers alive."""
+    for fd in list(_LIFELINES):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LIFELINES.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_let_go_of_lifelines)
+
+
+class Worker:
+    """A worker process that `start_worker` started, with this process's end of
+    its lifeline: a pipe whose other end the worker watches, and which closes when
+    this process ends, however it ends (SIGKILL included). The worker then ends
+    at once, rather than running on with no one to answer."""
+
+    def __init__(self, process: subprocess.Popen[bytes], lifeline: int) -> None:
+        self.process = process
+        self._lifeline = lifeline
+
+    @property
+    def pid(self) -> int:
+        """The worker's process id."""
+        return self.process.pid
+
+    def stop(self) -> None:
+        """Kills the worker if it still runs, reaps it, and closes the lifeline.
+        Stopping a stopped worker does nothing."""
+        if self.process.returncode is None:
+            self.process.kill()
+            self.process.communicate()
+        if self._lifeline >= 0:
+            _LIFELINES.discard(self._lifeline)
+            with contextlib.suppress(OSError):
+                os.close(self._lifeline)
+            self._lifeline = -1
+
+
+_PROGRAM = """\
+import sys
+sys.path[:] = {path!r}
+from eqshard._workers import _worker_main
+raise SystemExit(_worker_main({lifeline}, {entry!r}, {main_thread!r}))
+"""
+
+
 def start_worker(
-    request: Mapping[str, Any],
-    entry: str = "eqshard._check:main_worker",
-    env: Mapping[str, str] | None = None,
-) -> subprocess.Popen[bytes]:
-    """A fresh Python process running `entry` (`module:function`, which reads
-    `request` as JSON from stdin and answers one JSON document on stdout), with this
-    process's `sys.path`, so it imports what this one would."""
-    module, _, function = entry.partition(":")
-    program = (
-        "import sys\n"
-        f"sys.path[:] = {sys.path!r}\n"
-        "try:\n"
-        f"    from {module} import {function} as main\n"
-        "except BaseException as error:\n"
-        "    print(f'eqshard: a worker cannot start: {type(error).__name__}: {error}',\n"
-        "          file=sys.stderr)\n"
-        "    raise SystemExit(3) from None\n"
-        "raise SystemExit(main())\n"
+    request: Mapping[str, Any], entry: str, env: Mapping[str, str] | None = None
+) -> Worker:
+    """A fresh Python process running `entry`, with this process's `sys.path`, so
+    it imports what this one would (the user's modules, a folder a script added).
+
+    The worker dies when this process dies, however it dies: it watches a pipe
+    whose write end this process alone holds (no child inherits it), and ends when
+    that closes, even before it has started; on Linux, where the main thread starts
+    it, the kernel kills it too (`PR_SET_PDEATHSIG`). Ctrl-C reaches this process
+    alone, which stops its workers.
+
+    **Arguments:**
+
+    - `request`: the worker's request, which `entry` reads as JSON from stdin.
+    - `entry`: `module:function`, whose function answers one JSON document on
+        stdout (`serve`) and returns the exit code.
+    - `env`: the worker's environment; by default this process's.
+
+    **Returns:**
+
+    The `Worker`; `worker_answer` reads its answer, and `Worker.stop` ends it.
+    """
+    read_end, write_end = os.pipe()  # neither is inherited by what this process runs
+    _LIFELINES.add(write_end)
+    program = _PROGRAM.format(
+        path=sys.path,
+        lifeline=read_end,
+        entry=entry,
+        main_thread=threading.current_thread() is threading.main_thread(),
     )
-    with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: nothing to feed or close
-        stdin.write(json.dumps(request, ensure_ascii=True).encode("ascii"))
-        stdin.seek(0)
-        return subprocess.Popen(
-            [sys.executable, "-c", program],
-            stdin=stdin,
-            stdout=subprocess.PIPE,
-            env=None if env is None else dict(env),
-            # Ctrl-C reaches this process alone, which stops the workers (killing a
-            # worker halfway through starting Python or importing NumPy would
-            # print tracebacks)
-            start_new_session=True,
-        )
-
-
-def worker_answer(
-    process: subprocess.Popen[bytes], timeout: float, doing: str, hint: str
-) -> dict[str, Any]:
-    """The worker's answer, `{"result": ...}`; its `{"error": ...}` raised here as
-    the same class (`rebuilt_error`). `doing` names the work in messages ("checking
-    on 8 devices"); `hint` says what to try when the worker dies without answering."""
     try:
-        out, _ = process.communicate(timeout=timeout)
+        with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: nothing to feed or close
+            stdin.write(json.dumps(request, ensure_ascii=True).encode("ascii"))
+            stdin.seek(0)
+            process = subprocess.Popen(
+                [sys.executable, "-c", program],
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                env=None if env is None else dict(env),
+                pass_fds=(read_end,),
+                # Ctrl-C reaches this process alone, which stops the workers (killing a
+                # worker halfway through starting Python or importing NumPy would
+                # print tracebacks)
+                start_new_session=True,
+            )
+    except BaseException:
+        _LIFELINES.discard(write_end)
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)  # the worker's end: this process keeps none of it
+    return Worker(process, write_end)
+
+
+def _worker_main(lifeline: int, entry: str, main_thread: bool) -> int:
+    """A worker's first steps, before anything slow: it dies with its parent, then
+    runs `entry` (`start_worker`'s program calls it)."""
+    os.set_inheritable(lifeline, False)  # the worker's own children do not hold it
+    if main_thread and sys.platform == "linux":
+        # The kernel kills the worker when the thread that started it ends: only
+        # the main thread, whose end is the process's, so it never fires early.
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    # If the parent has already gone, the pipe reads as ended at once.
+    threading.Thread(target=_watch, args=(lifeline,), name="eqshard-lifeline", daemon=True).start()
+    module, _, function = entry.partition(":")
+    try:
+        main = getattr(importlib.import_module(module), function)
+    except BaseException as error:
+        print(f"eqshard: a worker cannot start: {type(error).__name__}: {error}", file=sys.stderr)
+        return 3
+    return main()
+
+
+def _watch(lifeline: int) -> None:
+    """Waits for the parent's end of the lifeline to close, then ends this worker
+    at once (nobody is left to answer)."""
+    with contextlib.suppress(OSError):
+        while os.read(lifeline, 1):
+            pass
+    os._exit(1)
+
+
+def worker_answer(worker: Worker, timeout: float, doing: str, hint: str) -> dict[str, Any]:
+    """The worker's answer, `{"result": ...}`; its `{"error": ...}` raised here as
+    the same class (`rebuilt_error`). The worker has ended when this returns or
+    raises.
+
+    **Arguments:**
+
+    - `worker`: what `start_worker` gave.
+    - `timeout`: the seconds it may take.
+    - `doing`: the work, with its device count, for messages ("checking on 8
+        devices").
+    - `hint`: what to try when the worker ends without answering.
+
+    **Raises:**
+
+    The worker's error; `ModelError` when the worker takes longer than `timeout`
+    (saying what ran, on how many devices, for how long) or ends without an answer.
+    """
+    try:
+        out, _ = worker.process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
         raise ModelError(
-            f"{doing} took longer than {timeout:g} s, and was stopped; "
-            "does importing or building the model wait for something?"
+            f"{doing} took longer than {timeout:g} s, and was stopped; does the user's "
+            "code wait for something, or does it need a longer timeout?"
         ) from None
+    finally:
+        worker.stop()
     try:
         document = json.loads(out)
     except ValueError:
         document = None
     if not isinstance(document, dict) or not ("result" in document or "error" in document):
-        code = process.returncode
+        code = worker.process.returncode
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         raise ModelError(
             f"{doing}: its process ended ({how}) without an answer; what it printed is "
@@ -209,10 +335,76 @@ def worker_answer(
     return document
 
 
+def pickled(value: Any, what: str, fix: str) -> str:
+    """`value` as base64 text, for a worker's request or answer: pickled by
+    cloudpickle where it is installed (which sends functions of `__main__` and
+    their closures by value, and the rest by name), else by pickle.
+
+    **Raises:**
+
+    `EqshardError` naming `what` and saying why it cannot be pickled, then `fix`.
+    """
+    try:
+        import cloudpickle
+
+        dumps = cloudpickle.dumps
+    except ImportError:
+        dumps = pickle.dumps
+    try:
+        data = dumps(value)
+    except Exception as error:
+        raise EqshardError(
+            f"{what} ({type(value).__name__}) cannot cross into another process: pickling "
+            f"it raised {type(error).__name__}: {error}; {fix}"
+        ) from None
+    return base64.b64encode(data).decode("ascii")
+
+
+def unpickled(text: str, what: str) -> Any:
+    """What `pickled` wrote, read back (in a worker, with its parent's `sys.path`).
+
+    **Raises:**
+
+    `EqshardError` naming `what`, when it cannot be read here (a module it names
+    by name cannot be imported).
+    """
+    try:
+        return pickle.loads(base64.b64decode(text))  # the parent pickled it
+    except Exception as error:
+        raise EqshardError(
+            f"{what} cannot be read in another process: unpickling it raised "
+            f"{type(error).__name__}: {error}; what it names must be importable by name "
+            "with the parent's `sys.path`"
+        ) from None
+
+
+def without_device_count(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment for a worker that sets its own device count: XLA_FLAGS
+    without a simulated device count (a test suite's conftest often sets one)."""
+    env = dict(environ)
+    flags = [
+        flag
+        for flag in env.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_force_host_platform_device_count")
+    ]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
 def rebuilt_error(entry: Mapping[str, Any]) -> BaseException:
-    """A worker's error, as this process raises it: eqshard's errors and Python's
-    own as the same class (so the command line prints the same message and picks
-    the same exit code), anything else as an exception of the same name."""
+    """A worker's error, as this process raises it: the error itself where it was
+    pickled and unpickles here (the user's own exception classes and JAX's
+    included); else eqshard's errors and Python's own as the same class (so the
+    command line prints the same message and picks the same exit code), anything
+    else as an exception of the same name."""
+    if "pickle" in entry:
+        with contextlib.suppress(Exception):
+            error = unpickled(str(entry["pickle"]), "the error")
+            if isinstance(error, Exception) and str(error) == str(entry["message"]):
+                return error
     kind, message = str(entry["type"]), str(entry["message"])
     if kind in ("SpecError", "UnreadableError") and "problems" in entry:
         cls = UnreadableError if kind == "UnreadableError" else SpecError
@@ -250,6 +442,8 @@ def error_entry(error: BaseException) -> dict[str, Any]:
     if isinstance(error, SpecError):
         entry["headline"] = error.headline
         entry["problems"] = [dataclasses.asdict(p) for p in error.problems]
+    with contextlib.suppress(Exception):  # what cannot be pickled is rebuilt by name
+        entry["pickle"] = pickled(error, "the error", "")
     return entry
 
 

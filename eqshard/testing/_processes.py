@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import EqshardError, whole_number
-from .._workers import ModelError, start_worker, worker_answer
+from .._workers import ModelError, start_worker, without_device_count, worker_answer
 
 __all__ = [
     "TIMEOUT_SECONDS",
@@ -96,22 +96,6 @@ def _rules(spec: Any) -> Any:
     return None
 
 
-def _without_device_count(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment for a worker: XLA_FLAGS without a simulated device count (a
-    test suite's conftest often sets one), so each worker sets its own."""
-    env = dict(environ)
-    flags = [
-        flag
-        for flag in env.get("XLA_FLAGS", "").split()
-        if not flag.startswith("--xla_force_host_platform_device_count")
-    ]
-    if flags:
-        env["XLA_FLAGS"] = " ".join(flags)
-    else:
-        env.pop("XLA_FLAGS", None)
-    return env
-
-
 def run_per_count(
     request: Mapping[str, Any], counts: Sequence[int], doing: str, timeout: float
 ) -> dict[int, dict[str, Any]]:
@@ -121,7 +105,7 @@ def run_per_count(
     if not counts or any(n < 1 for n in counts):
         raise EqshardError(f"`devices` must name device counts >= 1, not {list(counts)}")
     at_once = max(1, min(4, os.cpu_count() or 1))
-    env = _without_device_count(os.environ)
+    env = without_device_count(os.environ)
     results: dict[int, dict[str, Any]] = {}
     for start in range(0, len(counts), at_once):
         running = [
@@ -129,19 +113,17 @@ def run_per_count(
             for n in counts[start : start + at_once]
         ]
         try:
-            for n, process in running:
+            for n, worker in running:
                 what = f"{doing} on {n} devices"
                 try:
                     results[n] = worker_answer(
-                        process, timeout, what, "Run the callables in Python to see why"
+                        worker, timeout, what, "Run the callables in Python to see why"
                     )["result"]
                 except EqshardError:
                     raise
                 except Exception as error:  # the user's code raised, in the worker
                     raise ModelError(f"{what}: {type(error).__name__}: {error}") from None
         finally:
-            for _, process in running:
-                if process.returncode is None:
-                    process.kill()
-                    process.communicate()
+            for _, worker in running:
+                worker.stop()
     return results

@@ -10,16 +10,15 @@ pytest imported with `--import-mode=importlib`) is refused here, with the fix.
 
 from __future__ import annotations
 
-import base64
 import functools
 import importlib.util
 import inspect
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
 from .._errors import EqshardError
+from .._workers import pickled
 
 __all__ = ["callable_reference", "spec_reference"]
 
@@ -101,7 +100,7 @@ def _same_file(a: str, b: str) -> bool:
 def spec_reference(spec: Any) -> dict[str, str]:
     """`spec` as the worker's request carries it: `{"file": PATH}` for a spec file's
     path, else `{"pickle": BASE64}` (an expression, `Rules`, `FROM_FIELDS`, a spec
-    tree of picklable leaves).
+    tree of picklable leaves), as `eqshard._workers.pickled` writes it.
 
     **Raises:**
 
@@ -118,12 +117,5 @@ def spec_reference(spec: Any) -> dict[str, str]:
             "the worker processes; pass the spec the plan was made from (a file's path, "
             "`Rules`, an expression, `eqshard.FROM_FIELDS`)"
         )
-    try:
-        data = pickle.dumps(spec)
-    except Exception as error:
-        raise EqshardError(
-            f"`spec` ({type(spec).__name__}) cannot cross into the worker processes: "
-            f"pickling it raised {type(error).__name__}: {error}; pass a spec file's path, "
-            "`Rules`, an expression or `eqshard.FROM_FIELDS`"
-        ) from None
-    return {"pickle": base64.b64encode(data).decode("ascii")}
+    fix = "pass a spec file's path, `Rules`, an expression or `eqshard.FROM_FIELDS`"
+    return {"pickle": pickled(spec, "`spec`", fix)}

@@ -12,16 +12,14 @@ stdout (`{"result": ...}` or `{"error": ...}`, as `eqshard check`'s workers do):
 
 from __future__ import annotations
 
-import base64
 import math
 import os
-import pickle
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import EqshardError, whole_number
-from .._workers import call, serve, user_callable
+from .._workers import call, serve, unpickled, user_callable
 
 __all__ = ["main"]
 
@@ -65,7 +63,7 @@ def _spec(request: Mapping[str, Any]) -> Any:
         from .._specfile import load
 
         return load(entry["file"])
-    return pickle.loads(base64.b64decode(entry["pickle"]))  # the parent pickled it
+    return unpickled(entry["pickle"], "`spec`")
 
 
 def _target(request: Mapping[str, Any], devices: int) -> dict[str, Any]:

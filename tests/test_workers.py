@@ -1,0 +1,217 @@
+"""Worker processes: one protocol for `check`, the harness and `cost` (the parent's
+`sys.path`, errors rebuilt as the same class, timeouts as `EqshardError`s), and
+workers that die with their parent."""
+
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqshard
+from eqshard import _cost
+from eqshard._check import check_in_processes
+from eqshard.testing import assert_layouts
+
+# A user's own module, importable only through a folder the test puts on `sys.path`.
+USER_MODULE = """
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+OPTIMIZER = optax.adam(1e-3)
+
+
+def build():
+    return eqx.nn.MLP(8, 8, 32, 1, key=jax.random.key(0))
+
+
+def batch():
+    return jnp.zeros((16, 8))
+
+
+def loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+@eqx.filter_jit
+def step(model, state, x):  # cloudpickle sends it by value, and `loss` by name
+    value, grads = eqx.filter_value_and_grad(loss)(model, x)
+    updates, state = OPTIMIZER.update(grads, state)
+    return eqx.apply_updates(model, updates), state, value
+
+
+class StepError(Exception):
+    pass
+
+
+def failing_step(model, state, x):
+    raise StepError("no step here")
+
+
+def slow_build():
+    time.sleep(600)
+    return build()
+
+
+def slow_step(model, state, x):
+    time.sleep(600)
+    return step(model, state, x)
+
+
+def sleep():
+    print("asleep", file=sys.stderr, flush=True)
+    time.sleep(600)
+"""
+PARAMETER_BYTES = (8 * 32 + 32 + 32 * 8 + 8) * 4
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """`eqshard_user_steps`, a module in a folder on `sys.path` (in this process only)."""
+    (tmp_path / "eqshard_user_steps.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "eqshard_user_steps", raising=False)
+    yield importlib.import_module("eqshard_user_steps")
+    sys.modules.pop("eqshard_user_steps", None)
+
+
+def _arguments(module):
+    model = eqx.filter_eval_shape(module.build)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return (
+        model,
+        jax.eval_shape(module.OPTIMIZER.init, params),
+        jax.ShapeDtypeStruct((16, 8), jnp.float32),
+    )
+
+
+def test_a_step_in_the_users_own_module_costs_on_more_devices(user_module):
+    model, state, batch = _arguments(user_module)
+    c = eqshard.cost(user_module.step, model, state, batch, spec="... -> * ...", devices=16)
+    assert c.devices == 16
+    assert c.mesh is not None
+    assert c.mesh.size == 16
+    assert c.memory.parameters == PARAMETER_BYTES
+    [((kind, axes), moved)] = c.bytes_by_axes().items()  # the gradients, over all 16
+    assert kind == "all-reduce"
+    assert set(axes) == set(c.mesh.axis_names)
+    assert PARAMETER_BYTES <= moved <= PARAMETER_BYTES + 64
+
+
+def test_the_cost_workers_errors_come_back_as_the_same_class(user_module):
+    model, state, batch = _arguments(user_module)
+    spec = eqshard.load(
+        {"eqshard": 1, "rules": [{"path": "layers.0.weight", "expr": "o i -> o32 i"}]}
+    )
+    with pytest.raises(eqshard.SpecError) as raised:
+        eqshard.cost(user_module.step, model, state, batch, spec=spec, devices=16)
+    [problem] = raised.value.problems
+    assert problem.where == "layers.0.weight (Linear.weight)"
+    assert problem.message == (
+        "float32[32, 8] 'o i -> o32 i': o32 shards need 32 devices, 16 are given; choose "
+        "counts whose product is 16, or use '*' to take a share"
+    )
+    assert problem.detail == "    o i -> o32 i\n           ^^^^^"  # its caret
+    assert str(raised.value).startswith("1 problem in the spec:\n  layers.0.weight (Linear")
+    with pytest.raises(user_module.StepError, match=r"^no step here"):  # the user's own class
+        eqshard.cost(user_module.failing_step, model, state, batch, spec="... -> * ...", devices=16)
+
+
+@pytest.mark.parametrize("work", ["check", "harness", "cost"])
+def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
+    work, user_module, tmp_path, monkeypatch
+):
+    if work == "check":
+        spec = tmp_path / "spec.eqshard.json"
+        spec.write_text(json.dumps({"eqshard": 1, "rules": []}))
+        with pytest.raises(
+            eqshard.EqshardError, match=r"^checking on 2 devices took longer than 0.5 s"
+        ):
+            check_in_processes(str(spec), "eqshard_user_steps:slow_build", [2], timeout=0.5)
+    elif work == "harness":
+        with pytest.raises(
+            eqshard.EqshardError, match=r"^laying out on 2 devices took longer than 0.5 s"
+        ):
+            assert_layouts(
+                "eqshard_user_steps:slow_build",
+                "... -> * ...",
+                golden=tmp_path / "golden.json",
+                devices=(2,),
+                timeout=0.5,
+            )
+    else:
+        monkeypatch.setattr(_cost, "_TIMEOUT_SECONDS", 0.5)
+        model, state, batch = _arguments(user_module)
+        with pytest.raises(
+            eqshard.EqshardError, match=r"^compiling the step on 16 devices took longer than 0.5 s"
+        ):
+            eqshard.cost(
+                user_module.slow_step, model, state, batch, spec="... -> * ...", devices=16
+            )
+
+
+PARENT = """
+import os, sys, time
+sys.path[:] = {path!r}
+from eqshard._workers import start_worker
+
+worker = start_worker({{}}, "eqshard_user_steps:sleep")
+print(worker.pid, flush=True)
+if {exit_at_once!r}:
+    os._exit(0)  # gone before the worker has even started Python
+time.sleep(600)
+"""
+
+
+def _alive(pid):
+    """Whether process `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@pytest.mark.parametrize("ending", ["SIGKILL", "SIGTERM", "exit at once"])
+def test_a_worker_dies_with_its_parent(ending, user_module):
+    code = PARENT.format(path=sys.path, exit_at_once=ending == "exit at once")
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as parent:
+        assert parent.stdout is not None
+        assert parent.stderr is not None
+        pid = int(parent.stdout.readline())
+        try:
+            if ending != "exit at once":  # the worker runs `sleep` when its parent is killed
+                assert select.select([parent.stderr], [], [], 60)[0], "the worker did not start"
+                assert parent.stderr.readline() == "asleep\n"
+                parent.send_signal(getattr(signal, ending))
+            parent.wait(60)
+            for _ in range(600):  # a bound for a hang, not a timing
+                if not _alive(pid):
+                    break
+                time.sleep(0.1)
+            assert not _alive(pid), f"the worker {pid} outlived its parent ({ending})"
+        finally:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+            parent.kill()
