@@ -90,6 +90,8 @@ def _whole(minimum: int):
 
 _positive, _size = _whole(1), _whole(0)
 
+_EVERY_ONE = "--format json lists every one"  # where to see the problems text only counts
+
 MAX_SIMULATED = 4096  # simulated CPU devices for layouts: enough for any mesh worth drawing
 MAX_DEMO_DEVICES = 64  # the demo compiles and runs a step on each: XLA:CPU's limit on 2 cores
 MAX_DEMO_STEPS = 1000  # each strategy trains this many steps on one fixed batch
@@ -184,6 +186,7 @@ def _emit_json(payload: object) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from ._errors import problem_lines
     from ._specfile import load
 
     code, report = 0, []
@@ -196,8 +199,8 @@ def _validate(args: argparse.Namespace) -> int:
             problems = [p.to_json() for p in error.problems]
             report.append({"file": name, "ok": False, "problems": problems})
             if args.format == "text":
-                for problem in error.problems:
-                    (_err if unreadable else _out)(problem)
+                for line in problem_lines(error.problems, more=_EVERY_ONE):
+                    (_err if unreadable else _out)(line)
             continue
         count = len(rules.rules)
         report.append({"file": name, "ok": True, "rules": count, "problems": []})
@@ -277,6 +280,7 @@ def _check_command(args: argparse.Namespace) -> int:
             )
 
     from ._check import cost_line, result_table, summary_table
+    from ._errors import problem_lines
     from ._report import human_bytes
 
     if args.format == "json":
@@ -297,8 +301,8 @@ def _check_command(args: argparse.Namespace) -> int:
             _out(cost_line(result.cost))
         for note in result.notes:
             _out(f"warning: {note}")
-        for problem in result.problems:
-            _out(problem)
+        for line in problem_lines(result.problems, more=_EVERY_ONE):
+            _out(line)
         verdict = "ok" if result.ok else f"{len(result.problems)} problem(s)"
         _out(f"{result.source} on {result.devices} devices: {verdict}\n")
     if len(results) > 1:
@@ -515,8 +519,9 @@ def _report(command: str, error: BaseException, as_json: bool) -> int:
     `--format json`), and returns the exit code."""
     code = _exit_code(error)
     if isinstance(error, (EqshardError, OSError, _UsageError)):
+        text = error.text(_EVERY_ONE) if isinstance(error, SpecError) else error
         message = (
-            str(error) if isinstance(error, _UsageError) else f"eqshard {command}: error: {error}"
+            str(error) if isinstance(error, _UsageError) else f"eqshard {command}: error: {text}"
         )
     else:  # a bug in eqshard: say so, without a traceback
         message = (

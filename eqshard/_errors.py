@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
+    "MAX_LINES",
     "EqshardError",
     "EqshardWarning",
     "ExpressionError",
@@ -24,6 +25,8 @@ __all__ = [
     "UnreadableError",
     "UnusedRuleWarning",
     "in_file",
+    "named",
+    "problem_lines",
     "warn",
     "whole_number",
 ]
@@ -173,12 +176,67 @@ def in_file(problem: Problem, file: str) -> Problem:
     return problem
 
 
+MAX_LINES = 40
+"""The most lines a list of problems takes as text, whatever the model's size."""
+
+NAMED = 3
+"""How many places a group of problems with one message names; the rest are counted."""
+
+
+def named(places: Sequence[str], limit: int = NAMED) -> str:
+    """The first `limit` of `places`, and a count of the rest: `a, b, c and 5 more`."""
+    shown = ", ".join(places[:limit])
+    return f"{shown} and {len(places) - limit} more" if len(places) > limit else shown
+
+
+def problem_lines(
+    problems: Sequence[Problem],
+    *,
+    limit: int = MAX_LINES,
+    more: str = "`error.problems` lists every one",
+) -> list[str]:
+    """The problems as text, at most `limit` lines, however many there are.
+
+    Problems with the same message and detail are one group: its message is shown
+    once, after the first `NAMED` places it was found and a count of the others
+    (`layers.0.weight (Linear.weight), layers.1.weight (Linear.weight),
+    layers.2.weight (Linear.weight) and 157 more: float32[...] ...`). Groups come in
+    the order of their first problem. When they do not all fit, the last line says
+    how many problems (and distinct messages) are left out, then `more`: where to see
+    every one.
+    """
+    groups: dict[tuple[str, str], list[str]] = {}
+    for problem in problems:
+        groups.setdefault((problem.message, problem.detail), []).append(problem.where)
+    lines: list[str] = []
+    entries = list(groups.items())
+    for k, ((message, detail), places) in enumerate(entries):
+        text = f"{named(places)}: {message}".split("\n")
+        if detail:
+            text += detail.split("\n")
+        room = limit - len(lines) - (k + 1 < len(entries))
+        if len(text) > room and lines:
+            left = entries[k:]
+            count = sum(len(found) for _, found in left)
+            lines.append(
+                f"... and {count} more problem{'s' * (count != 1)} ({len(left)} different "
+                f"message{'s' * (len(left) != 1)}): {more}"
+            )
+            break
+        lines += text[: max(1, room)]
+    return lines
+
+
 class SpecError(EqshardError):
     """Every fault found in one spec, raised once.
 
+    Its text shows each distinct message once, naming the first few leaves it was
+    found at and counting the others, in at most `MAX_LINES` lines.
+
     **Attributes:**
 
-    - `problems`: a list of `eqshard.Problem`, one per fault, in model order.
+    - `problems`: a list of `eqshard.Problem`, one per fault, in model order: every
+        one, also those the text only counts.
     """
 
     problems: list[Problem]
@@ -188,10 +246,13 @@ class SpecError(EqshardError):
         count = len(self.problems)
         headline = headline or f"{count} problem{'s' * (count != 1)} in the spec"
         self.headline = headline
-        lines = [f"{headline}:"]
-        for problem in self.problems:
-            lines += [f"  {line}" for line in str(problem).split("\n")]
-        super().__init__("\n".join(lines))
+        super().__init__(self.text())
+
+    def text(self, more: str = "`error.problems` lists every one") -> str:
+        """The headline and the problems, grouped by message (`problem_lines`), with
+        `more` saying where to see every problem when some are only counted."""
+        lines = problem_lines(self.problems, limit=MAX_LINES - 1, more=more)
+        return "\n".join([f"{self.headline}:", *(f"  {line}" for line in lines)])
 
     def __reduce__(self):
         return (type(self), (self.problems, self.headline))

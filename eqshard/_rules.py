@@ -173,7 +173,7 @@ def match_rules(
                 Problem(
                     fields[i].label,
                     f"no rule or dim matches this leaf, and {rules.source} says "
-                    f'"default": "error"; add a rule for {name!r}, or set '
+                    '"default": "error"; add a rule whose path matches it, or set '
                     '"default": "replicate"',
                 )
             )

@@ -1,0 +1,191 @@
+"""Errors a person can read: problems grouped by message in at most `MAX_LINES`
+lines. Every text is pinned here."""
+
+import json
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import pytest
+
+import eqshard
+from eqshard import Problem, SpecError
+from eqshard._errors import MAX_LINES, problem_lines
+
+ROOT = Path(__file__).parent.parent
+TRANSFORMER = f"{ROOT / 'examples' / 'transformer.py'}:build"
+
+# Hundreds of faulty leaves, and four distinct faults among them: on 8 devices a
+# weight of 20 rows does not split, a bias is not 2-D, `o3*` needs a multiple of 3
+# devices, and `i2` uses 2 of the 8.
+MANY = 200
+MIXED_RULES = {
+    "eqshard": 1,
+    "rules": [
+        {"path": "0.weight", "expr": "o i -> o i2"},
+        {"path": "1.bias", "expr": "o i -> o* i"},
+        {"path": "*.weight", "expr": "o i -> o* i"},
+        {"path": "*.bias", "expr": "o -> o3*"},
+    ],
+}
+MODEL_FILE = f"""
+import equinox as eqx
+import jax
+
+
+def build():
+    return [eqx.nn.Linear(12, 20, key=jax.random.key(0)) for _ in range({MANY})]
+"""
+
+
+def _layers(sizes):
+    return eqx.filter_eval_shape(
+        lambda: [eqx.nn.Linear(12, size, key=jax.random.key(0)) for size in sizes]
+    )
+
+
+def _mixed_lines() -> list[str]:
+    """The grouped text of MIXED_RULES on MANY layers: each fault once, in the order
+    of its first leaf, with its first three leaves named and the others counted."""
+    rank = (
+        "float32[20] 'o i -> o* i': the left side names 2 axes, but the array has 1 "
+        "(shape (20,)); name one axis per dimension, or use '...' for the rest"
+    )
+    return [
+        "0.weight (Linear.weight): float32[20, 12] 'o i -> o i2': i2 shards need 2 devices, 8 "
+        "are given; add '*' to an element to take the rest, or a standalone '*' to replicate",
+        "    o i -> o i2",
+        "           ^^^^",
+        f"0.bias (Linear.bias), 2.bias (Linear.bias), 3.bias (Linear.bias) and {MANY - 4} more: "
+        "float32[20] 'o -> o3*': the starred counts o3* need a multiple of 3 devices, and 8 are "
+        "left for them (8 are given); change the starred counts",
+        "    o -> o3*",
+        "         ^^^",
+        f"1.weight (Linear.weight), 2.weight (Linear.weight), 3.weight (Linear.weight) and "
+        f"{MANY - 4} more: float32[20, 12] 'o i -> o* i': axis 'o' (dimension 0 of shape (20, "
+        "12)) has size 20, which does not split into 8 equal shards; choose a count that "
+        "divides 20",
+        "    o i -> o* i",
+        "           ^^",
+        f"1.bias (Linear.bias): {rank}",
+        "    o i -> o* i",
+        "    ^^^",
+    ]
+
+
+def test_hundreds_of_faulty_leaves_print_one_line_per_distinct_fault():
+    model = _layers([20] * MANY)
+    with pytest.raises(SpecError) as info:
+        eqshard.plan(model, eqshard.load(MIXED_RULES))
+    error = info.value
+    # every problem is kept, in model order
+    assert len(error.problems) == 2 * MANY
+    assert [p.where.partition(" ")[0] for p in error.problems] == [
+        f"{i}.{leaf}" for i in range(MANY) for leaf in ("weight", "bias")
+    ]
+    # the text names each distinct fault once, with its first places and a count
+    assert str(error).splitlines() == [f"{2 * MANY} problems in the spec:"] + [
+        f"  {line}" for line in _mixed_lines()
+    ]
+
+
+def test_the_text_stays_under_the_line_cap_and_counts_what_it_leaves_out():
+    sizes = list(range(20, 120))  # 100 leaves; the 88 sizes 8 does not divide each fail alike
+    model = _layers(sizes)
+    with pytest.raises(SpecError) as info:
+        eqshard.plan(model, "o i -> o* i")
+    error = info.value
+    failing = [size for size in sizes if size % 8]
+    # a weight's and a bias's faults for each failing size, and a bias's rank for the others
+    assert len(error.problems) == len(failing) + len(sizes)
+    lines = str(error).splitlines()
+    assert len(lines) <= MAX_LINES
+    assert lines[1] == (
+        "  0.weight (Linear.weight): float32[20, 12] 'o i -> o* i': axis 'o' (dimension 0 of "
+        "shape (20, 12)) has size 20, which does not split into 8 equal shards; choose a count "
+        "that divides 20"
+    )
+    shown = [line for line in lines if not line.startswith("      ")][1:-1]
+    assert len(shown) == (len(lines) - 2) // 3  # a line and a caret picture for each fault
+    left = len(error.problems) - len(shown)
+    assert lines[-1] == (
+        f"  ... and {left} more problems ({left} different messages): `error.problems` lists "
+        "every one"
+    )
+
+
+def test_problem_lines_group_by_message_and_detail():
+    problems = [
+        Problem("a", "same"),
+        Problem("b", "other", "    x\n    ^"),
+        Problem("c", "same"),
+        Problem("d", "other", "    y\n    ^"),  # another picture: another group
+        Problem("e", "same"),
+        Problem("f", "same"),
+    ]
+    assert problem_lines(problems) == [
+        "a, c, e and 1 more: same",
+        "b: other",
+        "    x",
+        "    ^",
+        "d: other",
+        "    y",
+        "    ^",
+    ]
+    assert problem_lines(problems, limit=4, more="see all") == [
+        "a, c, e and 1 more: same",
+        "... and 2 more problems (2 different messages): see all",
+    ]
+
+
+def test_check_groups_hundreds_of_faults_and_json_keeps_every_one(run_cli, tmp_path):
+    (tmp_path / "many_layers.py").write_text(MODEL_FILE)
+    spec = tmp_path / "mixed.eqshard.json"
+    spec.write_text(json.dumps(MIXED_RULES))
+    model = f"{tmp_path / 'many_layers.py'}:build"
+    text = run_cli("check", spec, "--model", model)
+    assert text.code == 1
+    lines = text.out.splitlines()
+    end = lines.index(f"{spec} on 8 devices: {2 * MANY} problem(s)")
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{MANY * 2} array leaves"))
+    assert lines[start + 1 : end] == _mixed_lines()
+
+    result = run_cli("check", spec, "--model", model, "--format", "json")
+    assert result.code == 1
+    (check,) = json.loads(result.out)["checks"]
+    assert len(check["problems"]) == 2 * MANY
+
+
+def test_validate_and_load_errors_are_grouped_and_capped(run_cli, tmp_path):
+    spec = tmp_path / "bad.eqshard.json"
+    rules = [{"path": f"a{k}", "expr": "a -> b"} for k in range(50)]
+    rules += [{"path": f"c{k}", "expr": f"a -> c{k + 1}"} for k in range(20)]  # 20 pictures
+    spec.write_text(json.dumps({"eqshard": 1, "rules": rules}))
+    same = (
+        "axis 'b' is on the right but not on the left; add it to the left, or drop its name to "
+        "replicate instead"
+    )
+    result = run_cli("validate", spec)
+    assert result.code == 1
+    lines = result.out.splitlines()
+    assert lines[:3] == [
+        f"{spec}::$.rules[0].expr, {spec}::$.rules[1].expr, {spec}::$.rules[2].expr and 47 "
+        f"more: {same}",
+        "    a -> b",
+        "         ^",
+    ]
+    assert len(lines) == MAX_LINES
+    assert (
+        lines[-1] == "... and 8 more problems (8 different messages): --format json lists every one"
+    )
+    # the same problems raised through `check`: capped, and pointing at --format json
+    result = run_cli("check", spec, "--model", TRANSFORMER)
+    assert result.code == 1
+    lines = result.err.splitlines()
+    assert lines[0] == f"eqshard check: error: {spec} is not a valid eqshard spec:"
+    assert len(lines) <= MAX_LINES
+    assert lines[-1] == (
+        "  ... and 9 more problems (9 different messages): --format json lists every one"
+    )
+    result = run_cli("check", spec, "--model", TRANSFORMER, "--format", "json")
+    assert len(json.loads(result.out)["error"]["problems"]) == 70
