@@ -47,6 +47,12 @@ def _backends_started() -> bool:
     return backends_are_initialized()
 
 
+def _text(text: str, style: str):
+    from rich.text import Text
+
+    return Text(text, style=style)
+
+
 def _console():
     """A rich console that prints user text literally (no markup, no emoji codes);
     wide when writing to a file or pipe, so tables are not cut."""
@@ -279,7 +285,7 @@ def _check_command(args: argparse.Namespace) -> int:
                 rules, model, counts, strict=args.strict, step=step, max_memory=args.max_memory
             )
 
-    from ._check import cost_line, result_table, summary_table
+    from ._check import cost_line, result_table, summary_table, warning_lines
     from ._errors import problem_lines
     from ._report import human_bytes
 
@@ -289,6 +295,8 @@ def _check_command(args: argparse.Namespace) -> int:
     console = _console()
     for result in results:
         console.print(result_table(result))
+        for line in warning_lines(result):  # right under the table, where they are seen
+            console.print(_text(_safe(line), "bold yellow"), soft_wrap=True)
         coverage = result.coverage
         total = result.bytes_per_device
         _out(
@@ -299,11 +307,12 @@ def _check_command(args: argparse.Namespace) -> int:
         )
         if result.cost is not None:
             _out(cost_line(result.cost))
-        for note in result.notes:
-            _out(f"warning: {note}")
         for line in problem_lines(result.problems, more=_EVERY_ONE):
             _out(line)
         verdict = "ok" if result.ok else f"{len(result.problems)} problem(s)"
+        if result.ok and result.warnings:
+            count = len(result.warnings)
+            verdict += f", with {count} warning{'s' * (count != 1)} (an error under --strict)"
         _out(f"{result.source} on {result.devices} devices: {verdict}\n")
     if len(results) > 1:
         console.print(summary_table(results))

@@ -23,10 +23,12 @@ __all__ = [
     "Problem",
     "SpecError",
     "UnreadableError",
+    "UnusedRule",
     "UnusedRuleWarning",
     "in_file",
     "named",
     "problem_lines",
+    "unused_message",
     "warn",
     "whole_number",
 ]
@@ -290,6 +292,11 @@ class EqshardWarning(UserWarning):
         """The same faults as `Problem`s, one per place, for `check --strict`."""
         return [Problem(self.where, self.message)]
 
+    def to_json(self) -> list[dict[str, Any]]:
+        """The warning for machines: one entry per place, as `Problem.to_json()`
+        writes it, with `kind`, the warning's class name."""
+        return [{"kind": type(self).__name__, **p.to_json()} for p in self.problems]
+
     def __reduce__(self) -> Any:
         return (type(self), (self.where, self.message))
 
@@ -297,43 +304,109 @@ class EqshardWarning(UserWarning):
 EqshardWarning.__module__ = "eqshard"
 
 
-class UnusedRuleWarning(EqshardWarning):
-    """Rules of a spec file that matched no leaf of the model: one warning per plan.
+@dataclasses.dataclass(frozen=True)
+class UnusedRule:
+    """One rule of a spec file that gave no leaf its expression.
 
-    **Attributes:** `source` (the file), `unused` (each rule's index and path),
-    besides `where` and `message`.
+    - `index`: its place in the file's `rules`.
+    - `path`: its path pattern.
+    - `message`: what happened to it, and how to fix it.
+    - `suggestions`: rule paths that match leaves and are close to `path`, closest
+        first (a typo's fix).
+    - `leaves`: the dotted paths of the leaves the first suggestion matches; for a
+        rule that earlier rules shadow, the leaves it matches.
+    """
+
+    index: int
+    path: str
+    message: str
+    suggestions: tuple[str, ...] = ()
+    leaves: tuple[str, ...] = ()
+
+
+UnusedRule.__module__ = "eqshard"
+
+
+class UnusedRuleWarning(EqshardWarning):
+    """Rules of a spec file that gave no leaf of the model its expression: one
+    warning per plan.
+
+    A rule whose path matches no leaf is most often a typo, and the leaves it was
+    written for fall to a broader rule, the dims or the default; its message names
+    the closest rule path that matches leaves, and those leaves.
+
+    **Attributes:** `source` (the file), `unused` (one `UnusedRule` per rule),
+    `hint` (what the tree looks like, when it looks like an optimizer state rather
+    than a model), besides `where` and `message`.
     """
 
     source: str
-    unused: list[tuple[int, str]]
+    unused: list[UnusedRule]
+    hint: str
 
-    def __init__(self, source: str, unused: Sequence[tuple[int, str]]):
+    def __init__(
+        self,
+        source: str,
+        unused: Sequence[UnusedRule | tuple[int, str]],
+        hint: str = "",
+        tree: str = "the model",
+    ):
         self.source = source
-        self.unused = list(unused)
-        (first, path), count = self.unused[0], len(self.unused)
+        self.unused = [
+            rule
+            if isinstance(rule, UnusedRule)
+            else UnusedRule(rule[0], rule[1], unused_message(rule[1]))
+            for rule in unused
+        ]
+        self.hint = hint
+        self.tree = tree
+        first, count = self.unused[0], len(self.unused)
         if count == 1:
-            super().__init__(f"{source}::$.rules[{first}]", _unused_message(path))
+            super().__init__(f"{source}::$.rules[{first.index}]", self._with_hint(first.message))
             return
-        shown = ", ".join(f"$.rules[{i}] {p!r}" for i, p in self.unused[:3])
-        more = f", and {count - 3} more" if count > 3 else ""
-        super().__init__(
-            f"{source}::$.rules",
-            f"{count} rules matched no leaf of the model: {shown}{more}",
-        )
+        lines = [f"{count} rules gave no leaf of {tree} its expression:"]
+        lines += [f"  $.rules[{rule.index}]: {rule.message}" for rule in self.unused[:NAMED]]
+        if count > NAMED:
+            lines.append(f"  and {count - NAMED} more: `warning.problems` lists every one")
+        if hint:
+            lines.append(hint[0].upper() + hint[1:])
+        super().__init__(f"{source}::$.rules", "\n".join(lines))
+
+    def _with_hint(self, message: str) -> str:
+        return f"{message}; {self.hint}" if self.hint else message
 
     @property
     def problems(self) -> list[Problem]:
         return [
-            Problem(f"{self.source}::$.rules[{i}]", _unused_message(p), file=self.source)
-            for i, p in self.unused
+            Problem(
+                f"{self.source}::$.rules[{rule.index}]",
+                self._with_hint(rule.message),
+                file=self.source,
+            )
+            for rule in self.unused
+        ]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """Per rule, as `EqshardWarning.to_json`, with `rule` (its path pattern),
+        `did_you_mean` (close rule paths that match leaves) and `leaves` (those the
+        first one matches, or those earlier rules took from a shadowed rule)."""
+        return [
+            {
+                **entry,
+                "rule": rule.path,
+                "did_you_mean": list(rule.suggestions),
+                "leaves": list(rule.leaves),
+            }
+            for entry, rule in zip(super().to_json(), self.unused)
         ]
 
     def __reduce__(self) -> Any:
-        return (type(self), (self.source, self.unused))
+        return (type(self), (self.source, self.unused, self.hint, self.tree))
 
 
-def _unused_message(path: str) -> str:
-    return f"rule {path!r} matched no leaf of the model"
+def unused_message(path: str, tree: str = "the model") -> str:
+    """The message of a rule whose path matched no leaf of `tree`."""
+    return f"rule {path!r} matched no leaf of {tree}"
 
 
 UnusedRuleWarning.__module__ = "eqshard"

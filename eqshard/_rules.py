@@ -21,10 +21,18 @@ from typing import Any, Literal
 import jax
 
 from ._annotation import complete, for_rank
-from ._errors import ExpressionError, Problem, SpecError, UnusedRuleWarning
+from ._errors import (
+    ExpressionError,
+    Problem,
+    SpecError,
+    UnusedRule,
+    UnusedRuleWarning,
+    named,
+    unused_message,
+)
 from ._expression import Expression, parse
 from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
-from ._paths import PathIndex, segments
+from ._paths import PathIndex, closest, match, segments
 from ._resolver import Resolution, Target, is_spec_leaf
 from ._specfile import Rule, Rules
 
@@ -149,6 +157,7 @@ def match_rules(
     mesh = None if target is None else target.mesh
     matches: list[Match] = []
     problems: list[Problem] = []
+    unmatched: list[int] = []
     for i, (path, leaf) in enumerate(flat):
         name = leaf_name(path)
         if not is_array_like(leaf):
@@ -168,16 +177,16 @@ def match_rules(
             matches.append(Match(name, expr, "dims"))
             continue
         if rules.default == "error":
-            fields = fields or walk_fields(model)
-            problems.append(
-                Problem(
-                    fields[i].label,
-                    f"no rule or dim matches this leaf, and {rules.source} says "
-                    '"default": "error"; add a rule whose path matches it, or set '
-                    '"default": "replicate"',
-                )
-            )
+            unmatched.append(i)
         matches.append(Match(name, fallback, "default"))
+    if unmatched:
+        fields = fields or walk_fields(model)
+        message = (
+            f"no rule or dim matches this leaf, and {rules.source} says "
+            '"default": "error"; add a rule whose path matches it, or set '
+            '"default": "replicate"'
+        )
+        problems += [Problem(fields[i].label, message) for i in unmatched]
     return matches, problems
 
 
@@ -198,16 +207,51 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
             )
         )
     used = {m.rule_index for m in matches if m.source == "rule"}
-    unused = [(rule.index, rule.path) for rule in rules.rules if rule.index not in used]
+    unused = [rule for rule in rules.rules if rule.index not in used]
     return Resolution(
         [m.expr for m in matches],
         problems,
-        [UnusedRuleWarning(rules.source, unused)] if unused else [],
+        [_unused_warning(rules, unused, model, matches)] if unused else [],
         failed=frozenset(
             i for i, m in enumerate(matches) if m.expr is None and m.source in ("dims", "default")
         ),
         origins=[m.origin for m in matches],
     )
+
+
+def _unused_warning(
+    rules: Rules, unused: list[Rule], model: Any, matches: list[Match]
+) -> UnusedRuleWarning:
+    """The warning for the rules that gave no leaf its expression: each rule's
+    closest rule path that matches leaves (a typo's fix), or the earlier rule that
+    took its leaves."""
+    flat = jax.tree_util.tree_flatten_with_path(model)[0]
+    arrays = [i for i, (_, leaf) in enumerate(flat) if is_array_like(leaf)]
+    paths = [segments(flat[i][0]) for i in arrays]
+    found = []
+    for rule in unused:
+        taken = [i for i, path in zip(arrays, paths) if match(rule.path, path)]
+        if taken:
+            earlier = matches[taken[0]].origin
+            leaves = tuple(matches[i].path for i in taken)
+            message = (
+                f"rule {rule.path!r} matches {named(leaves)}, and gives none its expression: "
+                f"an earlier rule matches each first ({earlier} matches "
+                f"{matches[taken[0]].path}); move this rule before it, or drop it"
+            )
+            found.append(UnusedRule(rule.index, rule.path, message, (), leaves))
+            continue
+        message = unused_message(rule.path)
+        close = closest(rule.path, paths)
+        if not close:
+            found.append(UnusedRule(rule.index, rule.path, message))
+            continue
+        best, at = close[0]
+        leaves = tuple(matches[arrays[k]].path for k in at)
+        message += f"; did you mean {best!r}, which matches {named(leaves)}?"
+        suggestions = tuple(text for text, _ in close)
+        found.append(UnusedRule(rule.index, rule.path, message, suggestions, leaves))
+    return UnusedRuleWarning(rules.source, found)
 
 
 def rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:

@@ -300,10 +300,12 @@ def test_check_strict_unused_rule_and_default_error(run_cli, spec_file):
     ]
     code, strict = _check_json(run_cli, path, "--model", MODEL, "--strict")
     assert code == 1
-    assert strict["checks"][0]["notes"] == []
+    assert strict["checks"][0]["notes"] == strict["checks"][0]["warnings"] == []
     assert strict["checks"][0]["problems"] == [
         {
             "where": f"{path}::$.rules[0]",
+            "file": str(path),
+            "path": "$.rules[0]",
             "message": "rule '**.nowhere' matched no leaf of the model (--strict)",
         }
     ]

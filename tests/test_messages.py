@@ -1,7 +1,8 @@
 """Errors a person can read: problems grouped by message in at most `MAX_LINES`
-lines. Every text is pinned here."""
+lines, and unused rules shown where the leaves are. Every text is pinned here."""
 
 import json
+import re
 from pathlib import Path
 
 import equinox as eqx
@@ -9,10 +10,11 @@ import jax
 import pytest
 
 import eqshard
-from eqshard import Problem, SpecError
+from eqshard import Problem, SpecError, UnusedRuleWarning
 from eqshard._errors import MAX_LINES, problem_lines
 
 ROOT = Path(__file__).parent.parent
+EXAMPLE = ROOT / "examples" / "specs" / "transformer.eqshard.json"
 TRANSFORMER = f"{ROOT / 'examples' / 'transformer.py'}:build"
 
 # Hundreds of faulty leaves, and four distinct faults among them: on 8 devices a
@@ -189,3 +191,74 @@ def test_validate_and_load_errors_are_grouped_and_capped(run_cli, tmp_path):
     )
     result = run_cli("check", spec, "--model", TRANSFORMER, "--format", "json")
     assert len(json.loads(result.out)["error"]["problems"]) == 70
+
+
+@pytest.fixture
+def typo(tmp_path):
+    """The example spec file with one rule path mistyped: `**.upp.weight`."""
+    path = tmp_path / "typo.eqshard.json"
+    path.write_text(EXAMPLE.read_text().replace('"**.up.weight"', '"**.upp.weight"'))
+    return path
+
+
+TYPO = (
+    "rule '**.upp.weight' matched no leaf of the model; did you mean '**.up.weight', which "
+    "matches blocks.0.up.weight, blocks.1.up.weight?"
+)
+
+
+def test_check_shows_an_unused_rule_right_under_the_table(run_cli, typo):
+    result = run_cli("check", typo, "--model", TRANSFORMER)
+    assert result.code == 0  # the documented contract: a warning, not a failure
+    lines = result.out.splitlines()
+    bottom = next(i for i, line in enumerate(lines) if line.startswith("└"))
+    assert lines[bottom + 1] == f"warning: {typo}::$.rules[4]: {TYPO}"
+    # the rows of the leaves it was meant for say so, in the table
+    flagged = [line for line in lines if "(warning: $.rules[4])" in line]
+    assert [line.split("│")[1].strip() for line in flagged] == [
+        "blocks.0.up.weight",
+        "blocks.1.up.weight",
+    ]
+    assert all(re.search(r"│ default \(warning: \$\.rules\[4\]\) +│", line) for line in flagged)
+    assert lines[-2:] == [f"{typo} on 8 devices: ok, with 1 warning (an error under --strict)", ""]
+
+    result = run_cli("check", typo, "--model", TRANSFORMER, "--format", "json")
+    assert result.code == 0
+    (check,) = json.loads(result.out)["checks"]
+    assert check["warnings"] == [
+        {
+            "kind": "UnusedRuleWarning",
+            "where": f"{typo}::$.rules[4]",
+            "file": str(typo),
+            "path": "$.rules[4]",
+            "message": TYPO,
+            "rule": "**.upp.weight",
+            "did_you_mean": ["**.up.weight", "**.weight", "**.output_proj.weight"],
+            "leaves": ["blocks.0.up.weight", "blocks.1.up.weight"],
+        }
+    ]
+    assert check["notes"] == [f"{typo}::$.rules[4]: {TYPO}"]
+
+    result = run_cli("check", typo, "--model", TRANSFORMER, "--strict")
+    assert result.code == 1
+    assert f"{typo}::$.rules[4]: {TYPO} (--strict)" in result.out.splitlines()
+
+
+def test_a_rule_that_earlier_rules_shadow_names_them():
+    rules = eqshard.load(
+        {
+            "eqshard": 1,
+            "rules": [
+                {"path": "**.weight", "expr": "o i -> o* i"},
+                {"path": "layers.1.weight", "expr": "o i -> o i*"},
+            ],
+        }
+    )
+    model = eqx.filter_eval_shape(eqx.nn.MLP, 8, 8, 16, 1, key=jax.random.key(0))
+    with pytest.warns(UnusedRuleWarning) as caught:
+        eqshard.plan(model, rules)
+    assert str(caught[0].message) == (
+        "<mapping>::$.rules[1]: rule 'layers.1.weight' matches layers.1.weight, and gives none "
+        "its expression: an earlier rule matches each first ($.rules[0] matches "
+        "layers.1.weight); move this rule before it, or drop it"
+    )
