@@ -1,17 +1,22 @@
 """Errors a person can read: problems grouped by message in at most `MAX_LINES`
-lines, and unused rules shown where the leaves are. Every text is pinned here."""
+lines, unused rules shown where the leaves are, and rules given for an optimizer
+state told to use the model's plan. Every text is pinned here."""
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import equinox as eqx
 import jax
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import eqshard
 from eqshard import Problem, SpecError, UnusedRuleWarning
 from eqshard._errors import MAX_LINES, problem_lines
+from eqshard._rules import looks_like_state
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "specs" / "transformer.eqshard.json"
@@ -261,4 +266,75 @@ def test_a_rule_that_earlier_rules_shadow_names_them():
         "<mapping>::$.rules[1]: rule 'layers.1.weight' matches layers.1.weight, and gives none "
         "its expression: an earlier rule matches each first ($.rules[0] matches "
         "layers.1.weight); move this rule before it, or drop it"
+    )
+
+
+STATE_HINT = (
+    "this tree looks like an optimizer state built from the model (it holds optax's "
+    "ScaleByAdamState), and a spec file's rules are written for the model: lay the state out "
+    "with the model's plan, `plan = eqshard.plan(model, rules)` then "
+    "`eqshard.apply(opt_state, plan)`"
+)
+
+
+def test_rules_given_for_an_optax_state_say_to_pass_the_models_plan():
+    model = eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0))
+    state = optax.adamw(1e-3).init(eqx.filter(model, eqx.is_array))
+    rules = eqshard.load(
+        {
+            "eqshard": 1,
+            "rules": [
+                {"path": "layers.0.weight", "expr": "o i -> o* i"},
+                {"path": "layers.1.weight", "expr": "o i -> o i*"},
+            ],
+        }
+    )
+    with pytest.warns(UnusedRuleWarning) as caught:
+        eqshard.apply(state, rules)
+    warning = caught[0].message
+    assert isinstance(warning, UnusedRuleWarning)
+    assert str(warning) == "\n".join(
+        [
+            "<mapping>::$.rules: 2 rules gave no leaf of this tree its expression:",
+            "  $.rules[0]: rule 'layers.0.weight' matched no leaf of this tree",
+            "  $.rules[1]: rule 'layers.1.weight' matched no leaf of this tree",
+            STATE_HINT[0].upper() + STATE_HINT[1:],
+        ]
+    )
+    assert "of the model" not in str(warning)
+    assert [str(p) for p in warning.problems] == [
+        f"<mapping>::$.rules[0]: rule 'layers.0.weight' matched no leaf of this tree; {STATE_HINT}",
+        f"<mapping>::$.rules[1]: rule 'layers.1.weight' matched no leaf of this tree; {STATE_HINT}",
+    ]
+    # what it says to do works, without a warning
+    plan = eqshard.plan(model, rules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        placed = eqshard.apply(state, plan)
+    assert placed[0].mu.layers[0].weight.sharding.spec == P("m0", None)
+    assert placed[0].nu.layers[1].weight.sharding.spec == P(None, "m0")
+
+    # under "default": "error", each leaf's problem says the same
+    strict = eqshard.load({"eqshard": 1, "default": "error", "rules": []})
+    with pytest.raises(SpecError) as info:
+        eqshard.apply(state, strict)
+    assert info.value.problems[0].message.endswith(f"; {STATE_HINT}")
+
+
+def test_what_looks_like_an_optimizer_state():
+    model = eqx.filter_eval_shape(eqx.nn.MLP, 8, 8, 16, 1, key=jax.random.key(0))
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    attention = eqx.filter_eval_shape(
+        lambda: eqx.nn.MultiheadAttention(
+            2, 8, use_query_bias=True, use_key_bias=True, use_value_bias=True,
+            use_output_bias=True, key=jax.random.key(0),
+        )
+    )  # fmt: skip
+    # a model: its projections are alike, but they are the fields of a module
+    assert looks_like_state(model) is None
+    assert looks_like_state(attention) is None
+    assert looks_like_state([params, params]) is None  # a list of alike subtrees
+    state = {"m": params, "v": params, "step": jax.ShapeDtypeStruct((), "int32")}
+    assert looks_like_state(state) == STATE_HINT.replace(
+        "it holds optax's ScaleByAdamState", "its subtrees m and v have the same paths and shapes"
     )
