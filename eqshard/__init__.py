@@ -20,6 +20,7 @@ from ._errors import (
     Problem as Problem,
     SpecError as SpecError,
     UnreadableError as UnreadableError,
+    UnusedRule as UnusedRule,
     UnusedRuleWarning as UnusedRuleWarning,
 )
 from ._expression import Element as Element, Expression as Expression, parse as parse

@@ -47,6 +47,7 @@ __all__ = [
     "result_table",
     "step_inputs",
     "summary_table",
+    "warning_lines",
 ]
 
 WORKER_TIMEOUT_SECONDS = 1800.0  # one device count: import, build abstractly, lay out
@@ -56,6 +57,11 @@ WORKERS = 4  # device counts checked at once, at most one per CPU core
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
     """What `check` found for one device count.
+
+    `notes` are the warnings as text, one per place (a rule that gave no leaf its
+    expression, layouts that group devices in ways that disagree), and `warnings`
+    the same as data (`EqshardWarning.to_json()`: an unused rule's `rule`,
+    `did_you_mean` and `leaves` too); under `strict` they are problems instead.
 
     `cost`, with a step to compile (`--step`), is what one step costs per device:
     `parameters`, `optimizer`, `gradients` and `peak_lower_bound` in bytes, `flops`
@@ -69,6 +75,7 @@ class CheckResult:
     problems: list[Problem]
     notes: list[str]
     cost: dict[str, Any] | None = None
+    warnings: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -95,6 +102,7 @@ class CheckResult:
             "coverage": self.coverage,
             "problems": [p.to_json() for p in self.problems],
             "notes": self.notes,
+            "warnings": self.warnings,
             "cost": self.cost,
         }
 
@@ -111,7 +119,7 @@ class CheckResult:
         **Arguments:**
 
         - `document`: a mapping with the keys `file`, `devices`, `leaves`,
-            `problems` and `notes` (and `cost`, which may be missing), as
+            `problems` and `notes` (and `cost` and `warnings`, which may be missing), as
             `to_json()` (or the worker) wrote them.
 
         **Returns:**
@@ -129,6 +137,7 @@ class CheckResult:
             problems=[problem_of(entry) for entry in document["problems"]],
             notes=[str(note) for note in document["notes"]],
             cost=None if document.get("cost") is None else dict(document["cost"]),
+            warnings=[dict(entry) for entry in document.get("warnings") or []],
         )
 
 
@@ -263,12 +272,17 @@ def check(
     for n in device_counts:
         planned = make_plan(model, rules, devices=jax.devices()[:n])
         problems = list(planned.problems)
-        notes = []
-        for problem in (p for warning in planned.warnings for p in warning.problems):
+        notes: list[str] = []
+        warnings: list[dict[str, Any]] = []
+        for warning in planned.warnings:
             if strict:
-                problems.append(Problem(problem.where, f"{problem.message} (--strict)"))
+                problems += [
+                    Problem(p.where, f"{p.message} (--strict)", p.detail, p.file)
+                    for p in warning.problems
+                ]
             else:
-                notes.append(str(problem))
+                notes += [str(p) for p in warning.problems]
+                warnings += warning.to_json()
         rows = leaf_rows(planned.plan)
         cost = None
         if step is not None and not planned.problems:  # one that cannot be laid out: no step
@@ -280,7 +294,7 @@ def check(
                 needed, what = total_bytes_per_device(rows), "the parameters alone take"
             if needed is not None and needed > max_memory:
                 problems.append(_memory_problem(rules.source, n, needed, what, max_memory))
-        results.append(CheckResult(rules.source, n, rows, problems, notes, cost))
+        results.append(CheckResult(rules.source, n, rows, problems, notes, cost, warnings))
     return results
 
 
@@ -323,10 +337,27 @@ def _cost_entry(step: StepInputs, model: Any, plan: Any, devices: int) -> dict[s
 
 
 def result_table(result: CheckResult) -> Table:
-    """The per-leaf table of one check."""
+    """The per-leaf table of one check. A leaf that an unused rule was likely meant
+    for (the one its "did you mean" matches, or one an earlier rule took from it)
+    has the warning in its `from` cell: `default (warning: $.rules[4])`."""
     from ._report import leaf_table
 
-    return leaf_table(result.rows, title=f"{result.source} on {result.devices} devices")
+    flags: dict[str, str] = {}
+    for entry in result.warnings:
+        for leaf in entry.get("leaves", []):
+            flags.setdefault(leaf, f"warning: {entry.get('path') or entry['where']}")
+    title = f"{result.source} on {result.devices} devices"
+    return leaf_table(result.rows, title=title, flags=flags)
+
+
+def warning_lines(result: CheckResult, limit: int = 12) -> list[str]:
+    """The warnings of one check, for right under its table: `warning: ` and each,
+    grouped by message (`problem_lines`), in at most `limit` lines."""
+    from ._errors import problem_lines
+
+    problems = [problem_of(entry) for entry in result.warnings]
+    more = "--format json lists every one"
+    return [f"warning: {line}" for line in problem_lines(problems, limit=limit, more=more)]
 
 
 def _seconds(value: float) -> str:

@@ -47,6 +47,12 @@ def _backends_started() -> bool:
     return backends_are_initialized()
 
 
+def _text(text: str, style: str):
+    from rich.text import Text
+
+    return Text(text, style=style)
+
+
 def _console():
     """A rich console that prints user text literally (no markup, no emoji codes);
     wide when writing to a file or pipe, so tables are not cut."""
@@ -89,6 +95,8 @@ def _whole(minimum: int):
 
 
 _positive, _size = _whole(1), _whole(0)
+
+_EVERY_ONE = "--format json lists every one"  # where to see the problems text only counts
 
 MAX_SIMULATED = 4096  # simulated CPU devices for layouts: enough for any mesh worth drawing
 MAX_DEMO_DEVICES = 64  # the demo compiles and runs a step on each: XLA:CPU's limit on 2 cores
@@ -184,6 +192,7 @@ def _emit_json(payload: object) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from ._errors import problem_lines
     from ._specfile import load
 
     code, report = 0, []
@@ -196,8 +205,8 @@ def _validate(args: argparse.Namespace) -> int:
             problems = [p.to_json() for p in error.problems]
             report.append({"file": name, "ok": False, "problems": problems})
             if args.format == "text":
-                for problem in error.problems:
-                    (_err if unreadable else _out)(problem)
+                for line in problem_lines(error.problems, more=_EVERY_ONE):
+                    (_err if unreadable else _out)(line)
             continue
         count = len(rules.rules)
         report.append({"file": name, "ok": True, "rules": count, "problems": []})
@@ -276,7 +285,8 @@ def _check_command(args: argparse.Namespace) -> int:
                 rules, model, counts, strict=args.strict, step=step, max_memory=args.max_memory
             )
 
-    from ._check import cost_line, result_table, summary_table
+    from ._check import cost_line, result_table, summary_table, warning_lines
+    from ._errors import problem_lines
     from ._report import human_bytes
 
     if args.format == "json":
@@ -285,6 +295,8 @@ def _check_command(args: argparse.Namespace) -> int:
     console = _console()
     for result in results:
         console.print(result_table(result))
+        for line in warning_lines(result):  # right under the table, where they are seen
+            console.print(_text(_safe(line), "bold yellow"), soft_wrap=True)
         coverage = result.coverage
         total = result.bytes_per_device
         _out(
@@ -295,11 +307,12 @@ def _check_command(args: argparse.Namespace) -> int:
         )
         if result.cost is not None:
             _out(cost_line(result.cost))
-        for note in result.notes:
-            _out(f"warning: {note}")
-        for problem in result.problems:
-            _out(problem)
+        for line in problem_lines(result.problems, more=_EVERY_ONE):
+            _out(line)
         verdict = "ok" if result.ok else f"{len(result.problems)} problem(s)"
+        if result.ok and result.warnings:
+            count = len(result.warnings)
+            verdict += f", with {count} warning{'s' * (count != 1)} (an error under --strict)"
         _out(f"{result.source} on {result.devices} devices: {verdict}\n")
     if len(results) > 1:
         console.print(summary_table(results))
@@ -515,8 +528,9 @@ def _report(command: str, error: BaseException, as_json: bool) -> int:
     `--format json`), and returns the exit code."""
     code = _exit_code(error)
     if isinstance(error, (EqshardError, OSError, _UsageError)):
+        text = error.text(_EVERY_ONE) if isinstance(error, SpecError) else error
         message = (
-            str(error) if isinstance(error, _UsageError) else f"eqshard {command}: error: {error}"
+            str(error) if isinstance(error, _UsageError) else f"eqshard {command}: error: {text}"
         )
     else:  # a bug in eqshard: say so, without a traceback
         message = (

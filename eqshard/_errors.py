@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 __all__ = [
+    "MAX_LINES",
     "EqshardError",
     "EqshardWarning",
     "ExpressionError",
@@ -22,8 +23,12 @@ __all__ = [
     "Problem",
     "SpecError",
     "UnreadableError",
+    "UnusedRule",
     "UnusedRuleWarning",
     "in_file",
+    "named",
+    "problem_lines",
+    "unused_message",
     "warn",
     "whole_number",
 ]
@@ -173,12 +178,67 @@ def in_file(problem: Problem, file: str) -> Problem:
     return problem
 
 
+MAX_LINES = 40
+"""The most lines a list of problems takes as text, whatever the model's size."""
+
+NAMED = 3
+"""How many places a group of problems with one message names; the rest are counted."""
+
+
+def named(places: Sequence[str], limit: int = NAMED) -> str:
+    """The first `limit` of `places`, and a count of the rest: `a, b, c and 5 more`."""
+    shown = ", ".join(places[:limit])
+    return f"{shown} and {len(places) - limit} more" if len(places) > limit else shown
+
+
+def problem_lines(
+    problems: Sequence[Problem],
+    *,
+    limit: int = MAX_LINES,
+    more: str = "`error.problems` lists every one",
+) -> list[str]:
+    """The problems as text, at most `limit` lines, however many there are.
+
+    Problems with the same message and detail are one group: its message is shown
+    once, after the first `NAMED` places it was found and a count of the others
+    (`layers.0.weight (Linear.weight), layers.1.weight (Linear.weight),
+    layers.2.weight (Linear.weight) and 157 more: float32[...] ...`). Groups come in
+    the order of their first problem. When they do not all fit, the last line says
+    how many problems (and distinct messages) are left out, then `more`: where to see
+    every one.
+    """
+    groups: dict[tuple[str, str], list[str]] = {}
+    for problem in problems:
+        groups.setdefault((problem.message, problem.detail), []).append(problem.where)
+    lines: list[str] = []
+    entries = list(groups.items())
+    for k, ((message, detail), places) in enumerate(entries):
+        text = f"{named(places)}: {message}".split("\n")
+        if detail:
+            text += detail.split("\n")
+        room = limit - len(lines) - (k + 1 < len(entries))
+        if len(text) > room and lines:
+            left = entries[k:]
+            count = sum(len(found) for _, found in left)
+            lines.append(
+                f"... and {count} more problem{'s' * (count != 1)} ({len(left)} different "
+                f"message{'s' * (len(left) != 1)}): {more}"
+            )
+            break
+        lines += text[: max(1, room)]
+    return lines
+
+
 class SpecError(EqshardError):
     """Every fault found in one spec, raised once.
 
+    Its text shows each distinct message once, naming the first few leaves it was
+    found at and counting the others, in at most `MAX_LINES` lines.
+
     **Attributes:**
 
-    - `problems`: a list of `eqshard.Problem`, one per fault, in model order.
+    - `problems`: a list of `eqshard.Problem`, one per fault, in model order: every
+        one, also those the text only counts.
     """
 
     problems: list[Problem]
@@ -188,10 +248,13 @@ class SpecError(EqshardError):
         count = len(self.problems)
         headline = headline or f"{count} problem{'s' * (count != 1)} in the spec"
         self.headline = headline
-        lines = [f"{headline}:"]
-        for problem in self.problems:
-            lines += [f"  {line}" for line in str(problem).split("\n")]
-        super().__init__("\n".join(lines))
+        super().__init__(self.text())
+
+    def text(self, more: str = "`error.problems` lists every one") -> str:
+        """The headline and the problems, grouped by message (`problem_lines`), with
+        `more` saying where to see every problem when some are only counted."""
+        lines = problem_lines(self.problems, limit=MAX_LINES - 1, more=more)
+        return "\n".join([f"{self.headline}:", *(f"  {line}" for line in lines)])
 
     def __reduce__(self):
         return (type(self), (self.problems, self.headline))
@@ -229,6 +292,11 @@ class EqshardWarning(UserWarning):
         """The same faults as `Problem`s, one per place, for `check --strict`."""
         return [Problem(self.where, self.message)]
 
+    def to_json(self) -> list[dict[str, Any]]:
+        """The warning for machines: one entry per place, as `Problem.to_json()`
+        writes it, with `kind`, the warning's class name."""
+        return [{"kind": type(self).__name__, **p.to_json()} for p in self.problems]
+
     def __reduce__(self) -> Any:
         return (type(self), (self.where, self.message))
 
@@ -236,43 +304,109 @@ class EqshardWarning(UserWarning):
 EqshardWarning.__module__ = "eqshard"
 
 
-class UnusedRuleWarning(EqshardWarning):
-    """Rules of a spec file that matched no leaf of the model: one warning per plan.
+@dataclasses.dataclass(frozen=True)
+class UnusedRule:
+    """One rule of a spec file that gave no leaf its expression.
 
-    **Attributes:** `source` (the file), `unused` (each rule's index and path),
-    besides `where` and `message`.
+    - `index`: its place in the file's `rules`.
+    - `path`: its path pattern.
+    - `message`: what happened to it, and how to fix it.
+    - `suggestions`: rule paths that match leaves and are close to `path`, closest
+        first (a typo's fix).
+    - `leaves`: the dotted paths of the leaves the first suggestion matches; for a
+        rule that earlier rules shadow, the leaves it matches.
+    """
+
+    index: int
+    path: str
+    message: str
+    suggestions: tuple[str, ...] = ()
+    leaves: tuple[str, ...] = ()
+
+
+UnusedRule.__module__ = "eqshard"
+
+
+class UnusedRuleWarning(EqshardWarning):
+    """Rules of a spec file that gave no leaf of the model its expression: one
+    warning per plan.
+
+    A rule whose path matches no leaf is most often a typo, and the leaves it was
+    written for fall to a broader rule, the dims or the default; its message names
+    the closest rule path that matches leaves, and those leaves.
+
+    **Attributes:** `source` (the file), `unused` (one `UnusedRule` per rule),
+    `hint` (what the tree looks like, when it looks like an optimizer state rather
+    than a model), besides `where` and `message`.
     """
 
     source: str
-    unused: list[tuple[int, str]]
+    unused: list[UnusedRule]
+    hint: str
 
-    def __init__(self, source: str, unused: Sequence[tuple[int, str]]):
+    def __init__(
+        self,
+        source: str,
+        unused: Sequence[UnusedRule | tuple[int, str]],
+        hint: str = "",
+        tree: str = "the model",
+    ):
         self.source = source
-        self.unused = list(unused)
-        (first, path), count = self.unused[0], len(self.unused)
+        self.unused = [
+            rule
+            if isinstance(rule, UnusedRule)
+            else UnusedRule(rule[0], rule[1], unused_message(rule[1]))
+            for rule in unused
+        ]
+        self.hint = hint
+        self.tree = tree
+        first, count = self.unused[0], len(self.unused)
         if count == 1:
-            super().__init__(f"{source}::$.rules[{first}]", _unused_message(path))
+            super().__init__(f"{source}::$.rules[{first.index}]", self._with_hint(first.message))
             return
-        shown = ", ".join(f"$.rules[{i}] {p!r}" for i, p in self.unused[:3])
-        more = f", and {count - 3} more" if count > 3 else ""
-        super().__init__(
-            f"{source}::$.rules",
-            f"{count} rules matched no leaf of the model: {shown}{more}",
-        )
+        lines = [f"{count} rules gave no leaf of {tree} its expression:"]
+        lines += [f"  $.rules[{rule.index}]: {rule.message}" for rule in self.unused[:NAMED]]
+        if count > NAMED:
+            lines.append(f"  and {count - NAMED} more: `warning.problems` lists every one")
+        if hint:
+            lines.append(hint[0].upper() + hint[1:])
+        super().__init__(f"{source}::$.rules", "\n".join(lines))
+
+    def _with_hint(self, message: str) -> str:
+        return f"{message}; {self.hint}" if self.hint else message
 
     @property
     def problems(self) -> list[Problem]:
         return [
-            Problem(f"{self.source}::$.rules[{i}]", _unused_message(p), file=self.source)
-            for i, p in self.unused
+            Problem(
+                f"{self.source}::$.rules[{rule.index}]",
+                self._with_hint(rule.message),
+                file=self.source,
+            )
+            for rule in self.unused
+        ]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """Per rule, as `EqshardWarning.to_json`, with `rule` (its path pattern),
+        `did_you_mean` (close rule paths that match leaves) and `leaves` (those the
+        first one matches, or those earlier rules took from a shadowed rule)."""
+        return [
+            {
+                **entry,
+                "rule": rule.path,
+                "did_you_mean": list(rule.suggestions),
+                "leaves": list(rule.leaves),
+            }
+            for entry, rule in zip(super().to_json(), self.unused)
         ]
 
     def __reduce__(self) -> Any:
-        return (type(self), (self.source, self.unused))
+        return (type(self), (self.source, self.unused, self.hint, self.tree))
 
 
-def _unused_message(path: str) -> str:
-    return f"rule {path!r} matched no leaf of the model"
+def unused_message(path: str, tree: str = "the model") -> str:
+    """The message of a rule whose path matched no leaf of `tree`."""
+    return f"rule {path!r} matched no leaf of {tree}"
 
 
 UnusedRuleWarning.__module__ = "eqshard"

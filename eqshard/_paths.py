@@ -27,14 +27,16 @@ are tried, in their order.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import heapq
+import re
 from collections.abc import Sequence
 from typing import Any, Union
 
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-__all__ = ["PathIndex", "dotted", "match", "segments"]
+__all__ = ["PathIndex", "aligned", "closest", "dotted", "match", "segments"]
 
 
 def _segment(key: Any) -> str:
@@ -319,3 +321,89 @@ class PathIndex:
                 every.append(position)
             tried = position
         return every
+
+
+_LITERAL = re.compile(r"[^.*\s]+")  # a segment a rule path can name literally
+
+
+def _fix(part: str, seg: str) -> str | None:
+    """`part` where it matches `seg` (or is `*`), else `seg`: `*` for an index where
+    `part` is a name; `None` when `seg` cannot be written in a pattern."""
+    if part == "*" or part == seg or ("*" in part and match(part, (seg,))):
+        return part
+    if seg.isdigit() and not part.isdigit():
+        return "*"
+    return seg if _LITERAL.fullmatch(seg) else None
+
+
+def aligned(pattern: str, path: Sequence[str]) -> str | None:
+    """`pattern`, changed only where it does not match `path`, so that it does.
+
+    Each segment of the pattern is laid against the path's (the part before the
+    first `**` from the start, the part after the last from the end), and each
+    literal or glob that the path's segment does not match is replaced by that
+    segment. `None` when the pattern's length cannot fit the path's, or its `**`s
+    hold literals the path does not have.
+
+    **Example:** `aligned("**.upp.weight", ("blocks", "0", "up", "weight"))` is
+    `"**.up.weight"`; `aligned("blocks.*.qurey", ("blocks", "1", "query"))` is
+    `"blocks.*.query"`.
+    """
+    parts = pattern.split(".")
+    if "**" not in parts:
+        head, middle, tail = parts, [], []
+        if len(parts) != len(path):
+            return None
+    else:
+        first = parts.index("**")
+        last = len(parts) - 1 - parts[::-1].index("**")
+        head, middle, tail = parts[:first], parts[first : last + 1], parts[last + 1 :]
+        if len(path) < len(head) + len(tail):
+            return None
+        if not match(".".join(middle), path[len(head) : len(path) - len(tail)]):
+            return None
+    fixed = [_fix(part, seg) for part, seg in zip(head, path)]
+    fixed += middle
+    fixed += [_fix(part, seg) for part, seg in zip(tail, path[len(path) - len(tail) :])]
+    return None if None in fixed else ".".join(fixed)  # type: ignore[arg-type]
+
+
+def closest(
+    pattern: str, paths: Sequence[Sequence[str]], n: int = 3
+) -> list[tuple[str, list[int]]]:
+    """Patterns close to `pattern` that match some of `paths`, for a "did you mean".
+
+    The candidates are `pattern`, and `pattern` less any one segment (a level the
+    model does not have), aligned to each path (`aligned`); and, for a pattern
+    without `**`, the paths themselves. `difflib.get_close_matches` picks the
+    closest. Paths that differ only in their indices (`blocks.0.up`, `blocks.1.up`)
+    are tried once, through the one whose indices agree most with the pattern's, so
+    a model of a thousand layers costs what one of a few layers does.
+
+    **Returns:** up to `n` `(pattern, indices)`, closest first, each with the
+    positions in `paths` of the paths it matches.
+    """
+    parts = pattern.split(".")
+    variants = [pattern] + [
+        ".".join(parts[:k] + parts[k + 1 :])
+        for k, part in enumerate(parts)
+        if part != "**" and len(parts) > 1
+    ]
+    families: dict[tuple[str, ...], tuple[int, Sequence[str]]] = {}
+    for path in paths:
+        family = tuple("#" if seg.isdigit() else seg for seg in path)
+        agree = sum(a == b for a, b in zip(path, parts)) + sum(
+            a == b for a, b in zip(reversed(path), reversed(parts))
+        )
+        if family not in families or agree > families[family][0]:
+            families[family] = (agree, path)
+    candidates: set[str] = set()
+    for _, path in families.values():
+        for variant in variants:
+            text = aligned(variant, path)
+            if text is not None:
+                candidates.add(text)
+        if "**" not in parts and all(_LITERAL.fullmatch(seg) for seg in path):
+            candidates.add(".".join(path))
+    best = difflib.get_close_matches(pattern, sorted(candidates), n=n, cutoff=0.6)
+    return [(text, [i for i, path in enumerate(paths) if match(text, path)]) for text in best]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich.table import Table
@@ -112,9 +112,12 @@ def human_bytes(n: int) -> str:
     return f"{n} B" if i == 0 else f"{value:.1f} {units[i]}"
 
 
-def leaf_table(rows: list[LeafRow], *, title: str | None = None) -> Table:
+def leaf_table(
+    rows: list[LeafRow], *, title: str | None = None, flags: Mapping[str, str] | None = None
+) -> Table:
     """A rich table: path, shape, dtype, expression, where it came from, the
-    PartitionSpec, and bytes per device. User text is shown literally."""
+    PartitionSpec, and bytes per device. User text is shown literally. `flags`
+    marks leaves by path: the text goes after their `from`, in the warnings' style."""
     table = Table(title=None if title is None else Text(title), title_justify="left")
     for name in ("leaf", "shape", "dtype", "expression", "from", "spec"):
         table.add_column(name)
@@ -125,12 +128,19 @@ def leaf_table(rows: list[LeafRow], *, title: str | None = None) -> Table:
             str(list(row.shape)),
             row.dtype,
             Text(row.expression) if row.expression else Text("replicated", style="dim"),
-            Text(row.origin or ""),
+            _origin(row, flags),
             row.partition_spec
             or Text("-" if row.bytes_per_device is None else "kept", style="dim"),
             "-" if row.bytes_per_device is None else human_bytes(row.bytes_per_device),
         )
     return table
+
+
+def _origin(row: LeafRow, flags: Mapping[str, str] | None) -> Text:
+    flag = None if flags is None else flags.get(row.path)
+    if flag is None:
+        return Text(row.origin or "")
+    return Text(f"{row.origin or ''} ({flag})".lstrip(), style="bold yellow")
 
 
 @dataclasses.dataclass(frozen=True)

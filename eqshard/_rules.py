@@ -18,13 +18,22 @@ import functools
 import re
 from typing import Any, Literal
 
+import equinox as eqx
 import jax
 
 from ._annotation import complete, for_rank
-from ._errors import ExpressionError, Problem, SpecError, UnusedRuleWarning
+from ._errors import (
+    ExpressionError,
+    Problem,
+    SpecError,
+    UnusedRule,
+    UnusedRuleWarning,
+    named,
+    unused_message,
+)
 from ._expression import Expression, parse
 from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
-from ._paths import PathIndex, segments
+from ._paths import PathIndex, closest, match, segments
 from ._resolver import Resolution, Target, is_spec_leaf
 from ._specfile import Rule, Rules
 
@@ -149,6 +158,7 @@ def match_rules(
     mesh = None if target is None else target.mesh
     matches: list[Match] = []
     problems: list[Problem] = []
+    unmatched: list[int] = []
     for i, (path, leaf) in enumerate(flat):
         name = leaf_name(path)
         if not is_array_like(leaf):
@@ -168,17 +178,82 @@ def match_rules(
             matches.append(Match(name, expr, "dims"))
             continue
         if rules.default == "error":
-            fields = fields or walk_fields(model)
-            problems.append(
-                Problem(
-                    fields[i].label,
-                    f"no rule or dim matches this leaf, and {rules.source} says "
-                    f'"default": "error"; add a rule for {name!r}, or set '
-                    '"default": "replicate"',
-                )
-            )
+            unmatched.append(i)
         matches.append(Match(name, fallback, "default"))
+    if unmatched:
+        fields = fields or walk_fields(model)
+        state = looks_like_state(model)
+        message = (
+            f"no rule or dim matches this leaf, and {rules.source} says "
+            '"default": "error"; add a rule whose path matches it, or set '
+            '"default": "replicate"'
+        )
+        if state is not None:
+            message += f"; {state}"
+        problems += [Problem(fields[i].label, message) for i in unmatched]
     return matches, problems
+
+
+def looks_like_state(tree: Any) -> str | None:
+    """Why `tree` looks like an optimizer state built from a model, and how to lay
+    it out: with the model's plan. `None` when it does not.
+
+    It does when it holds optax's state classes (`ScaleByAdamState`), or when all
+    its arrays of one dimension or more lie in two or more subtrees with the same
+    paths and shapes, as Adam's `mu` and `nu` do, that are fields of something
+    other than an `eqx.Module` and not items of a list (a model's layers are).
+    """
+    kinds: dict[tuple[Any, ...], type] = {}
+
+    def visit(path: Any, node: Any) -> bool:
+        kinds[tuple(path)] = type(node)
+        return False
+
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=visit, is_leaf_takes_path=True)[0]
+    optax = {k.__name__: None for k in kinds.values() if k.__module__.partition(".")[0] == "optax"}
+    names = [n for n in optax if n not in ("EmptyState", "MaskedNode")] or list(optax)
+    if names:
+        why = f"it holds optax's {' and '.join(names[:2])}{' and more' * (len(names) > 2)}"
+    else:
+        why = _twins(flat, kinds)
+    if why is None:
+        return None
+    return (
+        f"this tree looks like an optimizer state built from the model ({why}), and "
+        "a spec file's rules are written for the model: lay the state out with the "
+        "model's plan, `plan = eqshard.plan(model, rules)` then "
+        "`eqshard.apply(opt_state, plan)`"
+    )
+
+
+def _twins(flat: list[tuple[Any, Any]], kinds: dict[tuple[Any, ...], type]) -> str | None:
+    """`its subtrees mu and nu have the same paths and shapes`, when every array of
+    one dimension or more lies in such subtrees (see `looks_like_state`)."""
+    arrays = [
+        (tuple(path), tuple(leaf.shape))
+        for path, leaf in flat
+        if is_array_like(leaf) and len(getattr(leaf, "shape", ())) > 0
+    ]
+    if not arrays:
+        return None
+    for depth in range(1, min(len(path) for path, _ in arrays)):
+        groups: dict[tuple[Any, ...], list[tuple[tuple[str, ...], tuple[int, ...]]]] = {}
+        for path, shape in arrays:
+            groups.setdefault(path[:depth], []).append((segments(path[depth:]), shape))
+        if any(
+            isinstance(prefix[-1], jax.tree_util.SequenceKey)
+            or issubclass(kinds.get(prefix[:-1], object), eqx.Module)
+            for prefix in groups
+        ):
+            continue
+        alike: dict[tuple[Any, ...], list[str]] = {}
+        for prefix, content in groups.items():
+            alike.setdefault(tuple(content), []).append(leaf_name(prefix))
+        if all(len(found) > 1 and len(content) > 1 for content, found in alike.items()):
+            found = max(alike.values(), key=len)
+            more = f" and {len(found) - 2} more" if len(found) > 2 else ""
+            return f"its subtrees {found[0]} and {found[1]}{more} have the same paths and shapes"
+    return None
 
 
 def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
@@ -198,16 +273,57 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
             )
         )
     used = {m.rule_index for m in matches if m.source == "rule"}
-    unused = [(rule.index, rule.path) for rule in rules.rules if rule.index not in used]
+    unused = [rule for rule in rules.rules if rule.index not in used]
     return Resolution(
         [m.expr for m in matches],
         problems,
-        [UnusedRuleWarning(rules.source, unused)] if unused else [],
+        [_unused_warning(rules, unused, model, matches)] if unused else [],
         failed=frozenset(
             i for i, m in enumerate(matches) if m.expr is None and m.source in ("dims", "default")
         ),
         origins=[m.origin for m in matches],
     )
+
+
+def _unused_warning(
+    rules: Rules, unused: list[Rule], model: Any, matches: list[Match]
+) -> UnusedRuleWarning:
+    """The warning for the rules that gave no leaf its expression: each rule's
+    closest rule path that matches leaves (a typo's fix), or the earlier rule that
+    took its leaves; and, for a tree that looks like an optimizer state, to use the
+    model's plan."""
+    flat = jax.tree_util.tree_flatten_with_path(model)[0]
+    arrays = [i for i, (_, leaf) in enumerate(flat) if is_array_like(leaf)]
+    paths = [segments(flat[i][0]) for i in arrays]
+    state = looks_like_state(model)
+    tree = "the model" if state is None else "this tree"
+    found = []
+    for rule in unused:
+        taken = [i for i, path in zip(arrays, paths) if match(rule.path, path)]
+        if taken:
+            earlier = matches[taken[0]].origin
+            leaves = tuple(matches[i].path for i in taken)
+            message = (
+                f"rule {rule.path!r} matches {named(leaves)}, and gives none its expression: "
+                f"an earlier rule matches each first ({earlier} matches "
+                f"{matches[taken[0]].path}); move this rule before it, or drop it"
+            )
+            found.append(UnusedRule(rule.index, rule.path, message, (), leaves))
+            continue
+        message = unused_message(rule.path, tree)
+        if state is not None:  # its paths are the state's, not the model's
+            found.append(UnusedRule(rule.index, rule.path, message))
+            continue
+        close = closest(rule.path, paths)
+        if not close:
+            found.append(UnusedRule(rule.index, rule.path, message))
+            continue
+        best, at = close[0]
+        leaves = tuple(matches[arrays[k]].path for k in at)
+        message += f"; did you mean {best!r}, which matches {named(leaves)}?"
+        suggestions = tuple(text for text, _ in close)
+        found.append(UnusedRule(rule.index, rule.path, message, suggestions, leaves))
+    return UnusedRuleWarning(rules.source, found, state or "", tree)
 
 
 def rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:

@@ -227,10 +227,11 @@ def test_check_fails_where_dims_do_not_divide(run_cli):
 
     text = run_cli("check", EXAMPLE, "--model", MODEL, "--devices", "6")
     assert text.code == 1
+    # one line for each distinct message, naming where it was found
     assert (
-        "blocks.0.up.weight (Linear.weight): float32[256, 64] 'o i -> o* i': axis 'o' "
-        "(dimension 0 of shape (256, 64)) has size 256, which does not split into 6 equal "
-        "shards; choose a count that divides 256"
+        "blocks.0.up.weight (Linear.weight), blocks.1.up.weight (Linear.weight): float32[256, 64] "
+        "'o i -> o* i': axis 'o' (dimension 0 of shape (256, 64)) has size 256, which does not "
+        "split into 6 equal shards; choose a count that divides 256"
     ) in text.out.splitlines()
     assert f"{EXAMPLE} on 6 devices: 15 problem(s)" in text.out.splitlines()
 
@@ -266,7 +267,7 @@ def test_check_strict_unused_rule_and_default_error(run_cli, spec_file):
         {
             "where": leaf,
             "message": f'no rule or dim matches this leaf, and {path} says "default": "error"; '
-            f'add a rule for \'{leaf}\', or set "default": "replicate"',
+            'add a rule whose path matches it, or set "default": "replicate"',
         }
         for leaf in unmatched
     ]
@@ -281,9 +282,12 @@ def test_check_strict_unused_rule_and_default_error(run_cli, spec_file):
     assert text.code == 1
     lines = text.out.splitlines()
     assert f"warning: {path}::$.rules[1]: rule '**.nowhere' matched no leaf of the model" in lines
+    # 26 leaves with one message: one line, three of them named
     assert (
-        "embed.weight (Embedding.weight): no rule or dim matches this leaf, and "
-        f'{path} says "default": "error"; add a rule for \'embed.weight\', or set "default": "replicate"'
+        "embed.weight (Embedding.weight), blocks.0.norm1.weight (LayerNorm.weight), "
+        "blocks.0.norm1.bias (LayerNorm.bias) and 23 more: no rule or dim matches this leaf, "
+        f'and {path} says "default": "error"; add a rule whose path matches it, or set '
+        '"default": "replicate"'
     ) in lines
     assert f"{path} on 8 devices: 26 problem(s)" in lines
 
@@ -296,10 +300,12 @@ def test_check_strict_unused_rule_and_default_error(run_cli, spec_file):
     ]
     code, strict = _check_json(run_cli, path, "--model", MODEL, "--strict")
     assert code == 1
-    assert strict["checks"][0]["notes"] == []
+    assert strict["checks"][0]["notes"] == strict["checks"][0]["warnings"] == []
     assert strict["checks"][0]["problems"] == [
         {
             "where": f"{path}::$.rules[0]",
+            "file": str(path),
+            "path": "$.rules[0]",
             "message": "rule '**.nowhere' matched no leaf of the model (--strict)",
         }
     ]

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqshard
-from eqshard._paths import PathIndex, match
+from eqshard._paths import PathIndex, aligned, closest, match
 
 
 def _segs(path: str) -> tuple[str, ...]:
@@ -244,3 +244,66 @@ def test_no_catastrophic_backtracking(pattern: str, path: tuple[str, ...], match
         assert match(pattern, path) is matches
         assert PathIndex([pattern]).first(path) == (0 if matches else None)
     assert time.perf_counter() - start < 2.0
+
+
+LEAVES = [
+    "embed.weight",
+    "blocks.0.up.weight",
+    "blocks.0.up.bias",
+    "blocks.1.up.weight",
+    "blocks.1.down.weight",
+    "norm.weight",
+]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "fixed"),
+    [
+        ("**.upp.weight", "blocks.0.up.weight", "**.up.weight"),
+        ("blocks.*.qurey", "blocks.1.query", "blocks.*.query"),
+        ("blocks.x.up", "blocks.1.up", "blocks.*.up"),  # a name where an index is
+        ("**.*_prj.weight", "attn.query_proj.weight", "**.query_proj.weight"),
+        ("blocks.**.attn.**.w", "blocks.1.attn.x.w", "blocks.**.attn.**.w"),
+        ("blocks.**.attn.**.w", "blocks.1.x.w", None),  # `attn` is not in the path
+        ("a.b.c", "a.b", None),
+        ("**.a.b", "b", None),
+    ],
+)
+def test_aligned_changes_only_what_does_not_match(pattern, path, fixed):
+    assert aligned(pattern, _segs(path)) == fixed
+    if fixed is not None:
+        assert match(fixed, _segs(path))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "best", "leaves"),
+    [
+        ("**.upp.weight", "**.up.weight", ["blocks.0.up.weight", "blocks.1.up.weight"]),
+        ("**.up.weigth", "**.up.weight", ["blocks.0.up.weight", "blocks.1.up.weight"]),
+        ("**.weights", "**.weight", [p for p in LEAVES if p.endswith("weight")]),
+        ("embd.weight", "embed.weight", ["embed.weight"]),
+        ("blocks.1.upp.weight", "blocks.1.up.weight", ["blocks.1.up.weight"]),
+        (
+            "blocks.0.mlp.up.weight",
+            "blocks.0.up.weight",
+            ["blocks.0.up.weight"],
+        ),  # a level too many
+        ("**.nowhere", None, []),
+    ],
+)
+def test_closest_is_a_did_you_mean_that_matches_leaves(pattern, best, leaves):
+    found = closest(pattern, [_segs(p) for p in LEAVES])
+    if best is None:
+        assert found == []
+        return
+    assert found[0] == (best, [LEAVES.index(p) for p in leaves])
+    assert all(indices for _, indices in found)
+
+
+def test_closest_tries_paths_that_differ_by_index_once():
+    paths = [("layers", str(i), name, "weight") for i in range(3000) for name in ("attn", "mlp")]
+    (best, indices), *_ = closest("layers.*.atn.weight", paths)
+    assert best == "layers.*.attn.weight"
+    assert indices == list(range(0, 6000, 2))
+    (best, indices), *_ = closest("layers.7.atn.weight", paths)  # its index, kept
+    assert (best, indices) == ("layers.7.attn.weight", [14])

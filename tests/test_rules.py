@@ -362,7 +362,7 @@ def test_default_error_lists_every_unmatched_leaf():
     with pytest.raises(SpecError) as info:
         eqshard.apply(model, rules)
     assert [str(p) for p in info.value.problems] == [
-        'up.bias (Linear.bias): no rule or dim matches this leaf, and <mapping> says "default": "error"; add a rule for \'up.bias\', or set "default": "replicate"'
+        'up.bias (Linear.bias): no rule or dim matches this leaf, and <mapping> says "default": "error"; add a rule whose path matches it, or set "default": "replicate"'
     ]
 
 
