@@ -25,7 +25,7 @@ from jaxtyping import PyTree
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, is_array_like
-from ._sharding import AnyMesh, Device
+from ._sharding import AnyMesh, Device, on_devices
 from ._values import narrowed
 
 __all__ = ["abstract", "restore"]
@@ -232,8 +232,8 @@ def restore(
     `eqshard.SpecError` when the spec does not lay out `like`; `eqshard.EqshardError`
     naming the leaf when the file does not match `like` (shape, dtype, or count of
     leaves), when it holds a 64-bit array and JAX runs with 32-bit types, when a
-    leaf cannot be read (with the cause), or when `like` holds typed PRNG keys,
-    which Equinox cannot serialise.
+    leaf cannot be read (with the cause), when `like` holds typed PRNG keys, which
+    Equinox cannot serialise, or when the mesh is a `jax.sharding.AbstractMesh`.
 
     Equinox's format is written from fully addressable arrays, so it is saved by one
     process; across hosts, save and restore with Orbax into `eqshard.abstract`.
@@ -242,6 +242,7 @@ def restore(
     if planned.problems:
         raise SpecError(planned.problems)
     p = planned.plan
+    on_devices(p.mesh, "`eqshard.restore`")
     resolved = p.resolved
     specs, targets = [], []
     for i, (leaf, sharding) in enumerate(zip(resolved.leaves, p.flat_shardings)):

@@ -27,7 +27,7 @@ from ._derive import plan_for
 from ._errors import EqshardError
 from ._plan import Plan, plan
 from ._report import leaf_rows, total_bytes_per_device
-from ._sharding import AnyMesh, Device, sharding
+from ._sharding import AnyMesh, Device, on_devices, sharding
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
 
@@ -408,8 +408,9 @@ def cost(
     **Raises:**
 
     `eqshard.SpecError` when the spec does not lay out the model or the state;
-    `eqshard.EqshardError` when the step cannot be compiled, or more devices are
-    asked for than this process has and cloudpickle is not installed.
+    `eqshard.EqshardError` when the step cannot be compiled, when the mesh is a
+    `jax.sharding.AbstractMesh`, or when more devices are asked for than this process
+    has and cloudpickle is not installed.
     """
     if isinstance(devices, int):
         if devices > len(jax.devices()):
@@ -417,6 +418,7 @@ def cost(
         devices = jax.devices()[:devices]
     abstract_model = jax.tree_util.tree_map(_abstract, model)
     p = spec if isinstance(spec, Plan) else plan(abstract_model, spec, mesh=mesh, devices=devices)
+    on_devices(p.mesh, "`eqshard.cost`")
     if batch is None:
         batch = _data_parallel(p)
     laid_out = [p.abstract]

@@ -28,7 +28,7 @@ from ._errors import EqshardError, Problem, SpecError
 from ._fields import FROM_FIELDS
 from ._plan import Plan
 from ._rng_lowering import unrolled_threefry
-from ._sharding import AnyMesh, Device
+from ._sharding import AnyMesh, Device, on_devices
 from ._values import unplaceable
 
 __all__ = ["init", "initializer"]
@@ -103,7 +103,7 @@ def init(
     `eqshard.SpecError` listing every leaf that cannot be laid out, and every leaf
     that `factory` returns as a NumPy array of a 64-bit type while JAX runs with
     32-bit types (it would be cast); `eqshard.EqshardError` when `factory` fails to
-    trace, saying why.
+    trace, saying why, or when the mesh is a `jax.sharding.AbstractMesh`.
     """
     wide: dict[int, str] = {}
 
@@ -137,6 +137,7 @@ def init(
     if planned.problems or refused:
         headline = "`eqshard.init` cannot place these leaves" if refused else None
         raise SpecError(planned.problems + refused, headline)
+    on_devices(plan.mesh, "`eqshard.init`")
     leaves = list(plan.resolved.leaves)
     for group in _groups(leaves):
         for i, array in zip(group, _compiled(factory, plan, group)()):
