@@ -12,7 +12,7 @@ from ._derive import plan_for
 from ._errors import Problem, SpecError, warn
 from ._fields import FROM_FIELDS
 from ._plan import Planned, Unspecified
-from ._sharding import AnyMesh, Device
+from ._sharding import AnyMesh, Device, on_devices
 from ._values import source_for, unplaceable
 
 __all__ = ["apply", "place"]
@@ -71,7 +71,8 @@ def apply(
 
     `eqshard.SpecError` listing every leaf whose expression does not fit (one line
     each: key path, shape, expression, the rule it breaks), or naming the first
-    path where the spec's structure differs from the model's.
+    path where the spec's structure differs from the model's; `eqshard.EqshardError`
+    when the mesh is a `jax.sharding.AbstractMesh`, which has no devices to place on.
     """
     planned = plan_for(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     return place(model, planned)
@@ -81,6 +82,7 @@ def place(tree: Any, planned: Planned, what: str = "`eqshard.apply`") -> Any:
     """Places every leaf of `tree` that `planned` gives a sharding, in one
     `jax.device_put`; raises every problem of the plan and of the values at once."""
     p = planned.plan
+    on_devices(p.mesh, what)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
     refused = [

@@ -10,10 +10,11 @@ holds about one leaf and no device ever holds more of a leaf than its shard
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import equinox as eqx
 import jax
@@ -24,7 +25,8 @@ from jaxtyping import PyTree
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, is_array_like
-from ._sharding import AnyMesh, Device
+from ._sharding import AnyMesh, Device, on_devices
+from ._values import narrowed
 
 __all__ = ["abstract", "restore"]
 
@@ -69,24 +71,66 @@ def abstract(
     return planned.plan.abstract
 
 
-def _header(file: BinaryIO, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+class _Header(NamedTuple):
+    """What a `.npy` header says: the shape, the order, and the dtype as written
+    (`descr`), with the dtype NumPy reads it as (`None` where it cannot)."""
+
+    shape: tuple[int, ...]
+    fortran: bool
+    descr: Any
+    dtype: np.dtype | None
+
+
+def _exactly(file: BinaryIO, count: int) -> bytes:
+    data = file.read(count)
+    if len(data) != count:
+        raise EOFError("the file ends inside an array's header")
+    return data
+
+
+def _header(file: BinaryIO, where: str) -> _Header:
+    """The next array's header. Read by hand, not by `np.lib.format`: NumPy cannot
+    read back every header it writes (`jnp.save` writes float8_e5m2 as `'<f1'`)."""
     try:
-        version = np.lib.format.read_magic(file)
-        if version == (1, 0):
-            return np.lib.format.read_array_header_1_0(file)
-        return np.lib.format.read_array_header_2_0(file)
-    except (ValueError, EOFError, OSError) as error:
+        major, _ = np.lib.format.read_magic(file)
+        length = int.from_bytes(_exactly(file, 2 if major == 1 else 4), "little")
+        text = _exactly(file, length).decode("latin1" if major < 3 else "utf-8")
+        header = ast.literal_eval(text)
+        shape, fortran, descr = header["shape"], header["fortran_order"], header["descr"]
+        if not (
+            isinstance(shape, tuple)
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(fortran, bool)
+        ):
+            raise ValueError(f"the header {text.strip()!r} is not one NumPy writes")
+    except (ValueError, EOFError, OSError, SyntaxError, TypeError, KeyError) as error:
         raise EqshardError(
-            f"{where}: the file has no array here ({error}); it holds fewer leaves than "
-            "`like`, or was not written by `eqx.tree_serialise_leaves` from a tree like it"
-        ) from None
+            f"{where}: the file has no array here ({type(error).__name__}: {error}); it holds "
+            "fewer leaves than `like`, or was not written by `eqx.tree_serialise_leaves` "
+            "from a tree like it"
+        ) from error
+    try:
+        dtype = np.lib.format.descr_to_dtype(descr)
+    except (TypeError, ValueError):
+        dtype = None
+    return _Header(shape, fortran, descr, dtype)
+
+
+def _dtype_on_disk(header: _Header, want: np.dtype) -> np.dtype | None:
+    """The dtype of the array, read as `want` where the file holds `want`: NumPy
+    writes the types of ml_dtypes (bfloat16, the float8 types, int4...) as raw bytes
+    (`'<V2'`), or as a code it cannot read (`'<f1'`), which only `like` can name."""
+    if header.dtype == want or header.descr == np.lib.format.dtype_to_descr(want):
+        return want
+    return header.dtype
 
 
 def _host(file: BinaryIO, shape: tuple[int, ...], dtype: np.dtype, fortran: bool) -> np.ndarray:
     """The leaf's data, read in one pass into a buffer of its own: the disk's fastest
     path, and the host holds one leaf at a time."""
     data = np.empty(shape, dtype, order="F" if fortran else "C")
-    view = memoryview(data.reshape(-1, order="A")).cast("B")  # pyright: ignore[reportArgumentType]
+    # its bytes, as unsigned bytes: Python's buffers cannot describe ml_dtypes' types
+    view = memoryview(data.reshape(-1, order="A").view(np.uint8))  # pyright: ignore[reportArgumentType]
     read = 0
     while read < len(view):
         count = file.readinto(view[read:])  # type: ignore[attr-defined]
@@ -98,26 +142,51 @@ def _host(file: BinaryIO, shape: tuple[int, ...], dtype: np.dtype, fortran: bool
 
 def _read(file: BinaryIO, like: Any, *, sharding: Any, where: str) -> Any:
     """One leaf: its header checked against `like`, then placed in shards."""
-    shape, fortran, dtype = _header(file, where)
+    header = _header(file, where)
+    shape = header.shape
     want = np.dtype(like.dtype)
-    if want == jnp.bfloat16 and dtype == np.dtype("V2"):
-        dtype = want  # jnp.save writes bfloat16 as raw 2-byte values
-    if tuple(shape) != tuple(like.shape) or dtype != want:
+    dtype = _dtype_on_disk(header, want)
+    wide = None if dtype is None or dtype.kind not in "biufc" else narrowed(dtype)
+    if wide is not None:
+        raise EqshardError(f"{where}: the file holds {dtype}{list(shape)} here, and {wide}")
+    if shape != tuple(like.shape) or dtype != want:
+        held = header.descr if dtype is None or dtype.kind == "V" else dtype
         raise EqshardError(
-            f"{where}: the file holds {dtype}{list(shape)} here, and `like` has "
+            f"{where}: the file holds {held}{list(shape)} here, and `like` has "
             f"{want}{list(like.shape)}; restore with the `like` it was saved from"
         )
     try:
-        data = _host(file, tuple(shape), dtype, fortran)
+        data = _host(file, shape, want, header.fortran)
     except EOFError as error:
-        raise EqshardError(f"{where}: {error}; the file is cut short") from None
-    if sharding is None:
-        return jnp.asarray(np.array(data))
-    if sharding.is_fully_addressable:
-        # `data` is this leaf's own buffer, which nothing else can write: JAX's host
-        # path splits it into the shards in one pass, and no device gets the rest.
-        return jax.device_put(data, sharding)
-    return jax.make_array_from_callback(tuple(shape), sharding, lambda index: data[index])
+        raise EqshardError(f"{where}: {error}; the file is cut short") from error
+    except (OSError, ValueError, TypeError, MemoryError) as error:
+        raise EqshardError(
+            f"{where}: cannot read its {want}{list(shape)} data: {type(error).__name__}: {error}"
+        ) from error
+    try:
+        if sharding is None:
+            return jnp.asarray(np.array(data))
+        if sharding.is_fully_addressable:
+            # `data` is this leaf's own buffer, which nothing else can write: JAX's host
+            # path splits it into the shards in one pass, and no device gets the rest.
+            return jax.device_put(data, sharding)
+        return jax.make_array_from_callback(shape, sharding, lambda index: data[index])
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise EqshardError(
+            f"{where}: JAX cannot place its {want}{list(shape)} data: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+
+
+def _other(file: BinaryIO, like: Any, *, where: str) -> Any:
+    """A leaf `restore` does not place (a Python number, a NumPy scalar, a function),
+    read as Equinox reads it, and named when it cannot be."""
+    try:
+        return eqx.default_deserialise_filter_spec(file, like)
+    except Exception as error:
+        raise EqshardError(
+            f"{where}: cannot read the saved {type(like).__name__}: {type(error).__name__}: {error}"
+        ) from error
 
 
 def restore(
@@ -153,14 +222,18 @@ def restore(
     **Returns:**
 
     `like`'s structure with every saved leaf restored: array leaves placed in their
-    shardings (each device is given only its shard, and the host holds about one
-    leaf at a time), Python scalars as saved, other leaves as in `like`.
+    shardings, bit for bit as saved, whatever their dtype (bfloat16, the float8
+    types, int4, bool, complex; NumPy writes some of these as raw bytes, which
+    `like` names); each device is given only its shard, and the host holds about
+    one leaf at a time. Python scalars as saved, other leaves as in `like`.
 
     **Raises:**
 
     `eqshard.SpecError` when the spec does not lay out `like`; `eqshard.EqshardError`
     naming the leaf when the file does not match `like` (shape, dtype, or count of
-    leaves), or when `like` holds typed PRNG keys, which Equinox cannot serialise.
+    leaves), when it holds a 64-bit array and JAX runs with 32-bit types, when a
+    leaf cannot be read (with the cause), when `like` holds typed PRNG keys, which
+    Equinox cannot serialise, or when the mesh is a `jax.sharding.AbstractMesh`.
 
     Equinox's format is written from fully addressable arrays, so it is saved by one
     process; across hosts, save and restore with Orbax into `eqshard.abstract`.
@@ -169,6 +242,7 @@ def restore(
     if planned.problems:
         raise SpecError(planned.problems)
     p = planned.plan
+    on_devices(p.mesh, "`eqshard.restore`")
     resolved = p.resolved
     specs, targets = [], []
     for i, (leaf, sharding) in enumerate(zip(resolved.leaves, p.flat_shardings)):
@@ -182,7 +256,7 @@ def restore(
             specs.append(functools.partial(_read, sharding=sharding, where=resolved.where(i)))
             targets.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
         else:
-            specs.append(eqx.default_deserialise_filter_spec)
+            specs.append(functools.partial(_other, where=resolved.where(i)))
             targets.append(leaf)
     filter_spec = jax.tree_util.tree_unflatten(resolved.treedef, specs)
     target = jax.tree_util.tree_unflatten(resolved.treedef, targets)
@@ -202,8 +276,8 @@ def restore(
     except Exception as error:  # Equinox wraps what a leaf raised: find it
         cause: BaseException | None = error
         while cause is not None and not isinstance(cause, EqshardError):
-            cause = cause.__cause__
+            cause = cause.__cause__ or cause.__context__
         if cause is not None:
-            raise cause from None
-        raise EqshardError(f"{name}: cannot read a saved leaf: {error}") from None
+            raise cause from cause.__cause__
+        raise EqshardError(f"{name}: cannot read a saved leaf: {error}") from error
     return restored

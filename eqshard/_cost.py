@@ -22,10 +22,11 @@ import jax
 import numpy as np
 
 from ._derive import plan_for
-from ._errors import EqshardError
+from ._errors import EqshardError, StepError
 from ._plan import Plan, plan
 from ._report import leaf_rows, total_bytes_per_device
-from ._sharding import AnyMesh, Device, sharding
+from ._sharding import AnyMesh, Device, on_devices, sharding
+from ._specfile import Rules
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
 
@@ -406,8 +407,11 @@ def cost(
     **Raises:**
 
     `eqshard.SpecError` when the spec does not lay out the model or the state;
-    `eqshard.EqshardError` when the step cannot be compiled, or more devices are
-    asked for than this process has and cloudpickle is not installed.
+    `eqshard.EqshardError` when the step cannot be traced or compiled (naming the
+    step, the device count and the spec, with the step's or JAX's error as its
+    cause; the command line exits 2 for it, as for a model that cannot be built),
+    when the mesh is a `jax.sharding.AbstractMesh`, or when more devices are asked
+    for than this process has and cloudpickle is not installed.
     """
     if isinstance(devices, int):
         if devices > len(jax.devices()):
@@ -415,6 +419,7 @@ def cost(
         devices = jax.devices()[:devices]
     abstract_model = jax.tree_util.tree_map(_abstract, model)
     p = spec if isinstance(spec, Plan) else plan(abstract_model, spec, mesh=mesh, devices=devices)
+    on_devices(p.mesh, "`eqshard.cost`")
     if batch is None:
         batch = _data_parallel(p)
     laid_out = [p.abstract]
@@ -437,15 +442,24 @@ def cost(
         return eqx.filter(fn(*everything), eqx.is_array)
 
     donate = tuple(i for i, on in enumerate((donate_first, donate_rest)) if on)
-    lowered = jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:])
-    compiled = lowered.compile()
+    n = len(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
+    try:
+        lowered = jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:])
+        compiled = lowered.compile()
+        # XLA:GPU hands matrix products to cuBLAS, whose FLOPs its compiled cost
+        # analysis does not count: count the step's matrix products in its jaxpr too,
+        # over the devices, and take the larger.
+        products = _dot_flops(jax.make_jaxpr(run)(dynamic[0], dynamic[1:]).jaxpr)
+    except EqshardError:
+        raise
+    except Exception as error:  # the user's step: named, with its error as the cause
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise StepError(
+            f"`eqshard.cost` cannot trace and compile the step {name} on {n} devices under "
+            f"{_spec_name(spec)}: it raised {type(error).__name__}: {error}"
+        ) from error
     analysis = compiled.memory_analysis()
     costs = _first(compiled.cost_analysis())
-    # XLA:GPU hands matrix products to cuBLAS, whose FLOPs its compiled cost analysis
-    # does not count: count the step's matrix products in its jaxpr too, over the
-    # devices, and take the larger.
-    n = len(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
-    products = _dot_flops(jax.make_jaxpr(run)(dynamic[0], dynamic[1:]).jaxpr)
     flops = max(float(costs.get("flops", 0.0)), products / n)
     grads = sum(
         row.bytes_per_device or 0
@@ -470,6 +484,14 @@ def cost(
         devices=len(p.devices) if p.devices is not None else 0,
         dtype=max(set(dtypes), key=dtypes.count) if dtypes else "float32",
     )
+
+
+def _spec_name(spec: Any) -> str:
+    """The spec, as a message names it: a spec file by its name, else by its type."""
+    if isinstance(spec, Rules):
+        named = not spec.source.startswith("<")  # "<mapping>": loaded from a dict
+        return f"the spec file {spec.source}" if named else f"the `Rules` of a {spec.source[1:-1]}"
+    return f"a spec of type {type(spec).__name__}"
 
 
 def _dot_flops(jaxpr: Any) -> float:

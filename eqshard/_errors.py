@@ -22,6 +22,7 @@ __all__ = [
     "MeshWarning",
     "Problem",
     "SpecError",
+    "StepError",
     "UnreadableError",
     "UnusedRule",
     "UnusedRuleWarning",
@@ -268,6 +269,14 @@ class UnreadableError(SpecError):
 
 
 UnreadableError.__module__ = "eqshard"
+
+
+class StepError(EqshardError):
+    """The user's step cannot be traced or compiled under a spec: the user's code
+    failed, not the spec, so the command line exits with 2, as for a model that
+    cannot be built."""
+
+    exit_code = 2
 
 
 class EqshardWarning(UserWarning):

@@ -21,13 +21,15 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from ._derive import plan_for
-from ._errors import EqshardError, SpecError
+from ._errors import EqshardError, Problem, SpecError
 from ._fields import FROM_FIELDS
 from ._plan import Plan
 from ._rng_lowering import unrolled_threefry
-from ._sharding import AnyMesh, Device
+from ._sharding import AnyMesh, Device, on_devices
+from ._values import unplaceable
 
 __all__ = ["init", "initializer"]
 
@@ -84,17 +86,45 @@ def init(
 
     **Returns:**
 
-    The model, its array leaves placed as the spec says, with the values
-    `eqshard.apply(factory(), spec)` gives (bit for bit on CPU); every other leaf
-    exactly as `factory` makes it.
+    The model, its array leaves placed as the spec says, every other leaf exactly as
+    `factory` makes it. The array leaves are, bit for bit, what the usual recipe
+    computes: `factory`'s arrays built by one `jax.jit` with the plan's shardings as
+    `out_shardings` (building in groups, and the unrolled random-number hash, change
+    no bit). `jax.random`'s bits are the same on every split and in an eager build
+    (JAX's partitionable threefry). Float maths is compiled by XLA, so it may differ
+    in the last bit from an eager `factory()`, which rounds each operation on its
+    own (`jax.random.normal(key, shape) * 0.02` does, and so can the scaling inside
+    `jax.random.uniform`, `exp`, `log` and sums); and where a split changes how XLA
+    computes a reduction (a sum, or a `linspace`, along a split dimension), from an
+    unsplit `jax.jit(factory)()`. Compare with an eager build within a tolerance.
 
     **Raises:**
 
-    `eqshard.SpecError` listing every leaf that cannot be laid out;
-    `eqshard.EqshardError` when `factory` fails to trace, saying why.
+    `eqshard.SpecError` listing every leaf that cannot be laid out, and every leaf
+    that `factory` returns as a NumPy array of a 64-bit type while JAX runs with
+    32-bit types (it would be cast); `eqshard.EqshardError` when `factory` fails to
+    trace, saying why, or when the mesh is a `jax.sharding.AbstractMesh`.
     """
+    wide: dict[int, str] = {}
+
+    def traced() -> Any:
+        # The factory's own leaves, before `eval_shape` makes them abstract: a NumPy
+        # array is still one here, and `jit` would cast a 64-bit one. Such a leaf
+        # leaves abstract and uncast (a cast can overflow, and warn).
+        leaves, treedef = jax.tree_util.tree_flatten(factory())
+        for i, leaf in enumerate(leaves):
+            why = None
+            if isinstance(leaf, (np.ndarray, np.generic)):
+                why = unplaceable(leaf, "`eqshard.init`")
+            if why is not None:
+                wide[i] = why
+                leaves[i] = jax.ShapeDtypeStruct(
+                    leaf.shape, jax.dtypes.canonicalize_dtype(leaf.dtype)
+                )
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
     try:
-        abstract = eqx.filter_eval_shape(factory)
+        abstract = eqx.filter_eval_shape(traced)
     except Exception as error:
         raise EqshardError(
             f"`eqshard.init` traces `factory` to build the model abstractly, and it raised "
@@ -102,9 +132,12 @@ def init(
             "JAX (use functools.partial(MyModel, ..., key=key))"
         ) from error
     planned = plan_for(abstract, spec, mesh=mesh, devices=devices)
-    if planned.problems:
-        raise SpecError(planned.problems)
     plan = planned.plan
+    refused = [Problem(plan.resolved.where(i), why) for i, why in wide.items()]
+    if planned.problems or refused:
+        headline = "`eqshard.init` cannot place these leaves" if refused else None
+        raise SpecError(planned.problems + refused, headline)
+    on_devices(plan.mesh, "`eqshard.init`")
     leaves = list(plan.resolved.leaves)
     for group in _groups(leaves):
         for i, array in zip(group, _compiled(factory, plan, group)()):

@@ -16,7 +16,7 @@ from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Unspecified
-from ._sharding import AnyMesh, Device, sharding
+from ._sharding import AnyMesh, Device, on_devices, sharding
 from ._values import source_for, unplaceable
 
 __all__ = ["constrain", "shard"]
@@ -57,7 +57,8 @@ def shard(
 
     `eqshard.ExpressionError` when the expression is malformed or does not fit the
     array's shape or the devices, and `eqshard.EqshardError` when called on a
-    traced value inside `jit` (use `eqshard.constrain` there).
+    traced value inside `jit` (use `eqshard.constrain` there), or on a
+    `jax.sharding.AbstractMesh`, which has no devices.
     """
     if isinstance(x, jax.core.Tracer):
         raise EqshardError(
@@ -74,6 +75,7 @@ def shard(
     if why is not None:
         raise EqshardError(f"the array {why}")
     target = sharding(expr, shape, mesh=mesh, devices=devices)
+    on_devices(target.mesh, "`eqshard.shard`")
     return jax.device_put(source_for(x, target), target)
 
 

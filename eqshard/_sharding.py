@@ -36,6 +36,7 @@ __all__ = [
     "mesh",
     "mesh_devices",
     "named_sharding",
+    "on_devices",
     "sharding",
     "user_mesh",
 ]
@@ -107,6 +108,25 @@ def user_mesh(mesh: object, devices: object) -> AnyMesh | None:
     if mesh.empty:
         raise EqshardError("`mesh=` is an empty mesh; give a mesh with devices")
     return mesh
+
+
+def on_devices(mesh: AnyMesh | None, what: str) -> None:
+    """Checks that `what` (such as "`eqshard.apply`"), which places or compiles
+    arrays, has devices to do it on: its mesh is not a `jax.sharding.AbstractMesh`.
+
+    **Raises:** `EqshardError` saying how to make a concrete mesh.
+    """
+    if isinstance(mesh, AbstractMesh):
+        raise EqshardError(
+            f"{what} needs a mesh with devices, and its mesh is a "
+            f"`jax.sharding.AbstractMesh` {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
+            "which has none (given as `mesh=`, set by `jax.sharding.use_abstract_mesh`, or "
+            "held by the `Plan`); pass a concrete `jax.sharding.Mesh`, such as "
+            "`jax.make_mesh((2, 4), ('data', 'model'))` or `jax.sharding.Mesh("
+            "np.array(jax.devices()).reshape(2, 4), ('data', 'model'))`. An AbstractMesh "
+            "serves `eqshard.plan`, `eqshard.abstract`, `eqshard.sharding`, and "
+            "`eqshard.constrain` inside `jit`"
+        )
 
 
 def mesh_devices(mesh: AnyMesh) -> tuple[Device, ...] | None:

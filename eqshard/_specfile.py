@@ -514,13 +514,18 @@ def dump(
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Writes `data` to a new file beside `path`, then renames it over `path`: the
-    file is either the old one or the new one, whole, even on a full disk."""
+    file is either the old one or the new one, whole, even on a full disk. Where
+    `path` is a symbolic link, the file it points to is written (the new file is
+    made in that file's folder), and the link stays a link."""
     name = os.fspath(path)
     try:
-        if path.exists() and not _is_regular(path):
+        target = Path(os.path.realpath(path))  # through every link, to the file itself
+        if target.is_symlink():
+            raise EqshardError(f"not written: {name} is a symbolic link that leads to itself")
+        if target.exists() and not _is_regular(target):
             raise EqshardError(f"not written: {name} is not a regular file (a directory or pipe)")
         descriptor, temporary = tempfile.mkstemp(
-            prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+            prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
         )
     except (OSError, ValueError) as error:
         if isinstance(error, EqshardError):
@@ -533,13 +538,13 @@ def write_atomically(path: Path, data: bytes) -> None:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
-        if path.exists():
-            os.chmod(temporary, stat.S_IMODE(path.stat().st_mode))
+        if target.exists():
+            os.chmod(temporary, stat.S_IMODE(target.stat().st_mode))
         else:
             umask = os.umask(0)
             os.umask(umask)
             os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
+        os.replace(temporary, target)
     except OSError as error:
         with contextlib.suppress(OSError):
             os.unlink(temporary)

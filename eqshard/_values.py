@@ -24,7 +24,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-__all__ = ["source_for", "unplaceable"]
+__all__ = ["narrowed", "source_for", "unplaceable"]
+
+
+def narrowed(dtype: Any) -> str | None:
+    """Why JAX cannot hold `dtype` as it is (a 64-bit type in 32-bit mode), with the
+    fix; or `None`. `apply`, `init` and `restore` all say it in these words."""
+    held = jax.dtypes.canonicalize_dtype(dtype)
+    if held == dtype:
+        return None
+    return (
+        "JAX runs with 32-bit types, so placing it would change its values; cast it "
+        f"(`x.astype(np.{held.name})`) or enable `jax_enable_x64`"
+    )
 
 
 def unplaceable(x: Any, what: str) -> str | None:
@@ -42,13 +54,9 @@ def unplaceable(x: Any, what: str) -> str | None:
             "`out_shardings` of the jitted function that builds the model"
         )
     if isinstance(x, (np.ndarray, np.generic)):
-        held = jax.dtypes.canonicalize_dtype(x.dtype)
-        if held != x.dtype:
-            return (
-                f"is a NumPy {x.dtype} array, and JAX runs with 32-bit types, so placing "
-                f"it would change its values; cast it (`x.astype(np.{held.name})`) or "
-                "enable `jax_enable_x64`"
-            )
+        why = narrowed(x.dtype)
+        if why is not None:
+            return f"is a NumPy {x.dtype} array, and {why}"
     return None
 
 

@@ -1,12 +1,19 @@
 """Checkpoints that restore straight into shards, on any device count, from
 Equinox's files and through Orbax."""
 
+import errno
+import io
+import json
+import re
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from dtype_round_trip import round_trip
 
 import eqshard
 from eqshard import EqshardError
@@ -152,3 +159,99 @@ def test_orbax_round_trips_masked_and_multisteps_states(tmp_path, optimizer):
     restored, target = _orbax_round_trip(tmp_path, state, like, plan)
     _assert_identical(restored, eqx.filter(state, eqx.is_array))
     _assert_in_shards(restored, target)
+
+
+# --------------------------------------------------------------------------- #
+# Every dtype, bit for bit; 64-bit leaves; leaves that cannot be read.
+# --------------------------------------------------------------------------- #
+
+DTYPE_ROUND_TRIP = Path(__file__).parent / "dtype_round_trip.py"
+SMALL_TYPES = {
+    "bfloat16",
+    "bool",
+    "complex64",
+    "float16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "int4",
+    "uint4",
+}
+
+
+def test_restore_every_dtype_bit_for_bit_into_shards(tmp_path):
+    # bfloat16 and the float8 and int4 types are ml_dtypes types, which NumPy saves as
+    # raw bytes ('<V2', '<V1') or as a code it cannot read back ('<f1'); every shard of
+    # every leaf is checked on every device, byte for byte (`dtype_round_trip.py`)
+    names = round_trip(tmp_path)
+    assert set(names) >= SMALL_TYPES
+    newer = {"float8_e3m4", "float8_e4m3", "float8_e8m0fnu", "float4_e2m1fn", "int2", "uint2"}
+    assert {name for name in newer if hasattr(jnp, name)} <= set(names)
+
+
+def test_restore_every_64_bit_dtype_under_x64_and_refuse_it_in_32_bit_mode(tmp_path, run_python):
+    # `-c`, so that the process imports the eqshard this one does, from the working directory
+    run = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    done = run_python(["-c", run, str(DTYPE_ROUND_TRIP), str(tmp_path)])
+    assert done.returncode == 0, done.stderr
+    assert {"float64", "int64", "uint64", "complex128"} <= set(json.loads(done.stdout))
+    like = eqx.filter_eval_shape(lambda: {"step": jnp.zeros(4, int), "w": jnp.zeros(4)})
+    with pytest.raises(
+        EqshardError,
+        match=re.escape(
+            "step: the file holds int64[4] here, and JAX runs with 32-bit types, so placing it "
+            "would change its values; cast it (`x.astype(np.int32)`) or enable `jax_enable_x64`"
+        ),
+    ):
+        eqshard.restore(tmp_path / "wide.eqx", like, OTHER)
+
+
+def test_a_numpy_64_bit_leaf_is_refused_in_the_words_of_apply(tmp_path):
+    saved = {"w": np.arange(4) * 2**40}
+    eqx.tree_serialise_leaves(tmp_path / "wide.eqx", saved)
+    with pytest.raises(EqshardError) as applying:
+        eqshard.apply(saved, OTHER)
+    rule = re.search(r"JAX runs with 32-bit types.*", str(applying.value))
+    assert rule is not None
+    assert "cast it (`x.astype(np.int32)`)" in rule.group()
+    for like in (saved, eqx.filter_eval_shape(lambda: saved)):  # as saved, or abstract
+        with pytest.raises(
+            EqshardError,
+            match=r"^w: the file holds int64\[4\] here, and " + re.escape(rule.group()),
+        ):
+            eqshard.restore(tmp_path / "wide.eqx", like, OTHER)
+
+
+def test_a_leaf_that_cannot_be_read_keeps_its_cause_and_path(tmp_path, monkeypatch):
+    eqx.tree_serialise_leaves(tmp_path / "lr.eqx", {"lr": jnp.ones(3)})
+    with pytest.raises(
+        EqshardError,
+        match=r"^lr: cannot read the saved float: ValueError: can only convert an array of size 1",
+    ) as caught:
+        eqshard.restore(tmp_path / "lr.eqx", {"lr": 0.1}, OTHER)
+    assert isinstance(caught.value.__cause__, ValueError)
+
+    class Failing(io.BufferedReader):
+        def readinto(self, buffer):  # the disk fails while the data is read
+            raise OSError(errno.EIO, "Input/output error")
+
+    eqx.tree_serialise_leaves(tmp_path / "model.eqx", _build())
+    monkeypatch.setattr(
+        "eqshard._checkpoint.open", lambda *a: Failing(io.FileIO(*a)), raising=False
+    )
+    with pytest.raises(
+        EqshardError,
+        match=r"^layers\.0\.weight \(Linear\.weight\): cannot read its float32\[64, 16\] data: "
+        r"OSError: \[Errno 5\] Input/output error",
+    ) as caught:
+        eqshard.restore(tmp_path / "model.eqx", eqx.filter_eval_shape(_build), OTHER)
+    assert isinstance(caught.value.__cause__, OSError)
+    (tmp_path / "cut.eqx").write_bytes((tmp_path / "model.eqx").read_bytes()[:-10])
+    monkeypatch.undo()
+    with pytest.raises(
+        EqshardError, match=r"^layers\.1\.bias \(Linear\.bias\): the file ends inside this array"
+    ) as caught:
+        eqshard.restore(tmp_path / "cut.eqx", eqx.filter_eval_shape(_build), OTHER)
+    assert isinstance(caught.value.__cause__, EOFError)

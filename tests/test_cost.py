@@ -187,3 +187,21 @@ def test_the_stacked_gpt_counts_its_scanned_collectives_per_layer():
     assert all(x.count == 1 for x in c.collectives if "while" not in x.source)
     by_axes = c.bytes_by_axes()
     assert sum(by_axes.values()) == sum(x.bytes * x.count for x in c.collectives)
+
+
+def test_a_step_that_cannot_be_traced_names_the_devices_and_the_spec(tmp_path):
+    def broken(model, state, x):
+        return model.layers[0].weight @ x  # (1024, 256) @ (64, 256)
+
+    eqshard.dump(MEGATRON, tmp_path / "megatron.eqshard.json")
+    rules = eqshard.load(tmp_path / "megatron.eqshard.json")
+    with pytest.raises(
+        eqshard.EqshardError,
+        match=r"^`eqshard\.cost` cannot trace and compile the step .*\.broken on 8 devices under "
+        r"the spec file .*megatron\.eqshard\.json: it raised TypeError: dot_general requires "
+        r"contracting",
+    ) as caught:
+        eqshard.cost(broken, MODEL, STATE, BATCH, spec=rules, devices=8)
+    assert isinstance(caught.value.__cause__, TypeError)  # JAX's own error, chained
+    with pytest.raises(eqshard.EqshardError, match=r" on 4 devices under a spec of type str: "):
+        eqshard.cost(broken, MODEL, STATE, BATCH, spec="... -> * ...", devices=4)

@@ -237,6 +237,85 @@ def test_constrain_inside_jit_uses_the_abstract_mesh():
     assert y.sharding == NamedSharding(mesh, P("data", "model"))
 
 
+_ABSTRACT_RULES = eqshard.load(
+    {
+        "eqshard": 1,
+        "rules": [{"path": "weight", "expr": "o i -> o* i"}, {"path": "bias", "expr": "o -> o*"}],
+    }
+)
+
+
+def _linear():
+    return eqx.nn.Linear(8, 16, key=jax.random.key(0))
+
+
+@pytest.mark.parametrize(
+    ("what", "call"),
+    [
+        ("shard", lambda m, path: eqshard.shard(jnp.ones((8, 16)), "a b -> a2 b4", mesh=m)),
+        ("apply", lambda m, path: eqshard.apply(_linear(), _ABSTRACT_RULES, mesh=m)),
+        ("constrain", lambda m, path: eqshard.constrain(_linear(), _ABSTRACT_RULES, mesh=m)),
+        ("init", lambda m, path: eqshard.init(_linear, _ABSTRACT_RULES, mesh=m)),
+        (
+            "restore",
+            lambda m, path: eqshard.restore(
+                path, eqx.filter_eval_shape(_linear), _ABSTRACT_RULES, mesh=m
+            ),
+        ),
+        (
+            "cost",
+            lambda m, path: eqshard.cost(
+                eqx.filter_jit(lambda model, x: jax.vmap(model)(x).sum()),
+                _linear(),
+                jnp.ones((8, 8)),
+                spec=_ABSTRACT_RULES,
+                mesh=m,
+            ),
+        ),
+    ],
+)
+def test_what_places_or_compiles_needs_a_concrete_mesh(what, call, tmp_path):
+    eqx.tree_serialise_leaves(tmp_path / "linear.eqx", _linear())
+    abstract = _mesh().abstract_mesh
+    with pytest.raises(
+        EqshardError,
+        match=rf"^`eqshard\.{what}` needs a mesh with devices, and its mesh is a "
+        r"`jax\.sharding\.AbstractMesh` \{'data': 2, 'model': 4\}, which has none .*; pass a "
+        r"concrete `jax\.sharding\.Mesh`, such as `jax\.make_mesh\(\(2, 4\), \('data', 'model'\)\)`",
+    ):
+        call(abstract, tmp_path / "linear.eqx")
+    with (
+        jax.sharding.use_abstract_mesh(abstract),
+        pytest.raises(EqshardError, match="needs a mesh"),
+    ):
+        call(None, tmp_path / "linear.eqx")  # the same, set as the context's mesh
+    call(_mesh(), tmp_path / "linear.eqx")  # a concrete mesh of the same shape works
+
+
+def test_an_abstract_mesh_still_plans_and_constrains_inside_jit():
+    mesh = _mesh()
+    abstract = mesh.abstract_mesh
+    model = _linear()
+    plan = eqshard.plan(model, _ABSTRACT_RULES, mesh=abstract)
+    assert plan.mesh == abstract
+    assert plan.partition_specs.weight == P(("data", "model"), None)
+    assert eqshard.abstract(model, plan).weight.sharding.mesh == abstract
+    assert eqshard.sharding("a b -> a2 b4", (8, 16), mesh=abstract).spec == P("data", "model")
+
+    @jax.jit
+    def step(model, x):
+        return eqshard.constrain(model, plan), eqshard.constrain(
+            x * 2, "a b -> a2 b4", mesh=abstract
+        )
+
+    with jax.set_mesh(mesh):
+        constrained, y = step(model, jnp.ones((8, 16)))
+    assert constrained.weight.sharding.is_equivalent_to(
+        NamedSharding(mesh, P(("data", "model"))), 2
+    )
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("data", "model")), 2)
+
+
 # --------------------------------------------------------------------------- #
 # Spec files: a declared mesh, and logical axes.
 # --------------------------------------------------------------------------- #

@@ -1,5 +1,7 @@
 import json
+import os
 import re
+import stat
 import threading
 import warnings
 from pathlib import Path
@@ -16,7 +18,7 @@ from jaxtyping import Array, Float
 from jsonschema import Draft202012Validator
 
 import eqshard
-from eqshard import SpecError, UnreadableError, UnusedRuleWarning
+from eqshard import EqshardError, SpecError, UnreadableError, UnusedRuleWarning
 from eqshard._paths import match
 
 SPECS = Path(__file__).parent / "specs"
@@ -479,6 +481,42 @@ def test_deeply_nested_json_is_an_error_not_a_crash(tmp_path):
     path.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(SpecError, match="the JSON nests too deeply to read"):
         eqshard.load(path)
+
+
+def test_dump_writes_through_a_symbolic_link_and_keeps_it(tmp_path):
+    (tmp_path / "specs").mkdir()
+    target = tmp_path / "specs" / "model.eqshard.json"
+    target.write_text("{}")
+    target.chmod(0o640)
+    link = tmp_path / "model.eqshard.json"
+    link.symlink_to(Path("specs") / "model.eqshard.json")  # relative, as in a repository
+    chain = tmp_path / "chain.json"
+    chain.symlink_to(link)  # a link to the link
+    for written, expr in ((link, "a -> a*"), (chain, "a b -> a b*")):
+        eqshard.dump({"w": expr}, written)
+        assert link.is_symlink()
+        assert os.readlink(link) == os.path.join("specs", "model.eqshard.json")
+        assert chain.is_symlink()
+        assert os.readlink(chain) == str(link)
+        rules = json.loads(target.read_text())["rules"]
+        assert rules == [{"path": "w.**", "expr": expr}]
+        assert stat.S_IMODE(target.stat().st_mode) == 0o640  # the file's own mode, kept
+    dangling = tmp_path / "new.json"
+    dangling.symlink_to(tmp_path / "specs" / "new.eqshard.json")  # its file is not there yet
+    eqshard.dump({"w": "a -> a*"}, dangling)
+    assert dangling.is_symlink()
+    assert eqshard.load(tmp_path / "specs" / "new.eqshard.json")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [  # no temporary file left behind
+        "chain.json",
+        "model.eqshard.json",
+        "model.eqshard.json",
+        "new.eqshard.json",
+        "new.json",
+        "specs",
+    ]
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(EqshardError, match="is a symbolic link that leads to itself"):
+        eqshard.dump({"w": "a -> a*"}, tmp_path / "loop")
 
 
 def test_dump_refuses_keys_it_cannot_write(tmp_path):

@@ -3,6 +3,7 @@ plugin, each count in a worker process of its own."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -109,6 +110,23 @@ def test_golden_layouts_are_written_then_a_changed_spec_names_the_leaf(tmp_path,
     with pytest.raises(AssertionError) as caught:  # a rule that stops matching
         assert_layouts(m.build, spec, golden=golden, devices=(2,))
     assert "      bytes_per_device: 2048 -> 4096" in str(caught.value)
+
+
+def test_golden_layouts_are_written_through_a_symbolic_link(tmp_path, monkeypatch):
+    import harness_models as m
+
+    _golden_project(tmp_path, "o i -> o* i")
+    (tmp_path / "shared").mkdir()
+    target = tmp_path / "shared" / "mlp.json"
+    target.write_text("{}")
+    golden = tmp_path / "golden.json"
+    golden.symlink_to(Path("shared") / "mlp.json")
+    monkeypatch.setenv("EQSHARD_UPDATE", "1")
+    assert_layouts(m.build, tmp_path / "spec.eqshard.json", golden=golden, devices=(2,))
+    assert golden.is_symlink()
+    assert os.readlink(golden) == os.path.join("shared", "mlp.json")
+    assert json.loads(target.read_text())["layouts"]["2"]["mesh"]
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["mlp.json"]
 
 
 def test_callables_must_be_importable_by_name(tmp_path):
