@@ -23,6 +23,7 @@ import numpy as np
 
 from ._derive import plan_for
 from ._errors import EqshardError, StepError
+from ._expression import Expression
 from ._plan import Plan, plan
 from ._report import leaf_rows, total_bytes_per_device
 from ._sharding import AnyMesh, Device, on_devices, sharding
@@ -491,6 +492,8 @@ def _spec_name(spec: Any) -> str:
     if isinstance(spec, Rules):
         named = not spec.source.startswith("<")  # "<mapping>": loaded from a dict
         return f"the spec file {spec.source}" if named else f"the `Rules` of a {spec.source[1:-1]}"
+    if isinstance(spec, (str, Expression)):
+        return f"the expression {str(spec)!r}"
     return f"a spec of type {type(spec).__name__}"
 
 

@@ -126,7 +126,11 @@ def test_the_cost_workers_errors_come_back_as_the_same_class(user_module):
     )
     assert problem.detail == "    o i -> o32 i\n           ^^^^^"  # its caret
     assert str(raised.value).startswith("1 problem in the spec:\n  layers.0.weight (Linear")
-    with pytest.raises(user_module.StepError, match=r"^no step here"):  # the user's own class
+    with pytest.raises(
+        eqshard.EqshardError,
+        match=r"^`eqshard.cost` cannot trace and compile the step failing_step on 16 devices "
+        r"under the expression '\.\.\. -> \* \.\.\.': it raised StepError: no step here$",
+    ):  # the user's own error, named
         eqshard.cost(user_module.failing_step, model, state, batch, spec="... -> * ...", devices=16)
 
 
