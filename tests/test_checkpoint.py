@@ -255,3 +255,71 @@ def test_a_leaf_that_cannot_be_read_keeps_its_cause_and_path(tmp_path, monkeypat
     ) as caught:
         eqshard.restore(tmp_path / "cut.eqx", eqx.filter_eval_shape(_build), OTHER)
     assert isinstance(caught.value.__cause__, EOFError)
+
+
+def _pair(dtype):
+    """(blocks, head), `blocks` a list: inside `(model, opt_state)` the head's path is
+    `0.1.weight`, which is also `blocks[1].weight`'s path in the model."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    model = (
+        [eqx.nn.Linear(16, 16, key=keys[0]), eqx.nn.Linear(16, 16, key=keys[1])],
+        eqx.nn.Linear(16, 16, key=keys[2]),
+    )
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if eqx.is_array(x) else x, model)
+
+
+_PAIR_SPEC = eqshard.load(
+    {
+        "eqshard": 1,
+        "rules": [
+            {"path": "0.0.weight", "expr": "o i -> o* i"},
+            {"path": "0.0.bias", "expr": "o -> o*"},
+            {"path": "0.1.weight", "expr": "o i -> o* i"},
+            {"path": "1.weight", "expr": "o i -> o i*"},
+        ],
+    }
+)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_readme_recipes_keep_every_planned_layout(tmp_path, dtype):
+    from state_oracle import expected_shardings
+
+    optimizer = optax.adamw(1e-3)
+
+    def build():
+        model = _pair(dtype)
+        return model, optimizer.init(eqx.filter(model, eqx.is_array))
+
+    model = _pair(dtype)
+    plan = eqshard.plan(model, _PAIR_SPEC)
+    params = eqx.filter(model, eqx.is_array)
+    opt_state = optimizer.init(params)
+    model = eqshard.apply(model, plan)
+    opt_state = eqshard.apply(opt_state, plan)
+    grads = jax.tree_util.tree_map(lambda x: jnp.ones_like(x) / 3, params)
+    _, opt_state = optimizer.update(grads, opt_state, params)  # moments that are not zero
+    opt_state = eqshard.apply(opt_state, plan)
+    want_model = [s for s in plan.flat_shardings if s is not None]
+    want_state = expected_shardings(optimizer, opt_state, params, plan)
+    assert want_model[4].spec == jax.sharding.PartitionSpec(None, "m0")  # the head
+
+    def assert_planned(pair):
+        got_model = [x.sharding for x in jax.tree_util.tree_leaves(pair[0])]
+        assert got_model == want_model
+        for leaf, want in zip(jax.tree_util.tree_leaves(pair[1]), want_state):
+            assert leaf.sharding == want if want is not None else leaf.sharding.is_fully_replicated
+
+    path = tmp_path / "state.eqx"
+    eqx.tree_serialise_leaves(path, (model, opt_state))
+    like = eqx.filter_eval_shape(build)
+    restored = eqshard.restore(path, like, plan)  # README: "Checkpoints"
+    assert_planned(restored)
+    _assert_identical(restored, (model, opt_state))
+    target = eqshard.abstract(  # README: the Orbax target
+        eqx.filter(like, lambda x: isinstance(x, jax.ShapeDtypeStruct)), plan
+    )
+    assert_planned(target)
+    built = eqshard.init(lambda: build()[0], plan)  # README: "init"
+    assert [x.sharding for x in jax.tree_util.tree_leaves(built)] == want_model
+    assert jax.tree_util.tree_leaves(built)[4].dtype == dtype

@@ -12,6 +12,7 @@ import optax
 import pytest
 from hypothesis import given, settings, strategies as st
 from jaxtyping import Array, Float
+from state_oracle import expected_shardings, parameters_of
 
 import eqshard
 from eqshard import SpecError
@@ -59,55 +60,6 @@ OPTIMIZERS = {
 }
 
 
-def _is_masked(x):
-    return isinstance(x, optax.MaskedNode)
-
-
-def _parameters_of(optimizer, state, params):
-    """For each leaf of `state`, the index of the parameter (in `params`' leaves) it
-    belongs to, or -1: optax's own map from a state to its parameters, from the
-    optimizer's structure."""
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    index = jax.tree_util.tree_unflatten(treedef, list(range(len(leaves))))
-    mapped = optax.tree_map_params(
-        optimizer,
-        lambda _, i: i,
-        state,
-        index,
-        transform_non_params=lambda _: -1,
-        is_leaf=_is_masked,
-    )
-
-    # Masked and filtered places are `MaskedNode`s in the state, and `None` or the
-    # parameter's index in the map: pair them, then drop them.
-    def hole(x):
-        return x is None or _is_masked(x)
-
-    found = jax.tree_util.tree_leaves(mapped, is_leaf=hole)
-    held = jax.tree_util.tree_leaves(state, is_leaf=hole)
-    assert len(found) == len(held)
-    return [i for i, leaf in zip(found, held) if not hole(leaf)]
-
-
-def _expected_shardings(optimizer, state, params, plan):
-    """What each leaf of `state` must be laid out as: its parameter's sharding where
-    it has one and that parameter's shape, else a full copy."""
-    shardings = [
-        s
-        for s, leaf in zip(plan.flat_shardings, plan.resolved.leaves)
-        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct))
-    ]
-    model_leaves = jax.tree_util.tree_leaves(params)
-    assert len(shardings) == len(model_leaves)
-    expected = []
-    for leaf, i in zip(jax.tree_util.tree_leaves(state), _parameters_of(optimizer, state, params)):
-        if i >= 0 and leaf.shape == model_leaves[i].shape:
-            expected.append(shardings[i])
-        else:
-            expected.append(None)  # replicated
-    return expected
-
-
 def _assert_laid_out_as(laid_out, expected):
     leaves = jax.tree_util.tree_leaves(laid_out)
     assert len(leaves) == len(expected)
@@ -125,7 +77,7 @@ def test_every_moment_has_its_parameters_blocks(name):
     params = eqx.filter(model, eqx.is_array)
     optimizer = OPTIMIZERS[name](model)
     state = eqshard.apply(optimizer.init(params), plan)
-    expected = _expected_shardings(optimizer, state, params, plan)
+    expected = expected_shardings(optimizer, state, params, plan)
     _assert_laid_out_as(state, expected)
     for leaf, want in zip(jax.tree_util.tree_leaves(state), expected):
         if want is not None:  # device by device, the parameter's blocks
@@ -135,7 +87,7 @@ def test_every_moment_has_its_parameters_blocks(name):
     for row, leaf, i, want in zip(
         report.rows,
         jax.tree_util.tree_leaves(state),
-        _parameters_of(optimizer, state, params),
+        parameters_of(optimizer, state, params),
         expected,
     ):
         if want is not None:
@@ -426,7 +378,7 @@ def test_random_trees_with_colliding_names_follow_optax_s_own_map(layouts, name,
     params = eqx.filter(model, eqx.is_array)
     optimizer = OPTIMIZERS[name](model)
     state = optimizer.init(params)
-    expected = _expected_shardings(optimizer, state, params, plan)
+    expected = expected_shardings(optimizer, state, params, plan)
     _assert_laid_out_as(eqshard.abstract(state, plan), expected)
     # the model itself, and filtered, inside a training state
     pair = eqshard.abstract((model, state), plan)
