@@ -28,7 +28,14 @@ from jaxtyping import AbstractArray
 
 from ._expression import Element, Expression, LeftItem, _is_name_char
 
-__all__ = ["Annotation", "annotation_of", "complete", "field_annotations", "for_rank"]
+__all__ = [
+    "Annotation",
+    "annotation_of",
+    "complete",
+    "field_annotations",
+    "for_rank",
+    "state_annotations",
+]
 
 # One item per annotated dimension: a name, None (no usable name) or ... (variadic).
 DimItem = typing.Union[str, None, EllipsisType]
@@ -85,18 +92,48 @@ def annotation_of(hint: object) -> Annotation | None:
 
 
 @functools.cache
+def _hints(cls: type) -> dict[str, object]:
+    try:
+        return typing.get_type_hints(cls, include_extras=True)
+    except Exception:  # one unresolvable annotation: resolve the others one by one
+        return {f.name: _resolve_one(cls, f.type) for f in dataclasses.fields(cls)}
+
+
+@functools.cache
 def field_annotations(cls: type) -> dict[str, Annotation]:
     """The jaxtyping annotation of each field of a dataclass that has one. Cached."""
-    try:
-        hints = typing.get_type_hints(cls, include_extras=True)
-    except Exception:  # one unresolvable annotation: resolve the others one by one
-        hints = {f.name: _resolve_one(cls, f.type) for f in dataclasses.fields(cls)}
     result = {}
-    for name, hint in hints.items():
+    for name, hint in _hints(cls).items():
         annotation = annotation_of(hint)
         if annotation is not None:
             result[name] = annotation
     return result
+
+
+@functools.cache
+def state_annotations(cls: type, name: str) -> tuple[Annotation | None, ...] | None:
+    """The annotations of the value an `eqx.nn.StateIndex` field holds, one per item
+    when it holds a tuple: `StateIndex[tuple[Float[Array, "u"], Float[Array, "v"]]]`
+    gives `(u, v)`; `StateIndex[Float[Array, "c"]]` gives `(c,)`. `None` when the
+    field says nothing. Cached."""
+    from equinox.nn import StateIndex
+
+    def inside(hint: object) -> object | None:
+        if typing.get_origin(hint) is StateIndex:
+            args = typing.get_args(hint)
+            return args[0] if args else None
+        for arg in typing.get_args(hint):  # Optional[StateIndex[...]]
+            found = inside(arg)
+            if found is not None:
+                return found
+        return None
+
+    value = inside(_hints(cls).get(name))
+    if value is None:
+        return None
+    if typing.get_origin(value) is tuple:
+        return tuple(annotation_of(item) for item in typing.get_args(value))
+    return (annotation_of(value),)
 
 
 def _resolve_one(cls: type, hint: object) -> object:

@@ -18,18 +18,21 @@ where it is (`unspecified="keep"`) is kept too.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
 from ._errors import EqshardError, Problem
 from ._expression import Expression
-from ._fields import is_array_like
+from ._fields import is_array_like, is_stateful_pair
 from ._plan import Plan, Planned, Unspecified, make_plan
 from ._resolve import Resolved, abstract_leaves
+from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device
 
 __all__ = ["REPLICATED", "plan_for"]
@@ -52,29 +55,41 @@ def _is_hole(x: Any) -> bool:
 
 
 class _Model:
-    """The plan's model as a template to match subtrees against."""
+    """A part of the plan's model, as a template to match subtrees against: the
+    whole model, or in a `(model, state)` plan each of the two; `offset` is the
+    index of its first leaf among the plan's."""
 
-    def __init__(self, given: Plan) -> None:
-        self.tree = given.resolved.model
-        self.root = None if _flatten_one(self.tree) is None else type(self.tree)
+    def __init__(self, tree: Any, offset: int = 0) -> None:
+        self.tree, self.offset = tree, offset
+        self.root = None if _flatten_one(tree) is None else type(tree)
         # Flattened with holes as leaves, the model and an exact copy of it with
         # holes anywhere a leaf was have equal structures: one C-speed comparison.
-        flat, self.with_holes = jax.tree_util.tree_flatten(self.tree, is_leaf=_is_hole)
-        count = iter(range(len(flat)))
+        flat, self.with_holes = jax.tree_util.tree_flatten(tree, is_leaf=_is_hole)
+        count = iter(range(offset, offset + len(flat)))
         self.index_with_holes = [None if _is_hole(leaf) else next(count) for leaf in flat]
 
     def match(self, node: Any) -> list[int | None] | None:
-        """The model index of each leaf of `node` (`None` where the model has no
-        leaf there), when `node` has the model's structure; else `None`."""
+        """The plan's index of each leaf of `node` (`None` where the model has no
+        leaf there), when `node` has this part's structure; else `None`."""
         if self.root is None:  # the model is one array: so is any leaf
-            return [0] if _flatten_one(node) is None else None
+            return [self.offset] if _flatten_one(node) is None else None
         if type(node) is not self.root:
             return None
         flat, structure = jax.tree_util.tree_flatten(node, is_leaf=_is_hole)
         if structure == self.with_holes:
             return [j for leaf, j in zip(flat, self.index_with_holes) if not _is_hole(leaf)]
         out: list[int | None] = []
-        return out if _match(node, self.tree, iter(range(1 << 62)), out) else None
+        indices = iter(range(self.offset, 1 << 62))
+        return out if _match(node, self.tree, indices, out) else None
+
+
+def _templates(given: Plan) -> list[_Model]:
+    """The parts of the plan's model that subtrees are matched against."""
+    tree = given.resolved.model
+    if not is_stateful_pair(tree):
+        return [_Model(tree)]
+    size = len(jax.tree_util.tree_leaves(tree[0]))
+    return [_Model(tree), _Model(tree[0]), _Model(tree[1], size)]
 
 
 def _match(node: Any, model: Any, indices: Iterator[int], out: list[int | None]) -> bool:
@@ -104,15 +119,25 @@ def _match(node: Any, model: Any, indices: Iterator[int], out: list[int | None])
     return all(_match(child, part, indices, out) for child, part in zip(these, theirs))
 
 
-def _correspondence(tree: Any, model: _Model) -> list[int | None]:
-    """The model index of each leaf of `tree`, from its subtrees that have the
-    model's structure; `None` for leaves in no such subtree."""
+def _correspondence(
+    tree: Any, templates: list[_Model]
+) -> tuple[list[int | None], list[tuple[int, Any]]]:
+    """The plan's index of each leaf of `tree`, from its subtrees that have the
+    structure of the model (or of a template); `None` for leaves in no such subtree.
+    Also each `eqx.nn.State` in no such subtree, with the index of its first leaf:
+    the plan's spec lays those out."""
     out: list[int | None] = []
+    states: list[tuple[int, Any]] = []
 
     def visit(node: Any) -> None:
-        found = model.match(node)
-        if found is not None:
-            out.extend(found)
+        for template in templates:
+            found = template.match(node)
+            if found is not None:
+                out.extend(found)
+                return
+        if isinstance(node, eqx.nn.State):
+            states.append((len(out), node))
+            out.extend([None] * len(jax.tree_util.tree_leaves(node)))
             return
         children = _flatten_one(node)
         if children is None:
@@ -122,7 +147,7 @@ def _correspondence(tree: Any, model: _Model) -> list[int | None]:
             visit(child)
 
     visit(tree)
-    return out
+    return out, states
 
 
 def _described(model: Any) -> str:
@@ -157,7 +182,7 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
     for every other array leaf."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     model = given.resolved
-    positions = _correspondence(tree, _Model(given))
+    positions, states = _correspondence(tree, _templates(given))
     assert len(positions) == len(leaves)  # both in `tree_leaves` order
     exprs: list[Expression | None] = [None] * len(leaves)
     origins: list[str | None] = [None] * len(leaves)
@@ -185,6 +210,15 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
         origins[i] = f"parameter {name}" if shardings[i] is not None else f"kept, as {name} is"
         matched += 1
     problems = []
+    for start, state in states:
+        found = _state_plan(state, given)
+        problems += found.problems
+        sub = found.plan
+        end = start + len(sub.flat_shardings)
+        shardings[start:end] = sub.flat_shardings
+        exprs[start:end] = sub.resolved.exprs
+        origins[start:end] = sub.resolved.origins
+        matched += any(s is not None for s in sub.flat_shardings)
     if not matched and unmatched:
         problems.append(
             Problem(
@@ -194,9 +228,31 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
                 "was built from",
             )
         )
-    resolved = Resolved(*abstract_leaves(tree, leaves, treedef), exprs, origins, set())
-    derived = Plan(given.mesh, resolved, shardings, given.devices, given.mesh_is_given)
+    resolved = Resolved(
+        *abstract_leaves(tree, leaves, treedef), exprs, origins, set(), context=model.model
+    )
+    derived = dataclasses.replace(given, resolved=resolved, flat_shardings=shardings)
     return Planned(derived, problems, [])
+
+
+def _state_plan(state: Any, given: Plan) -> Planned:
+    """The layout of the model's `eqx.nn.State`, from the spec the plan was made
+    from: its leaves are named by their `StateIndex`'s path in the model
+    (`bn.ema_state_index.0`), which rules match, and their annotations come from
+    the model's fields, which `dims` use. A spec tree, which has no place for
+    them, replicates them. The model's own rules that match no state leaf say
+    nothing here: they were checked against the model."""
+    spec = given.spec
+    if not (is_resolver(spec) or isinstance(spec, (str, Expression))):
+        spec = None
+    if given.mesh is not None:
+        where: dict[str, Any] = {"mesh": given.mesh}
+    else:
+        where = {"devices": given.devices}
+    found = make_plan(
+        state, spec, unspecified=given.unspecified, context=given.resolved.model, **where
+    )
+    return Planned(found.plan, found.problems, [])
 
 
 def plan_for(

@@ -14,15 +14,25 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.tree_util import GetAttrKey
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from ._annotation import Annotation, contradiction, field_annotations
+from ._annotation import Annotation, contradiction, field_annotations, state_annotations
 from ._errors import EqshardError, Problem
 from ._expression import Expression, parse
 from ._paths import segments
 from ._resolver import Resolution, Target
 
-__all__ = ["FROM_FIELDS", "FromFields", "LeafInfo", "field", "is_array_like", "walk_fields"]
+__all__ = [
+    "FROM_FIELDS",
+    "FromFields",
+    "LeafInfo",
+    "field",
+    "is_array_like",
+    "is_stateful_pair",
+    "key_paths",
+    "marker_keys",
+    "walk_fields",
+]
 
 _METADATA_KEY = "eqshard"
 
@@ -125,17 +135,31 @@ _PLAIN = re.compile(r"[^.*\s\[\]'\"]+")
 _flatten_one = jax.tree_util.default_registry.flatten_one_level_with_keys
 
 
+@dataclasses.dataclass
+class _Walk:
+    """What one walk collects besides the leaves: what the model says of each
+    `eqx.nn.StateIndex` (by marker), and the leaves of each `eqx.nn.State`, which
+    take that once the whole tree has been walked."""
+
+    out: list[LeafInfo]
+    indices: dict[Any, tuple[Expression | None, str | None, tuple[Annotation | None, ...] | None]]
+    pending: list[tuple[int, int, Any, int]]
+
+
 def _walk(
     node: Any,
     path: tuple[Any, ...],
     expr: Expression | None,
     owner: str | None,
     annotation: Annotation | None,
-    out: list[LeafInfo],
+    walk: _Walk,
 ) -> None:
+    if isinstance(node, eqx.nn.State):
+        _walk_state(node, path, walk)
+        return
     flat = _flatten_one(node)
     if flat is None:
-        out.append(LeafInfo(path, node, expr, owner, annotation))
+        walk.out.append(LeafInfo(path, node, expr, owner, annotation))
         return
     children, _ = flat
     names = getattr(node, "_fields", None) if isinstance(node, tuple) else None
@@ -145,7 +169,7 @@ def _walk(
         children = [(GetAttrKey(name), child) for name, (_, child) in zip(names, children)]
     if not isinstance(node, eqx.Module):
         for key, child in children:
-            _walk(child, (*path, key), expr, owner, annotation, out)
+            _walk(child, (*path, key), expr, owner, annotation, walk)
         return
     cls = type(node)
     fields = cls.__dataclass_fields__
@@ -154,25 +178,123 @@ def _walk(
         name = key.name if isinstance(key, GetAttrKey) else ""
         f = fields.get(name)
         if f is None:
-            _walk(child, (*path, key), expr, owner, annotation, out)
+            _walk(child, (*path, key), expr, owner, annotation, walk)
             continue
         own = f.metadata.get(_METADATA_KEY)
-        _walk(
-            child,
-            (*path, key),
-            own if own is not None else expr,
-            f"{cls.__name__}.{name}",
-            annotations.get(name),
-            out,
-        )
+        here = own if own is not None else expr
+        label = f"{cls.__name__}.{name}"
+        if isinstance(child, eqx.nn.StateIndex):  # what its state's leaves are
+            walk.indices[child.marker] = (here, label, state_annotations(cls, name))
+        _walk(child, (*path, key), here, label, annotations.get(name), walk)
 
 
-def walk_fields(model: Any) -> list[LeafInfo]:
+def _walk_state(node: Any, path: tuple[Any, ...], walk: _Walk) -> None:
+    """An `eqx.nn.State`: each stored value under the path of its `StateIndex` in
+    the model (`bn.ema_state_index`), read from the index's marker, which
+    `eqx.nn.make_with_state` writes as the model's class and that path."""
+    children, markers = _flatten_one(node)  # pyright: ignore[reportGeneralTypeIssues]
+    for (key, child), marker in zip(children, markers):
+        keys = marker_keys(marker)
+        here = (*path, *(keys if keys is not None else (key,)))
+        start = len(walk.out)
+        _walk(child, here, None, None, None, walk)
+        walk.pending.append((start, len(walk.out), marker, len(here)))
+
+
+def _finish_states(walk: _Walk) -> None:
+    """Gives each state leaf what its `StateIndex`'s field says: the expression of an
+    `eqshard.field` above it, the `Class.field` name and the annotation of its item
+    (`StateIndex[tuple[Float[Array, "c"], ...]]`)."""
+    for start, end, marker, depth in walk.pending:
+        expr, owner, annotations = walk.indices.get(marker, (None, None, None))
+        for i in range(start, end):
+            item = walk.out[i]
+            annotation = None
+            if annotations is not None:
+                rest = item.path[depth:]
+                position = rest[0].idx if rest and isinstance(rest[0], SequenceKey) else 0
+                if len(rest) <= 1 and position < len(annotations):
+                    annotation = annotations[position]
+            walk.out[i] = LeafInfo(item.path, item.leaf, expr, owner, annotation)
+
+
+_CLASS = re.compile(r"[^\W\d]\w*")
+_MARKER_KEY = re.compile(r"\.([^\W\d]\w*)|\[(\d+)\]|\[('(?:[^'\\\n]*)'|\"(?:[^\"\\\n]*)\")\]")
+
+
+def marker_keys(marker: object) -> tuple[Any, ...] | None:
+    """The key path in a `StateIndex` marker: `'Net.blocks[0].bn.ema_state_index'`
+    (the model's class, then `jax.tree_util.keystr` of the index's path, as
+    `eqx.nn.make_with_state` writes it) -> `(GetAttrKey('blocks'), SequenceKey(0),
+    ...)`; `None` for a marker that is not such a text."""
+    if not isinstance(marker, str):
+        return None
+    head = _CLASS.match(marker)
+    if head is None:
+        return None
+    keys: list[Any] = []
+    position = head.end()
+    while position < len(marker):
+        found = _MARKER_KEY.match(marker, position)
+        if found is None:
+            return None
+        attribute, index, quoted = found.groups()
+        if attribute is not None:
+            keys.append(GetAttrKey(attribute))
+        elif index is not None:
+            keys.append(SequenceKey(int(index)))
+        else:
+            keys.append(DictKey(quoted[1:-1]))
+        position = found.end()
+    return tuple(keys) or None
+
+
+def is_stateful_pair(tree: Any) -> bool:
+    """`(model, state)`, as `eqx.nn.make_with_state` returns them."""
+    return type(tree) in (tuple, list) and len(tree) == 2 and isinstance(tree[1], eqx.nn.State)
+
+
+def walk_fields(model: Any, context: Any = None) -> list[LeafInfo]:
     """Every leaf of `model`, in `jax.tree_util.tree_leaves` order, with what its
-    fields say of it."""
-    out: list[LeafInfo] = []
-    _walk(model, (), None, None, None, out)
-    return out
+    fields say of it.
+
+    A leaf of an `eqx.nn.State` is named by the path of its `StateIndex` in the
+    model, then its place in the stored value (`bn.ema_state_index.0`, BatchNorm's
+    running mean), and takes what the model's field holding that index says (its
+    annotation gives the dims). A `(model, state)` pair is named as one stateful
+    model: the model's leaves by their paths in the model, the state's as above.
+    `context`, the model a tree was built from, tells what the model says of a
+    state given on its own.
+    """
+    walk = _Walk([], {}, [])
+    if context is not None and _has_state(model):
+        _walk(context, (), None, None, None, _Walk([], walk.indices, []))
+    if is_stateful_pair(model):
+        _walk(model[0], (), None, None, None, walk)
+        _walk(model[1], (), None, None, None, walk)
+    else:
+        _walk(model, (), None, None, None, walk)
+    _finish_states(walk)
+    return walk.out
+
+
+def _has_state(tree: Any) -> bool:
+    return any(
+        isinstance(x, eqx.nn.State)
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, eqx.nn.State))
+    )
+
+
+def key_paths(tree: Any) -> list[tuple[Any, ...]]:
+    """Each leaf's key path, as eqshard names it: JAX's, except where `walk_fields`
+    names leaves otherwise (under an `eqx.nn.State`, whose children JAX keys by
+    position, and in a `(model, state)` pair)."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    if is_stateful_pair(tree) or any(
+        isinstance(key, FlattenedIndexKey) for path in paths for key in path
+    ):
+        return [item.path for item in walk_fields(tree)]
+    return paths
 
 
 class FromFields:
@@ -183,8 +305,7 @@ class FromFields:
     """
 
     def __eqshard_resolve__(self, model: Any, target: Target) -> Resolution:
-        del target  # field expressions hold for any device count
-        fields = walk_fields(model)
+        fields = walk_fields(model, target.context)  # for any device count
         exprs: list[Expression | None] = []
         problems: list[Problem] = []
         failed: set[int] = set()

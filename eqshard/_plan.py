@@ -79,6 +79,8 @@ class Plan:
     - `expressions`: the same, with each leaf's complete `Expression` (`None` where
         the spec gave none).
     - `mesh_is_given`: whether `mesh` is the user's or a spec file's, not eqshard's.
+    - `spec`, `unspecified`: what the plan was made from, which also lays out the
+        model's `eqx.nn.State` when the plan meets one.
     - `abstract`: the tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
         at every array leaf, other leaves unchanged: what Orbax restores into.
     """
@@ -88,6 +90,8 @@ class Plan:
     flat_shardings: list[NamedSharding | None] = dataclasses.field(repr=False)
     devices: tuple[Device, ...] | None = dataclasses.field(default=None, repr=False)
     mesh_is_given: bool = dataclasses.field(default=False, repr=False)
+    spec: Any = dataclasses.field(default=None, repr=False)
+    unspecified: Unspecified = dataclasses.field(default="replicate", repr=False)
 
     def replicated(self) -> NamedSharding:
         """A full copy on every device of the plan, on its mesh where it has one."""
@@ -145,11 +149,13 @@ def make_plan(
     mesh: AnyMesh | None = None,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
+    context: Any = None,
 ) -> Planned:
     """`plan`, collecting every problem of every leaf rather than raising them.
 
     A leaf whose expression cannot be read cannot be laid out, but every other leaf
-    still is, so one pass finds every independent fault.
+    still is, so one pass finds every independent fault. `context` is the model
+    `model` was built from, where `model` is part of its state (`Target.context`).
     """
     if unspecified not in ("replicate", "keep"):
         raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
@@ -165,7 +171,7 @@ def make_plan(
     else:
         placed_on = mesh_devices(target_mesh)
         n = target_mesh.size
-    resolved, resolving, warnings = resolve(model, spec, Target(n, target_mesh))
+    resolved, resolving, warnings = resolve(model, spec, Target(n, target_mesh, context))
     problems += resolving
 
     layouts: list[Layout | None] = []
@@ -218,7 +224,7 @@ def make_plan(
             if found is not None:
                 warnings.append(found)
     flat = [None if lay is None else by_layout[lay] for lay in layouts]
-    made = Plan(common, resolved, flat, placed_on, mesh_is_given=target_mesh is not None)
+    made = Plan(common, resolved, flat, placed_on, target_mesh is not None, spec, unspecified)
     return Planned(made, problems, warnings)
 
 

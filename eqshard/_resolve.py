@@ -70,6 +70,7 @@ class Resolved:
     origins: list[str | None]
     failed: set[int]
     _fields: list[LeafInfo] | None = None
+    context: Any = None
 
     def forget_values(self) -> None:
         """Holds the model's arrays abstract from now on (`abstract_leaves`)."""
@@ -86,7 +87,7 @@ class Resolved:
     @property
     def fields(self) -> list[LeafInfo]:
         if self._fields is None:
-            self._fields = walk_fields(self.model)
+            self._fields = walk_fields(self.model, self.context)
         return self._fields
 
     def where(self, index: int) -> str:
@@ -135,7 +136,14 @@ def resolve(
     origins = list(resolution.origins or [None] * len(leaves))
     fields = None if resolution.fields is None else list(resolution.fields)
     resolved = Resolved(
-        model, leaves, treedef, [None] * len(leaves), origins, set(resolution.failed), fields
+        model,
+        leaves,
+        treedef,
+        [None] * len(leaves),
+        origins,
+        set(resolution.failed),
+        fields,
+        target.context,
     )
     problems = list(resolution.problems)
     for i, spec_leaf in enumerate(given):

@@ -39,10 +39,14 @@ class Target:
     - `devices`: how many devices the model is laid out on.
     - `mesh`: the user's mesh, where one is given (its axis names and sizes), else
         `None`.
+    - `context`: the model the tree was built from, when the tree is part of its
+        training state (an `eqx.nn.State` on its own): what its fields say of the
+        state's leaves (`eqshard._fields.walk_fields`); else `None`.
     """
 
     devices: int
     mesh: Mesh | AbstractMesh | None = None
+    context: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

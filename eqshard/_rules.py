@@ -32,7 +32,14 @@ from ._errors import (
     unused_message,
 )
 from ._expression import Expression, parse
-from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
+from ._fields import (
+    LeafInfo,
+    is_array_like,
+    is_stateful_pair,
+    key_paths,
+    leaf_name,
+    walk_fields,
+)
 from ._paths import PathIndex, closest, match, segments
 from ._resolver import Resolution, Target, is_spec_leaf
 from ._specfile import Rule, Rules
@@ -151,8 +158,9 @@ def match_rules(
     and dims-derived expressions that do not fit their annotation (those leaves get
     `None`).
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(model)
-    fields = walk_fields(model) if rules.dims else None
+    context = None if target is None else target.context
+    flat = list(zip(key_paths(model), jax.tree_util.tree_leaves(model)))
+    fields = walk_fields(model, context) if rules.dims else None
     fallback = _REPLICATE if rules.default == "replicate" else None
     index = _index(rules)
     mesh = None if target is None else target.mesh
@@ -181,7 +189,7 @@ def match_rules(
             unmatched.append(i)
         matches.append(Match(name, fallback, "default"))
     if unmatched:
-        fields = fields or walk_fields(model)
+        fields = fields or walk_fields(model, context)
         state = looks_like_state(model)
         message = (
             f"no rule or dim matches this leaf, and {rules.source} says "
@@ -274,6 +282,8 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
         )
     used = {m.rule_index for m in matches if m.source == "rule"}
     unused = [rule for rule in rules.rules if rule.index not in used]
+    if unused:
+        unused = _not_for_the_state(unused, model)
     return Resolution(
         [m.expr for m in matches],
         problems,
@@ -285,6 +295,26 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
     )
 
 
+def _not_for_the_state(unused: list[Rule], model: Any) -> list[Rule]:
+    """The rules of `unused` that no leaf of the model's `eqx.nn.State` would match
+    either: a rule for the state (`bn.ema_state_index.*`) is used where the model
+    has that `StateIndex`, though a plan made from the model alone meets the state
+    only later. A state leaf is the index's path, or an item of the value it holds
+    (up to 4)."""
+    names: list[tuple[str, ...]] = []
+    flat = jax.tree_util.tree_flatten_with_path(
+        model[0] if is_stateful_pair(model) else model,
+        is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex),
+    )[0]
+    for path, leaf in flat:
+        if isinstance(leaf, eqx.nn.StateIndex):
+            base = segments(path)
+            names += [base, *((*base, str(k)) for k in range(4))]
+    if not names:
+        return unused
+    return [rule for rule in unused if not any(match(rule.path, name) for name in names)]
+
+
 def _unused_warning(
     rules: Rules, unused: list[Rule], model: Any, matches: list[Match]
 ) -> UnusedRuleWarning:
@@ -292,7 +322,7 @@ def _unused_warning(
     closest rule path that matches leaves (a typo's fix), or the earlier rule that
     took its leaves; and, for a tree that looks like an optimizer state, to use the
     model's plan."""
-    flat = jax.tree_util.tree_flatten_with_path(model)[0]
+    flat = list(zip(key_paths(model), jax.tree_util.tree_leaves(model)))
     arrays = [i for i, (_, leaf) in enumerate(flat) if is_array_like(leaf)]
     paths = [segments(flat[i][0]) for i in arrays]
     state = looks_like_state(model)

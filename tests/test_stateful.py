@@ -1,0 +1,213 @@
+"""Stateful models: `eqx.nn.State` (BatchNorm's running statistics) named by its
+layers, laid out by the model's plan, built by `init`, restored and trained."""
+
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqshard
+from eqshard._fields import key_paths, leaf_name
+
+
+class Net(eqx.Module):
+    """A convolution, a BatchNorm and a head: `eqx.nn`'s own stateful example."""
+
+    conv: eqx.nn.Conv2d
+    bn: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key, mode: Literal["ema", "batch"] = "batch"):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(3, 16, 3, padding=1, key=k1)
+        self.bn = eqx.nn.BatchNorm(16, axis_name="batch", mode=mode)
+        self.head = eqx.nn.Linear(16, 8, key=k2)
+
+    def __call__(self, x, state):
+        x, state = self.bn(self.conv(x), state)
+        return self.head(jax.nn.relu(x).mean(axis=(1, 2))), state
+
+
+RULES = eqshard.load(
+    {
+        "eqshard": 1,
+        "rules": [
+            {"path": "conv.weight", "expr": "o ... -> o* ..."},
+            {"path": "bn.*_state_index.*", "expr": "c -> c*"},
+            {"path": "head.weight", "expr": "o i -> o i*"},
+        ],
+        "dims": {"input_size": "*"},
+    }
+)
+
+
+def _made(mode: Literal["ema", "batch"] = "batch"):
+    return eqx.nn.make_with_state(Net)(jax.random.key(0), mode)
+
+
+def _names(tree):
+    return [leaf_name(path) for path in key_paths(tree)]
+
+
+def test_state_leaves_are_named_by_their_layers():
+    model, state = _made("ema")
+    assert _names(state) == [
+        "bn.ema_first_time_index",
+        "bn.ema_state_index.0",  # the running mean
+        "bn.ema_state_index.1",  # the running variance
+    ]
+    # A (model, state) pair is one stateful model: each named as in its own part.
+    assert _names((model, state)) == [
+        "conv.weight",
+        "conv.bias",
+        "bn.weight",
+        "bn.bias",
+        "bn.axis_name",
+        "bn.inference",
+        "head.weight",
+        "head.bias",
+        *_names(state),
+    ]
+    assert _names((model, state, 1))[-2:] == ["1.bn.ema_state_index.1", "2"]
+    report = eqshard.report(state, eqshard.plan(model, RULES))
+    assert [(row.path, row.origin) for row in report.rows] == [
+        ("bn.ema_first_time_index", "default"),
+        ("bn.ema_state_index.0", "$.rules[1]"),
+        ("bn.ema_state_index.1", "$.rules[1]"),
+    ]
+
+
+def test_dims_reach_the_state_through_the_layers_annotations():
+    model, state = _made()
+    rules = eqshard.load({"eqshard": 1, "dims": {"input_size": "*"}})
+    plan = eqshard.plan((model, state), rules)
+    rows = {row.path: row for row in eqshard.report((model, state), plan).rows}
+    # BatchNorm's `StateIndex[tuple[Float[Array, "input_size"], ...]]` names the dim.
+    for name in ("bn.weight", "bn.batch_state_index.0", "bn.batch_state_index.1"):
+        assert rows[name].expression == "input_size -> input_size*", name
+        assert rows[name].origin == "dims"
+    assert rows["bn.batch_counter"].expression == "... -> * ..."
+
+
+def test_a_plan_from_the_model_lays_out_its_state():
+    model, state = _made()
+    plan = eqshard.plan(model, RULES)  # no warning: the state's rule is for its state
+    placed = eqshard.apply(state, plan)
+    counter, (mean, var) = (
+        jax.tree_util.tree_leaves(placed)[:1],
+        jax.tree_util.tree_leaves(placed)[1:],
+    )
+    assert counter[0].sharding.is_fully_replicated
+    for leaf in (mean, var):
+        assert leaf.sharding.spec == jax.sharding.PartitionSpec("m0")
+        assert {d.id: i[0] for d, i in leaf.sharding.devices_indices_map((16,)).items()} == {
+            k: slice(2 * k, 2 * k + 2) for k in range(8)
+        }
+    abstract = eqshard.abstract(state, plan)
+    assert [x.sharding for x in jax.tree_util.tree_leaves(abstract)] == [
+        x.sharding for x in jax.tree_util.tree_leaves(placed)
+    ]
+    np.testing.assert_array_equal(np.asarray(var), np.asarray(jax.tree_util.tree_leaves(state)[2]))
+
+
+def test_a_plan_from_the_pair_lays_out_the_optimizer_state():
+    model, state = _made()
+    plan = eqshard.plan((model, state), RULES)
+    opt_state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
+    laid_out = eqshard.abstract(opt_state, plan)
+    assert laid_out[0].mu.conv.weight.sharding == plan.shardings[0].conv.weight
+    assert laid_out[0].nu.head.weight.sharding.spec == jax.sharding.PartitionSpec(None, "m0")
+    assert laid_out[0].mu.bn.weight.sharding.spec == jax.sharding.PartitionSpec("m0")  # dims
+    state_alone = eqshard.abstract(state, plan)
+    assert (
+        jax.tree_util.tree_leaves(state_alone)[1].sharding
+        == jax.tree_util.tree_leaves(plan.shardings[1])[1]
+    )
+
+
+def test_init_builds_a_model_and_its_state_in_their_shards():
+    model, state = eqshard.init(_made, RULES)
+    want_model, want_state = _made()
+    assert model.conv.weight.sharding == eqshard.plan(_made(), RULES).shardings[0].conv.weight
+    mean = jax.tree_util.tree_leaves(state)[1]
+    assert mean.sharding.spec == jax.sharding.PartitionSpec("m0")
+    for got, want in zip(
+        jax.tree_util.tree_leaves((model, state)),
+        jax.tree_util.tree_leaves((want_model, want_state)),
+    ):
+        if eqx.is_array(want):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert model.bn.axis_name == "batch"  # non-array leaves as the factory makes them
+
+
+def _loss(model, state, x, y):
+    out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+    return jnp.mean((out - y) ** 2), state
+
+
+def _step(optimizer, plan):
+    @eqx.filter_jit
+    def step(model, state, opt_state, x, y) -> Any:
+        (value, state), grads = eqx.filter_value_and_grad(_loss, has_aux=True)(model, state, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        model = eqx.apply_updates(model, updates)
+        if plan is not None:
+            model, state = eqshard.constrain((model, state), plan)
+            opt_state = eqshard.constrain(opt_state, plan)
+        return model, state, opt_state, value
+
+    return step
+
+
+def test_a_sharded_training_step_equals_the_unsharded_one(tmp_path):
+    # SGD with momentum: Adam would turn the conv bias's gradient, zero up to the
+    # last bits (BatchNorm takes the mean out), into whole steps of noise.
+    optimizer = optax.sgd(1e-2, momentum=0.9)
+    x = jax.random.normal(jax.random.key(1), (16, 3, 8, 8))
+    y = jax.random.normal(jax.random.key(2), (16, 8))
+    model, state = _made()
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    plan = eqshard.plan((model, state), RULES)
+    sharded = [*eqshard.apply((model, state), plan), eqshard.apply(opt_state, plan)]
+    xs, ys = eqshard.shard(x, "b ... -> b* ..."), eqshard.shard(y, "b ... -> b* ...")
+    plain = [model, state, opt_state]
+    for _ in range(2):
+        *plain, loss = _step(optimizer, None)(plain[0], plain[1], plain[2], x, y)
+        *sharded, sharded_loss = _step(optimizer, plan)(sharded[0], sharded[1], sharded[2], xs, ys)
+        np.testing.assert_allclose(sharded_loss, loss, rtol=1e-5)
+    arrays = eqx.filter((sharded, plain), eqx.is_array)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(arrays[0]), jax.tree_util.tree_leaves(arrays[1])
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    # every leaf of the new state kept its layout: the running statistics split
+    mean = jax.tree_util.tree_leaves(sharded[1])[1]
+    assert mean.sharding.spec == jax.sharding.PartitionSpec("m0")
+    assert not np.allclose(np.asarray(mean), 0)  # the batch statistics moved it
+
+    # restored on 4 devices, straight into the plan's layouts there
+    path = tmp_path / "state.eqx"
+    eqx.tree_serialise_leaves(path, tuple(sharded))
+    like = eqx.filter_eval_shape(
+        lambda: (*_made(), optimizer.init(eqx.filter(_made()[0], eqx.is_array)))
+    )
+    four = eqshard.plan(like[:2], RULES, devices=jax.devices()[:4])
+    restored = eqshard.restore(path, like, four)
+    assert jax.tree_util.tree_leaves(restored[1])[1].sharding.num_devices == 4
+    assert restored[2][0].trace.conv.weight.sharding == four.shardings[0].conv.weight
+    arrays = eqx.filter((restored, tuple(sharded)), eqx.is_array)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(arrays[0]), jax.tree_util.tree_leaves(arrays[1])
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("spec", ["... -> * ...", eqshard.FROM_FIELDS])
+def test_expressions_and_annotations_lay_out_the_state_too(spec):
+    model, state = _made()
+    placed = eqshard.apply(state, eqshard.plan(model, spec))
+    assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(placed))
