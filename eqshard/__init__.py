@@ -17,6 +17,7 @@ from ._errors import (
     EqshardWarning as EqshardWarning,
     ExpressionError as ExpressionError,
     MeshWarning as MeshWarning,
+    PathError as PathError,
     Problem as Problem,
     SpecError as SpecError,
     UnreadableError as UnreadableError,

@@ -2,7 +2,8 @@
 
 Every error eqshard raises on a user's input is an `EqshardError`, which is a
 `ValueError`. Errors about an expression are `ExpressionError`s: they quote the
-expression, put a caret under the fault, then state the rule and the fix.
+expression, put a caret under the fault, then state the rule and the fix. A rule
+path that cannot be read is a `PathError`, shown the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ __all__ = [
     "EqshardWarning",
     "ExpressionError",
     "MeshWarning",
+    "PathError",
     "Problem",
     "SpecError",
     "StepError",
@@ -85,13 +87,7 @@ class ExpressionError(EqshardError):
         White space shows as one space and control characters as U+FFFD, so the
         caret lines up and nothing in the text can move the terminal's cursor.
         """
-        shown = _printable(self.expression)
-        start, end = self.position, self.position + self.length
-        return (
-            f"    {shown}\n"
-            f"    {' ' * _display_width(shown[:start])}"
-            f"{'^' * _display_width(shown[start:end], 1)}"
-        )
+        return _caret_picture(self.expression, self.position, self.length)
 
     def __reduce__(self):
         return (
@@ -105,6 +101,67 @@ ExpressionError.__module__ = "eqshard"
 
 def _rebuild_expression_error(expression: str, position: int, rule: str, length: int):
     return ExpressionError(expression, position, rule, length=length)
+
+
+class PathError(EqshardError):
+    """A rule path that is not a path pattern.
+
+    **Attributes:**
+
+    - `path`: the rule path as the user wrote it.
+    - `position`: the 0-based column of the fault in `path`.
+    - `length`: how many columns the fault spans (at least 1).
+    - `rule`: the rule that was broken, and how to fix it, without the picture.
+
+    The message shows the path with a caret under the fault, as `ExpressionError`
+    does:
+
+    ```
+    bad rule path:
+        _weights.w[0,0] 16x0e
+                  ^
+    '[' opens a quoted key, ['...'] or ["..."]; ...
+    ```
+    """
+
+    path: str
+    position: int
+    length: int
+    rule: str
+
+    def __init__(self, path: str, position: int, rule: str, *, length: int = 1):
+        self.path = path
+        self.position = max(0, min(position, len(path)))
+        self.length = max(1, length)
+        self.rule = rule
+        super().__init__(f"bad rule path:\n{self.picture}\n{_printable(rule)}")
+
+    @property
+    def picture(self) -> str:
+        """The path, indented, with a caret line under the fault (as
+        `ExpressionError.picture`)."""
+        return _caret_picture(self.path, self.position, self.length)
+
+    def __reduce__(self):
+        return (_rebuild_path_error, (self.path, self.position, self.rule, self.length))
+
+
+PathError.__module__ = "eqshard"
+
+
+def _rebuild_path_error(path: str, position: int, rule: str, length: int):
+    return PathError(path, position, rule, length=length)
+
+
+def _caret_picture(text: str, position: int, length: int) -> str:
+    """`text`, indented, with a caret line under `length` columns from `position`."""
+    shown = _printable(text)
+    start, end = position, position + length
+    return (
+        f"    {shown}\n"
+        f"    {' ' * _display_width(shown[:start])}"
+        f"{'^' * _display_width(shown[start:end], 1)}"
+    )
 
 
 def _printable(text: str) -> str:
@@ -165,9 +222,11 @@ class Problem:
         return f"{line}\n{self.detail}" if self.detail else line
 
     @classmethod
-    def from_error(cls, where: str, error: ExpressionError, context: str = "") -> Problem:
-        """The problem an `ExpressionError` makes at `where`: `context`, the rule
-        that was broken, and the caret picture under it."""
+    def from_error(
+        cls, where: str, error: ExpressionError | PathError, context: str = ""
+    ) -> Problem:
+        """The problem an `ExpressionError` (or a `PathError`) makes at `where`:
+        `context`, the rule that was broken, and the caret picture under it."""
         message = f"{context}: {error.rule}" if context else error.rule
         return cls(where, message, error.picture)
 

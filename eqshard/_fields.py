@@ -9,7 +9,6 @@ annotation. `FROM_FIELDS`, the default spec, is the resolver that reads them.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import equinox as eqx
@@ -19,7 +18,7 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 from ._annotation import Annotation, contradiction, field_annotations, state_annotations
 from ._errors import EqshardError, Problem
 from ._expression import Expression, parse
-from ._paths import segments
+from ._paths import name, segments
 from ._resolver import Resolution, Target
 
 __all__ = [
@@ -114,22 +113,13 @@ class LeafInfo:
 
 
 def leaf_name(path: tuple[Any, ...]) -> str:
-    """The name of a leaf (or node) in every message: its dotted key path, as spec
-    files write it (`layers.0.weight`). A key that a dotted path cannot show (empty,
-    or holding '.', '*' or white space) is quoted (`params['a.b'].w`); the root is
-    "the root"."""
-    if not path:
-        return "the root"
-    text = ""
-    for segment in segments(path):
-        if _PLAIN.fullmatch(segment):
-            text += f".{segment}" if text else segment
-        else:
-            text += f"[{segment!r}]"
-    return text
-
-
-_PLAIN = re.compile(r"[^.*\s\[\]'\"]+")
+    """The name of a leaf (or node) in every message, report and `check`: its key
+    path as a spec file's rule path writes it, which matches exactly that leaf
+    (`layers.0.weight`). A key a dotted path cannot show as it is (empty, or holding
+    '.', '*', white space, a bracket, a quote or a character `str.isprintable`
+    refuses) is quoted as `repr` writes it: `params['a.b'].w`. The root is "the
+    root"."""
+    return name(segments(path)) if path else "the root"
 
 
 _flatten_one = jax.tree_util.default_registry.flatten_one_level_with_keys

@@ -1,10 +1,27 @@
 """Dotted leaf paths and the glob patterns of spec files, matched without regexes.
 
 A leaf's path is its pytree key path written with dots: attribute names,
-sequence indices and dict keys, as in `blocks.0.attn.query_proj.weight`. In a
-pattern, a segment `*` matches one segment, `**` any number of segments (none
-included), and any other segment with `*` in it, such as `*_proj`, is a glob
-within one segment whose every `*` matches any run of that segment's characters.
+sequence indices and dict keys, as in `blocks.0.attn.query_proj.weight`. A key a
+dotted path cannot show as it is (empty, or holding '.', '*', white space, a
+bracket, a quote, or a character `str.isprintable` refuses, such as a control
+character) is written quoted, as Python's `repr` writes it, in brackets right
+after the segment before it: `_weights['w[0,0] 16x0e,32x0e']`, `params["it's"].w`,
+`['']`. That text (`name`) is the one name of a leaf in every message, report and
+`check`, and read as a pattern it matches exactly that leaf: `name` and `parse`
+are inverses.
+
+A segment names a key by its text alone: the index 0 of a list, the key 0 of a dict
+and the key '0' of a dict are all `0`, and `['w']` is `w`. Two children of one node
+never share a text (a node is a sequence or a dict, and a dict's keys must sort
+against each other to flatten, so they are all strings or all numbers).
+
+In a pattern, a segment `*` matches one segment, `**` any number of segments (none
+included), and any other unquoted segment with `*` in it, such as `*_proj`, is a
+glob within one segment whose every `*` matches any run of that segment's
+characters. A quoted segment is always literal: `['*']` matches only the key `*`.
+`parse` reads a pattern with one hand-written loop (a spec file never runs code:
+no `eval`), and a fault is a `PathError` with a caret under its column. The
+schema's `path` pattern accepts exactly what `parse` accepts.
 
 Matching never backtracks. A pattern is cut at its `**`s into blocks of fixed
 length; the first block must start the path and the last end it, and each block
@@ -15,14 +32,14 @@ len(segment)) characters, whatever a spec file holds.
 
 `PathIndex` finds the first of many patterns that matches a path without trying
 the patterns that cannot. Each pattern gets one *anchor*, a test that some segment
-of every path it matches passes: a literal segment at a fixed place from the start
-or the end, a literal segment anywhere, or the literal prefix or suffix of a glob.
-Of a pattern's anchors it takes the one fewest other patterns share (then: a
-placed literal, a literal anywhere, a glob's end; the longer). A path looks up each of
-its segments, and each of their prefixes and suffixes of the lengths in use, in
-dicts keyed by anchor, which costs O(characters of the path); only the patterns so
-found, and those with no anchor (only `*`, `**` and globs without literal ends),
-are tried, in their order.
+of every path it matches passes: a literal segment (quoted or not) at a fixed place
+from the start or the end, a literal segment anywhere, or the literal prefix or
+suffix of a glob. Of a pattern's anchors it takes the one fewest other patterns
+share (then: a placed literal, a literal anywhere, a glob's end; the longer). A path
+looks up each of its segments, and each of their prefixes and suffixes of the
+lengths in use, in dicts keyed by anchor, which costs O(characters of the path);
+only the patterns so found, and those with no anchor (only `*`, `**` and globs
+without literal ends), are tried, in their order.
 """
 
 from __future__ import annotations
@@ -34,21 +51,33 @@ import re
 from collections.abc import Sequence
 from typing import Any, Union
 
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+from ._errors import PathError
 
-__all__ = ["PathIndex", "aligned", "closest", "dotted", "match", "segments"]
+__all__ = [
+    "DEEP",
+    "PathIndex",
+    "aligned",
+    "closest",
+    "dotted",
+    "match",
+    "name",
+    "parse",
+    "segments",
+]
+
+
+@functools.cache
+def _key_fields() -> dict[type, str]:
+    """JAX's key classes, and the attribute that holds each one's key. JAX is
+    imported only here, so the spec-file layer reads patterns without it."""
+    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+    return {GetAttrKey: "name", SequenceKey: "idx", DictKey: "key", FlattenedIndexKey: "key"}
 
 
 def _segment(key: Any) -> str:
-    if isinstance(key, GetAttrKey):
-        return key.name
-    if isinstance(key, SequenceKey):
-        return str(key.idx)
-    if isinstance(key, DictKey):
-        return str(key.key)
-    if isinstance(key, FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
+    field = _key_fields().get(type(key))
+    return str(key) if field is None else str(getattr(key, field))
 
 
 def segments(path: Sequence[Any]) -> tuple[str, ...]:
@@ -57,15 +86,243 @@ def segments(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(_segment(key) for key in path)
 
 
-def dotted(path: Sequence[Any]) -> str:
-    """A JAX key path with dots: `blocks.0.attn.query_proj.weight`."""
-    return ".".join(segments(path))
+_PLAIN = re.compile(r"[^.*\s\[\]'\"]+")  # a literal segment written as it is
 
+
+def name(segs: Sequence[str]) -> str:
+    """The segments as one dotted name, each quoted where it must be.
+
+    **Example:** `name(("_weights", "w[0,0] 16x0e,32x0e"))` is
+    `"_weights['w[0,0] 16x0e,32x0e']"`; `name(("blocks", "0", "w"))` is
+    `"blocks.0.w"`; `name(())` is `""`.
+    """
+    text = ""
+    for seg in segs:
+        if _PLAIN.fullmatch(seg) and seg.isprintable():
+            text += f".{seg}" if text else seg
+        else:
+            text += f"[{seg!r}]"
+    return text
+
+
+def dotted(path: Sequence[Any]) -> str:
+    """A JAX key path as one name (`name`): `blocks.0.attn.query_proj.weight`."""
+    return name(segments(path))
+
+
+class _Deep:
+    """`**`, the segment that matches any number of segments: the value `DEEP`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "DEEP"
+
+
+DEEP = _Deep()
+"""`**` in a parsed pattern."""
 
 # One segment of a pattern: a literal (str), `*` (None), or a glob within a segment:
 # its pieces between `*`s, at least two (`*_proj` -> ('', '_proj')).
 _Part = Union[str, None, tuple[str, ...]]
 _Block = tuple[_Part, ...]
+# What `parse` gives: those, and `DEEP` for `**`.
+_Parsed = tuple[Union[_Part, _Deep], ...]
+
+_STOP = re.compile(r"[.\[]")  # where an unquoted segment ends
+_GLOB_CHARS = re.compile(r"[^.\s\[\]'\"]+")  # a literal or a glob, as it is
+_BAD = re.compile(r"[\s\[\]'\"]")  # what an unquoted segment may not hold
+_ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "r": "\r", "t": "\t"}
+_HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
+_INDEX = re.compile(r"\[([0-9]+)\]")  # an index as `keystr` writes it
+_HEX = frozenset("0123456789abcdefABCDEF")
+_QUOTING = (
+    "a key holding '.', '*', white space, a bracket or a quote is written quoted, "
+    "as eqshard names it"
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def parse(text: str) -> _Parsed:
+    """The segments of a rule path: literals (quoted or not), `*` (`None`), globs
+    (their pieces between `*`s) and `**` (`DEEP`).
+
+    **Example:** `parse("**['a.b'].*_proj")` is `(DEEP, "a.b", ("", "_proj"))`.
+
+    **Raises:** `eqshard.PathError` with a caret under the fault, and the path with
+    the key quoted where that is the fix.
+    """
+    return _parse(text, hints=True)
+
+
+def _parse(text: str, *, hints: bool) -> _Parsed:
+    n = len(text)
+    if n == 0:
+        raise PathError(text, 0, "an empty rule path; name a segment ('**' matches every leaf)")
+    parts: list[_Part | _Deep] = []
+    i = start = 0  # where the segment, and its dotted part, start
+    while True:
+        if text[i] == "[":
+            literal, i = _quoted(text, i, start if hints else None)
+            parts.append(literal)
+        else:
+            stop = _STOP.search(text, i)
+            end = n if stop is None else stop.start()
+            parts.append(_unquoted(text, i, end, hints))
+            i = end
+        if i == n:
+            return tuple(parts)
+        if text[i] == "[":
+            continue
+        if text[i] != ".":
+            raise PathError(text, i, "after a quoted key comes '.', another quoted key, or the end")
+        if i + 1 == n:
+            raise PathError(text, i, "the path ends with '.'; drop it, or name a segment after it")
+        if text[i + 1] == "[":
+            raise PathError(
+                text,
+                i,
+                "a quoted key follows the segment before it with no '.' between: "
+                f"write {text[:i] + text[i + 1 :]!r}",
+            )
+        i = start = i + 1
+
+
+def _unquoted(text: str, start: int, end: int, hints: bool) -> _Part | _Deep:
+    """The segment `text[start:end]`, written without quotes."""
+    run = text[start:end]
+    if run == "**":
+        return DEEP
+    if run == "*":
+        return None
+    if not run:
+        if start == 0:
+            raise PathError(text, 0, "the path starts with '.'; drop it ('**.' matches any prefix)")
+        raise PathError(
+            text,
+            start,
+            "an empty segment: segments are separated by one '.'; an empty key is written ['']",
+        )
+    if not _GLOB_CHARS.fullmatch(run):
+        bad = _BAD.search(run)
+        at = start + (bad.start() if bad else 0)
+        what = "white space" if text[at].isspace() else repr(text[at])
+        hint = _quoted_hint(text, start) if hints else ""
+        raise PathError(text, at, f"{what} in a segment; {_QUOTING}{hint}")
+    if "**" in run:
+        hint = _quoted_hint(text, start) if hints else ""
+        raise PathError(
+            text,
+            start + run.index("**"),
+            "'**' is a whole segment (any number of segments); in a glob each '*' stands "
+            f"alone, as in '*_proj'; a key holding '*' is written quoted{hint}",
+            length=2,
+        )
+    return tuple(run.split("*")) if "*" in run else run
+
+
+def _quote(seg: str) -> str:
+    return f"[{seg!r}]"
+
+
+def _quoted_hint(text: str, start: int) -> str:
+    """`: <the path with the key from `start` to the next '.' quoted>`, where that
+    path reads; else an example."""
+    end = text.find(".", start)
+    end = len(text) if end < 0 else end
+    dot = start > 0 and text[start - 1] == "."
+    hint = text[: start - dot] + _quote(text[start:end]) + text[end:]
+    try:
+        _parse(hint, hints=False)
+    except PathError:
+        return " (params['a b'].w, for instance)"
+    return f": {hint}"
+
+
+def _quoted(text: str, at: int, start: int | None) -> tuple[str, int]:
+    """The key quoted at `text[at]` (a '['), and where it ends. `start`, where the
+    dotted part it is in starts, is for the hint (`None`: no hint)."""
+    n = len(text)
+    quote = text[at + 1] if at + 1 < n else ""
+    if quote not in ("'", '"'):
+        index = _INDEX.match(text, at)
+        if index is not None:  # `layers[0]`, as `jax.tree_util.keystr` writes it
+            dotted = f"{text[:at]}{'.' * (at > 0)}{index[1]}{text[index.end() :]}"
+            raise PathError(
+                text,
+                at,
+                f"an index is a segment of its own, after a '.': {dotted}",
+                length=index.end() - at,
+            )
+        hint = ""
+        if start is not None:  # a key with a bracket in it: quote all of it
+            hint = _quoted_hint(text, start if "[" not in text[start:at] else at)
+        raise PathError(text, at, f"'[' opens a quoted key, ['...'] or [\"...\"]; {_QUOTING}{hint}")
+    out: list[str] = []
+    i = at + 2
+    while True:
+        if i >= n:
+            raise PathError(
+                text,
+                at,
+                f"the quoted key is not closed; end it with {quote + ']'!r}",
+                length=n - at,
+            )
+        c = text[i]
+        if c == quote:
+            break
+        if c == "\\":
+            char, i = _escape(text, i)
+            out.append(char)
+            continue
+        out.append(c)
+        i += 1
+    if i + 1 >= n or text[i + 1] != "]":
+        raise PathError(
+            text, i + 1, f"a quoted key ends with {quote + ']'!r}; put ']' right after the {quote}"
+        )
+    return "".join(out), i + 2
+
+
+def _escape(text: str, at: int) -> tuple[str, int]:
+    """The character the escape at `text[at]` (a backslash) stands for, and where
+    it ends: the escapes Python's `repr` writes."""
+    kind = text[at + 1 : at + 2]
+    if kind in _ESCAPES:
+        return _ESCAPES[kind], at + 2
+    digits = _HEX_ESCAPES.get(kind)
+    if digits is not None:
+        hex_digits = text[at + 2 : at + 2 + digits]
+        if len(hex_digits) == digits and all(c in _HEX for c in hex_digits):
+            code = int(hex_digits, 16)
+            if code <= 0x10FFFF:
+                return chr(code), at + 2 + digits
+            raise PathError(
+                text, at, f"U+{code:X} is past the last code point, U+10FFFF", length=2 + digits
+            )
+        valid = next((k for k, c in enumerate(hex_digits) if c not in _HEX), len(hex_digits))
+        raise PathError(text, at, f"'\\{kind}' takes {digits} hex digits", length=2 + valid)
+    escape = f"'\\{kind}'" if kind.isprintable() else f"'\\' before {kind!r}"
+    raise PathError(
+        text,
+        at,
+        f"{escape} is not an escape of a quoted key; those are the escapes "
+        "Python's repr writes: \\\\ \\' \\\" \\n \\r \\t \\xhh \\uhhhh \\Uhhhhhhhh",
+        length=2,
+    )
+
+
+def _render(parts: Sequence[_Part | _Deep]) -> str:
+    """A parsed pattern as text, quoting literals where they must be (`name`)."""
+    text = ""
+    for part in parts:
+        if isinstance(part, str):
+            written = name((part,))
+            text += written if written.startswith("[") or not text else f".{written}"
+            continue
+        written = "**" if isinstance(part, _Deep) else "*" if part is None else "*".join(part)
+        text += f".{written}" if text else written
+    return text
 
 
 def _glob(pieces: tuple[str, ...], seg: str) -> bool:
@@ -98,22 +355,18 @@ def _fits(block: _Block, path: Sequence[str], start: int) -> bool:
 
 
 class _Pattern:
-    """A pattern cut at its `**`s into blocks of parts: `head`, the `inner` blocks
-    (empty ones left out) and `tail`; `fixed` when it has no `**`."""
+    """A parsed pattern cut at its `**`s into blocks of parts: `head`, the `inner`
+    blocks (empty ones left out) and `tail`; `fixed` when it has no `**`."""
 
     __slots__ = ("fixed", "head", "inner", "length", "tail")
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, parts: _Parsed) -> None:
         blocks: list[list[_Part]] = [[]]
-        for raw in text.split("."):
-            if raw == "**":
+        for part in parts:
+            if isinstance(part, _Deep):
                 blocks.append([])
-            elif raw == "*":
-                blocks[-1].append(None)
-            elif "*" in raw:
-                blocks[-1].append(tuple(raw.split("*")))
             else:
-                blocks[-1].append(raw)
+                blocks[-1].append(part)
         self.fixed = len(blocks) == 1  # the path has the pattern's length
         self.head: _Block = tuple(blocks[0])
         self.tail: _Block = tuple(blocks[-1]) if len(blocks) > 1 else ()
@@ -141,15 +394,18 @@ class _Pattern:
 
 @functools.lru_cache(maxsize=4096)
 def _compile(pattern: str) -> _Pattern:
-    return _Pattern(pattern)
+    return _Pattern(parse(pattern))
 
 
 def match(pattern: str, path: Sequence[str]) -> bool:
-    """Whether a dotted glob `pattern` matches the segments of `path`.
+    """Whether a rule path `pattern` matches the segments of `path`.
 
     **Example:** `match("**.up.weight", ("0", "mu", "blocks", "0", "up", "weight"))`
     is `True`; `match("blocks.*.up", ("blocks", "up"))` is `False`;
-    `match("**.*_proj", ("attn", "query_proj"))` is `True`.
+    `match("**.*_proj", ("attn", "query_proj"))` is `True`;
+    `match("_weights['w[0,0] 16x0e']", ("_weights", "w[0,0] 16x0e"))` is `True`.
+
+    **Raises:** `eqshard.PathError` when `pattern` is not a rule path.
     """
     return _compile(pattern).match(path)
 
@@ -161,27 +417,23 @@ _Anchor = tuple[Any, ...]
 _RANK = {"s": 0, "e": 0, "x": 1, "p": 2, "q": 2}
 
 
-def _anchors(pattern: str) -> list[_Anchor]:
-    """Every anchor of `pattern`: tests that some segment of any path it matches
-    passes."""
-    parts = pattern.split(".")
+def _anchors(parts: _Parsed) -> list[_Anchor]:
+    """Every anchor of a parsed pattern: tests that some segment of any path it
+    matches passes."""
     n = len(parts)
-    if "**" in parts:
-        first = parts.index("**")
-        last = n - 1 - parts[::-1].index("**")
-    else:
-        first = last = n
+    deep = [k for k, part in enumerate(parts) if part is DEEP]
+    first, last = (deep[0], deep[-1]) if deep else (n, n)
     found: list[_Anchor] = []
-    for k, raw in enumerate(parts):
-        if "*" not in raw:
+    for k, part in enumerate(parts):
+        if isinstance(part, str):
             if k < first:
-                found.append(("s", k, raw))
+                found.append(("s", k, part))
             elif k > last:
-                found.append(("e", n - 1 - k, raw))
+                found.append(("e", n - 1 - k, part))
             else:
-                found.append(("x", raw))
-        elif raw != "*" and raw != "**":
-            prefix, suffix = raw[: raw.index("*")], raw[raw.rindex("*") + 1 :]
+                found.append(("x", part))
+        elif isinstance(part, tuple):
+            prefix, suffix = part[0], part[-1]
             if prefix:
                 found.append(("p", prefix))
             if suffix:
@@ -213,7 +465,8 @@ class PathIndex:
 
     def __init__(self, patterns: Sequence[str]) -> None:
         self.patterns: tuple[str, ...] = tuple(patterns)
-        self._compiled: list[_Pattern | None] = [None] * len(self.patterns)
+        parsed = [parse(p) for p in self.patterns]
+        self._compiled: list[_Pattern | _Parsed] = list(parsed)  # compiled when first tried
         # by anchor: `_start[k][lit]`, `_end[k][lit]`, `_anywhere[lit]`,
         # `_prefix[text]`, `_suffix[text]`: the positions of the patterns, in order
         self._start: list[dict[str, list[int]]] = []
@@ -222,7 +475,7 @@ class PathIndex:
         self._prefix: dict[str, list[int]] = {}
         self._suffix: dict[str, list[int]] = {}
         self._free: list[int] = []  # the patterns with no anchor
-        options = [_anchors(p) for p in self.patterns]
+        options = [_anchors(parts) for parts in parsed]
         shared: dict[_Anchor, int] = {}
         for found in options:
             for anchor in set(found) if len(found) > 1 else found:
@@ -293,8 +546,8 @@ class PathIndex:
 
     def _matches(self, position: int, segs: Sequence[str]) -> bool:
         compiled = self._compiled[position]
-        if compiled is None:
-            compiled = self._compiled[position] = _Pattern(self.patterns[position])
+        if not isinstance(compiled, _Pattern):
+            compiled = self._compiled[position] = _Pattern(compiled)
         return compiled.match(segs)
 
     def first(self, segs: Sequence[str]) -> int | None:
@@ -323,17 +576,33 @@ class PathIndex:
         return every
 
 
-_LITERAL = re.compile(r"[^.*\s]+")  # a segment a rule path can name literally
-
-
-def _fix(part: str, seg: str) -> str | None:
-    """`part` where it matches `seg` (or is `*`), else `seg`: `*` for an index where
-    `part` is a name; `None` when `seg` cannot be written in a pattern."""
-    if part == "*" or part == seg or ("*" in part and match(part, (seg,))):
+def _fix(part: _Part | _Deep, seg: str) -> _Part | _Deep:
+    """`part` where it matches `seg` (or is `*`), else `seg`; `*` for an index where
+    `part` is a name."""
+    if part is None or part == seg or (isinstance(part, tuple) and _glob(part, seg)):
         return part
-    if seg.isdigit() and not part.isdigit():
-        return "*"
-    return seg if _LITERAL.fullmatch(seg) else None
+    if seg.isdigit() and not (isinstance(part, str) and part.isdigit()):
+        return None
+    return seg
+
+
+def _aligned(parts: _Parsed, path: Sequence[str]) -> str | None:
+    deep = [k for k, part in enumerate(parts) if part is DEEP]
+    if not deep:
+        head, middle, tail = parts, (), ()
+        if len(parts) != len(path):
+            return None
+    else:
+        first, last = deep[0], deep[-1]
+        head, middle, tail = parts[:first], parts[first : last + 1], parts[last + 1 :]
+        if len(path) < len(head) + len(tail):
+            return None
+        if not _Pattern(middle).match(path[len(head) : len(path) - len(tail)]):
+            return None
+    fixed = [_fix(part, seg) for part, seg in zip(head, path)]
+    fixed += middle
+    fixed += [_fix(part, seg) for part, seg in zip(tail, path[len(path) - len(tail) :])]
+    return _render(fixed)
 
 
 def aligned(pattern: str, path: Sequence[str]) -> str | None:
@@ -342,30 +611,14 @@ def aligned(pattern: str, path: Sequence[str]) -> str | None:
     Each segment of the pattern is laid against the path's (the part before the
     first `**` from the start, the part after the last from the end), and each
     literal or glob that the path's segment does not match is replaced by that
-    segment. `None` when the pattern's length cannot fit the path's, or its `**`s
-    hold literals the path does not have.
+    segment (quoted where it must be). `None` when the pattern's length cannot fit
+    the path's, or its `**`s hold literals the path does not have.
 
     **Example:** `aligned("**.upp.weight", ("blocks", "0", "up", "weight"))` is
     `"**.up.weight"`; `aligned("blocks.*.qurey", ("blocks", "1", "query"))` is
     `"blocks.*.query"`.
     """
-    parts = pattern.split(".")
-    if "**" not in parts:
-        head, middle, tail = parts, [], []
-        if len(parts) != len(path):
-            return None
-    else:
-        first = parts.index("**")
-        last = len(parts) - 1 - parts[::-1].index("**")
-        head, middle, tail = parts[:first], parts[first : last + 1], parts[last + 1 :]
-        if len(path) < len(head) + len(tail):
-            return None
-        if not match(".".join(middle), path[len(head) : len(path) - len(tail)]):
-            return None
-    fixed = [_fix(part, seg) for part, seg in zip(head, path)]
-    fixed += middle
-    fixed += [_fix(part, seg) for part, seg in zip(tail, path[len(path) - len(tail) :])]
-    return None if None in fixed else ".".join(fixed)  # type: ignore[arg-type]
+    return _aligned(parse(pattern), path)
 
 
 def closest(
@@ -375,19 +628,20 @@ def closest(
 
     The candidates are `pattern`, and `pattern` less any one segment (a level the
     model does not have), aligned to each path (`aligned`); and, for a pattern
-    without `**`, the paths themselves. `difflib.get_close_matches` picks the
-    closest. Paths that differ only in their indices (`blocks.0.up`, `blocks.1.up`)
-    are tried once, through the one whose indices agree most with the pattern's, so
-    a model of a thousand layers costs what one of a few layers does.
+    without `**`, the paths themselves, as `name` writes them. `difflib`'s
+    `get_close_matches` picks the closest. Paths that differ only in their indices
+    (`blocks.0.up`, `blocks.1.up`) are tried once, through the one whose indices
+    agree most with the pattern's, so a model of a thousand layers costs what one
+    of a few layers does.
 
     **Returns:** up to `n` `(pattern, indices)`, closest first, each with the
     positions in `paths` of the paths it matches.
     """
-    parts = pattern.split(".")
-    variants = [pattern] + [
-        ".".join(parts[:k] + parts[k + 1 :])
+    parts = parse(pattern)
+    variants = [parts] + [
+        parts[:k] + parts[k + 1 :]
         for k, part in enumerate(parts)
-        if part != "**" and len(parts) > 1
+        if part is not DEEP and len(parts) > 1
     ]
     families: dict[tuple[str, ...], tuple[int, Sequence[str]]] = {}
     for path in paths:
@@ -400,10 +654,10 @@ def closest(
     candidates: set[str] = set()
     for _, path in families.values():
         for variant in variants:
-            text = aligned(variant, path)
+            text = _aligned(variant, path)
             if text is not None:
                 candidates.add(text)
-        if "**" not in parts and all(_LITERAL.fullmatch(seg) for seg in path):
-            candidates.add(".".join(path))
+        if DEEP not in parts and path:
+            candidates.add(name(path))
     best = difflib.get_close_matches(pattern, sorted(candidates), n=n, cutoff=0.6)
     return [(text, [i for i, path in enumerate(paths) if match(text, path)]) for text in best]

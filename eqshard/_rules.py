@@ -40,13 +40,12 @@ from ._fields import (
     leaf_name,
     walk_fields,
 )
-from ._paths import PathIndex, closest, match, segments
+from ._paths import PathIndex, closest, match, name, segments
 from ._resolver import Resolution, Target, is_spec_leaf
 from ._specfile import Rule, Rules
 
 __all__ = ["Match", "match_rules", "resolve_rules", "rules_of_spec_tree"]
 
-_SEGMENT = re.compile(r"[^.*\s]+")  # a literal path segment, as the schema has it
 _REPLICATE = parse("... -> * ...")
 
 
@@ -357,10 +356,11 @@ def _unused_warning(
 
 
 def rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:
-    """A spec tree as path rules: each expression becomes `<its path>.**`.
+    """A spec tree as path rules: each expression becomes `<its path>.**` (keys
+    quoted where they must be, as `leaf_name` writes them).
 
-    **Raises:** `SpecError` naming each leaf whose path cannot be written as a rule
-    path, or that holds something other than an expression.
+    **Raises:** `SpecError` naming each leaf that holds something other than an
+    expression.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec_leaf)
     found: list[Rule] = []
@@ -368,19 +368,15 @@ def rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:
     for key_path, leaf in flat:
         if leaf is None:
             continue
-        segs = segments(key_path)
-        bad = [s for s in segs if not _SEGMENT.fullmatch(s)]
-        if bad or not isinstance(leaf, (str, Expression)):
-            why = (
-                f"the key {bad[0]!r} cannot be written in a rule path"
-                if bad
-                else f"{type(leaf).__name__} is not an expression"
+        if not isinstance(leaf, (str, Expression)):
+            problems.append(
+                Problem(leaf_name(key_path), f"{type(leaf).__name__} is not an expression")
             )
-            problems.append(Problem(leaf_name(key_path), why))
             continue
         # `**` also matches no segment: the rule covers the leaf, or the whole
         # subtree that a prefix spec gives one expression.
-        found.append(Rule(".".join([*segs, "**"]), parse(leaf), None, len(found)))
+        path = f"{name(segments(key_path))}.**" if key_path else "**"
+        found.append(Rule(path, parse(leaf), None, len(found)))
     if problems:
         raise SpecError(problems, "cannot write this spec as a spec file")
     return Rules(tuple(found), devices=devices)

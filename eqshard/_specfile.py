@@ -31,6 +31,7 @@ from jsonschema.exceptions import ValidationError
 from ._errors import (
     EqshardError,
     ExpressionError,
+    PathError,
     Problem,
     SpecError,
     UnreadableError,
@@ -39,6 +40,7 @@ from ._errors import (
 )
 from ._expression import Expression, parse
 from ._fit import MeshShape
+from ._paths import parse as parse_path
 
 if TYPE_CHECKING:
     from ._resolver import Resolution, Target
@@ -86,7 +88,8 @@ def _validator() -> Draft202012Validator:
 class Rule:
     """One path rule of a spec file.
 
-    - `path`: a dotted glob (`blocks.*.attn.query_proj.weight`, `**.*_proj.weight`).
+    - `path`: a rule path (`blocks.*.attn.query_proj.weight`, `**.*_proj.weight`,
+        `_weights['w[0,0] 16x0e']`).
     - `expr`: the expression a matching leaf gets.
     - `comment`: the rule's comment, if any.
     - `index`: its place in the file's `rules` list.
@@ -102,6 +105,7 @@ class Rule:
             raise EqshardError(
                 f"`Rule.path` is a dotted glob such as 'blocks.*.weight', not {self.path!r}"
             )
+        parse_path(self.path)
         object.__setattr__(self, "expr", parse(self.expr))
 
 
@@ -270,11 +274,18 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
         except ExpressionError as bad:
             return Problem.from_error(where, bad)
     if keyword == "pattern" and path[-1:] == ["path"]:
+        if isinstance(instance, str):
+            try:
+                parse_path(instance)
+            except PathError as bad:
+                return Problem.from_error(where, bad)
         return Problem(
             where,
             f"{instance!r} is not a path pattern: segments are separated by '.', and each "
             "is a name, an index, a key, '*', '**', or a glob such as '*_proj' (a '*' "
-            "inside a segment matches any run of its characters), with no spaces",
+            "inside a segment matches any run of its characters); a key holding '.', "
+            "'*', white space, a bracket or a quote is written quoted, as eqshard names "
+            "it: params['a b'].w",
         )
     if "propertyNames" in error.schema_path:
         return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
@@ -329,10 +340,11 @@ def document_problems(document: Any, name: str) -> list[Problem]:
 def _rule_problems(
     document: dict[str, Any], name: str, schema_paths: set[str]
 ) -> list[tuple[list[tuple[int, int, str]], Problem]]:
-    """What the schema cannot say: each expression parses, and no path repeats."""
+    """What the schema cannot say: each expression and path parses, and no path
+    repeats (`a.b` and `a['b']` are one path)."""
     problems: list[tuple[list[tuple[int, int, str]], Problem]] = []
     rules = document.get("rules")
-    seen: dict[str, int] = {}
+    seen: dict[Any, tuple[int, str]] = {}
     for i, rule in enumerate(rules if isinstance(rules, list) else []):
         if not isinstance(rule, dict):
             continue
@@ -344,15 +356,23 @@ def _rule_problems(
             except ExpressionError as bad:
                 problems.append((_order(["rules", i, "expr"]), Problem.from_error(where, bad)))
         path = rule.get("path")
-        if isinstance(path, str):
-            if path in seen:
+        where = f"{name}::$.rules[{i}].path"
+        if isinstance(path, str) and where not in schema_paths:
+            try:
+                parsed = parse_path(path)
+            except PathError as bad:
+                problems.append((_order(["rules", i, "path"]), Problem.from_error(where, bad)))
+                continue
+            if parsed in seen:
+                j, text = seen[parsed]
+                same = f"the same path {path!r}" if text == path else f"{text!r}, the same path,"
                 problem = Problem(
-                    f"{name}::$.rules[{i}].path",
-                    f"this rule can never match: $.rules[{seen[path]}] has the same path "
-                    f"{path!r} and comes first; remove one",
+                    where,
+                    f"this rule can never match: $.rules[{j}] has {same} and comes first; "
+                    "remove one",
                 )
                 problems.append((_order(["rules", i, "path"]), problem))
-            seen.setdefault(path, i)
+            seen.setdefault(parsed, (i, path))
     problems += _mesh_problems(document, name)
     dims = document.get("dims")
     for dim, modifier in dims.items() if isinstance(dims, dict) else ():
@@ -481,8 +501,8 @@ def dump(
 
     **Raises:**
 
-    `eqshard.SpecError` when a leaf's path cannot be written as a rule path (a dict
-    key holding '.', '*' or white space).
+    `eqshard.SpecError` when a leaf of a spec tree holds something other than an
+    expression, or the file would not load back.
     """
     if devices is not None:
         whole_number(devices, "`devices`")

@@ -1,4 +1,5 @@
-"""Path patterns: `*`, `**` and globs within a segment, and `PathIndex`."""
+"""Path patterns: `*`, `**`, globs within a segment and quoted keys, `PathIndex`, and
+`name`, the one name of a leaf, which reads back as a pattern for exactly that leaf."""
 
 import random
 import re
@@ -9,9 +10,11 @@ from contextlib import contextmanager
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from jsonschema import Draft202012Validator
 
 import eqshard
-from eqshard._paths import PathIndex, aligned, closest, match
+from eqshard import PathError
+from eqshard._paths import DEEP, PathIndex, aligned, closest, match, parse
 
 
 def _segs(path: str) -> tuple[str, ...]:
@@ -86,8 +89,6 @@ def _segs(path: str) -> tuple[str, ...]:
         ("a*b*b", "abxb", True),
         ("blocks.*.attn.*_proj.*", "blocks.3.attn.key_proj.bias", True),
         ("blocks.*.attn.*_proj.*", "blocks.3.attn.key.bias", False),
-        ("a**b", "ab", True),  # the schema refuses it; `match` reads two `*`
-        ("a**b", "axyb", True),
     ],
 )
 def test_match(pattern: str, path: str, matches: bool) -> None:
@@ -107,6 +108,12 @@ def test_match(pattern: str, path: str, matches: bool) -> None:
         (["**.0.**", "**.0"], "0.x.0", 0, [0, 1]),  # a segment seen twice counts once
         (["**.w.**", "**.w"], "x.y", None, []),
         (["x*_3", "x*_13", "**.x*_1"], "a.xy_1", 2, [2]),
+        # a quoted key is a literal anchor, and never a glob
+        (["**['a*b']", "**.a*b"], "x.a*b", 0, [0, 1]),
+        (["**['a*b']", "**.a*b"], "x.ab", 1, [1]),
+        (["['*']", "*"], "*", 0, [0, 1]),
+        (["['*']", "*"], "a", 1, [1]),
+        (["w['a b'].*", "w.*.x"], "w.a b.x", 0, [0, 1]),
     ],
 )
 def test_path_index(patterns: list[str], path: str, first: int | None, every: list[int]) -> None:
@@ -145,13 +152,157 @@ _PATH_PATTERN = re.compile(eqshard.schema()["$defs"]["path"]["pattern"])
         ("*a b", False),
         ("a\n", False),
         ("a*\n", False),
+        # quoted keys
+        ("_weights['w[0,0] 16x0e,32x0e']", True),
+        ("['']", True),
+        ("['a']['b'].c", True),
+        ("**['a b']", True),
+        ("*_p['x']", True),
+        ('a["it\'s"]', True),
+        ("a['it\\'s']", True),
+        ("['\\\\ \\n \\r \\t \\x1b \\u200f \\U0001f600 \\U0010ffff \\\"']", True),
+        ("['a\nb']", True),  # raw characters inside quotes are themselves
+        ("a.['b']", False),  # no '.' before a quoted key
+        ("['a']b", False),
+        ("['a'].", False),
+        ("['a'", False),
+        ("['a]", False),
+        ("[a]", False),
+        ("a[0]", False),
+        ("['\\q']", False),
+        ("['\\x4']", False),
+        ("['\\U00110000']", False),
+        ("['a'']", False),
+        ("a]", False),
+        ("it's", False),
+        ('"', False),
     ],
 )
 def test_schema_path_pattern(pattern: str, valid: bool) -> None:
     assert (_PATH_PATTERN.search(pattern) is not None) is valid
+    assert _parses(pattern) is valid  # the reader agrees
 
 
-# The reference: the definition, by plain recursion and a regex per glob.
+def _parses(text: str) -> bool:
+    try:
+        parse(text)
+    except PathError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("pattern", "parts"),
+    [
+        ("a.b", ("a", "b")),
+        ("**.*_proj.*", (DEEP, ("", "_proj"), None)),
+        ("_weights['w[0,0] 16x0e,32x0e']", ("_weights", "w[0,0] 16x0e,32x0e")),
+        ("['*']['**']", ("*", "**")),  # quoted: always literal
+        ("**['a.b'].w", (DEEP, "a.b", "w")),
+        ("a[\"it's\"]['x\\'y']", ("a", "it's", "x'y")),
+        ("['\\\\\\n\\r\\t\\x1b\\u200f\\U0001f600\\\"']", ('\\\n\r\t\x1b\u200f\U0001f600"',)),
+        ("['\\ud800']", ("\ud800",)),  # repr writes a lone surrogate so
+        ("['']['']", ("", "")),
+        ("['0'].0", ("0", "0")),
+    ],
+)
+def test_quoted_keys_read_back_as_literals(pattern: str, parts: tuple) -> None:
+    assert parse(pattern) == parts
+
+
+_QUOTE_IT = (
+    "a key holding '.', '*', white space, a bracket or a quote is written quoted, as "
+    "eqshard names it"
+)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "column", "length", "rule"),
+    [
+        ("", 0, 1, "an empty rule path; name a segment ('**' matches every leaf)"),
+        (
+            "_weights.w[0,0] 16x0e,32x0e",
+            10,
+            1,
+            f"'[' opens a quoted key, ['...'] or [\"...\"]; {_QUOTE_IT}: "
+            "_weights['w[0,0] 16x0e,32x0e']",
+        ),
+        ("blocks.my key.w", 9, 1, f"white space in a segment; {_QUOTE_IT}: blocks['my key'].w"),
+        ("it's.w", 2, 1, f'"\'" in a segment; {_QUOTE_IT}: ["it\'s"].w'),
+        (
+            "a.b c.d e",
+            3,
+            1,
+            f"white space in a segment; {_QUOTE_IT} (params['a b'].w, for instance)",
+        ),
+        (
+            "layers[0].weight",
+            6,
+            3,
+            "an index is a segment of its own, after a '.': layers.0.weight",
+        ),
+        (
+            "a.['b']",
+            1,
+            1,
+            "a quoted key follows the segment before it with no '.' between: write \"a['b']\"",
+        ),
+        ("['a']b", 5, 1, "after a quoted key comes '.', another quoted key, or the end"),
+        (
+            "a..b",
+            2,
+            1,
+            "an empty segment: segments are separated by one '.'; an empty key is written ['']",
+        ),
+        (".a", 0, 1, "the path starts with '.'; drop it ('**.' matches any prefix)"),
+        ("a.", 1, 1, "the path ends with '.'; drop it, or name a segment after it"),
+        (
+            "x.a**b",
+            3,
+            2,
+            "'**' is a whole segment (any number of segments); in a glob each '*' stands "
+            "alone, as in '*_proj'; a key holding '*' is written quoted: x['a**b']",
+        ),
+        ("a['b", 1, 3, 'the quoted key is not closed; end it with "\']"'),
+        ("a['b'c", 5, 1, "a quoted key ends with \"']\"; put ']' right after the '"),
+        (
+            "a['b\\qc']",
+            4,
+            2,
+            "'\\q' is not an escape of a quoted key; those are the escapes "
+            "Python's repr writes: \\\\ \\' \\\" \\n \\r \\t \\xhh \\uhhhh \\Uhhhhhhhh",
+        ),
+        ("a['\\x4g']", 3, 3, "'\\x' takes 2 hex digits"),
+        ("a['\\U00110000']", 3, 10, "U+110000 is past the last code point, U+10FFFF"),
+    ],
+)
+def test_path_errors_point_at_the_column(pattern, column, length, rule):
+    with pytest.raises(PathError) as info:
+        parse(pattern)
+    error = info.value
+    assert (error.path, error.position, error.length, error.rule) == (
+        pattern,
+        column,
+        length,
+        rule,
+    )
+    assert str(error) == f"bad rule path:\n{error.picture}\n{rule}"
+    assert error.picture.splitlines()[1] == " " * (4 + column) + "^" * length
+
+
+def test_a_rule_and_a_spec_file_show_the_caret():
+    with pytest.raises(PathError, match="white space in a segment"):
+        eqshard.Rule("blocks.my key.w", eqshard.parse("a -> a*"))
+    with pytest.raises(eqshard.SpecError) as info:
+        eqshard.load({"eqshard": 1, "rules": [{"path": "blocks.my key.w", "expr": "a -> a*"}]})
+    (problem,) = info.value.problems
+    assert problem.where == "<mapping>::$.rules[0].path"
+    assert problem.message.startswith("white space in a segment")
+    assert problem.detail == "    blocks.my key.w\n             ^"
+
+
+# The reference: the definition, by plain recursion and a regex per glob; a quoted
+# key (one of `_QUOTED`) is the literal it stands for.
 def _reference(parts: Sequence[str], path: Sequence[str]) -> bool:
     if not parts:
         return not path
@@ -160,21 +311,33 @@ def _reference(parts: Sequence[str], path: Sequence[str]) -> bool:
         return any(_reference(rest, path[i:]) for i in range(len(path) + 1))
     if not path:
         return False
+    if part in _QUOTED:
+        return path[0] == _QUOTED[part] and _reference(rest, path[1:])
     glob = ".*".join(re.escape(piece) for piece in part.split("*"))
     return re.fullmatch(glob, path[0], re.DOTALL) is not None and _reference(rest, path[1:])
 
 
-_PATTERN_SEGMENTS = ["a", "b", "ab", "0", "*", "**", "a*", "*b", "a*b", "*a*", "b*a*b"]
-_PATH_SEGMENTS = ["a", "b", "ab", "ba", "aab", "abab", "0", ""]
+def _joined(tokens: Sequence[str]) -> str:
+    """Pattern segments as one pattern: a quoted key follows with no '.'."""
+    text = ""
+    for token in tokens:
+        text += token if token.startswith("[") or not text else f".{token}"
+    return text
 
-patterns_ = st.lists(st.sampled_from(_PATTERN_SEGMENTS), min_size=1, max_size=6).map(".".join)
+
+_QUOTED = {"['a.b']": "a.b", "['*']": "*", "['**']": "**", '["\'"]': "'", "['']": "", "['a']": "a"}
+_PATTERN_SEGMENTS = ["a", "b", "ab", "0", "*", "**", "a*", "*b", "a*b", "*a*", "b*a*b", *_QUOTED]
+_PATH_SEGMENTS = ["a", "b", "ab", "ba", "aab", "abab", "0", "", "a.b", "*", "**", "'"]
+
+tokens_ = st.lists(st.sampled_from(_PATTERN_SEGMENTS), min_size=1, max_size=6)
+patterns_ = tokens_.map(_joined)
 paths_ = st.lists(st.sampled_from(_PATH_SEGMENTS), max_size=7).map(tuple)
 
 
 @settings(max_examples=300, deadline=None)
-@given(patterns_, paths_)
-def test_match_agrees_with_the_definition(pattern: str, path: tuple[str, ...]) -> None:
-    assert match(pattern, path) is _reference(pattern.split("."), path)
+@given(tokens_, paths_)
+def test_match_agrees_with_the_definition(tokens: list[str], path: tuple[str, ...]) -> None:
+    assert match(_joined(tokens), path) is _reference(tokens, path)
 
 
 @settings(max_examples=100, deadline=None)
@@ -307,3 +470,46 @@ def test_closest_tries_paths_that_differ_by_index_once():
     assert indices == list(range(0, 6000, 2))
     (best, indices), *_ = closest("layers.7.atn.weight", paths)  # its index, kept
     assert (best, indices) == ("layers.7.attn.weight", [14])
+
+
+# Pieces of rule paths, good and bad, glued at random: the schema's pattern (through
+# jsonschema, as `eqshard validate` runs it) and the reader's parser must agree.
+_PIECES = [
+    "a", "0", "_w", "é", "😀", "*", "**", "*_p", ".", "[", "]", "'", '"', "\\", " ", "\n",
+    "\x1b", "['a b']", '["it\'s"]', "['\\n']", "['\\x1b']", "['\\u200f']", "['\\U0001f600']",
+    "['\\U00110000']", "['\\q']", "['\\x4']", "['", "']", '["', '"]', "[0]", "x", "u", "U",
+]  # fmt: skip
+_DOCUMENT = Draft202012Validator(eqshard.schema())
+
+
+def _schema_allows(path: str) -> bool:
+    document = {"eqshard": 1, "rules": [{"path": path, "expr": "a -> a*"}]}
+    return not list(_DOCUMENT.iter_errors(document))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=0, max_size=8).map("".join))
+def test_schema_and_reader_agree(text: str) -> None:
+    assert _schema_allows(text) is _parses(text)
+    try:
+        eqshard.load({"eqshard": 1, "rules": [{"path": text, "expr": "a -> a*"}]})
+        loads = True
+    except eqshard.SpecError:
+        loads = False
+    assert loads is _parses(text)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "leaves", "best"),
+    [
+        # a typo in a quoted key: the fix is quoted too
+        ("_weights['w[0,0] 16x0e,32x0']", ["_weights|w[0,0] 16x0e,32x0e"], "_weights['w[0,0] 16x0e,32x0e']"),
+        ("**['a  b']", ["x|a b", "y|a b"], "**['a b']"),
+        ("w['a_b']", ["w|a b"], "w['a b']"),
+    ],
+)  # fmt: skip
+def test_closest_writes_keys_as_leaves_are_named(pattern, leaves, best):
+    paths = [tuple(leaf.split("|")) for leaf in leaves]
+    found = closest(pattern, paths)
+    assert found[0] == (best, list(range(len(paths))))
+    assert aligned(pattern, paths[0]) in (best, None)
