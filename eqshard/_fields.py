@@ -9,6 +9,7 @@ annotation. `FROM_FIELDS`, the default spec, is the resolver that reads them.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import equinox as eqx
@@ -16,9 +17,9 @@ import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from ._annotation import Annotation, contradiction, field_annotations, state_annotations
-from ._errors import EqshardError, Problem
+from ._errors import EqshardError, PathError, Problem
 from ._expression import Expression, parse
-from ._paths import name, segments
+from ._paths import name, quoted_key, segments
 from ._resolver import Resolution, Target
 
 __all__ = [
@@ -209,7 +210,8 @@ def _finish_states(walk: _Walk) -> None:
 
 
 _CLASS = re.compile(r"[^\W\d]\w*")
-_MARKER_KEY = re.compile(r"\.([^\W\d]\w*)|\[(\d+)\]|\[('(?:[^'\\\n]*)'|\"(?:[^\"\\\n]*)\")\]")
+_ATTRIBUTE = re.compile(r"\.([^\W\d]\w*)")
+_INDEX = re.compile(r"\[(\d+)\]")
 
 
 def marker_keys(marker: object) -> tuple[Any, ...] | None:
@@ -217,25 +219,24 @@ def marker_keys(marker: object) -> tuple[Any, ...] | None:
     (the model's class, then `jax.tree_util.keystr` of the index's path, as
     `eqx.nn.make_with_state` writes it) -> `(GetAttrKey('blocks'), SequenceKey(0),
     ...)`; `None` for a marker that is not such a text."""
-    if not isinstance(marker, str):
-        return None
-    head = _CLASS.match(marker)
-    if head is None:
+    if not isinstance(marker, str) or (head := _CLASS.match(marker)) is None:
         return None
     keys: list[Any] = []
-    position = head.end()
-    while position < len(marker):
-        found = _MARKER_KEY.match(marker, position)
-        if found is None:
-            return None
-        attribute, index, quoted = found.groups()
-        if attribute is not None:
-            keys.append(GetAttrKey(attribute))
-        elif index is not None:
-            keys.append(SequenceKey(int(index)))
+    at = head.end()
+    while at < len(marker):
+        if (found := _ATTRIBUTE.match(marker, at)) is not None:
+            keys.append(GetAttrKey(found[1]))
+        elif (found := _INDEX.match(marker, at)) is not None:
+            keys.append(SequenceKey(int(found[1])))
         else:
-            keys.append(DictKey(quoted[1:-1]))
-        position = found.end()
+            try:
+                key, end = quoted_key(marker, at)
+            except PathError:
+                return None
+            keys.append(DictKey(key))
+            at = end
+            continue
+        at = found.end()
     return tuple(keys) or None
 
 

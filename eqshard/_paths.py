@@ -62,6 +62,7 @@ __all__ = [
     "match",
     "name",
     "parse",
+    "quoted_key",
     "segments",
 ]
 
@@ -282,6 +283,15 @@ def _quoted(text: str, at: int, start: int | None) -> tuple[str, int]:
             text, i + 1, f"a quoted key ends with {quote + ']'!r}; put ']' right after the {quote}"
         )
     return "".join(out), i + 2
+
+
+def quoted_key(text: str, at: int) -> tuple[str, int]:
+    """The key that `repr` quoted at `text[at]` (a '[', as in `['a b']`), and where
+    it ends: how `name` and `jax.tree_util.keystr` write a dict key.
+
+    **Raises:** `PathError` when no quoted key starts there.
+    """
+    return _quoted(text, at, None)
 
 
 def _escape(text: str, at: int) -> tuple[str, int]:
