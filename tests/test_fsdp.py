@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 import eqshard
+from eqshard import _demo, _demo_model
 from eqshard.testing import assert_layouts
 
 ROOT = Path(__file__).parent.parent
@@ -234,6 +235,27 @@ def test_check_shows_the_concrete_expressions(tmp_path, run_cli):
     assert found["coverage"] == {"rules": 0, "dims": 0, "default": 6, "none": 0}
     text = run_cli(*args).out
     assert "6 array leaves: 0 by rules, 0 by dims, 6 by the default (1 replicated by FSDP: " in text
+
+
+def test_default_fsdp_reproduces_the_demos_fsdp_strategy():
+    """The demo's fsdp spec file says `"default": "fsdp"` (its training step equals
+    the unsharded one in tests/test_demo.py); here, it holds what the rule it
+    replaced, every leaf's last dim over 'data', held: an eighth of every leaf."""
+    spec = eqshard.load(_demo.spec_path("fsdp"))
+    assert (spec.default, spec.rules) == ("fsdp", ())
+    model = eqx.filter_eval_shape(_demo_model.build)
+    last_dim = eqshard.load(
+        {
+            "eqshard": 1,
+            "mesh": [["data", "*"]],
+            "default": "error",
+            "rules": [{"path": "**", "expr": "... d -> ... d*"}],
+        }
+    )
+    ours, theirs = eqshard.report(model, spec).rows, eqshard.report(model, last_dim).rows
+    assert [row.bytes_per_device for row in ours] == [row.bytes_per_device for row in theirs]
+    assert all((row.bytes_per_device or 0) * 8 == row.total_bytes for row in ours)
+    assert all(row.origin == "default (fsdp)" for row in ours)
 
 
 def test_the_harness_records_which_leaves_fsdp_replicated(tmp_path, monkeypatch):
