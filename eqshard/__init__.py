@@ -4,7 +4,7 @@ Every array leaf of a model gets an einshard expression such as `"x y -> x y*"`,
 which says how the leaf is split and replicated across the devices.
 
 The expression language and the spec-file layer (`parse`, `load`, `dump` of
-`Rules`, `schema`, the errors) import no JAX, so `eqshard validate` starts fast;
+`Rules`, `schema`, `FSDP`, the errors) import no JAX, so `eqshard validate` starts fast;
 everything else is imported on first use.
 """
 
@@ -25,6 +25,7 @@ from ._errors import (
     UnusedRuleWarning as UnusedRuleWarning,
 )
 from ._expression import Element as Element, Expression as Expression, parse as parse
+from ._fsdp import FSDP as FSDP
 from ._layout import Layout as Layout, layout as layout
 from ._specfile import (
     Rule as Rule,

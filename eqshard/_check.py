@@ -160,8 +160,8 @@ def _coverage(rows: Sequence[LeafRow]) -> dict[str, int]:
             key = "none"
         elif (row.origin or "").startswith("$.rules"):
             key = "rules"
-        else:
-            key = row.origin or "default"
+        else:  # "dims", or "default" (and "default (fsdp)")
+            key = (row.origin or "default").partition(" (")[0]
         counts[key] = counts.get(key, 0) + 1
     return counts
 

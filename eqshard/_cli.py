@@ -287,6 +287,7 @@ def _check_command(args: argparse.Namespace) -> int:
 
     from ._check import cost_line, result_table, summary_table, warning_lines
     from ._errors import problem_lines
+    from ._fsdp import is_fsdp_replicated
     from ._report import human_bytes
 
     if args.format == "json":
@@ -299,10 +300,12 @@ def _check_command(args: argparse.Namespace) -> int:
             console.print(_text(_safe(line), "bold yellow"), soft_wrap=True)
         coverage = result.coverage
         total = result.bytes_per_device
+        whole = sum(is_fsdp_replicated(row.origin) for row in result.rows)
         _out(
             f"{len(result.rows)} array leaves: {coverage['rules']} by rules, "
             f"{coverage['dims']} by dims, {coverage['default']} by the default"
             + (f", {coverage['none']} by none" if coverage["none"] else "")
+            + (f" ({whole} replicated by FSDP: no dim to split)" if whole else "")
             + ("" if total is None else f"; each device holds {human_bytes(total)}")
         )
         if result.cost is not None:

@@ -19,6 +19,7 @@ from ._annotation import complete, for_rank
 from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem, SpecError, warn
 from ._expression import Expression, parse
 from ._fields import FROM_FIELDS, LeafInfo, is_array_like, leaf_name, walk_fields
+from ._fsdp import FSDP_WORD
 from ._resolver import Resolver, Target, is_resolver
 from ._spectree import SpecTree, not_a_spec_leaf
 
@@ -102,6 +103,12 @@ class Resolved:
 
 def _completed(item: LeafInfo, expr: Expression) -> Expression | Problem:
     """A short form with its left side taken from the leaf's annotation."""
+    if str(expr) == FSDP_WORD:  # the spec file's word, given to Python as text
+        return Problem(
+            item.label,
+            f"{FSDP_WORD!r} is FSDP in a spec file only; here it would be a short form "
+            "that names a dim 'fsdp'. For FSDP, pass `eqshard.FSDP` as the spec",
+        )
     if item.annotation is None:
         return Problem(
             item.label,

@@ -8,7 +8,12 @@ How a leaf gets its expression, in order:
    naming a dim in `dims`: the annotation's dims in order, each with its
    modifier (`{"mlp": "*"}` on `Float[Array, "embed mlp"]` gives
    `"embed mlp -> embed mlp*"`);
-3. **default**: `"replicate"` (a full copy on every device) or `"error"`.
+3. **default**: `"replicate"` (a full copy on every device), `"error"`, or
+   `"fsdp"`.
+
+A rule's `"expr": "fsdp"` and `"default": "fsdp"` give each leaf its own FSDP
+expression (`_fsdp.py`), over the target's mesh; its origin says so:
+`"$.rules[3] (fsdp)"`, `"default (fsdp: replicated, no dim of [3] is a multiple of 8)"`.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ from ._fields import (
     leaf_name,
     walk_fields,
 )
+from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
 from ._paths import PathIndex, closest, match, name, segments
 from ._resolver import Resolution, Target, is_spec_leaf
+from ._sharding import device_tuple
 from ._specfile import Rule, Rules
 
 __all__ = ["Match", "match_rules", "resolve_rules", "rules_of_spec_tree"]
@@ -61,19 +68,30 @@ class Match:
         arrays.
     - `rule_index`: the index in the file's `rules` of the matching rule, when
         `source` is `"rule"`.
+    - `fsdp`: for an expression FSDP chose (a rule's `"fsdp"`, or `"default":
+        "fsdp"`), `"fsdp"`, or `"fsdp: replicated, <why>"` for a leaf it could not
+        split; else `None`.
     """
 
     path: str
     expr: Expression | None
     source: Literal["rule", "dims", "default", "none"]
     rule_index: int | None = None
+    fsdp: str | None = None
 
     @property
-    def origin(self) -> str | None:
-        """`"$.rules[2]"`, `"dims"` or `"default"`: where the expression came from."""
+    def place(self) -> str | None:
+        """`"$.rules[2]"`, `"dims"` or `"default"`: what gave the expression."""
         if self.source == "rule":
             return f"$.rules[{self.rule_index}]"
         return None if self.source == "none" else self.source
+
+    @property
+    def origin(self) -> str | None:
+        """Where the expression came from: the `place`, with how FSDP chose it where
+        it did (`"default (fsdp)"`)."""
+        place = self.place
+        return place if self.fsdp is None or place is None else f"{place} ({self.fsdp})"
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,10 +177,19 @@ def match_rules(
     """
     context = None if target is None else target.context
     flat = list(zip(key_paths(model), jax.tree_util.tree_leaves(model)))
-    fields = walk_fields(model, context) if rules.dims else None
+    fsdp = rules.default == FSDP_WORD or any(rule.expr == FSDP_WORD for rule in rules.rules)
+    fields = walk_fields(model, context) if rules.dims or fsdp else None
     fallback = _REPLICATE if rules.default == "replicate" else None
     index = _index(rules)
     mesh = None if target is None else target.mesh
+
+    @functools.cache
+    def split() -> Over:  # what FSDP splits over, once, where a leaf needs it
+        return over(target or Target(len(device_tuple(None))))
+
+    def by_fsdp(i: int, leaf: Any) -> tuple[Expression, str]:
+        return fsdp_leaf(leaf.shape, fields[i].annotation if fields else None, split())
+
     matches: list[Match] = []
     problems: list[Problem] = []
     unmatched: list[int] = []
@@ -174,7 +201,11 @@ def match_rules(
         position = index.first(segments(path))
         if position is not None:
             rule = rules.rules[position]
-            matches.append(Match(name, rule.expr, "rule", rule.index))
+            if isinstance(rule.expr, Expression):
+                matches.append(Match(name, rule.expr, "rule", rule.index))
+            else:  # "fsdp"
+                expr, how = by_fsdp(i, leaf)
+                matches.append(Match(name, expr, "rule", rule.index, how))
             continue
         expr = _from_dims(rules, fields[i] if fields else None, mesh)
         if isinstance(expr, Problem):
@@ -183,6 +214,10 @@ def match_rules(
             continue
         if expr is not None:
             matches.append(Match(name, expr, "dims"))
+            continue
+        if rules.default == FSDP_WORD:
+            expr, how = by_fsdp(i, leaf)
+            matches.append(Match(name, expr, "default", fsdp=how))
             continue
         if rules.default == "error":
             unmatched.append(i)
@@ -330,7 +365,7 @@ def _unused_warning(
     for rule in unused:
         taken = [i for i, path in zip(arrays, paths) if match(rule.path, path)]
         if taken:
-            earlier = matches[taken[0]].origin
+            earlier = matches[taken[0]].place
             leaves = tuple(matches[i].path for i in taken)
             message = (
                 f"rule {rule.path!r} matches {named(leaves)}, and gives none its expression: "

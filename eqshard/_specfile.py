@@ -40,6 +40,7 @@ from ._errors import (
 )
 from ._expression import Expression, parse
 from ._fit import MeshShape
+from ._fsdp import FSDP, FSDP_WORD
 from ._paths import parse as parse_path
 
 if TYPE_CHECKING:
@@ -90,13 +91,14 @@ class Rule:
 
     - `path`: a rule path (`blocks.*.attn.query_proj.weight`, `**.*_proj.weight`,
         `_weights['w[0,0] 16x0e']`).
-    - `expr`: the expression a matching leaf gets.
+    - `expr`: the expression a matching leaf gets, or `"fsdp"` (given as the word
+        or as `eqshard.FSDP`): each matching leaf's own FSDP expression.
     - `comment`: the rule's comment, if any.
     - `index`: its place in the file's `rules` list.
     """
 
     path: str
-    expr: Expression
+    expr: Expression | Literal["fsdp"]
     comment: str | None = None
     index: int = 0
 
@@ -106,7 +108,13 @@ class Rule:
                 f"`Rule.path` is a dotted glob such as 'blocks.*.weight', not {self.path!r}"
             )
         parse_path(self.path)
-        object.__setattr__(self, "expr", parse(self.expr))
+        if self.expr is FSDP or (isinstance(self.expr, str) and self.expr == FSDP_WORD):
+            object.__setattr__(self, "expr", FSDP_WORD)
+        else:
+            object.__setattr__(self, "expr", parse(self.expr))
+
+
+_DEFAULTS = ("replicate", "error", FSDP_WORD)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -116,19 +124,26 @@ class Rules:
     Pass it wherever eqshard takes a spec: `eqshard.apply(model, rules)`,
     `eqshard.plan(model, rules)`, `eqshard.spec(model, rules)`.
 
-    **Fields:** `rules` (a tuple of `Rule`), `default` (`"replicate"` or `"error"`),
-    `devices` (the device count the file was written for, or `None`), `dims` (dim
-    name to a modifier or a mesh axis name), `source` (the file name, for
-    messages), and `mesh` (the declared mesh: each axis's name and size, `None` for
-    the one `"*"` axis; or `None`).
+    **Fields:** `rules` (a tuple of `Rule`), `default` (`"replicate"`, `"error"`
+    or `"fsdp"`: what a leaf no rule or dim matches gets), `devices` (the device
+    count the file was written for, or `None`), `dims` (dim name to a modifier or a
+    mesh axis name), `source` (the file name, for messages), and `mesh` (the
+    declared mesh: each axis's name and size, `None` for the one `"*"` axis; or
+    `None`).
     """
 
     rules: tuple[Rule, ...] = ()
-    default: Literal["replicate", "error"] = "replicate"
+    default: Literal["replicate", "error", "fsdp"] = "replicate"
     devices: int | None = None
     dims: Mapping[str, str] = dataclasses.field(default_factory=dict)
     source: str = "<rules>"
     mesh: tuple[tuple[str, int | None], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.default not in _DEFAULTS:
+            raise EqshardError(
+                "`Rules.default` is 'replicate', 'error' or 'fsdp', not " + repr(self.default)
+            )
 
     def where(self, json_path: str) -> str:
         """`file::$.json.path`: where a fault of this spec is, in messages."""
@@ -268,11 +283,18 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
     where = f"{name}::{error.json_path}"
     instance, keyword = error.instance, error.validator
     path = list(error.absolute_path)
-    if keyword == "pattern" and path[-1:] == ["expr"] and isinstance(instance, str):
+    if keyword == "anyOf" and path[-1:] == ["expr"]:
+        if not isinstance(instance, str):
+            return Problem(
+                where,
+                f"{instance!r} is not of type 'string'; write an einshard expression such "
+                f"as 'o i -> o* i', or {FSDP_WORD!r}",
+            )
         try:
             parse(instance)
         except ExpressionError as bad:
             return Problem.from_error(where, bad)
+        return Problem(where, f"{instance!r} is not an einshard expression, nor {FSDP_WORD!r}")
     if keyword == "pattern" and path[-1:] == ["path"]:
         if isinstance(instance, str):
             try:
@@ -350,11 +372,16 @@ def _rule_problems(
             continue
         expr = rule.get("expr")
         where = f"{name}::$.rules[{i}].expr"
-        if isinstance(expr, str) and where not in schema_paths:
-            try:
-                parse(expr)
-            except ExpressionError as bad:
-                problems.append((_order(["rules", i, "expr"]), Problem.from_error(where, bad)))
+        if isinstance(expr, str) and where not in schema_paths and expr != FSDP_WORD:
+            if expr.strip().lower() == FSDP_WORD:  # a short form naming a dim 'FSDP'
+                message = f"{expr!r}: write {FSDP_WORD!r}, in lower case with no spaces, for FSDP"
+                problems.append((_order(["rules", i, "expr"]), Problem(where, message)))
+            else:
+                try:
+                    parse(expr)
+                except ExpressionError as bad:
+                    found = Problem.from_error(where, bad)
+                    problems.append((_order(["rules", i, "expr"]), found))
         path = rule.get("path")
         where = f"{name}::$.rules[{i}].path"
         if isinstance(path, str) and where not in schema_paths:
@@ -460,7 +487,7 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
     if problems:
         raise SpecError(problems, f"{name} is not a valid eqshard spec")
     rules = tuple(
-        Rule(rule["path"], parse(rule["expr"]), rule.get("comment"), i)
+        Rule(rule["path"], rule["expr"], rule.get("comment"), i)
         for i, rule in enumerate(document.get("rules", []))
     )
     return Rules(

@@ -101,13 +101,18 @@ def test_fsdp_splits_every_leaf_and_its_moments_over_data(outcomes):
     assert outcome.batch == "b ... -> b8 ..."
     for tree in (outcome.model, outcome.state.mu, outcome.state.nu):
         for leaf in _arrays(tree):
-            assert _spec(leaf) == P(*[None] * (leaf.ndim - 1), "data")
-            assert leaf.sharding.shard_shape(leaf.shape)[-1] * 8 == leaf.shape[-1]
-    weight = outcome.model.blocks.up.weight  # (layers, hidden, dim): dim over devices
+            # "default": "fsdp": the largest dim, the last of equals, over 'data'
+            dim = max(range(leaf.ndim), key=lambda k: (leaf.shape[k], k))
+            assert _spec(leaf) == P(*[None] * dim, "data", *[None] * (leaf.ndim - dim - 1))
+            assert leaf.sharding.shard_shape(leaf.shape)[dim] * 8 == leaf.shape[dim]
+    assert _spec(outcome.model.embed.weight) == P("data", None)  # (vocab, dim)
+    assert _spec(outcome.model.blocks.attn.query_proj.weight) == P(None, None, "data")
+    weight = outcome.model.blocks.up.weight  # (layers, hidden, dim): hidden over devices
+    rows = _demo_model.HIDDEN // 8
     for shard in weight.addressable_shards:
-        start = 8 * shard.device.id  # the mesh is every device, in order
+        start = rows * shard.device.id  # the mesh is every device, in order
         np.testing.assert_array_equal(
-            np.asarray(shard.data), np.asarray(weight)[:, :, start : start + 8]
+            np.asarray(shard.data), np.asarray(weight)[:, start : start + rows]
         )
 
 

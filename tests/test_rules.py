@@ -154,7 +154,9 @@ def test_full_spec_loads_every_field():
     ]
     assert rules.rules[0].expr == eqshard.parse("o i -> o* i")
     assert rules.rules[0].comment == "heads"
-    assert not rules.rules[1].expr.is_complete
+    short = rules.rules[1].expr
+    assert isinstance(short, eqshard.Expression)
+    assert not short.is_complete
     assert dict(rules.dims) == {"mlp": "*", "vocab": "2", "heads": "2*"}
 
 
@@ -182,7 +184,7 @@ INVALID = {
             "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims'",
             "",
         ),
-        ("$.default", "'maybe' is not one of ['replicate', 'error']", ""),
+        ("$.default", "'maybe' is not one of ['replicate', 'error', 'fsdp']", ""),
         ("$.devices", "0 is less than the minimum of 1", ""),
         ("$.dims", "dim name 'd1' is not an einshard name (letters and '_')", ""),
         (
@@ -197,7 +199,12 @@ INVALID = {
             "quote is written quoted, as eqshard names it: ['a b']",
             "    a b\n     ^",
         ),
-        ("$.rules[1].expr", "3 is not of type 'string'", ""),
+        (
+            "$.rules[1].expr",
+            "3 is not of type 'string'; write an einshard expression such as 'o i -> o* i', "
+            "or 'fsdp'",
+            "",
+        ),
         ("$.rules[2]", "missing key 'expr'", ""),
         ("$.rules[3]", "unknown key 'shard'; the keys here are 'path', 'expr', 'comment'", ""),
     ],

@@ -16,7 +16,8 @@ from ._references import callable_reference, spec_reference
 __all__ = ["GOLDEN_VERSION", "assert_layouts"]
 
 GOLDEN_VERSION = 1
-_FIELDS = ("expression", "partition_spec", "shape", "dtype", "bytes_per_device")
+_FIELDS = ("expression", "partition_spec", "shape", "dtype", "bytes_per_device", "origin")
+"""What a golden file records of each leaf; `origin` only where FSDP replicated it."""
 _SHOWN = 20  # changed leaves shown per device count
 
 
@@ -53,7 +54,8 @@ def assert_layouts(
         `assert_equivalent`).
     - `spec`: as for `assert_equivalent`.
     - `golden`: the golden file (JSON): for each count, the mesh, and each leaf's
-        expression, `PartitionSpec`, shape, dtype and bytes per device.
+        expression, `PartitionSpec`, shape, dtype and bytes per device (and, for
+        a leaf FSDP replicated, the origin that says why).
     - `devices`, `mesh`, `timeout`: as for `assert_equivalent`.
 
     **Raises:**
@@ -142,9 +144,9 @@ def _changes(count: str, was: Any, now: Mapping[str, Any]) -> list[str]:
             changed.append(f"  + {name}: {layout['expression']!r} (not in the golden file)")
             continue
         fields = [
-            f"      {field}: {before[name].get(field)!r} -> {layout[field]!r}"
+            f"      {field}: {before[name].get(field)!r} -> {layout.get(field)!r}"
             for field in _FIELDS
-            if before[name].get(field) != layout[field]
+            if before[name].get(field) != layout.get(field)
         ]
         if fields:
             changed.append(f"  ~ {name}\n" + "\n".join(fields))

@@ -101,6 +101,7 @@ def _layouts(request: Mapping[str, Any]) -> dict[str, Any]:
     devices = _start(request)
     import equinox as eqx
 
+    from .._fsdp import is_fsdp_replicated
     from .._report import leaf_rows
 
     modules: dict[str, Any] = {}
@@ -117,6 +118,8 @@ def _layouts(request: Mapping[str, Any]) -> dict[str, Any]:
                 "shape": list(row.shape),
                 "dtype": row.dtype,
                 "bytes_per_device": row.bytes_per_device,
+                # where FSDP could split no dim, why: a replicated leaf is no surprise
+                **({"origin": row.origin} if is_fsdp_replicated(row.origin) else {}),
             }
             for row in leaf_rows(p)
         },
