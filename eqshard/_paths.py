@@ -76,15 +76,16 @@ def _key_fields() -> dict[type, str]:
     return {GetAttrKey: "name", SequenceKey: "idx", DictKey: "key", FlattenedIndexKey: "key"}
 
 
-def _segment(key: Any) -> str:
-    field = _key_fields().get(type(key))
+def _segment(key: Any, fields: dict[type, str]) -> str:
+    field = fields.get(type(key))
     return str(key) if field is None else str(getattr(key, field))
 
 
 def segments(path: Sequence[Any]) -> tuple[str, ...]:
     """The segments of a JAX key path: `(GetAttrKey('blocks'), SequenceKey(0))` ->
     `('blocks', '0')`."""
-    return tuple(_segment(key) for key in path)
+    fields = _key_fields()
+    return tuple(_segment(key, fields) for key in path)
 
 
 _PLAIN = re.compile(r"[^.*\s\[\]'\"]+")  # a literal segment written as it is

@@ -349,6 +349,11 @@ def _not_for_the_state(unused: list[Rule], model: Any) -> list[Rule]:
     return [rule for rule in unused if not any(match(rule.path, name) for name in names)]
 
 
+_GUESSES = 20
+"""How many unused rules get a "did you mean": one guess costs a pass over the
+leaves, and a message shows a few rules, not thousands."""
+
+
 def _unused_warning(
     rules: Rules, unused: list[Rule], model: Any, matches: list[Match]
 ) -> UnusedRuleWarning:
@@ -361,9 +366,17 @@ def _unused_warning(
     paths = [segments(flat[i][0]) for i in arrays]
     state = looks_like_state(model)
     tree = "the model" if state is None else "this tree"
+    unused_at = {rule.index for rule in unused}
+    taking: dict[int, list[int]] = {}  # the leaves each unused rule matches
+    index = _index(rules)  # every rule, by position; built once per `Rules`
+    for i, path in zip(arrays, paths):
+        for position in index.all(path):
+            if rules.rules[position].index in unused_at:
+                taking.setdefault(rules.rules[position].index, []).append(i)
     found = []
+    guesses = 0
     for rule in unused:
-        taken = [i for i, path in zip(arrays, paths) if match(rule.path, path)]
+        taken = taking.get(rule.index)
         if taken:
             earlier = matches[taken[0]].place
             leaves = tuple(matches[i].path for i in taken)
@@ -375,7 +388,8 @@ def _unused_warning(
             found.append(UnusedRule(rule.index, rule.path, message, (), leaves))
             continue
         message = unused_message(rule.path, tree)
-        if state is not None:  # its paths are the state's, not the model's
+        guesses += 1
+        if state is not None or guesses > _GUESSES:  # a state's paths; or enough guesses
             found.append(UnusedRule(rule.index, rule.path, message))
             continue
         close = closest(rule.path, paths)
