@@ -163,3 +163,88 @@ def test_the_harness_shows_the_cut_source_and_keeps_it_whole_in_json():
     assert text[1] == f"  4,096 bytes over (data) from {_PREFIX}({_OPS[0]} +74 more)"
     assert max(len(line) for line in text) < 200
 
+
+def _files(tmp_path):
+    specs = []
+    for name, spec in (("rules", RULES), ("megatron", MEGATRON)):
+        path = tmp_path / f"{name}.eqshard.json"
+        path.write_text(json.dumps(spec))
+        specs.append(str(path))
+    return specs, MODULE
+
+
+def _step_args(module: str, optimizer: bool = True) -> list[str]:
+    args = ["--model", f"{module}:build", "--batch", f"{module}:batch"]
+    if optimizer:
+        return [*args, "--step", f"{module}:step", "--optimizer", f"{module}:optimizer"]
+    return [*args, "--step", f"{module}:sgd_step"]
+
+
+def test_check_step_names_the_state_by_its_layers(run_cli, tmp_path):
+    specs, module = _files(tmp_path)
+    result = run_cli("check", specs[0], *_step_args(module), "--format", "json")
+    assert result.code == 0, result.out + result.err
+    (found,) = json.loads(result.out)["checks"]
+    rows = {row["path"]: row for row in found["leaves"]}
+    assert [row["path"] for row in found["leaves"]][-3:] == STATE_NAMES
+    assert found["state_leaves"] == 3
+    assert rows["bn.ema_state_index.0"]["origin"] == "$.rules[1]"
+    assert rows["bn.ema_state_index.0"]["partition_spec"] == "P('m0')"
+    cost = found["cost"]
+    state_bytes = sum(rows[name]["bytes_per_device"] for name in STATE_NAMES)
+    assert cost["state"] == state_bytes == 17
+    parameters = sum(row["bytes_per_device"] for row in found["leaves"][:-3])
+    assert cost["parameters"] == parameters == found["bytes_per_device"] - 17
+    plan = eqshard.plan((MODEL, STATE), eqshard.load(RULES))
+    assert cost["optimizer"] == _per_device(OPT_STATE, plan)
+
+
+def test_check_step_text_shows_the_state(run_cli, tmp_path):
+    specs, module = _files(tmp_path)
+    result = run_cli("check", *specs, *_step_args(module), "--devices", "8")
+    assert result.code == 0, result.out + result.err
+    assert "│ bn.ema_state_index.0 " in result.out
+    costs = [line for line in result.out.splitlines() if line.startswith("cost: ")]
+    assert costs[0].startswith("cost: parameters 504 B, state 17 B, optimizer 1012 B, peak >= ")
+    assert costs[1].startswith("cost: parameters 504 B, state 129 B, optimizer 1012 B, peak >= ")
+    table = result.out[result.out.index("the checks side by side") :]
+    assert "parameters + state + optimizer / device" in table
+    assert " 1.5 KiB " in table  # 504 + 17 + 1012 bytes
+    assert " 1.6 KiB " in table  # 504 + 129 + 1012 bytes
+
+
+def test_check_step_without_an_optimizer_passes_the_state(run_cli, tmp_path):
+    specs, module = _files(tmp_path)
+    result = run_cli("check", *specs, *_step_args(module, optimizer=False), "--devices", "8")
+    assert result.code == 0, result.out + result.err
+    costs = [line for line in result.out.splitlines() if line.startswith("cost: ")]
+    assert costs[0].startswith("cost: parameters 504 B, state 17 B, peak >= ")
+    table = result.out[result.out.index("the checks side by side") :]
+    assert "parameters + state / device" in table
+    assert "optimizer" not in table
+    assert " 521 B " in table  # 504 + 17 bytes
+    assert " 633 B " in table  # 504 + 129 bytes
+
+
+def test_check_step_in_worker_processes(run_python, tmp_path):
+    specs, module = _files(tmp_path)
+    command = ["-m", "eqshard", "check", specs[0], *_step_args(module), "--format", "json"]
+    result = run_python(command)
+    assert result.returncode == 0, result.stderr
+    (found,) = json.loads(result.stdout)["checks"]
+    assert [row["path"] for row in found["leaves"]][-3:] == STATE_NAMES
+    assert (found["cost"]["parameters"], found["cost"]["state"]) == (504, 17)
+
+
+def test_check_without_a_step_counts_the_state_with_the_parameters(run_cli, tmp_path):
+    specs, module = _files(tmp_path)
+    model = ["--model", f"{module}:build"]
+    result = run_cli("check", *specs, *model, "--devices", "8", "--max-memory", "600B")
+    assert result.code == 1
+    assert (
+        f"{specs[1]}: the parameters and state take 633 B per device on 8 devices, more than "
+        "--max-memory 600 B: it does not fit"
+    ) in result.out
+    table = result.out[result.out.index("the checks side by side") :]
+    assert "parameters + state / device" in table
+    assert " 521 B " in table  # 504 + 17 bytes
