@@ -63,10 +63,14 @@ class CheckResult:
     the same as data (`EqshardWarning.to_json()`: an unused rule's `rule`,
     `did_you_mean` and `leaves` too); under `strict` they are problems instead.
 
+    `state_leaves` is how many of the last `rows` are the leaves of the model's
+    `eqx.nn.State`, where `--model` builds `(model, state)`.
+
     `cost`, with a step to compile (`--step`), is what one step costs per device:
-    `parameters`, `optimizer`, `gradients` and `peak_lower_bound` in bytes, `flops`
-    and `bytes_accessed`, `communication` (a list of `{"kind", "axes", "bytes"}`,
-    one per kind of collective and mesh axes) and `estimate_h100_seconds`.
+    `parameters`, `state` (the model's `eqx.nn.State`), `optimizer`, `gradients`
+    and `peak_lower_bound` in bytes, `flops` and `bytes_accessed`, `communication`
+    (a list of `{"kind", "axes", "bytes"}`, one per kind of collective and mesh
+    axes) and `estimate_h100_seconds`.
     """
 
     source: str
@@ -76,6 +80,7 @@ class CheckResult:
     notes: list[str]
     cost: dict[str, Any] | None = None
     warnings: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    state_leaves: int = 0
 
     @property
     def ok(self) -> bool:
@@ -99,6 +104,7 @@ class CheckResult:
             "ok": self.ok,
             "leaves": [dataclasses.asdict(row) for row in self.rows],
             "bytes_per_device": self.bytes_per_device,
+            "state_leaves": self.state_leaves,
             "coverage": self.coverage,
             "problems": [p.to_json() for p in self.problems],
             "notes": self.notes,
@@ -119,7 +125,8 @@ class CheckResult:
         **Arguments:**
 
         - `document`: a mapping with the keys `file`, `devices`, `leaves`,
-            `problems` and `notes` (and `cost` and `warnings`, which may be missing), as
+            `problems` and `notes` (and `cost`, `warnings` and `state_leaves`, which
+            may be missing), as
             `to_json()` (or the worker) wrote them.
 
         **Returns:**
@@ -138,6 +145,7 @@ class CheckResult:
             notes=[str(note) for note in document["notes"]],
             cost=None if document.get("cost") is None else dict(document["cost"]),
             warnings=[dict(entry) for entry in document.get("warnings") or []],
+            state_leaves=int(document.get("state_leaves") or 0),
         )
 
 
@@ -192,8 +200,9 @@ def abstract_model(target: str, *, modules: dict[str, Any] | None = None) -> Any
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     """The user's training step and the arguments after the model, abstract:
-    `(opt_state, batch)` with an optimizer, else `(batch,)`. `target` is the
-    `--step` text, for messages."""
+    `(opt_state, batch)` with an optimizer, else `(batch,)`; for a stateful model
+    (`--model` builds `(model, state)`), `(state, opt_state, batch)` or
+    `(state, batch)`. `target` is the `--step` text, for messages."""
 
     step: Callable[..., Any]
     args: tuple[Any, ...]
@@ -210,9 +219,14 @@ def step_inputs(
 ) -> StepInputs:
     """Imports `--step`, `--batch` and `--optimizer` (each `MODULE:CALLABLE`, as
     for `abstract_model`) and builds the batch and the optimizer's state of the
-    abstract `model` abstractly (no device memory)."""
+    abstract `model` abstractly (no device memory). A `batch()` that needs concrete
+    values (`np.asarray` of a JAX array) is run once on the host instead. For a
+    stateful model, `(model, state)`, the optimizer's state is built from the
+    model's parameters, and the step takes the state after the model."""
     import equinox as eqx
     import jax
+
+    from ._fields import is_stateful_pair
 
     _, fn = user_callable(
         step,
@@ -224,8 +238,10 @@ def step_inputs(
     name, make_batch = user_callable(
         batch, "--batch", "batch", "CALLABLE() returns the step's batch", modules
     )
-    batch_value = call("--batch", batch, f"{name}()", lambda: eqx.filter_eval_shape(make_batch))
-    args: tuple[Any, ...] = (batch_value,)
+    batch_value = _abstract_batch(batch, name, make_batch)
+    stateful = is_stateful_pair(model)
+    states: tuple[Any, ...] = (model[1],) if stateful else ()
+    args: tuple[Any, ...] = (*states, batch_value)
     if optimizer is not None:
         name, make = user_callable(
             optimizer, "--optimizer", "optimizer", "CALLABLE() returns an optax optimizer", modules
@@ -237,12 +253,47 @@ def step_inputs(
                 f"--optimizer {optimizer!r}: {name}() returned {type(opt).__name__}, which has "
                 "no init; name a callable that returns an optax optimizer"
             )
-        params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        parameters = model[0] if stateful else model
+        params = eqx.filter(parameters, lambda x: isinstance(x, jax.ShapeDtypeStruct))
         state = call(
             "--optimizer", optimizer, f"{name}().init(params)", lambda: jax.eval_shape(init, params)
         )
-        args = (state, batch_value)
+        args = (*states, state, batch_value)
     return StepInputs(fn, args, step)
+
+
+def _abstract_batch(target: str, name: str, make_batch: Callable[[], Any]) -> Any:
+    """`make_batch()`, abstract: traced with `eqx.filter_eval_shape` (no memory), or,
+    where it needs concrete values (`np.asarray` of a JAX array, a Python `if` on
+    one), run once on the host and its arrays made abstract."""
+    import equinox as eqx
+    import jax
+
+    needs_values = (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.TracerArrayConversionError,
+        jax.errors.TracerIntegerConversionError,
+        jax.errors.NonConcreteBooleanIndexError,
+    )
+    try:
+        return call(
+            "--batch", target, f"{name}()", lambda: eqx.filter_eval_shape(make_batch), needs_values
+        )
+    except needs_values:
+        pass
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX started without its CPU backend: its default device
+        host = jax.devices()[0]
+    with jax.default_device(host):
+        value = call(
+            "--batch",
+            target,
+            f"{name}() (run on the host, as it needs concrete values: it calls NumPy on a "
+            "JAX array, or branches on one)",
+            make_batch,
+        )
+    return eqx.filter_eval_shape(lambda value: value, value)
 
 
 def check(
@@ -265,9 +316,14 @@ def check(
     """
     import jax
 
+    from ._fields import is_array_like, is_stateful_pair
     from ._plan import make_plan
     from ._report import leaf_rows, total_bytes_per_device
 
+    state_leaves = 0
+    if is_stateful_pair(model):
+        state_leaves = sum(map(is_array_like, jax.tree_util.tree_leaves(model[1])))
+    held = "the parameters and state take" if state_leaves else "the parameters alone take"
     results = []
     for n in device_counts:
         planned = make_plan(model, rules, devices=jax.devices()[:n])
@@ -291,10 +347,12 @@ def check(
             if cost is not None:
                 needed, what = cost["peak_lower_bound"], "the step needs at least"
             else:
-                needed, what = total_bytes_per_device(rows), "the parameters alone take"
+                needed, what = total_bytes_per_device(rows), held
             if needed is not None and needed > max_memory:
                 problems.append(_memory_problem(rules.source, n, needed, what, max_memory))
-        results.append(CheckResult(rules.source, n, rows, problems, notes, cost, warnings))
+        results.append(
+            CheckResult(rules.source, n, rows, problems, notes, cost, warnings, state_leaves)
+        )
     return results
 
 
@@ -310,19 +368,24 @@ def _memory_problem(source: str, devices: int, needed: int, what: str, limit: in
 
 
 def _cost_entry(step: StepInputs, model: Any, plan: Any, devices: int) -> dict[str, Any]:
-    """`eqshard.cost` of the step on this plan, as `CheckResult.cost` holds it."""
+    """`eqshard.cost` of the step on this plan, as `CheckResult.cost` holds it. A
+    stateful model's step takes the model alone, then the state (in `step.args`):
+    the plan, made for `(model, state)`, lays out both."""
     from ._cost import cost
+    from ._fields import is_stateful_pair
 
+    first = model[0] if is_stateful_pair(model) else model
     found = call(
         "--step",
         step.target,
         f"compiling the step on {devices} devices",
-        lambda: cost(step.step, model, *step.args, spec=plan, devices=devices),
+        lambda: cost(step.step, first, *step.args, spec=plan, devices=devices),
         keep=(EqshardError,),  # the spec's faults (the optimizer state's layout), as they are
     )
     memory = found.memory
     return {
         "parameters": memory.parameters,
+        "state": memory.state,
         "optimizer": memory.optimizer,
         "gradients": memory.gradients,
         "peak_lower_bound": memory.peak,
@@ -385,6 +448,8 @@ def cost_line(cost: Mapping[str, Any]) -> str:
     from ._report import human_bytes
 
     memory = f"parameters {human_bytes(cost['parameters'])}"
+    if cost.get("state"):
+        memory += f", state {human_bytes(cost['state'])}"
     if cost["optimizer"]:
         memory += f", optimizer {human_bytes(cost['optimizer'])}"
     moved = ", ".join(_communication(cost)) or "no communication"
@@ -395,9 +460,10 @@ def cost_line(cost: Mapping[str, Any]) -> str:
 
 
 def summary_table(results: Sequence[CheckResult]) -> Table:
-    """The checks side by side: spec, devices, whether it fits, parameters and
-    optimizer state per device, the peak's lower bound, communication per step and
-    the estimate on an H100 (the last three with a step to compile)."""
+    """The checks side by side: spec, devices, whether it fits, what the model holds
+    per device (its parameters, and its `eqx.nn.State` and the optimizer state where
+    there are, as the column's title says), the peak's lower bound, communication
+    per step and the estimate on an H100 (the last three with a step to compile)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -407,14 +473,14 @@ def summary_table(results: Sequence[CheckResult]) -> Table:
     table.add_column("spec")
     table.add_column("devices", justify="right")
     table.add_column("fits")
-    table.add_column("parameters + optimizer / device", justify="right")
+    table.add_column(f"{_held_label(results)} / device", justify="right")
     table.add_column("peak >= / device", justify="right")
     table.add_column("communication / step")
     table.add_column("estimate (H100)", justify="right")
     for result in results:
         cost = result.cost
         if cost is not None:
-            held: int | None = cost["parameters"] + cost["optimizer"]
+            held: int | None = cost["parameters"] + cost.get("state", 0) + cost["optimizer"]
         else:
             held = result.bytes_per_device
         problems = len(result.problems)
@@ -428,6 +494,17 @@ def summary_table(results: Sequence[CheckResult]) -> Table:
             "-" if cost is None else _seconds(cost["estimate_h100_seconds"]),
         )
     return table
+
+
+def _held_label(results: Sequence[CheckResult]) -> str:
+    """What the summary's bytes per device hold: `parameters`, with `+ state` for a
+    stateful model and `+ optimizer` where a step's optimizer state is counted."""
+    parts = ["parameters"]
+    if any(result.state_leaves for result in results):
+        parts.append("state")
+    if any(result.cost is not None and result.cost["optimizer"] for result in results):
+        parts.append("optimizer")
+    return " + ".join(parts)
 
 
 def check_in_processes(

@@ -433,7 +433,9 @@ def _parser() -> argparse.ArgumentParser:
         "--step",
         metavar="MODULE:CALLABLE",
         help="the training step, called step(model, opt_state, batch) with --optimizer, "
-        "else step(model, batch); compiled (never run) to find its cost",
+        "else step(model, batch); when --model builds (model, state), as "
+        "eqx.nn.make_with_state does, step(model, state, opt_state, batch) or "
+        "step(model, state, batch); compiled (never run) to find its cost",
     )
     check.add_argument(
         "--optimizer",
@@ -443,7 +445,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--batch",
         metavar="MODULE:CALLABLE",
-        help="what returns the step's batch (needed with --step)",
+        help="what returns the step's batch (needed with --step); traced abstractly, "
+        "or, if it needs concrete values (np.asarray of a JAX array), run once on the "
+        "host, which holds one batch in memory",
     )
     check.add_argument(
         "--max-memory",

@@ -1,7 +1,7 @@
 """What a spec costs: memory per device and communication of the user's own step.
 
-`cost` lays out the model and its optimizer state by the spec (abstractly: no
-device memory is spent), compiles the user's training step over them, and reads
+`cost` lays out the model, its `eqx.nn.State` and its optimizer state by the spec
+(abstractly: no device memory is spent), compiles the user's training step over them, and reads
 the compiled program: its collectives (kind, bytes, the mesh axes they run over,
 and where XLA says they come from), its FLOPs and bytes accessed, and XLA's memory
 analysis. XLA's SPMD partitioner runs the same on simulated CPU devices as on
@@ -22,10 +22,12 @@ import jax
 import numpy as np
 
 from ._derive import plan_for
-from ._errors import EqshardError, StepError
+from ._errors import EqshardError, SpecError, StepError
 from ._expression import Expression
+from ._fields import is_array_like, is_stateful_pair
 from ._plan import Plan, plan
-from ._report import leaf_rows, total_bytes_per_device
+from ._report import LeafRow, leaf_rows
+from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device, on_devices, sharding
 from ._specfile import Rules
 
@@ -144,7 +146,9 @@ class Collective:
     - `bytes`: the bytes of its result on each device (a tuple collective: all of
         them).
     - `axes`: the mesh axes its device groups run over.
-    - `source`: where XLA records it comes from (the op's name in the step).
+    - `source`: where XLA records it comes from (the op's name in the step), whole:
+        XLA names a combined collective by every op it combines, which can run to
+        thousands of characters; tables show `brief_source`.
     - `count`: how many times one step runs it: more than once inside a loop whose
         trip count XLA knows, such as `jax.lax.scan` over stacked layers; once in a
         loop whose trip count depends on values (a lower bound there); once in each
@@ -162,12 +166,83 @@ class Collective:
         """`bytes` times `count`: what it moves on each device in one step."""
         return self.bytes * self.count
 
+    @property
+    def brief_source(self) -> str:
+        """`source`, cut to at most `SOURCE_WIDTH` characters for a table (see
+        `brief_source`)."""
+        return brief_source(self.source)
+
+
+SOURCE_WIDTH = 100  # characters of a collective's source that a table shows
+
+
+def brief_source(source: str, width: int = SOURCE_WIDTH) -> str:
+    """A collective's `source`, cut to at most `width` characters for a table.
+
+    A collective XLA combined from several ops is named
+    `jit(step)/while/body/(op1:op2:...)`; it is shown by the prefix they share, its
+    first op and how many more it combines (`jit(step)/while/body/(op1 +11 more)`).
+    What is still too long keeps its start (the transformations: `jit`, `jvp`,
+    `while`) and its end (the module and the primitive), with `…` between.
+
+    **Arguments:**
+
+    - `source`: the op name, as `Collective.source` holds it.
+    - `width`: the most characters to show (at least 3).
+
+    **Returns:**
+
+    `source` itself when it fits, else the cut text.
+    """
+    if len(source) <= width:
+        return source
+    prefix, ops = _combined(source)
+    if len(ops) > 1:
+        source = f"{prefix}({ops[0]} +{len(ops) - 1} more)"
+        if len(source) <= width:
+            return source
+    head = (width - 1) // 2
+    return f"{source[:head]}…{source[len(source) - (width - 1 - head) :]}"
+
+
+def _combined(source: str) -> tuple[str, list[str]]:
+    """`("jit(step)/", ["a/dot", "b/add"])` for `jit(step)/(a/dot:b/add)`, the name
+    XLA gives a collective combined from several ops; `("", [source])` for others."""
+    if not source.endswith(")"):
+        return "", [source]
+    depth, start = 0, len(source) - 1
+    while start >= 0:  # the parenthesis that the last one closes
+        depth += (source[start] == ")") - (source[start] == "(")
+        if depth == 0:
+            break
+        start -= 1
+    if start < 0 or (start > 0 and source[start - 1] != "/"):
+        return "", [source]  # unbalanced, or a call such as `vmap(...)`
+    ops, depth, begin = [], 0, start + 1
+    for j in range(start + 1, len(source) - 1):
+        depth += (source[j] == "(") - (source[j] == ")")
+        if source[j] == ":" and depth == 0:
+            ops.append(source[begin:j])
+            begin = j + 1
+    ops.append(source[begin:-1])
+    return source[:start], ops
+
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Bytes per device. `peak` is a lower bound: XLA:CPU reports few temporaries."""
+    """Bytes per device. `peak` is a lower bound: XLA:CPU reports few temporaries.
+
+    - `parameters`: the model's array leaves, as the plan lays them out.
+    - `state`: the leaves of its `eqx.nn.State` (BatchNorm's running statistics),
+        as the plan lays them out; 0 for a model without one.
+    - `optimizer`: the optimizer state's leaves (moments follow their parameters).
+    - `gradients`: a gradient for each floating-point parameter, laid out as it is.
+    - `arguments`, `outputs`, `temporaries`: from XLA's memory analysis of the
+        compiled step (outputs less what is donated).
+    """
 
     parameters: int
+    state: int
     optimizer: int
     gradients: int
     arguments: int
@@ -379,6 +454,10 @@ def cost(
     [(k.kind, k.bytes, k.axes) for k in c.collectives]        # "all-reduce", ...
     c.flops                                                   # per device
     c.estimate("h100").seconds                                # a roofline estimate
+
+    # a stateful model: the step takes its eqx.nn.State after the model
+    c = eqshard.cost(step, model, state, opt_state, batch, spec=plan)
+    c.memory.state                                            # bytes per device
     ```
 
     **Arguments:**
@@ -386,11 +465,17 @@ def cost(
     - `step`: the training step, as scripts write it: an `eqx.filter_jit` function
         (its donation is kept) or a plain one, called as `step(model, *args)`.
     - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`).
-    - `*args`: the rest of the step's arguments, concrete or abstract. One built from
-        the model (an optimizer state: it holds subtrees shaped like the model) is laid
-        out by the model's plan, as `eqshard.apply(opt_state, plan)` does; the array
-        leaves of the others (the batch) by `batch`.
-    - `spec`: anything `eqshard.apply` takes, a `Plan` included.
+    - `*args`: the rest of the step's arguments, concrete or abstract. The model's
+        `eqx.nn.State` (a stateful model's, such as BatchNorm's running statistics)
+        is laid out by the plan, as `eqshard.apply(state, plan)` does, and counted
+        as `memory.state`. One built from the model (an optimizer state: it holds
+        subtrees shaped like the model) is laid out by the model's plan, as
+        `eqshard.apply(opt_state, plan)` does; the array leaves of the others (the
+        batch) by `batch`.
+    - `spec`: anything `eqshard.apply` takes, a `Plan` included: a plan made for
+        the model, or for `(model, state)` (it lays out both, and the step still
+        takes the model alone first). With a spec and a state among `args`, the
+        plan is made for `(model, state)`, so that one mesh fits both.
     - `batch`: the expression of the other arguments' array leaves. By default they
         are data parallel: their leading dim is split over the first axis of a mesh
         the user or the spec file gives (the data axis, by convention), else over
@@ -407,7 +492,8 @@ def cost(
 
     **Raises:**
 
-    `eqshard.SpecError` when the spec does not lay out the model or the state;
+    `eqshard.SpecError` when the spec does not lay out the model, its
+    `eqx.nn.State` or the optimizer state;
     `eqshard.EqshardError` when the step cannot be traced or compiled (naming the
     step, the device count and the spec, with the step's or JAX's error as its
     cause; the command line exits 2 for it, as for a model that cannot be built),
@@ -419,20 +505,28 @@ def cost(
             return _in_a_process_of_its_own(step, model, args, spec, batch, devices)
         devices = jax.devices()[:devices]
     abstract_model = jax.tree_util.tree_map(_abstract, model)
-    p = spec if isinstance(spec, Plan) else plan(abstract_model, spec, mesh=mesh, devices=devices)
+    abstract_args = [jax.tree_util.tree_map(_abstract, arg) for arg in args]
+    if isinstance(spec, Plan):
+        p = spec
+    else:  # with the model's eqx.nn.State, one mesh fits both
+        planned_for = _stateful(abstract_model, abstract_args, spec)
+        p = plan(planned_for, spec, mesh=mesh, devices=devices)
     on_devices(p.mesh, "`eqshard.cost`")
     if batch is None:
         batch = _data_parallel(p)
-    laid_out = [p.abstract]
-    optimizer_bytes = 0
-    for arg in args:
-        state = plan_for(jax.tree_util.tree_map(_abstract, arg), p)
-        if not state.problems:  # built from the model: an optimizer state
-            optimizer_bytes += total_bytes_per_device(leaf_rows(state.plan)) or 0
+    model_plan = _laid_out(abstract_model, p)  # a plan of `(model, state)` lays out the model
+    held = _Held()
+    held.count(model_plan, "parameters")
+    laid_out = [model_plan.abstract]
+    for arg in abstract_args:
+        state = plan_for(arg, p)
+        if isinstance(arg, eqx.nn.State) and state.problems:
+            raise SpecError(state.problems)
+        if not state.problems:  # built from the model: its state, or an optimizer state
+            held.count(state.plan, "optimizer")
             laid_out.append(state.plan.abstract)
         else:  # nothing shaped like the model in it: a batch
             laid_out.append(jax.tree_util.tree_map(lambda x: _batch(x, batch, p), arg))
-    parameters = total_bytes_per_device(leaf_rows(p)) or 0
     fn = getattr(step, "__wrapped__", step)
     donate_first = bool(getattr(step, "donate_first", False))
     donate_rest = bool(getattr(step, "donate_rest", False))
@@ -462,17 +556,15 @@ def cost(
     analysis = compiled.memory_analysis()
     costs = _first(compiled.cost_analysis())
     flops = max(float(costs.get("flops", 0.0)), products / n)
-    grads = sum(
-        row.bytes_per_device or 0
-        for row in leaf_rows(p)
-        if np.issubdtype(np.dtype(row.dtype), np.inexact)
-    )
-    dtypes = [row.dtype for row in leaf_rows(p)]
+    dtypes = [row.dtype for row in held.parameters]
     return Cost(
         memory=Memory(
-            parameters=parameters,
-            optimizer=optimizer_bytes,
-            gradients=grads,
+            parameters=_bytes(held.parameters),
+            state=_bytes(held.state),
+            optimizer=_bytes(held.optimizer),
+            gradients=_bytes(
+                row for row in held.parameters if np.issubdtype(np.dtype(row.dtype), np.inexact)
+            ),
             arguments=getattr(analysis, "argument_size_in_bytes", 0),
             outputs=getattr(analysis, "output_size_in_bytes", 0)
             - getattr(analysis, "alias_size_in_bytes", 0),
@@ -485,6 +577,62 @@ def cost(
         devices=len(p.devices) if p.devices is not None else 0,
         dtype=max(set(dtypes), key=dtypes.count) if dtypes else "float32",
     )
+
+
+def _stateful(model: Any, args: Sequence[Any], spec: Any) -> Any:
+    """What a spec is planned for: `(model, state)` where the step takes the model
+    and then its `eqx.nn.State`, so that one mesh fits both; else the model. A spec
+    tree, which has a place for the model's leaves only, is planned for the model
+    (the plan then replicates the state)."""
+    if is_stateful_pair(model) or not (is_resolver(spec) or isinstance(spec, (str, Expression))):
+        return model
+    state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
+    return model if state is None else (model, state)
+
+
+def _laid_out(model: Any, p: Plan) -> Plan:
+    """The plan of the step's first argument: `p` itself when it was made for the
+    model, the model's part of it when it was made for `(model, state)`."""
+    planned = plan_for(model, p)
+    if planned.problems:
+        raise SpecError(planned.problems)
+    return planned.plan
+
+
+class _Held:
+    """The rows of what the step's arguments hold, by part: the model's parameters,
+    its `eqx.nn.State`, the optimizer state."""
+
+    def __init__(self) -> None:
+        self.parameters: list[LeafRow] = []
+        self.state: list[LeafRow] = []
+        self.optimizer: list[LeafRow] = []
+
+    def count(self, laid_out: Plan, part: str) -> None:
+        """Adds the rows of `laid_out` to `part`, and those in an `eqx.nn.State` to
+        `state`: a row per array leaf, in the order of `_in_state`'s flags."""
+        rows = leaf_rows(laid_out)
+        flags = _in_state(laid_out.resolved.model)
+        assert len(rows) == len(flags)
+        for row, in_state in zip(rows, flags):
+            getattr(self, "state" if in_state else part).append(row)
+
+
+def _in_state(tree: Any) -> list[bool]:
+    """For each array leaf of `tree`, in order, whether it is in an `eqx.nn.State`."""
+    flags = []
+    is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
+    for part in jax.tree_util.tree_leaves(tree, is_leaf=is_state):
+        if is_state(part):
+            flags += [True] * sum(map(is_array_like, jax.tree_util.tree_leaves(part)))
+        elif is_array_like(part):
+            flags.append(False)
+    return flags
+
+
+def _bytes(rows: Any) -> int:
+    """What one device holds of `rows` (a leaf not laid out counts nothing)."""
+    return sum(row.bytes_per_device or 0 for row in rows)
 
 
 def _spec_name(spec: Any) -> str:

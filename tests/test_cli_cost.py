@@ -14,6 +14,7 @@ MODULE = """
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -42,6 +43,20 @@ def step(model, opt_state, x):
 
 def failing_step(model, opt_state, x):
     raise ValueError("no step here")
+
+
+def numpy_batch():  # NumPy on a JAX array: it needs values, not a trace
+    return np.asarray(jnp.zeros((32, 64)))
+
+
+def failing_numpy_batch():
+    np.asarray(jnp.zeros((32, 64)))
+    raise ValueError("no data here")
+
+
+@eqx.filter_jit
+def plain_step(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
 """
 
 REPLICATED = {"eqshard": 1, "default": "replicate"}
@@ -137,6 +152,7 @@ def test_text_shows_the_cost_and_the_specs_side_by_side(run_cli, files):
     table = result.out[result.out.index("the checks side by side") :]
     for name in ("spec", "devices", "fits", "communication / step", "estimate (H100)"):
         assert name in table
+    assert "parameters + optimizer / device" in table
     rows = [line for line in table.splitlines() if "eqshard.json" in line]
     assert len(rows) == 2
     assert "replicated.eqshard.json" in rows[0]
@@ -193,3 +209,33 @@ def test_worker_processes_carry_the_cost(run_python, files, report):
     seconds = expected["estimate_h100_seconds"]
     assert check["cost"]["estimate_h100_seconds"] == pytest.approx(seconds)
     assert {**check["cost"], "estimate_h100_seconds": seconds} == expected
+
+
+@pytest.mark.parametrize("step", [None, "plain_step"])
+def test_without_an_optimizer_the_column_holds_parameters_only(run_cli, files, step):
+    specs, module = files
+    with_step = [] if step is None else ["--step", f"{module}:{step}", "--batch", f"{module}:batch"]
+    result = run_cli("check", *specs, "--model", f"{module}:build", *with_step, "--devices", 8)
+    assert result.code == 0, result.out + result.err
+    table = result.out[result.out.index("the checks side by side") :]
+    assert "parameters / device" in table
+    assert "optimizer" not in table
+    assert " 129.2 KiB " in table  # the replicated spec: every parameter, on every device
+
+
+def test_a_batch_that_needs_values_runs_on_the_host(run_cli, files, report):
+    specs, module = files
+    args = _step_args(module)
+    args[args.index(f"{module}:batch")] = f"{module}:numpy_batch"
+    result = run_cli("check", specs[0], *args, "--devices", 8, "--format", "json")
+    assert result.code == 0, result.err
+    (check,) = json.loads(result.out)["checks"]
+    assert check["cost"] == report["checks"][0]["cost"]  # the same batch, abstract or not
+    args[args.index(f"{module}:numpy_batch")] = f"{module}:failing_numpy_batch"
+    result = run_cli("check", specs[0], *args)
+    assert result.code == 2
+    assert result.err == (
+        f"eqshard check: error: --batch '{module}:failing_numpy_batch': failing_numpy_batch() "
+        "(run on the host, as it needs concrete values: it calls NumPy on a JAX array, or "
+        "branches on one) raised ValueError: no data here\n"
+    )

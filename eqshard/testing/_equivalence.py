@@ -163,5 +163,6 @@ def _over_budget(n: int, over: list[dict[str, Any]]) -> list[str]:
         for op in o["ops"]:
             axes = ", ".join(op["axes"]) or "-"
             times = f" ({op['count']} runs)" if op["count"] > 1 else ""
-            lines.append(f"  {op['bytes']:,} bytes{times} over ({axes}) from {op['source'] or '?'}")
+            source = op.get("brief_source", op["source"]) or "?"  # the op's name, cut
+            lines.append(f"  {op['bytes']:,} bytes{times} over ({axes}) from {source}")
     return lines

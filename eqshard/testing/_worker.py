@@ -339,6 +339,7 @@ def _over_budget(collectives: Any, budget: Mapping[str, int]) -> list[dict[str, 
                             "count": c.count,
                             "axes": list(c.axes),
                             "source": c.source,
+                            "brief_source": c.brief_source,
                         }
                         for c in sorted(mine, key=lambda c: -c.total_bytes)[:5]
                     ],
