@@ -9,40 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from harness_models import NET_SPEC, Net
 
 import eqshard
 from eqshard._fields import key_paths, leaf_name
 
-
-class Net(eqx.Module):
-    """A convolution, a BatchNorm and a head: `eqx.nn`'s own stateful example."""
-
-    conv: eqx.nn.Conv2d
-    bn: eqx.nn.BatchNorm
-    head: eqx.nn.Linear
-
-    def __init__(self, key, mode: Literal["ema", "batch"] = "batch"):
-        k1, k2 = jax.random.split(key)
-        self.conv = eqx.nn.Conv2d(3, 16, 3, padding=1, key=k1)
-        self.bn = eqx.nn.BatchNorm(16, axis_name="batch", mode=mode)
-        self.head = eqx.nn.Linear(16, 8, key=k2)
-
-    def __call__(self, x, state):
-        x, state = self.bn(self.conv(x), state)
-        return self.head(jax.nn.relu(x).mean(axis=(1, 2))), state
-
-
-RULES = eqshard.load(
-    {
-        "eqshard": 1,
-        "rules": [
-            {"path": "conv.weight", "expr": "o ... -> o* ..."},
-            {"path": "bn.*_state_index.*", "expr": "c -> c*"},
-            {"path": "head.weight", "expr": "o i -> o i*"},
-        ],
-        "dims": {"input_size": "*"},
-    }
-)
+RULES = eqshard.load(NET_SPEC)
 
 
 def _made(mode: Literal["ema", "batch"] = "batch"):

@@ -1,9 +1,11 @@
 """`eqshard.testing`: equivalence per device count, golden layouts, and the pytest
 plugin, each count in a worker process of its own."""
 
+import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -47,7 +49,8 @@ def test_a_difference_names_the_leaf_the_count_and_the_largest_difference():
     assert text.startswith("on 8 devices, ")
     assert "  gradients layers.0.weight (float32): " in text
     assert "  loss (float32): 1 of 1 elements; the largest difference " in text
-    assert "(rtol 0, atol 0)" in text
+    assert "(rtol 0, atol 0; passes with rtol " in text
+    assert "\nthe smallest tolerances that pass every leaf on 8 devices: rtol=" in text
 
 
 def test_over_the_communication_budget_names_the_collectives():
@@ -251,3 +254,147 @@ def test_a_suite_that_sets_xla_flags_still_tests_any_count(monkeypatch, tmp_path
     monkeypatch.setenv("EQSHARD_UPDATE", "1")
     assert_layouts(m.build, "o ... -> o* ...", golden=tmp_path / "g.json", devices=(4,))
     assert '"4": {\n   "mesh": {"m0": 4}' in (tmp_path / "g.json").read_text()
+
+
+def test_a_stateful_model_trains_as_unsharded_on_4_and_8_devices():
+    import harness_models as m
+
+    assert_equivalent(  # the loss, gradients, new state, one SGD step, its momentum
+        m.build_stateful,
+        eqshard.load(m.NET_SPEC),
+        m.loss_stateful,
+        m.batch_stateful,
+        devices=(4, 8),
+        optimizer=m.optimizer_stateful,
+        max_communication={"all-to-all": 0, "collective-permute": 0},
+    )
+
+
+def test_a_wrong_state_update_is_named_by_its_layer():
+    import harness_models as m
+
+    with pytest.raises(AssertionError) as caught:  # the running mean, times 4 devices
+        assert_equivalent(
+            m.build_stateful,
+            eqshard.load(m.NET_SPEC),
+            m.loss_stateful_scaled_by_devices,
+            m.batch_stateful,
+            devices=(4,),
+        )
+    first, leaf, smallest = str(caught.value).split("\n")
+    assert first == "on 4 devices, 1 leaf differs from the unsharded run:"
+    assert leaf.startswith(
+        "  new state bn.batch_state_index.0 (float32): 16 of 16 elements; the largest difference "
+    )
+    assert "(rtol 1e-05, atol 1e-06; passes with rtol 3 or atol " in leaf  # 4x: a bug
+    assert smallest.startswith(
+        "the smallest tolerances that pass every leaf on 4 devices: rtol=3 (with each "
+        "dtype's default atol) or atol="
+    )
+
+
+def test_a_loss_of_the_wrong_shape_for_the_build_says_which_is_expected():
+    import harness_models as m
+
+    from eqshard.testing._worker import _check_loss
+
+    stateful, batch = m.build_stateful(), m.batch_stateful()
+    expected = (
+        r"`build\(\)` returns a model and its state \(as `eqx.nn.make_with_state` does\), "
+        r"so `loss` is called as `loss\(model, state, batch\)` and returns "
+        r"`\(value, new_state\)`; this one {}\. Write it as Equinox's BatchNorm example "
+        r"does \(https://docs.kidger.site/equinox/examples/stateful/\):\n"
+        r"    def loss\(model, state, batch\):\n"
+    )
+    with pytest.raises(eqshard.EqshardError, match=expected.format(r"returns a float32\[\] array")):
+        _check_loss(m.loss_stateful_without_state, "m:loss", stateful, batch, True)
+    with pytest.raises(eqshard.EqshardError, match=r"`loss` \(m:loss\): `build\(\)` returns the "):
+        _check_loss(m.loss_stateful, "m:loss", m.build(), m.batch(), False)
+    with pytest.raises(eqshard.EqshardError) as caught:  # a stateless loss, through a worker
+        assert_equivalent(m.build_stateful, "... -> * ...", m.loss, m.batch_stateful, devices=(2,))
+    assert re.match(
+        "`loss` \\(harness_models:loss\\): " + expected.format(r"takes \(model, batch\)"),
+        str(caught.value),
+    )
+    assert str(caught.value).endswith("        return jnp.mean((out - y) ** 2), state")
+
+
+def test_the_tolerance_message_shows_the_smallest_rtol_and_atol_that_pass():
+    import numpy as np
+
+    from eqshard.testing._equivalence import failure_text
+    from eqshard.testing._tolerances import Needed
+    from eqshard.testing._worker import _compare
+
+    def result(got, want, rtol=None, atol=None):  # as a worker answers
+        needed = Needed()
+        found = _compare("gradients", got, want, rtol, atol, needed)
+        return {"differences": found, "needed": dataclasses.asdict(needed), "over_budget": []}
+
+    w = {"w": np.array([1.0, 2.0, 4.0], np.float32)}
+    w_off = {"w": np.array([1.0, 2.0001, 4.0], np.float32)}
+    w_near = {"w": np.array([1.0, 2.00003, 4.0], np.float32)}
+    text = failure_text({4: result(w_off, w), 8: result(w_near, w)}, None, None)
+    # 4 devices: |d| = 9.98974e-05, so rtol >= (|d| - 1e-6) / 2 = 4.9449e-05 and atol >=
+    # |d| - 1e-5 * 2 = 7.98974e-05, each rounded up to three digits; 8 devices: 3.00407e-05
+    assert text == (
+        "on 4 devices, 1 leaf differs from the unsharded run:\n"
+        "  gradients w (float32): 1 of 3 elements; the largest difference 9.99e-05 at [1]: "
+        "sharded 2.0000998973846436, unsharded 2.0 (rtol 1e-05, atol 1e-06; passes with "
+        "rtol 4.95e-05 or atol 7.99e-05)\n"
+        "on 8 devices, 1 leaf differs from the unsharded run:\n"
+        "  gradients w (float32): 1 of 3 elements; the largest difference 3e-05 at [1]: "
+        "sharded 2.000030040740967, unsharded 2.0 (rtol 1e-05, atol 1e-06; passes with "
+        "rtol 1.46e-05 or atol 1.01e-05)\n"
+        "the smallest tolerances that pass every leaf on 4 and 8 devices: rtol=4.95e-05 (with "
+        "each dtype's default atol) or atol=7.99e-05 (with each dtype's default rtol); loosen "
+        "them only where a difference is expected: see `assert_equivalent`'s docstring"
+    )
+    sharded = float(np.float32(2.0001))  # what is printed passes; a digit less does not
+    assert np.isclose(sharded, 2, 4.95e-05, 1e-6)
+    assert not np.isclose(sharded, 2, 4.94e-05, 1e-6)
+    assert np.isclose(sharded, 2, 1e-5, 7.99e-05)
+    assert not np.isclose(sharded, 2, 1e-5, 7.98e-05)
+    zero = {"b": np.array([0.0, 1.0], np.float32), "n": np.arange(2)}
+    zero_off = {"b": np.array([3e-6, 1.0], np.float32), "n": np.arange(2)}
+    assert failure_text({2: result(zero_off, zero, 0.0, 0.0)}, 0.0, 0.0).endswith(
+        "(rtol 0, atol 0; passes with atol 3.01e-06; no rtol: an unsharded value is 0)\n"
+        "the smallest tolerance that passes every leaf on 2 devices: atol=3.01e-06 (with "
+        "rtol=0); no rtol does (an unsharded value is 0); loosen them only where a "
+        "difference is expected: see `assert_equivalent`'s docstring"
+    )
+    ints = {"b": np.array([0.0, 1.0], np.float32), "n": np.arange(2) + 1}
+    assert failure_text({2: result(ints, zero)}, None, None).endswith(
+        "\nno tolerance passes every leaf on 2 devices: integer leaves differ"
+    )
+
+
+def test_golden_layouts_record_a_models_state_under_its_layers(tmp_path, monkeypatch):
+    import harness_models as m
+
+    golden = tmp_path / "net.json"
+    spec = tmp_path / "net.eqshard.json"
+    spec.write_text(json.dumps(m.NET_SPEC))
+    monkeypatch.setenv("EQSHARD_UPDATE", "1")
+    assert_layouts(m.build_stateful, spec, golden=golden, devices=(4,))
+    monkeypatch.delenv("EQSHARD_UPDATE")
+    leaves = json.loads(golden.read_text())["layouts"]["4"]["leaves"]
+    assert list(leaves)[-3:] == [
+        "bn.batch_counter",
+        "bn.batch_state_index.0",
+        "bn.batch_state_index.1",
+    ]
+    assert leaves["bn.batch_state_index.0"] == {
+        "expression": "c -> c*",
+        "partition_spec": "P('m0')",
+        "shape": [16],
+        "dtype": "float32",
+        "bytes_per_device": 16,
+    }
+    spec.write_text(json.dumps({**m.NET_SPEC, "rules": m.NET_SPEC["rules"][::2]}))  # no state rule
+    with pytest.raises(AssertionError) as caught:
+        assert_layouts(m.build_stateful, spec, golden=golden, devices=(4,))
+    assert (
+        "  ~ bn.batch_state_index.0\n      expression: 'c -> c*' -> 'input_size -> input_size*'"
+        in str(caught.value)
+    )

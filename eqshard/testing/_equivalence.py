@@ -8,6 +8,7 @@ from typing import Any
 from .._errors import EqshardError, whole_number
 from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
 from ._references import callable_reference, spec_reference
+from ._tolerances import Needed
 
 __all__ = ["COLLECTIVE_KINDS", "assert_equivalent"]
 
@@ -24,7 +25,7 @@ _SHOWN = 10  # differing leaves shown per device count
 def assert_equivalent(
     build: Callable[[], Any] | str,
     spec: Any,
-    loss: Callable[[Any, Any], Any] | str,
+    loss: Callable[..., Any] | str,
     batch: Callable[[], Any] | str,
     *,
     devices: Sequence[int] | None = None,
@@ -53,16 +54,65 @@ def assert_equivalent(
     Each device count runs in a fresh Python process with that many simulated CPU
     devices. It builds the model and the batch, runs one jitted step (loss and
     gradients with `eqx.filter_value_and_grad`, then the optimizer's update) on one
-    device, then the same step with the model and its optimizer state placed by the
-    spec and the batch split over the data axis, and compares every leaf.
+    device, then the same step with the model (and its state) and its optimizer
+    state placed by the spec and the batch split over the data axis, and compares
+    every leaf.
+
+    A stateful model (BatchNorm's running statistics in an `eqx.nn.State`) is built
+    as `eqx.nn.make_with_state` builds it, and its loss is written as in Equinox's
+    BatchNorm example; the new state is compared leaf by leaf too, each leaf named
+    by its layer (`bn.batch_state_index.0`, the running mean):
+
+    ```python
+    def build():
+        return eqx.nn.make_with_state(Net)(jax.random.key(0))   # (model, state)
+
+    def loss(model, state, batch):
+        x, y = batch
+        out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None),
+                              out_axes=(0, None))(x, state)
+        return jnp.mean((out - y) ** 2), state
+    ```
+
+    **Tolerances.** A sharded step adds in another order than an unsharded one
+    (partial sums on each device, then an all-reduce), so floats differ in their
+    last bits, and the defaults allow for that. A failure prints, for each leaf and
+    for the whole comparison, the smallest `rtol` (with `atol` as given) and the
+    smallest `atol` (with `rtol` as given) that would pass. Loosening them is right
+    for differences that are rounding, amplified:
+
+    - batch statistics reduced across devices (BatchNorm in a data-parallel step):
+        the mean and variance are all-reduced, and the difference reaches every
+        activation, gradient and running statistic after them; a deep BatchNorm
+        ResNet's float32 gradients differ by about 3e-6.
+    - a value that is zero up to rounding (the gradient of a bias just before a
+        BatchNorm, which takes the mean out): its relative difference means
+        nothing, so it needs `atol`, and a printed `rtol` of 1 or more says so.
+    - an adaptive optimizer after a reduction: Adam's first step divides by
+        `|g| + eps`, so a gradient near zero that differs in its last bits (after
+        `optax.clip_by_global_norm`'s all-reduced norm, say) moves a parameter by a
+        visible part of the learning rate. (The optimizer step here starts from the
+        unsharded gradients, so the step's own differences are not amplified.)
+
+    Loosening hides a real bug where the difference is not rounding: a relative
+    difference of 1e-3 or more, or one that grows with the device count, comes from
+    what was computed (statistics of each device's part of the batch only, a
+    state update that depends on the device count, a leaf laid out with the wrong
+    dims), not from the order of a sum. Loosen to a small multiple of the printed
+    smallest value, for the leaves that need it, never to a round 1e-2.
 
     **Arguments:**
 
-    - `build`: `build()` returns the model.
+    - `build`: `build()` returns the model, or a stateful model and its state
+        (`eqx.nn.make_with_state(Net)(key)` returns `(model, state)`).
     - `spec`: anything `eqshard.apply` takes that can cross into another process: a
         spec file's path (its declared mesh is used), `Rules`, an expression,
-        `eqshard.FROM_FIELDS`.
-    - `loss`: `loss(model, batch)` returns a scalar.
+        `eqshard.FROM_FIELDS`. For a `(model, state)` build the plan is made from
+        the pair, so it lays out the state too (rules may name state leaves,
+        `bn.batch_state_index.*`; a spec tree is a pair).
+    - `loss`: `loss(model, batch)` returns a scalar; for a `(model, state)` build,
+        `loss(model, state, batch)` returns `(value, new_state)` (its gradients are
+        taken with `has_aux=True`).
     - `batch`: `batch()` returns a batch.
     - `devices`: the device counts. By default the spec's own: its file's
         `"devices"`, else counts its mesh fits, else 1, 2 and 8.
@@ -89,10 +139,13 @@ def assert_equivalent(
 
     **Raises:**
 
-    `AssertionError` naming each leaf that differs, its device count, and the
-    largest difference; or each collective kind over its budget, with its largest
-    operations. `eqshard.EqshardError` for arguments that cannot cross into the
-    worker processes, and when the user's code fails there, saying what raised.
+    `AssertionError` naming each leaf that differs, its device count, the largest
+    difference and the smallest tolerances that would pass it, then those that
+    would pass every leaf; or each collective kind over its budget, with its
+    largest operations. `eqshard.EqshardError` for arguments that cannot cross into
+    the worker processes, for a `loss` of the wrong shape for what `build` returns
+    (saying which shape is expected), and when the user's code fails there, saying
+    what raised.
     """
     template = mesh_template(mesh)
     counts = device_counts(devices, spec, template)
@@ -110,12 +163,27 @@ def assert_equivalent(
         "max_communication": _budget(max_communication),
     }
     results = run_per_count(request, counts, "testing equivalence", timeout)
+    text = failure_text(results, rtol, atol)
+    if text:
+        raise AssertionError(text)
+
+
+def failure_text(
+    results: Mapping[int, Mapping[str, Any]], rtol: float | None, atol: float | None
+) -> str:
+    """What `assert_equivalent` raises, from each device count's result (empty where
+    everything agrees): each count's differing leaves, then the smallest tolerances
+    that would pass every leaf on every count, then each collective over budget."""
     lines = []
-    for n in dict.fromkeys(counts):
-        lines += _differences(n, results[n]["differences"])
-        lines += _over_budget(n, results[n]["over_budget"])
+    needed = Needed()
+    for n, result in results.items():
+        lines += _differences(n, result["differences"])
+        needed.include(result["needed"])
     if lines:
-        raise AssertionError("\n".join(lines))
+        lines.append(_smallest(needed, sorted(results), rtol, atol))
+    for n, result in results.items():
+        lines += _over_budget(n, result["over_budget"])
+    return "\n".join(lines)
 
 
 def _budget(budget: Mapping[str, int] | None) -> dict[str, int] | None:
@@ -135,7 +203,8 @@ def _budget(budget: Mapping[str, int] | None) -> dict[str, int] | None:
 def _differences(n: int, found: list[dict[str, Any]]) -> list[str]:
     if not found:
         return []
-    lines = [f"on {n} devices, {len(found)} leaves differ from the unsharded run:"]
+    leaves = "1 leaf differs" if len(found) == 1 else f"{len(found)} leaves differ"
+    lines = [f"on {n} devices, {leaves} from the unsharded run:"]
     for d in found[:_SHOWN]:
         where = f"{d['part']} {d['leaf']}" if d["leaf"] != d["part"] else d["part"]
         if "message" in d:
@@ -146,11 +215,41 @@ def _differences(n: int, found: list[dict[str, Any]]) -> list[str]:
             f"  {where} ({d['dtype']}): {d['count']} of {d['size']} elements; the largest "
             f"difference {d['difference']:.3g} at {index or 'the scalar'}: sharded "
             f"{d['sharded']}, unsharded {d['unsharded']} (rtol {d['rtol']:g}, "
-            f"atol {d['atol']:g})"
+            f"atol {d['atol']:g}; {_passes_with(Needed(**d['needed']))})"
         )
     if len(found) > _SHOWN:
         lines.append(f"  ... and {len(found) - _SHOWN} more")
     return lines
+
+
+def _passes_with(needed: Needed) -> str:
+    """The smallest tolerances one leaf passes with, for its line."""
+    if needed.no_tolerance is not None:
+        return f"no tolerance passes it: {needed.no_tolerance}"
+    if needed.no_rtol is not None:
+        return f"passes with atol {needed.atol:.3g}; no rtol: {needed.no_rtol}"
+    return f"passes with rtol {needed.rtol:.3g} or atol {needed.atol:.3g}"
+
+
+def _smallest(needed: Needed, counts: list[int], rtol: float | None, atol: float | None) -> str:
+    """The line that tells the user the smallest tolerances that pass the whole
+    comparison, each with the other as given."""
+    where = " and ".join(filter(None, [", ".join(map(str, counts[:-1])), str(counts[-1])]))
+    if needed.no_tolerance is not None:
+        return f"no tolerance passes every leaf on {where} devices: {needed.no_tolerance}"
+    given_atol = "each dtype's default atol" if atol is None else f"atol={atol:g}"
+    given_rtol = "each dtype's default rtol" if rtol is None else f"rtol={rtol:g}"
+    loosen = "loosen them only where a difference is expected: see `assert_equivalent`'s docstring"
+    with_atol = f"atol={needed.atol:.3g} (with {given_rtol})"
+    if needed.no_rtol is not None:
+        return (
+            f"the smallest tolerance that passes every leaf on {where} devices: {with_atol}; "
+            f"no rtol does ({needed.no_rtol}); {loosen}"
+        )
+    return (
+        f"the smallest tolerances that pass every leaf on {where} devices: "
+        f"rtol={needed.rtol:.3g} (with {given_atol}) or {with_atol}; {loosen}"
+    )
 
 
 def _over_budget(n: int, over: list[dict[str, Any]]) -> list[str]:

@@ -50,8 +50,10 @@ def assert_layouts(
 
     **Arguments:**
 
-    - `build`: `build()` returns the model, importable by name (as for
-        `assert_equivalent`).
+    - `build`: `build()` returns the model, or a stateful model and its state
+        (`eqx.nn.make_with_state(Net)(key)`), importable by name (as for
+        `assert_equivalent`). A state's leaves are recorded under the names of
+        their layers (`bn.batch_state_index.0`).
     - `spec`: as for `assert_equivalent`.
     - `golden`: the golden file (JSON): for each count, the mesh, and each leaf's
         expression, `PartitionSpec`, shape, dtype and bytes per device (and, for

@@ -5,13 +5,15 @@ devices, imports the user's callables by name, and answers one JSON document on
 stdout (`{"result": ...}` or `{"error": ...}`, as `eqshard check`'s workers do):
 
 - `"task": "layouts"`: every array leaf's layout on that count, for golden files;
-- `"task": "equivalence"`: the unsharded and the sharded loss, gradients and one
-    optimizer step, compared leaf by leaf, and optionally the compiled step's
+- `"task": "equivalence"`: the unsharded and the sharded loss, gradients (and a
+    stateful model's new state) and one optimizer step, compared leaf by leaf, with
+    the smallest tolerances that pass them, and optionally the compiled step's
     communication against a budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -20,6 +22,7 @@ from typing import Any
 
 from .._errors import EqshardError, whole_number
 from .._workers import call, serve, unpickled, user_callable
+from ._tolerances import Needed
 
 __all__ = ["main"]
 
@@ -131,6 +134,7 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
     import equinox as eqx
 
     from .._apply import apply
+    from .._fields import is_stateful_pair
 
     modules: dict[str, Any] = {}
     build = _callable(request, "build", modules)
@@ -141,59 +145,165 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
         make = _callable(request, "optimizer", modules)
         optimizer = call("`optimizer`", request["optimizer"], "optimizer()", make)
 
-    model = call("`build`", request["build"], "build()", build)
+    built = call("`build`", request["build"], "build()", build)
     batch = call("`batch`", request["batch"], "batch()", make_batch)
-    state = None
+    stateful = is_stateful_pair(built)  # (model, state): `loss(model, state, batch)`
+    model = built[0] if stateful else built
+    _check_loss(loss, str(request["loss"]), built, batch, stateful)
+    opt_state = None
     if optimizer is not None:
         params = eqx.filter(model, eqx.is_array)
-        state = call(
+        opt_state = call(
             "`optimizer`",
             request["optimizer"],
             "optimizer().init(...)",
             lambda: optimizer.init(params),
         )
-    gradient, update = _gradient(loss), _update(optimizer)
-    want = gradient(model, batch)  # on one device: JAX's default placement
+    gradient, update = _gradient(loss, stateful), _update(optimizer)
+    want = gradient(built, batch)  # on one device: JAX's default placement
     if optimizer is not None:
-        want += update(model, state, want[1])
+        want += update(model, opt_state, want[1])
 
-    p = _plan(model, request, devices)
+    p = _plan(built, request, devices)  # a (model, state) plan lays out both
     batch_expr = request.get("batch_spec")
-    placed_model = apply(model, p)
-    placed_state = None if state is None else apply(state, p)
+    placed = apply(built, p)
+    placed_model = placed[0] if stateful else placed
+    placed_opt_state = None if opt_state is None else apply(opt_state, p)
     placed_batch = _placed_batch(batch, batch_expr, p)
-    got = gradient(placed_model, placed_batch)
+    got = gradient(placed, placed_batch)
     if optimizer is not None:  # from the same gradients: see `assert_equivalent`
-        got += update(placed_model, placed_state, apply(want[1], p))
+        got += update(placed_model, placed_opt_state, apply(want[1], p))
 
     rtol, atol = request.get("rtol"), request.get("atol")
-    differences = []
-    for name, g, w in zip(_PARTS, got, want):
-        differences += _compare(name, g, w, rtol, atol)
-    result: dict[str, Any] = {"differences": differences, "over_budget": []}
+    parts = [part for part in _PARTS if stateful or part != _NEW_STATE]
+    differences: list[dict[str, Any]] = []
+    needed = Needed()
+    for name, g, w in zip(parts, got, want):
+        differences += _compare(name, g, w, rtol, atol, needed)
+    result: dict[str, Any] = {
+        "differences": differences,
+        "needed": dataclasses.asdict(needed),
+        "over_budget": [],
+    }
     budget = request.get("max_communication")
     if budget:
         from .._cost import cost
 
-        rest = (placed_batch,) if state is None else (placed_state, placed_batch)
-        step = _step(loss, optimizer)
-        c = cost(step, placed_model, *rest, spec=p, batch=batch_expr)
+        rest = (placed_batch,) if opt_state is None else (placed_opt_state, placed_batch)
+        step = _step(loss, optimizer, stateful)
+        c = cost(step, placed, *rest, spec=p, batch=batch_expr)
         result["over_budget"] = _over_budget(c.collectives, budget)
     return result
 
 
-_PARTS = ("loss", "gradients", "parameters after one step", "optimizer state after one step")
+_NEW_STATE = "new state"
+_PARTS = (
+    "loss",
+    "gradients",
+    _NEW_STATE,  # a stateful model's: what `loss` returns beside the value
+    "parameters after one step",
+    "optimizer state after one step",
+)
+
+_STATEFUL_LOSS = """\
+    def loss(model, state, batch):
+        x, y = batch
+        out, state = jax.vmap(
+            model, axis_name="batch", in_axes=(0, None), out_axes=(0, None)
+        )(x, state)
+        return jnp.mean((out - y) ** 2), state"""
 
 
-def _gradient(loss: Callable[..., Any]) -> Callable[..., Any]:
-    """`(loss, gradients)` of `loss(model, batch)`, jitted."""
+def _check_loss(loss: Any, reference: str, built: Any, batch: Any, stateful: bool) -> None:
+    """Refuses a `loss` of the wrong shape for what `build()` returns, before any
+    step is compiled: `loss(model, batch) -> value` for a model,
+    `loss(model, state, batch) -> (value, state)` for a `(model, state)` pair."""
+    import inspect
+
+    import equinox as eqx
+    import jax
+
+    args = (*built, batch) if stateful else (built, batch)
+    try:
+        signature = inspect.signature(loss)
+    except (TypeError, ValueError):  # a callable Python cannot read: its call will tell
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(*args)
+        except TypeError:
+            raise EqshardError(
+                _wrong_loss(reference, stateful, f"takes ({', '.join(signature.parameters)})")
+            ) from None
+    called = "loss(model, state, batch)" if stateful else "loss(model, batch)"
+    out = call("`loss`", reference, called, lambda: eqx.filter_eval_shape(loss, *args))
+
+    def scalar(x: Any) -> bool:
+        return isinstance(x, jax.ShapeDtypeStruct) and x.shape == ()
+
+    if stateful:
+        fits = (
+            isinstance(out, (tuple, list))
+            and len(out) == 2
+            and scalar(out[0])
+            and isinstance(out[1], eqx.nn.State)
+        )
+    else:
+        fits = scalar(out)
+    if not fits:
+        raise EqshardError(_wrong_loss(reference, stateful, f"returns {_described(out)}"))
+
+
+def _wrong_loss(reference: str, stateful: bool, what: str) -> str:
+    if stateful:
+        return (
+            f"`loss` ({reference}): `build()` returns a model and its state (as "
+            "`eqx.nn.make_with_state` does), so `loss` is called as "
+            "`loss(model, state, batch)` and returns `(value, new_state)`; this one "
+            f"{what}. Write it as Equinox's BatchNorm example does "
+            "(https://docs.kidger.site/equinox/examples/stateful/):\n" + _STATEFUL_LOSS
+        )
+    return (
+        f"`loss` ({reference}): `build()` returns the model alone, so `loss` is called as "
+        f"`loss(model, batch)` and returns a scalar; this one {what}. A model with state "
+        "(BatchNorm's running statistics) is built with its state: `build()` returns "
+        "`eqx.nn.make_with_state(Model)(key)`, and `loss(model, state, batch)` returns "
+        "`(value, new_state)`"
+    )
+
+
+def _described(out: Any) -> str:
+    """What a loss returned, abstractly, for a message."""
+    import jax
+
+    if isinstance(out, jax.ShapeDtypeStruct):
+        return f"a {out.dtype}{list(out.shape)} array"
+    if isinstance(out, (tuple, list)):
+        kinds = ", ".join(type(x).__name__ for x in out)
+        return f"a {type(out).__name__} of {len(out)} ({kinds})"
+    return f"a {type(out).__name__}"
+
+
+def _gradient(loss: Callable[..., Any], stateful: bool) -> Callable[..., Any]:
+    """`(loss, gradients)` of `loss(model, batch)`, or `(loss, gradients, new
+    state)` of `loss(model, state, batch)` for a `(model, state)` pair, jitted."""
     import equinox as eqx
 
-    @eqx.filter_jit
-    def gradient(model: Any, batch: Any) -> tuple[Any, ...]:
-        return tuple(eqx.filter_value_and_grad(loss)(model, batch))
+    if not stateful:
 
-    return gradient
+        @eqx.filter_jit
+        def gradient(model: Any, batch: Any) -> tuple[Any, ...]:
+            return tuple(eqx.filter_value_and_grad(loss)(model, batch))
+
+        return gradient
+
+    @eqx.filter_jit
+    def stateful_gradient(pair: Any, batch: Any) -> tuple[Any, ...]:
+        model, state = pair
+        (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, batch)
+        return value, grads, state
+
+    return stateful_gradient
 
 
 def _update(optimizer: Any) -> Callable[..., Any]:
@@ -208,23 +318,32 @@ def _update(optimizer: Any) -> Callable[..., Any]:
     return update
 
 
-def _step(loss: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
-    """The whole training step, as `eqshard.cost` compiles it for the budget."""
+def _step(loss: Callable[..., Any], optimizer: Any, stateful: bool) -> Callable[..., Any]:
+    """The whole training step, as `eqshard.cost` compiles it for the budget: its
+    first argument is the model, or the `(model, state)` pair."""
     import equinox as eqx
+
+    def value_and_grad(built: Any, batch: Any) -> tuple[Any, Any, Any]:
+        if not stateful:
+            value, grads = eqx.filter_value_and_grad(loss)(built, batch)
+            return value, grads, None
+        (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(*built, batch)
+        return value, grads, state
 
     if optimizer is None:
 
         @eqx.filter_jit
-        def step(model: Any, batch: Any) -> Any:
-            return eqx.filter_value_and_grad(loss)(model, batch)
+        def step(built: Any, batch: Any) -> Any:
+            return value_and_grad(built, batch)
 
         return step
 
     @eqx.filter_jit
-    def step_with_optimizer(model: Any, state: Any, batch: Any) -> Any:
-        value, grads = eqx.filter_value_and_grad(loss)(model, batch)
-        updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
-        return value, eqx.apply_updates(model, updates), state
+    def step_with_optimizer(built: Any, opt_state: Any, batch: Any) -> Any:
+        value, grads, state = value_and_grad(built, batch)
+        model = built[0] if stateful else built
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return value, eqx.apply_updates(model, updates), state, opt_state
 
     return step_with_optimizer
 
@@ -260,27 +379,40 @@ def default_tolerance(dtype: Any) -> tuple[float, float]:
 
 
 def _compare(
-    part: str, got: Any, want: Any, rtol: float | None, atol: float | None
+    part: str,
+    got: Any,
+    want: Any,
+    rtol: float | None,
+    atol: float | None,
+    needed: Needed | None = None,
 ) -> list[dict[str, Any]]:
-    """Every leaf of `got` that differs from `want` beyond the tolerance."""
+    """Every leaf of `got` that differs from `want` beyond the tolerance, named as
+    eqshard names leaves (a state's by its module: `bn.ema_state_index.0`), with
+    the smallest tolerances it would pass with; `needed` is widened to pass every
+    leaf, those that pass included."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from .._paths import dotted
+    from .._fields import key_paths, leaf_name
+    from ._tolerances import smallest_passing
 
-    got_leaves, got_def = jax.tree_util.tree_flatten_with_path(eqx.filter(got, eqx.is_array))
-    want_leaves, want_def = jax.tree_util.tree_flatten_with_path(eqx.filter(want, eqx.is_array))
+    needed = Needed() if needed is None else needed
+    got, want = eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array)
+    got_leaves, got_def = jax.tree_util.tree_flatten(got)
+    want_leaves, want_def = jax.tree_util.tree_flatten(want)
     if got_def != want_def:
+        needed.include(Needed(no_tolerance="the trees differ in structure"))
         return [
             {"part": part, "leaf": "", "message": "the sharded run's tree differs in structure"}
         ]
     found = []
-    for (path, g), (_, w) in zip(got_leaves, want_leaves):
-        name = dotted(path) or part
+    for path, g, w in zip(key_paths(want), got_leaves, want_leaves):
+        name = leaf_name(path) if path else part
         g, w = np.asarray(g), np.asarray(w)
         if g.shape != w.shape or g.dtype != w.dtype:
+            needed.include(Needed(no_tolerance="a leaf's shape or dtype differs"))
             found.append(
                 {
                     "part": part,
@@ -297,9 +429,12 @@ def _compare(
             g64, w64 = g.astype(wide), w.astype(wide)
             bad = ~np.isclose(g64, w64, rtol=r, atol=a, equal_nan=True)
             error = np.where(bad, np.abs(g64 - w64), 0.0)
+            mine = smallest_passing(g64, w64, r, a)
         else:
             bad = g != w
             error = bad.astype(np.float64)
+            mine = Needed(no_tolerance="integer leaves differ" if bad.any() else None)
+        needed.include(mine)
         if not bad.any():
             continue
         worst = np.unravel_index(int(np.argmax(error)), bad.shape) if bad.shape else ()
@@ -316,6 +451,7 @@ def _compare(
                 "difference": float(error[worst]) if bad.shape else float(error),
                 "rtol": r,
                 "atol": a,
+                "needed": dataclasses.asdict(mine),
             }
         )
     return found
