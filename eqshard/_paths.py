@@ -55,6 +55,7 @@ from ._errors import PathError
 
 __all__ = [
     "DEEP",
+    "Guesses",
     "PathIndex",
     "aligned",
     "closest",
@@ -632,43 +633,78 @@ def aligned(pattern: str, path: Sequence[str]) -> str | None:
     return _aligned(parse(pattern), path)
 
 
+class Guesses:
+    """The "did you mean" of rule paths against one model's leaf paths, made once
+    for many rules: paths that differ only in their indices (`blocks.0.up`,
+    `blocks.1.up`) form one family, tried once, and each guess's matches are kept.
+
+    **Example:** `Guesses(paths).closest("blocks.*.upp.weight")` is
+    `[("blocks.*.up.weight", [2, 12, ...])]`.
+    """
+
+    def __init__(self, paths: Sequence[Sequence[str]]) -> None:
+        self.paths = paths
+        self._families: dict[tuple[str, ...], list[int]] = {}
+        for i, path in enumerate(paths):
+            family = tuple("#" if seg.isdigit() else seg for seg in path)
+            self._families.setdefault(family, []).append(i)
+        self._matches: dict[str, list[int]] = {}
+
+    def _representatives(self, parts: _Parsed) -> list[Sequence[str]]:
+        """One path of each family: the one whose indices agree most with the
+        pattern's (any, when the pattern names no index)."""
+        if not any(isinstance(part, str) and part.isdigit() for part in parts):
+            return [self.paths[members[0]] for members in self._families.values()]
+        found = []
+        for members in self._families.values():
+            best = max(
+                members,
+                key=lambda i: (
+                    sum(a == b for a, b in zip(self.paths[i], parts))
+                    + sum(a == b for a, b in zip(reversed(self.paths[i]), reversed(parts))),
+                    -i,
+                ),
+            )
+            found.append(self.paths[best])
+        return found
+
+    def matching(self, text: str) -> list[int]:
+        """The positions of the paths `text` matches (kept for the next rule)."""
+        if text not in self._matches:
+            self._matches[text] = [i for i, path in enumerate(self.paths) if match(text, path)]
+        return self._matches[text]
+
+    def closest(self, pattern: str, n: int = 3) -> list[tuple[str, list[int]]]:
+        """Patterns close to `pattern` that match some of the paths.
+
+        The candidates are `pattern`, and `pattern` less any one segment (a level
+        the model does not have), aligned to each path (`aligned`); and, for a
+        pattern without `**`, the paths themselves, as `name` writes them.
+        `difflib`'s `get_close_matches` picks the closest.
+
+        **Returns:** up to `n` `(pattern, indices)`, closest first, each with the
+        positions of the paths it matches.
+        """
+        parts = parse(pattern)
+        variants = [parts] + [
+            parts[:k] + parts[k + 1 :]
+            for k, part in enumerate(parts)
+            if part is not DEEP and len(parts) > 1
+        ]
+        candidates: set[str] = set()
+        for path in self._representatives(parts):
+            for variant in variants:
+                text = _aligned(variant, path)
+                if text is not None:
+                    candidates.add(text)
+            if DEEP not in parts and path:
+                candidates.add(name(path))
+        best = difflib.get_close_matches(pattern, sorted(candidates), n=n, cutoff=0.6)
+        return [(text, self.matching(text)) for text in best]
+
+
 def closest(
     pattern: str, paths: Sequence[Sequence[str]], n: int = 3
 ) -> list[tuple[str, list[int]]]:
-    """Patterns close to `pattern` that match some of `paths`, for a "did you mean".
-
-    The candidates are `pattern`, and `pattern` less any one segment (a level the
-    model does not have), aligned to each path (`aligned`); and, for a pattern
-    without `**`, the paths themselves, as `name` writes them. `difflib`'s
-    `get_close_matches` picks the closest. Paths that differ only in their indices
-    (`blocks.0.up`, `blocks.1.up`) are tried once, through the one whose indices
-    agree most with the pattern's, so a model of a thousand layers costs what one
-    of a few layers does.
-
-    **Returns:** up to `n` `(pattern, indices)`, closest first, each with the
-    positions in `paths` of the paths it matches.
-    """
-    parts = parse(pattern)
-    variants = [parts] + [
-        parts[:k] + parts[k + 1 :]
-        for k, part in enumerate(parts)
-        if part is not DEEP and len(parts) > 1
-    ]
-    families: dict[tuple[str, ...], tuple[int, Sequence[str]]] = {}
-    for path in paths:
-        family = tuple("#" if seg.isdigit() else seg for seg in path)
-        agree = sum(a == b for a, b in zip(path, parts)) + sum(
-            a == b for a, b in zip(reversed(path), reversed(parts))
-        )
-        if family not in families or agree > families[family][0]:
-            families[family] = (agree, path)
-    candidates: set[str] = set()
-    for _, path in families.values():
-        for variant in variants:
-            text = _aligned(variant, path)
-            if text is not None:
-                candidates.add(text)
-        if DEEP not in parts and path:
-            candidates.add(name(path))
-    best = difflib.get_close_matches(pattern, sorted(candidates), n=n, cutoff=0.6)
-    return [(text, [i for i, path in enumerate(paths) if match(text, path)]) for text in best]
+    """`Guesses(paths).closest(pattern, n)`: a "did you mean" for one rule path."""
+    return Guesses(paths).closest(pattern, n)

@@ -46,7 +46,7 @@ from ._fields import (
     walk_fields,
 )
 from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
-from ._paths import PathIndex, closest, match, name, segments
+from ._paths import Guesses, PathIndex, match, name, segments
 from ._resolver import Resolution, Target, is_spec_leaf
 from ._sharding import device_tuple
 from ._specfile import Rule, Rules
@@ -375,6 +375,7 @@ def _unused_warning(
                 taking.setdefault(rules.rules[position].index, []).append(i)
     found = []
     guesses = 0
+    guesser: Guesses | None = None
     for rule in unused:
         taken = taking.get(rule.index)
         if taken:
@@ -392,7 +393,9 @@ def _unused_warning(
         if state is not None or guesses > _GUESSES:  # a state's paths; or enough guesses
             found.append(UnusedRule(rule.index, rule.path, message))
             continue
-        close = closest(rule.path, paths)
+        if guesser is None:
+            guesser = Guesses(paths)
+        close = guesser.closest(rule.path)
         if not close:
             found.append(UnusedRule(rule.index, rule.path, message))
             continue
