@@ -189,6 +189,7 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
     shardings: list[Any] = [None] * len(leaves)
     replicated = given.replicated()
     matched = unmatched = 0
+    names = model.paths
     for i, (leaf, j) in enumerate(zip(leaves, positions)):
         if not is_array_like(leaf):
             continue
@@ -198,7 +199,7 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
             unmatched += len(leaf.shape) > 0
             continue
         assert j is not None
-        name = model.paths[j]
+        name = names[j]
         if tuple(leaf.shape) != tuple(parameter.shape):
             shardings[i] = replicated
             origins[i] = (

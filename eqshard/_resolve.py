@@ -8,6 +8,7 @@ found on the way is collected, never raised, so `plan` can report them all at on
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -95,9 +96,9 @@ class Resolved:
         """`layers.0.weight (Linear.weight)`: leaf `index`'s name in messages."""
         return self.fields[index].label
 
-    @property
+    @functools.cached_property
     def paths(self) -> list[str]:
-        """Every leaf's dotted path."""
+        """Every leaf's dotted path (made once)."""
         return [leaf_name(item.path) for item in self.fields]
 
 
