@@ -158,22 +158,41 @@ def _described(model: Any) -> str:
     return f"a {type(model).__name__} of {count} {'leaf' if count == 1 else 'leaves'}"
 
 
-def _same_structure(tree: Any, given: Plan) -> list[Problem] | None:
-    """`None` when `tree` is not shaped like the plan's model; else the leaves whose
-    shapes differ from the model's."""
+def _same_structure(tree: Any, given: Plan) -> Planned | None:
+    """`None` when `tree` is not shaped like the plan's model. Else the plan, with a
+    problem for each leaf whose shape differs from the model's; where dtypes differ
+    (the model cast to bfloat16 since), the plan's shardings with `tree`'s own dtypes,
+    so that `abstract` and `restore` target what the tree holds."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     resolved = given.resolved
     if treedef != resolved.treedef:
         return None
-    return [
-        Problem(
-            resolved.where(i),
-            f"the plan was made for shape {tuple(old.shape)}, and this leaf has "
-            f"{tuple(new.shape)}; make the plan from this model",
-        )
-        for i, (new, old, sharding) in enumerate(zip(leaves, resolved.leaves, given.flat_shardings))
-        if sharding is not None and tuple(getattr(new, "shape", ())) != tuple(old.shape)
-    ]
+    problems = []
+    retyped = False
+    for i, (new, old, sharding) in enumerate(zip(leaves, resolved.leaves, given.flat_shardings)):
+        if sharding is None:
+            continue
+        if tuple(getattr(new, "shape", ())) != tuple(old.shape):
+            problems.append(
+                Problem(
+                    resolved.where(i),
+                    f"the plan was made for shape {tuple(old.shape)}, and this leaf has "
+                    f"{tuple(new.shape)}; make the plan from this model",
+                )
+            )
+        elif getattr(new, "dtype", None) != old.dtype or _weak(new) != _weak(old):
+            retyped = True
+    if not retyped:
+        return Planned(given, problems, [])
+    own = dataclasses.replace(
+        resolved, model=tree, leaves=leaves, _fields=None, failed=set(resolved.failed)
+    )
+    own.forget_values()
+    return Planned(dataclasses.replace(given, resolved=own), problems, [])
+
+
+def _weak(x: Any) -> bool:
+    return bool(getattr(x, "weak_type", False))
 
 
 def _by_structure(tree: Any, given: Plan) -> Planned:
@@ -278,5 +297,5 @@ def plan_for(
         )
     same = _same_structure(tree, spec)
     if same is not None:
-        return Planned(spec, same, [])
+        return same
     return _by_structure(tree, spec)

@@ -323,3 +323,19 @@ def test_the_readme_recipes_keep_every_planned_layout(tmp_path, dtype):
     built = eqshard.init(lambda: build()[0], plan)  # README: "init"
     assert [x.sharding for x in jax.tree_util.tree_leaves(built)] == want_model
     assert jax.tree_util.tree_leaves(built)[4].dtype == dtype
+
+
+def test_a_model_cast_since_its_plan_keeps_its_own_dtypes(tmp_path):
+    model = _build()
+    plan = eqshard.plan(model, RULES)  # made for float32
+    half = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if eqx.is_array(x) else x, model)
+    target = eqshard.abstract(half, plan)  # the Orbax target of the bfloat16 model
+    for leaf, sharding in zip(
+        jax.tree_util.tree_leaves(target), [s for s in plan.flat_shardings if s is not None]
+    ):
+        assert leaf.dtype == jnp.bfloat16
+        assert leaf.sharding == sharding
+    eqx.tree_serialise_leaves(tmp_path / "half.eqx", half)
+    restored = eqshard.restore(tmp_path / "half.eqx", eqx.filter_eval_shape(lambda: half), plan)
+    _assert_identical(restored, half)
+    _assert_in_shards(restored, plan.abstract)
