@@ -30,11 +30,12 @@ from ._expression import Element, Expression, LeftItem, _is_name_char
 
 __all__ = [
     "Annotation",
+    "StateValue",
     "annotation_of",
     "complete",
     "field_annotations",
     "for_rank",
-    "state_annotations",
+    "state_value",
 ]
 
 # One item per annotated dimension: a name, None (no usable name) or ... (variadic).
@@ -110,12 +111,42 @@ def field_annotations(cls: type) -> dict[str, Annotation]:
     return result
 
 
+@dataclasses.dataclass(frozen=True)
+class StateValue:
+    """What an `eqx.nn.StateIndex` field says of the value it holds: `one` array
+    (`StateIndex[Float[Array, "c"]]`), a `tuple` of items, one annotation each
+    (`StateIndex[tuple[Float[Array, "u"], Float[Array, "v"]]]`), or a tuple of
+    `each` the same (`StateIndex[tuple[Float[Array, "c"], ...]]`)."""
+
+    kind: typing.Literal["one", "tuple", "each"]
+    items: tuple[Annotation | None, ...]
+
+    def annotation(self, rest: Sequence[object]) -> Annotation | None:
+        """The annotation of the leaf at `rest` (its keys below the index) in the
+        value; `None` where the field says nothing of it."""
+        if self.kind == "one":
+            return self.items[0] if not rest else None
+        if len(rest) != 1 or not isinstance(position := getattr(rest[0], "idx", None), int):
+            return None
+        if self.kind == "each":
+            return self.items[0]
+        return self.items[position] if position < len(self.items) else None
+
+    def leaves(self) -> tuple[tuple[str, ...], ...] | None:
+        """The segments below the index of each leaf the value holds, where the
+        field says how many (`()` for one array, `("0",), ("1",)` for a pair);
+        `None` for a tuple of any length."""
+        if self.kind == "one":
+            return ((),)
+        if self.kind == "tuple":
+            return tuple((str(k),) for k in range(len(self.items)))
+        return None
+
+
 @functools.cache
-def state_annotations(cls: type, name: str) -> tuple[Annotation | None, ...] | None:
-    """The annotations of the value an `eqx.nn.StateIndex` field holds, one per item
-    when it holds a tuple: `StateIndex[tuple[Float[Array, "u"], Float[Array, "v"]]]`
-    gives `(u, v)`; `StateIndex[Float[Array, "c"]]` gives `(c,)`. `None` when the
-    field says nothing. Cached."""
+def state_value(cls: type, name: str) -> StateValue | None:
+    """What the `eqx.nn.StateIndex` field `name` of `cls` says of its value (see
+    `StateValue`); `None` when its annotation says nothing. Cached."""
     from equinox.nn import StateIndex
 
     def inside(hint: object) -> object | None:
@@ -131,9 +162,12 @@ def state_annotations(cls: type, name: str) -> tuple[Annotation | None, ...] | N
     value = inside(_hints(cls).get(name))
     if value is None:
         return None
-    if typing.get_origin(value) is tuple:
-        return tuple(annotation_of(item) for item in typing.get_args(value))
-    return (annotation_of(value),)
+    if typing.get_origin(value) is not tuple:
+        return StateValue("one", (annotation_of(value),))
+    args = typing.get_args(value)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return StateValue("each", (annotation_of(args[0]),))
+    return StateValue("tuple", tuple(annotation_of(item) for item in args))
 
 
 def _resolve_one(cls: type, hint: object) -> object:

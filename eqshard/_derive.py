@@ -21,15 +21,23 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-from ._errors import EqshardError, Problem
+from ._errors import (
+    EqshardError,
+    EqshardWarning,
+    Problem,
+    UnusedRule,
+    UnusedRuleWarning,
+    unused_message,
+)
 from ._expression import Expression
-from ._fields import is_array_like, is_stateful_pair
+from ._fields import is_array_like, is_stateful_pair, state_leaf_names, state_markers
+from ._paths import match
 from ._plan import Plan, Planned, Unspecified, make_plan
 from ._resolve import Resolved, abstract_leaves
 from ._resolver import is_resolver
@@ -209,6 +217,11 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
     replicated = given.replicated()
     matched = unmatched = 0
     names = model.paths
+    first_state = (
+        len(jax.tree_util.tree_leaves(model.model[0]))
+        if is_stateful_pair(model.model)
+        else len(leaves) + len(model.leaves)
+    )
     for i, (leaf, j) in enumerate(zip(leaves, positions)):
         if not is_array_like(leaf):
             continue
@@ -218,27 +231,29 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
             unmatched += len(leaf.shape) > 0
             continue
         assert j is not None
-        name = names[j]
+        name = f"{'state' if j >= first_state else 'parameter'} {names[j]}"
         if tuple(leaf.shape) != tuple(parameter.shape):
             shardings[i] = replicated
+            unmatched += len(leaf.shape) > 0
             origins[i] = (
-                f"replicated: its shape {tuple(leaf.shape)} is not parameter {name}'s "
+                f"replicated: its shape {tuple(leaf.shape)} is not {name}'s "
                 f"{tuple(parameter.shape)}"
             )
             continue
         shardings[i], exprs[i] = given.flat_shardings[j], model.exprs[j]
-        origins[i] = f"parameter {name}" if shardings[i] is not None else f"kept, as {name} is"
+        origins[i] = name if shardings[i] is not None else f"kept, as {name} is"
         matched += 1
     problems = []
+    warnings: list[EqshardWarning] = []
     for start, state in states:
         found = _state_plan(state, given)
         problems += found.problems
-        sub = found.plan
-        end = start + len(sub.flat_shardings)
-        shardings[start:end] = sub.flat_shardings
-        exprs[start:end] = sub.resolved.exprs
-        origins[start:end] = sub.resolved.origins
-        matched += any(s is not None for s in sub.flat_shardings)
+        warnings += found.warnings
+        end = start + len(found.shardings)
+        shardings[start:end] = found.shardings
+        exprs[start:end] = found.exprs
+        origins[start:end] = found.origins
+        matched += any(s is not None for s in found.shardings) or bool(found.problems)
     if not matched and unmatched:
         problems.append(
             Problem(
@@ -252,27 +267,79 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
         *abstract_leaves(tree, leaves, treedef), exprs, origins, set(), context=model.model
     )
     derived = dataclasses.replace(given, resolved=resolved, flat_shardings=shardings)
-    return Planned(derived, problems, [])
+    return Planned(derived, problems, warnings)
 
 
-def _state_plan(state: Any, given: Plan) -> Planned:
+class _StateLayout(NamedTuple):
+    shardings: list[Any]
+    exprs: list[Expression | None]
+    origins: list[str | None]
+    problems: list[Problem]
+    warnings: list[EqshardWarning]
+
+
+def _state_plan(state: Any, given: Plan) -> _StateLayout:
     """The layout of the model's `eqx.nn.State`, from the spec the plan was made
     from: its leaves are named by their `StateIndex`'s path in the model
     (`bn.ema_state_index.0`), which rules match, and their annotations come from
-    the model's fields, which `dims` use. A spec tree, which has no place for
-    them, replicates them. The model's own rules that match no state leaf say
-    nothing here: they were checked against the model."""
+    the model's fields, which `dims` use. The layouts must fit the plan's mesh.
+
+    A state of another model is refused. A spec tree, which has no place for the
+    state, replicates it, and says so. Of the rules that match no state leaf, only
+    those the model's plan let pass as written for the state are warned about
+    here; the rest were checked against the model."""
+    model = given.resolved.model
+    count = len(jax.tree_util.tree_leaves(state))
+    markers = _flatten_one(state)[1]  # pyright: ignore[reportOptionalSubscript]
+    foreign = [m for m in markers if m not in state_markers(model)]
+    if foreign:
+        shown = ", ".join(repr(m) if isinstance(m, str) else "an index" for m in foreign[:3])
+        problem = Problem(
+            "the state",
+            f"this eqx.nn.State holds values of StateIndexes that are not in the plan's "
+            f"model ({shown}{', ...' * (len(foreign) > 3)}); lay it out with the plan of "
+            "the model it was made with",
+        )
+        return _StateLayout([None] * count, [None] * count, [None] * count, [problem], [])
     spec = given.spec
     if not (is_resolver(spec) or isinstance(spec, (str, Expression))):
-        spec = None
-    if given.mesh is not None:
+        why = (
+            "replicated: a spec tree has no place for the state; make the plan from "
+            "`(model, state)` with a spec tree of both, or from rules"
+        )
+        replicated = given.replicated()
+        leaves = jax.tree_util.tree_leaves(state)
+        return _StateLayout(
+            [replicated if is_array_like(x) else None for x in leaves],
+            [None] * count,
+            [why if is_array_like(x) else None for x in leaves],
+            [],
+            [],
+        )
+    if given.mesh_is_given:
         where: dict[str, Any] = {"mesh": given.mesh}
     else:
-        where = {"devices": given.devices}
-    found = make_plan(
-        state, spec, unspecified=given.unspecified, context=given.resolved.model, **where
+        where = {"devices": given.devices, "fit_onto": given.mesh}
+    found = make_plan(state, spec, unspecified=given.unspecified, context=model, **where)
+    names = state_leaf_names(model)
+    warnings: list[EqshardWarning] = []
+    for warning in found.warnings:
+        if isinstance(warning, UnusedRuleWarning):
+            for_state = [
+                UnusedRule(rule.index, rule.path, unused_message(rule.path, "the state"))
+                for rule in warning.unused
+                if any(match(rule.path, name) for name in names)
+            ]
+            if for_state:
+                warnings.append(UnusedRuleWarning(warning.source, for_state, "", "the state"))
+    sub = found.plan
+    return _StateLayout(
+        list(sub.flat_shardings),
+        list(sub.resolved.exprs),
+        list(sub.resolved.origins),
+        found.problems,
+        warnings,
     )
-    return Planned(found.plan, found.problems, [])
 
 
 def plan_for(

@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
-from ._annotation import Annotation, contradiction, field_annotations, state_annotations
+from ._annotation import Annotation, StateValue, contradiction, field_annotations, state_value
 from ._errors import EqshardError, PathError, Problem
 from ._expression import Expression, parse
 from ._paths import name, quoted_key, segments
@@ -26,11 +26,14 @@ __all__ = [
     "FROM_FIELDS",
     "FromFields",
     "LeafInfo",
+    "StateIndexInfo",
     "field",
     "is_array_like",
     "is_stateful_pair",
     "key_paths",
     "marker_keys",
+    "state_leaf_names",
+    "state_markers",
     "walk_fields",
 ]
 
@@ -126,15 +129,27 @@ def leaf_name(path: tuple[Any, ...]) -> str:
 _flatten_one = jax.tree_util.default_registry.flatten_one_level_with_keys
 
 
+@dataclasses.dataclass(frozen=True)
+class StateIndexInfo:
+    """What a model says of one `eqx.nn.StateIndex`: its key path in the model, and
+    what the field holding it says of the state's leaves (the expression of an
+    `eqshard.field` above it, `Class.field`, and its `StateIndex[...]` annotation)."""
+
+    path: tuple[Any, ...]
+    expr: Expression | None
+    owner: str
+    value: StateValue | None
+
+
 @dataclasses.dataclass
 class _Walk:
     """What one walk collects besides the leaves: what the model says of each
     `eqx.nn.StateIndex` (by marker), and the leaves of each `eqx.nn.State`, which
-    take that once the whole tree has been walked."""
+    are named and annotated from that once the whole tree has been walked."""
 
     out: list[LeafInfo]
-    indices: dict[Any, tuple[Expression | None, str | None, tuple[Annotation | None, ...] | None]]
-    pending: list[tuple[int, int, Any, int]]
+    indices: dict[Any, StateIndexInfo]
+    pending: list[tuple[int, int, Any, tuple[Any, ...], int]]
 
 
 def _walk(
@@ -175,38 +190,41 @@ def _walk(
         here = own if own is not None else expr
         label = f"{cls.__name__}.{name}"
         if isinstance(child, eqx.nn.StateIndex):  # what its state's leaves are
-            walk.indices[child.marker] = (here, label, state_annotations(cls, name))
+            info = StateIndexInfo((*path, key), here, label, state_value(cls, name))
+            walk.indices[child.marker] = info
         _walk(child, (*path, key), here, label, annotations.get(name), walk)
 
 
 def _walk_state(node: Any, path: tuple[Any, ...], walk: _Walk) -> None:
-    """An `eqx.nn.State`: each stored value under the path of its `StateIndex` in
-    the model (`bn.ema_state_index`), read from the index's marker, which
-    `eqx.nn.make_with_state` writes as the model's class and that path."""
+    """An `eqx.nn.State`: each stored value is walked under the path its marker
+    says (`eqx.nn.make_with_state` writes the model's class and the index's path,
+    `'Net.bn.ema_state_index'`), or its position; `_finish_states` renames it by its
+    `StateIndex`'s path in the model, where the walk met the model."""
     children, markers = _flatten_one(node)  # pyright: ignore[reportGeneralTypeIssues]
     for (key, child), marker in zip(children, markers):
-        keys = marker_keys(marker)
-        here = (*path, *(keys if keys is not None else (key,)))
+        keys = marker_keys(marker) or (key,)
         start = len(walk.out)
-        _walk(child, here, None, None, None, walk)
-        walk.pending.append((start, len(walk.out), marker, len(here)))
+        _walk(child, (*path, *keys), None, None, None, walk)
+        walk.pending.append((start, len(walk.out), marker, path, len(keys)))
 
 
 def _finish_states(walk: _Walk) -> None:
-    """Gives each state leaf what its `StateIndex`'s field says: the expression of an
-    `eqshard.field` above it, the `Class.field` name and the annotation of its item
-    (`StateIndex[tuple[Float[Array, "c"], ...]]`)."""
-    for start, end, marker, depth in walk.pending:
-        expr, owner, annotations = walk.indices.get(marker, (None, None, None))
+    """Names each state leaf by its `StateIndex`'s path in the model, then its place
+    in the stored value, and gives it what the index's field says (see
+    `StateIndexInfo`)."""
+    for start, end, marker, base, length in walk.pending:
+        info = walk.indices.get(marker)
+        if info is None:
+            continue
+        # The marker's path where it has one: the same name wherever the state is.
+        keys = marker_keys(marker) or info.path
         for i in range(start, end):
             item = walk.out[i]
-            annotation = None
-            if annotations is not None:
-                rest = item.path[depth:]
-                position = rest[0].idx if rest and isinstance(rest[0], SequenceKey) else 0
-                if len(rest) <= 1 and position < len(annotations):
-                    annotation = annotations[position]
-            walk.out[i] = LeafInfo(item.path, item.leaf, expr, owner, annotation)
+            rest = item.path[len(base) + length :]
+            annotation = None if info.value is None else info.value.annotation(rest)
+            walk.out[i] = LeafInfo(
+                (*base, *keys, *rest), item.leaf, info.expr, info.owner, annotation
+            )
 
 
 _CLASS = re.compile(r"[^\W\d]\w*")
@@ -240,9 +258,35 @@ def marker_keys(marker: object) -> tuple[Any, ...] | None:
     return tuple(keys) or None
 
 
+def state_markers(tree: Any) -> set[Any]:
+    """The markers of every `eqx.nn.StateIndex` in `tree`."""
+    return {
+        x.marker
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_index)
+        if isinstance(x, eqx.nn.StateIndex)
+    }
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, eqx.nn.StateIndex)
+
+
 def is_stateful_pair(tree: Any) -> bool:
-    """`(model, state)`, as `eqx.nn.make_with_state` returns them."""
-    return type(tree) in (tuple, list) and len(tree) == 2 and isinstance(tree[1], eqx.nn.State)
+    """`(model, state)`, as `eqx.nn.make_with_state` returns them: a State whose
+    every value has its `StateIndex` in the model."""
+    if not (type(tree) in (tuple, list) and len(tree) == 2 and isinstance(tree[1], eqx.nn.State)):
+        return False
+    _, markers = _flatten_one(tree[1])  # pyright: ignore[reportGeneralTypeIssues]
+    return set(markers) <= state_markers(tree[0])
+
+
+def _walk_root(tree: Any, walk: _Walk) -> None:
+    """`tree` from its root; a `(model, state)` pair as one model."""
+    if is_stateful_pair(tree):
+        _walk(tree[0], (), None, None, None, walk)
+        _walk(tree[1], (), None, None, None, walk)
+    else:
+        _walk(tree, (), None, None, None, walk)
 
 
 def walk_fields(model: Any, context: Any = None) -> list[LeafInfo]:
@@ -254,19 +298,33 @@ def walk_fields(model: Any, context: Any = None) -> list[LeafInfo]:
     running mean), and takes what the model's field holding that index says (its
     annotation gives the dims). A `(model, state)` pair is named as one stateful
     model: the model's leaves by their paths in the model, the state's as above.
-    `context`, the model a tree was built from, tells what the model says of a
-    state given on its own.
+    `context`, the model a tree was built from, says this of a state given on its
+    own; without the model, a state's leaves are named by their markers' paths
+    (as `eqx.nn.make_with_state` writes them), else by position.
     """
     walk = _Walk([], {}, [])
     if context is not None and _has_state(model):
-        _walk(context, (), None, None, None, _Walk([], walk.indices, []))
-    if is_stateful_pair(model):
-        _walk(model[0], (), None, None, None, walk)
-        _walk(model[1], (), None, None, None, walk)
-    else:
-        _walk(model, (), None, None, None, walk)
+        _walk_root(context, _Walk([], walk.indices, []))
+    _walk_root(model, walk)
     _finish_states(walk)
     return walk.out
+
+
+def state_leaf_names(model: Any) -> list[tuple[str, ...]]:
+    """The segments of the leaves `model`'s `eqx.nn.State` will hold, as far as the
+    model's fields say: each `StateIndex`'s path, then each item its annotation
+    names (`bn.ema_state_index.0`, `.1`), or up to 8 items where it says nothing.
+    For a plan made from the model alone, which meets the state only later."""
+    walk = _Walk([], {}, [])
+    _walk_root(model, walk)
+    names: list[tuple[str, ...]] = []
+    for info in walk.indices.values():
+        base = segments(info.path)
+        below = None if info.value is None else info.value.leaves()
+        if below is None:
+            below = ((), *((str(k),) for k in range(8)))
+        names += [(*base, *rest) for rest in below]
+    return names
 
 
 def _has_state(tree: Any) -> bool:
@@ -276,7 +334,7 @@ def _has_state(tree: Any) -> bool:
     )
 
 
-def key_paths(tree: Any) -> list[tuple[Any, ...]]:
+def key_paths(tree: Any, context: Any = None) -> list[tuple[Any, ...]]:
     """Each leaf's key path, as eqshard names it: JAX's, except where `walk_fields`
     names leaves otherwise (under an `eqx.nn.State`, whose children JAX keys by
     position, and in a `(model, state)` pair)."""
@@ -284,7 +342,7 @@ def key_paths(tree: Any) -> list[tuple[Any, ...]]:
     if is_stateful_pair(tree) or any(
         isinstance(key, FlattenedIndexKey) for path in paths for key in path
     ):
-        return [item.path for item in walk_fields(tree)]
+        return [item.path for item in walk_fields(tree, context)]
     return paths
 
 

@@ -135,7 +135,7 @@ class Fsdp:
     def __eqshard_resolve__(self, model: Any, target: Target) -> Resolution:
         from ._fields import is_array_like, walk_fields
 
-        fields = walk_fields(model)
+        fields = walk_fields(model, target.context)
         split = over(target)
         exprs: list[Expression | None] = []
         origins: list[str | None] = []

@@ -150,12 +150,15 @@ def make_plan(
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
     context: Any = None,
+    fit_onto: AnyMesh | None = None,
 ) -> Planned:
     """`plan`, collecting every problem of every leaf rather than raising them.
 
     A leaf whose expression cannot be read cannot be laid out, but every other leaf
     still is, so one pass finds every independent fault. `context` is the model
-    `model` was built from, where `model` is part of its state (`Target.context`).
+    `model` was built from, where `model` is part of its state (`Target.context`);
+    `fit_onto`, the mesh of that model's plan, which the layouts must fit, though
+    the spec is resolved as without a mesh (it is not the user's).
     """
     if unspecified not in ("replicate", "keep"):
         raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
@@ -191,20 +194,28 @@ def make_plan(
             layouts.append(None)
 
     distinct = {lay for lay in layouts if lay is not None}
-    if target_mesh is not None:
-        on = mesh_shape_of(target_mesh.axis_names, target_mesh.axis_sizes)
+    on_mesh = target_mesh if target_mesh is not None else fit_onto
+    if on_mesh is not None:
+        on = mesh_shape_of(on_mesh.axis_names, on_mesh.axis_sizes)
         specs = {lay: fit(lay, on) for lay in distinct}
         for i, lay in enumerate(layouts):
             if lay is not None and specs[lay] is None:
-                problems.append(_does_not_fit(resolved, i, on))
+                problem = _does_not_fit(resolved, i, on)
+                if target_mesh is None:  # the mesh of the model's plan
+                    problem = dataclasses.replace(
+                        problem,
+                        message=f"{problem.message}; it is the mesh of the model's plan: "
+                        "make the plan from `(model, state)`, so that one mesh fits both",
+                    )
+                problems.append(problem)
                 resolved.failed.add(i)
                 layouts[i] = None
         by_layout = {
-            lay: NamedSharding(target_mesh, PartitionSpec(*spec))
+            lay: NamedSharding(on_mesh, PartitionSpec(*spec))
             for lay, spec in specs.items()
             if spec is not None
         }
-        common: AnyMesh | None = target_mesh
+        common: AnyMesh | None = on_mesh
     else:
         assert placed_on is not None
         shared = shared_mesh(distinct, n)

@@ -43,11 +43,12 @@ from ._fields import (
     is_stateful_pair,
     key_paths,
     leaf_name,
+    state_leaf_names,
     walk_fields,
 )
 from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
 from ._paths import Guesses, PathIndex, match, name, segments
-from ._resolver import Resolution, Target, is_spec_leaf
+from ._resolver import Resolution, Target
 from ._sharding import device_tuple
 from ._specfile import Rule, Rules
 
@@ -176,7 +177,7 @@ def match_rules(
     `None`).
     """
     context = None if target is None else target.context
-    flat = list(zip(key_paths(model), jax.tree_util.tree_leaves(model)))
+    flat = list(zip(key_paths(model, context), jax.tree_util.tree_leaves(model)))
     fsdp = rules.default == FSDP_WORD or any(rule.expr == FSDP_WORD for rule in rules.rules)
     fields = walk_fields(model, context) if rules.dims or fsdp else None
     fallback = _REPLICATE if rules.default == "replicate" else None
@@ -330,20 +331,14 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
 
 
 def _not_for_the_state(unused: list[Rule], model: Any) -> list[Rule]:
-    """The rules of `unused` that no leaf of the model's `eqx.nn.State` would match
-    either: a rule for the state (`bn.ema_state_index.*`) is used where the model
-    has that `StateIndex`, though a plan made from the model alone meets the state
-    only later. A state leaf is the index's path, or an item of the value it holds
-    (up to 4)."""
-    names: list[tuple[str, ...]] = []
-    flat = jax.tree_util.tree_flatten_with_path(
-        model[0] if is_stateful_pair(model) else model,
-        is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex),
-    )[0]
-    for path, leaf in flat:
-        if isinstance(leaf, eqx.nn.StateIndex):
-            base = segments(path)
-            names += [base, *((*base, str(k)) for k in range(4))]
+    """The rules of `unused` that no leaf of the model's `eqx.nn.State` will match
+    either. A plan made from the model alone meets its state only later, so a rule
+    written for the state (`bn.ema_state_index.*`) is not unused here: it is checked
+    when the plan lays the state out (`_derive`). A `(model, state)` pair has its
+    state's leaves: nothing is excused."""
+    if is_stateful_pair(model):
+        return unused
+    names = state_leaf_names(model)
     if not names:
         return unused
     return [rule for rule in unused if not any(match(rule.path, name) for name in names)]
@@ -414,12 +409,11 @@ def rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:
     **Raises:** `SpecError` naming each leaf that holds something other than an
     expression.
     """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec_leaf)
     found: list[Rule] = []
     problems: list[Problem] = []
-    for key_path, leaf in flat:
-        if leaf is None:
-            continue
+    # `None`s are empty subtrees: no leaves. Paths as eqshard names them (a state's
+    # leaves by their layers, a `(model, state)` pair as one model).
+    for key_path, leaf in zip(key_paths(tree), jax.tree_util.tree_leaves(tree)):
         if not isinstance(leaf, (str, Expression)):
             problems.append(
                 Problem(leaf_name(key_path), f"{type(leaf).__name__} is not an expression")

@@ -176,7 +176,7 @@ def test_a_kept_parameters_moment_is_kept_not_given_another_layout():
     assert placed[0].mu["a"]["w"] is state[0].mu["a"]["w"]
     assert placed[0].mu["w"].sharding == plan.shardings["w"]
     rows = {row.path: row.origin for row in eqshard.report(state, plan).rows}
-    assert rows["0.mu.a.w"] == "kept, as a.w is"
+    assert rows["0.mu.a.w"] == "kept, as parameter a.w is"
 
 
 def test_a_jitted_step_keeps_every_layout_with_one_trace():

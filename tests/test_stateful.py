@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from harness_models import NET_SPEC, Net
+from jaxtyping import Array, Float
 
 import eqshard
 from eqshard._fields import key_paths, leaf_name
@@ -183,3 +184,131 @@ def test_expressions_and_annotations_lay_out_the_state_too(spec):
     model, state = _made()
     placed = eqshard.apply(state, eqshard.plan(model, spec))
     assert all(leaf.sharding.is_fully_replicated for leaf in jax.tree_util.tree_leaves(placed))
+
+
+def _rules(*rules, **more):
+    return eqshard.load({"eqshard": 1, "rules": [{"path": p, "expr": e} for p, e in rules], **more})
+
+
+def test_a_state_rule_that_matches_nothing_is_a_warning():
+    model, state = _made()
+    typo = _rules(("bn.batch_state_index", "c -> c*"))  # no `.*`: the index, not its items
+    with pytest.warns(eqshard.UnusedRuleWarning, match=r"'bn.batch_state_index' matched no leaf"):
+        eqshard.plan((model, state), typo)  # the pair holds the state's leaves
+    too_far = _rules(("bn.batch_state_index.2", "c -> c*"))  # a pair of statistics: .0, .1
+    with pytest.warns(eqshard.UnusedRuleWarning, match=r"'bn.batch_state_index.2' matched no"):
+        plan = eqshard.plan(model, too_far)  # the model alone: its annotation says two items
+    fine = eqshard.plan(model, _rules(("bn.batch_state_index.1", "c -> c*")))  # no warning
+    # Where the index's annotation does not say what it holds, a rule for its items
+    # passes the model's plan, and is checked when the plan meets the state.
+    model_of_any, state_of_three = eqx.nn.make_with_state(Unannotated)()
+    plan_of_any = eqshard.plan(model_of_any, _rules(("index.5", "c -> c*")))
+    with pytest.warns(eqshard.UnusedRuleWarning, match="'index.5' matched no leaf of the state"):
+        eqshard.apply(state_of_three, plan_of_any)
+    assert jax.tree_util.tree_leaves(eqshard.apply(state, fine))[2].sharding.spec == (
+        jax.sharding.PartitionSpec("m0")
+    )
+    del plan
+
+
+def test_a_state_made_without_make_with_state_is_named_by_its_layers_in_a_pair():
+    unpacked = Net(jax.random.key(0))
+    state = eqx.nn.State(unpacked)  # markers are objects, not paths
+    model = eqx.nn.delete_init_state(unpacked)
+    names = _names((model, state))
+    assert names[-3:] == ["bn.batch_counter", "bn.batch_state_index.0", "bn.batch_state_index.1"]
+    assert len(set(names)) == len(names)
+    plan = eqshard.plan((model, state), RULES)
+    assert jax.tree_util.tree_leaves(plan.shardings[1])[1].spec == jax.sharding.PartitionSpec("m0")
+    alone = eqshard.apply(state, eqshard.plan(model, RULES))  # named through the model
+    assert jax.tree_util.tree_leaves(alone)[1].sharding.spec == jax.sharding.PartitionSpec("m0")
+
+
+def test_a_state_laid_out_by_the_models_plan_is_laid_out_as_in_the_pairs():
+    model, state = _made()
+    for spec in (
+        eqshard.load({"eqshard": 1, "default": "fsdp"}),
+        _rules(("conv.weight", "o ... -> o2 ... 4"), default="fsdp"),  # a (2, 4) mesh
+    ):
+        pair = eqshard.plan((model, state), spec)
+        alone = eqshard.apply(state, eqshard.plan(model, spec))
+        for got, want in zip(
+            jax.tree_util.tree_leaves(alone), jax.tree_util.tree_leaves(pair.shardings[1])
+        ):
+            assert _blocks(got.sharding, got.shape) == _blocks(want, got.shape)
+
+    own_mesh = _rules(("bn.*_state_index.*", "c -> 2 c4"))  # the model's layouts: one axis
+    with pytest.raises(eqshard.SpecError, match=r"make the plan from `\(model, state\)`, so"):
+        eqshard.apply(state, eqshard.plan(model, own_mesh))
+    placed = eqshard.apply((model, state), eqshard.plan((model, state), own_mesh))[1]
+    assert jax.tree_util.tree_leaves(placed)[1].sharding.spec == jax.sharding.PartitionSpec("m1")
+
+
+class Unannotated(eqx.Module):
+    index: eqx.nn.StateIndex
+
+    def __init__(self):
+        self.index = eqx.nn.StateIndex((jnp.zeros(8), jnp.zeros(8), jnp.zeros(8)))
+
+
+def _blocks(sharding, shape):
+    return {
+        d.id: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(i, shape))
+        for d, i in sharding.devices_indices_map(tuple(shape)).items()
+    }
+
+
+class Other(eqx.Module):
+    bn: eqx.nn.BatchNorm
+
+    def __init__(self):
+        self.bn = eqx.nn.BatchNorm(16, axis_name="batch", mode="batch")
+
+
+def test_another_models_state_is_refused():
+    model, _ = _made()
+    _, other = eqx.nn.make_with_state(Other)()
+    with pytest.raises(
+        eqshard.SpecError,
+        match=r"the state: this eqx.nn.State holds values of StateIndexes that are not in the "
+        r"plan's model \('Other.bn.batch_counter', 'Other.bn.batch_state_index'\); lay it out "
+        r"with the plan of the model it was made with",
+    ):
+        eqshard.apply(other, eqshard.plan(model, RULES))
+
+
+def test_a_pairs_spec_tree_dumps_and_loads_to_the_same_layouts(tmp_path):
+    model, state = _made()
+    plan = eqshard.plan((model, state), RULES)
+    eqshard.dump(eqshard.spec((model, state), RULES), tmp_path / "net.eqshard.json")
+    again = eqshard.plan((model, state), eqshard.load(tmp_path / "net.eqshard.json"))  # no warning
+    assert again.flat_shardings == plan.flat_shardings
+
+
+class Ring(eqx.Module):
+    """Any number of buffers of one shape: `StateIndex[tuple[Float[Array, "c"], ...]]`."""
+
+    index: eqx.nn.StateIndex[tuple[Float[Array, " c"], ...]]
+
+    def __init__(self):
+        self.index = eqx.nn.StateIndex((jnp.zeros(8), jnp.zeros(8), jnp.zeros(8)))
+
+
+def test_a_state_annotated_as_a_tuple_of_any_length_gives_each_item_its_dims():
+    model, state = eqx.nn.make_with_state(Ring)()
+    rows = eqshard.report(
+        state, eqshard.plan(model, eqshard.load({"eqshard": 1, "dims": {"c": "*"}}))
+    ).rows
+    assert [(row.path, row.expression) for row in rows] == [
+        (f"index.{k}", "c -> c*") for k in range(3)
+    ]
+
+
+def test_a_pairs_plan_names_what_a_state_leaf_follows():
+    model, state = _made()
+    plan = eqshard.plan((model, state), RULES)
+    rows = eqshard.report((model, state, 0), plan).rows
+    assert {row.path: row.origin for row in rows}["1.bn.batch_state_index.0"] == (
+        "state bn.batch_state_index.0"
+    )
+    assert {row.path: row.origin for row in rows}["0.conv.weight"] == "parameter conv.weight"
