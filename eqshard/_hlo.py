@@ -582,10 +582,10 @@ def runs(module: Module, weigh: Callable[[Computation], float]) -> dict[str, int
     """How many times one run of the entry runs each computation.
 
     A `while` body runs its trip count (`trip_count`) times per run of its
-    caller (once where it depends on values: a lower bound), a `conditional` only the branch
-    whose weight is the largest (the first of equals; a computation's weight is
-    `weigh` of it plus its callees', counted by these same rules), anything else
-    once per call site.
+    caller (once where the count depends on values: a lower bound), a
+    `conditional` only the branch whose weight is the largest (the first of
+    equals; a computation's weight is `weigh` of it plus its callees', counted by
+    these same rules), anything else once per call site.
 
     **Arguments:**
 
@@ -744,7 +744,7 @@ def collectives(module: Module) -> list[CollectiveOp]:
     text.
 
     `count` is from `runs`, weighing each computation by its bytes of the
-    collective's kind: in a `while` body whose trip count XLA knows, once per trip;
+    collective's kind: in a `while` body, once per trip (`trip_count`);
     in a `conditional`, only those of the branch that moves the most bytes of
     their kind (so that a budget per kind bounds every branch). A collective that
     never runs (in a branch that moves fewer bytes of its kind than another) is
@@ -759,7 +759,8 @@ def collectives(module: Module) -> list[CollectiveOp]:
     **Raises:**
 
     `EqshardError` naming the line of a collective or a device-group notation
-    eqshard does not know.
+    eqshard does not know, of a point-to-point `send` or `recv` between devices,
+    or of a collective whose operand the text does not define.
     """
     found: list[tuple[str, CollectiveOp]] = []
     pieces: dict[str, Instruction] = {}  # a piece of each async collective fusion
