@@ -38,8 +38,18 @@ from ._specfile import (
 if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazily
     from ._apply import apply as apply
     from ._checkpoint import abstract as abstract, restore as restore
-    from ._cost import Cost as Cost, Hardware as Hardware, cost as cost
+    from ._cost import (
+        Collective as Collective,
+        Cost as Cost,
+        Memory as Memory,
+        cost as cost,
+    )
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
+    from ._hardware import (
+        HARDWARE as HARDWARE,
+        Estimate as Estimate,
+        Hardware as Hardware,
+    )
     from ._init import init as init
     from ._plan import Plan as Plan, plan as plan
     from ._report import Report as Report, report as report
@@ -56,9 +66,13 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
 _LAZY = {
     "apply": "._apply",
     "abstract": "._checkpoint",
+    "Collective": "._cost",
     "Cost": "._cost",
-    "Hardware": "._cost",
+    "Memory": "._cost",
     "cost": "._cost",
+    "Estimate": "._hardware",
+    "HARDWARE": "._hardware",
+    "Hardware": "._hardware",
     "restore": "._checkpoint",
     "FROM_FIELDS": "._fields",
     "field": "._fields",

@@ -1,19 +1,19 @@
 """What a spec costs: memory per device and communication of the user's own step.
 
-`cost` lays out the model, its `eqx.nn.State` and its optimizer state by the spec
-(abstractly: no device memory is spent), compiles the user's training step over them, and reads
-the compiled program: its collectives (kind, bytes, the mesh axes they run over,
-and where XLA says they come from), its FLOPs and bytes accessed, and XLA's memory
-analysis. XLA's SPMD partitioner runs the same on simulated CPU devices as on
-accelerators, so the communication is known from a laptop; XLA:CPU reports hardly
-any temporaries, so the peak it gives is a lower bound.
+The driver: `cost` lays out the model, its `eqx.nn.State` and its optimizer state by
+the spec (abstractly: no device memory is spent), compiles the user's training step
+over them (`_compile`, the one place a lowered step is compiled), and reads the
+compiled program: its collectives and FLOPs from its HLO text (`_hlo.py`, pure
+text), bytes accessed and XLA's memory analysis from the compiler, and a roofline
+estimate on a hardware profile (`_hardware.py`). XLA's SPMD partitioner runs the
+same on simulated CPU devices as on accelerators, so the communication is known from
+a laptop; XLA:CPU reports hardly any temporaries, so the peak it gives is a lower
+bound.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,10 +21,12 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from . import _hlo
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError, StepError
 from ._expression import Expression
 from ._fields import is_array_like, is_stateful_pair
+from ._hardware import HARDWARE, Estimate, Hardware, Moved, hardware_profile, roofline
 from ._plan import Plan, plan
 from ._report import LeafRow, leaf_rows
 from ._resolver import is_resolver
@@ -33,105 +35,21 @@ from ._specfile import Rules
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
 
-_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_OP = re.compile(r"=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) + r")(?:-start)?\(")
-_ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
-_GROUPS = re.compile(r"replica_groups=(\{[\d,{}\s]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)")
-_PAIRS = re.compile(r"source_target_pairs=\{([\d,{}\s]*)\}")
-_NAME = re.compile(r'op_name="([^"]*)"')
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2}
 
-
-def _itemsize(dtype: str) -> int:
-    if dtype in _BYTES:
-        return _BYTES[dtype]
-    digits = re.sub(r"\D", "", dtype)
-    return max(1, int(digits) // 8) if digits else 4
-
-
-def _shape_bytes(text: str) -> int:
-    return sum(
-        math.prod(int(d) for d in m["dims"].split(",") if d) * _itemsize(m["dtype"])
-        for m in _ARRAY.finditer(text)
-    )
-
-
-_MESH_GROUPS = re.compile(
-    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}"
-)
-
-
-def _device_ids(text: str | None, count: int) -> np.ndarray:
-    """The device ids of XLA's mesh, in its order: `[2,4]T(1,0)` (an iota, reshaped
-    and transposed), an explicit list, or none (row-major)."""
-    if not text:
-        return np.arange(count)
-    iota = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
-    if iota is None:
-        return np.array([int(i) for i in re.findall(r"\d+", text)])
-    ids = np.arange(count).reshape([int(d) for d in iota.group(1).split(",")])
-    if iota.group(2):
-        ids = ids.transpose([int(p) for p in iota.group(2).split(",")])
-    return ids.reshape(-1)
-
-
-def _mesh_groups(sizes_text: str, ids_text: str | None, axes_text: str) -> list[list[int]]:
-    """Groups from XLA's mesh notation: `mesh['axis_0'=2,'axis_1'=4] {'axis_1'}` is
-    the devices of a (2, 4) grid (row-major, or in `device_ids` order) that differ
-    along `axis_1`."""
-    names, sizes = [], []
-    for item in sizes_text.split(","):
-        name, _, size = item.partition("=")
-        names.append(name.strip().strip("'\""))
-        sizes.append(int(size))
-    over = {a.strip().strip("'\"") for a in axes_text.split(",") if a.strip()}
-    ids = _device_ids(ids_text, math.prod(sizes)).reshape(sizes)
-    inner = [i for i, n in enumerate(names) if n in over]
-    outer = [i for i, n in enumerate(names) if n not in over]
-    grouped = ids.transpose(outer + inner).reshape(-1, math.prod(sizes[i] for i in inner))
-    return grouped.tolist()
-
-
-def _groups(text: str) -> list[list[int]]:
-    """Device groups of a collective, from any of XLA's notations."""
-    meshed = _MESH_GROUPS.search(text)
-    if meshed is not None:
-        return _mesh_groups(meshed.group(1), meshed.group(2), meshed.group(3))
-    found = _GROUPS.search(text)
-    if found is not None:
-        spec = found.group(1)
-        if re.fullmatch(r"\{\s*\}", spec):
-            return [[-1]]  # XLA's "every device, one group"
-        if spec.startswith("{"):
-            return [
-                [int(i) for i in g.split(",") if i.strip()]
-                for g in re.findall(r"\{([\d,\s]*)\}", spec[1:-1])
-            ]
-        # iota form: [groups, size]<=[reshape...] with an optional T(perm)
-        shape, reshape, *perm = re.findall(r"\[([\d,]+)\]|T\(([\d,]+)\)", spec)
-        dims = [int(d) for d in shape[0].split(",")]
-        ids = np.arange(math.prod(dims)).reshape([int(d) for d in reshape[0].split(",")])
-        if perm:
-            ids = ids.transpose([int(p) for p in perm[0][1].split(",")])
-        return ids.reshape(dims[0], -1).tolist()
-    pairs = _PAIRS.search(text)
-    if pairs is not None:
-        return [
-            [int(i) for i in p.split(",")] for p in re.findall(r"\{(\d+,\d+)\}", pairs.group(0))
-        ]
-    return []
-
-
-def _axes(groups: list[list[int]], mesh: AnyMesh | None) -> tuple[str, ...]:
-    """The mesh axes along which a collective's devices differ."""
+def _axes(groups: tuple[tuple[int, ...], ...], mesh: AnyMesh | None) -> tuple[str, ...]:
+    """The mesh axes along which a collective's devices differ (its groups' ids are
+    positions in the mesh's devices, row-major)."""
     if mesh is None or not groups:
         return ()
     shape = tuple(mesh.axis_sizes)
-    if groups == [[-1]]:
-        return tuple(name for name, size in zip(mesh.axis_names, shape) if size > 1)
+    if any(not 0 <= i < mesh.size for group in groups for i in group):
+        raise EqshardError(
+            f"a collective of the compiled step runs over devices {list(groups)}, and the mesh "
+            f"has {mesh.size}; please report it to eqshard"
+        )
     varying: set[int] = set()
     for group in groups:
-        coords = np.array(np.unravel_index(np.array(group), shape)).T
+        coords = np.array(np.unravel_index(np.array(group, dtype=int), shape)).T
         varying |= {a for a in range(len(shape)) if len(set(coords[:, a].tolist())) > 1}
     return tuple(name for a, name in enumerate(mesh.axis_names) if a in varying)
 
@@ -141,18 +59,26 @@ class Collective:
     """One collective of the compiled step.
 
     - `kind`: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`,
-        `"collective-permute"` or `"all-to-all"` (XLA's async `-start` forms count
-        once).
-    - `bytes`: the bytes of its result on each device (a tuple collective: all of
-        them).
+        `"collective-permute"`, `"all-to-all"`, `"ragged-all-to-all"` or
+        `"collective-broadcast"` (XLA's async `-start`/`-done` pairs count once).
+    - `bytes`: what one run of it moves on each device: a reduce-scatter its
+        operand, which each device contributes to the sum (its result is one
+        device's part, n times smaller); an all-gather its result, what each
+        device ends up holding; an all-reduce, a collective-permute and an
+        all-to-all their result, the size of their operand (a tuple collective: all
+        of them).
     - `axes`: the mesh axes its device groups run over.
     - `source`: where XLA records it comes from (the op's name in the step), whole:
         XLA names a combined collective by every op it combines, which can run to
         thousands of characters; tables show `brief_source`.
     - `count`: how many times one step runs it: more than once inside a loop whose
         trip count XLA knows, such as `jax.lax.scan` over stacked layers; once in a
-        loop whose trip count depends on values (a lower bound there); once in each
-        branch of a `cond`, as if every branch ran.
+        loop whose trip count depends on values (a lower bound there). Of the
+        branches of a `cond` or `switch`, only the one that moves the most bytes of
+        the collective's kind counts (so a budget per kind bounds every branch); a
+        collective of the others is not listed.
+    - `group_size`: how many devices each of its groups holds (a
+        collective-permute's: 2, a source and a target).
     """
 
     kind: str
@@ -160,6 +86,7 @@ class Collective:
     axes: tuple[str, ...]
     source: str
     count: int = 1
+    group_size: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -256,57 +183,16 @@ class Memory:
 
 
 @dataclasses.dataclass(frozen=True)
-class Hardware:
-    """A named hardware profile for a roofline estimate, with its source."""
-
-    name: str
-    flops: dict[str, float]  # peak dense FLOP/s by parameter dtype
-    memory_bandwidth: float  # bytes/s
-    interconnect_bandwidth: float  # bytes/s, per device, one direction
-    source: str
-
-
-HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware(
-        "NVIDIA H100 SXM5",
-        {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12},  # f32 as TF32
-        3.35e12,
-        450e9,  # NVLink 4: 900 GB/s both directions
-        "NVIDIA H100 Tensor Core GPU datasheet (dense, without sparsity)",
-    ),
-    "tpu-v5e": Hardware(
-        "Google Cloud TPU v5e",
-        {"bfloat16": 197e12, "float32": 197e12 / 4},
-        819e9,
-        200e9,  # ICI: 1,600 Gbit/s per chip
-        "Google Cloud TPU v5e documentation (system architecture)",
-    ),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimate:
-    """A roofline estimate of one step, in seconds: never a measurement."""
-
-    hardware: Hardware
-    compute: float
-    memory: float
-    communication: float
-
-    @property
-    def seconds(self) -> float:
-        """Compute or memory, whichever bounds the step, plus communication (no
-        overlap assumed)."""
-        return max(self.compute, self.memory) + self.communication
-
-
-@dataclasses.dataclass(frozen=True)
 class Cost:
     """What one step of the user's training step costs, per device, under a spec.
 
     **Attributes:** `memory` (`Memory`), `collectives` (list of `Collective`),
-    `flops` and `bytes_accessed` (per device, from XLA's cost analysis), `mesh`,
-    `devices` and `dtype` (the parameters' dtype, for the estimate).
+    `flops` (the FLOPs of the matrix products one device runs per step, read from
+    the compiled program: `dot`, `convolution`, cuBLAS and cuDNN calls, a loop's by
+    its trip count, a `cond` or `switch` by its most expensive branch; elementwise
+    work is not counted), `bytes_accessed` (per device, from XLA's cost analysis,
+    which counts a loop's body once), `mesh`, `devices` and `dtype` (the
+    parameters' dtype, for the estimate).
     """
 
     memory: Memory
@@ -329,104 +215,53 @@ class Cost:
         """A roofline estimate of one step on `hardware` (`"h100"`, `"tpu-v5e"`, or a
         `Hardware`): FLOPs at peak, bytes at memory bandwidth, and each collective
         over one link (a ring: an all-reduce moves 2 (n-1)/n of its bytes)."""
-        if isinstance(hardware, str):
-            if hardware not in HARDWARE:
-                raise EqshardError(
-                    f"no hardware profile {hardware!r}; the profiles are "
-                    f"{', '.join(map(repr, HARDWARE))}, or pass an `eqshard.Hardware`"
-                )
-            hardware = HARDWARE[hardware]
-        peak = hardware.flops.get(self.dtype, min(hardware.flops.values()))
-        sizes = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)) if self.mesh else {}
-        moved = 0.0
-        for c in self.collectives:
-            n = math.prod(sizes.get(a, 1) for a in c.axes) or 1
-            factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
-                c.kind, (n - 1) / n
-            )
-            moved += c.total_bytes * factor
-        return Estimate(
-            hardware,
-            self.flops / peak,
-            self.bytes_accessed / hardware.memory_bandwidth,
-            moved / hardware.interconnect_bandwidth,
+        moved = [Moved(c.kind, c.total_bytes, c.group_size) for c in self.collectives]
+        return roofline(
+            hardware_profile(hardware), self.flops, self.bytes_accessed, self.dtype, moved
         )
 
 
-def _collectives(text: str, mesh: AnyMesh | None) -> list[Collective]:
-    """The collectives of a compiled program's HLO text, each with the number of
-    times one run executes it (`_runs`)."""
-    found = []
-    runs = _runs(text)
-    computation = ""
-    for line in text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header is not None:
-            computation = header["name"]
-            continue
-        op = _OP.search(line)
-        if op is None:
-            continue
-        name = _NAME.search(line)
-        found.append(
-            Collective(
-                op["kind"],
-                _shape_bytes(op["shape"]),
-                _axes(_groups(line), mesh),
-                name.group(1) if name else "",
-                runs.get(computation, 1),
-            )
+def _collectives(hlo: str | _hlo.Module, mesh: AnyMesh | None) -> list[Collective]:
+    """The collectives of a compiled program (its HLO text, or the text parsed), as
+    `_hlo.collectives` reads them, each with the mesh axes its groups run over."""
+    module = hlo if isinstance(hlo, _hlo.Module) else _parse(hlo, mesh)
+    return [
+        Collective(
+            op.kind,
+            op.bytes,
+            _axes(op.groups, mesh),
+            op.source,
+            op.count,
+            max((len(g) for g in op.groups), default=1),
         )
-    return found
+        for op in _hlo.collectives(module)
+    ]
 
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(")
-_CALLEE = re.compile(
-    r"\b(?:body|calls|to_apply|condition|true_computation|false_computation)="
-    r"%(?P<name>[^\s,)}]+)"
-)
-_BRANCHES = re.compile(r"(?:branch|called)_computations=\{(?P<names>[^}]*)\}")
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
-_BODY = re.compile(r"\bbody=%(?P<name>[^\s,)}]+)")
+def _parse(text: str, mesh: AnyMesh | None) -> _hlo.Module:
+    """A compiled program's HLO text, parsed (`replica_groups={}`: the mesh's devices
+    where the text does not count them)."""
+    return _hlo.parse(text, devices=mesh.size if mesh is not None else 0)
 
 
-def _runs(text: str) -> dict[str, int]:
-    """How many times one run of the program executes each computation: the entry
-    once, a `while` body its known trip count times per run of its caller (once
-    where XLA does not know it), anything else called once per run of its caller
-    (each branch of a conditional counted, as if taken)."""
-    calls: dict[str, list[tuple[str, int]]] = {}
-    entry = ""
-    computation = ""
-    for line in text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header is not None:
-            computation = header["name"]
-            if line.startswith("ENTRY"):
-                entry = computation
-            continue
-        callees = calls.setdefault(computation, [])
-        body = _BODY.search(line)
-        trips = _TRIP_COUNT.search(line)
-        for callee in _CALLEE.finditer(line):
-            n = int(trips["n"]) if body and trips and callee["name"] == body["name"] else 1
-            callees.append((callee["name"], n))
-        branches = _BRANCHES.search(line)
-        if branches is not None:
-            for name in branches["names"].split(","):
-                callees.append((name.strip().lstrip("%"), 1))
-    runs: dict[str, int] = {}
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """What `cost` reads of a compiled step: its HLO text, XLA's memory analysis
+    and its cost analysis (one dict)."""
 
-    def visit(name: str, times: int, seen: tuple[str, ...]) -> None:
-        if name in seen:  # HLO has no recursion; a malformed text must not hang
-            return
-        runs[name] = runs.get(name, 0) + times
-        for callee, n in calls.get(name, []):
-            visit(callee, times * n, (*seen, name))
+    text: str
+    memory: Any
+    costs: dict[str, Any]
 
-    if entry:
-        visit(entry, 1, ())
-    return runs
+
+def _compile(lowered: Any) -> _Compiled:
+    """Compiles a lowered step for the devices its arguments are laid out on (the
+    target: XLA:CPU for simulated devices, an accelerator's compiler for its own),
+    and keeps what `cost` reads."""
+    compiled = lowered.compile()
+    return _Compiled(
+        compiled.as_text() or "", compiled.memory_analysis(), _first(compiled.cost_analysis())
+    )
 
 
 def _abstract(x: Any) -> Any:
@@ -497,8 +332,11 @@ def cost(
     `eqshard.EqshardError` when the step cannot be traced or compiled (naming the
     step, the device count and the spec, with the step's or JAX's error as its
     cause; the command line exits 2 for it, as for a model that cannot be built),
-    when the mesh is a `jax.sharding.AbstractMesh`, or when more devices are asked
-    for than this process has and cloudpickle is not installed.
+    when the mesh is a `jax.sharding.AbstractMesh`, when more devices are asked
+    for than this process has and cloudpickle is not installed, or when the
+    compiled program holds a collective, a notation of device groups, a dtype or a
+    matrix-product call that eqshard cannot read (naming it and its line: a figure
+    is never a silent zero).
     """
     if isinstance(devices, int):
         if devices > len(jax.devices()):
@@ -539,12 +377,7 @@ def cost(
     donate = tuple(i for i, on in enumerate((donate_first, donate_rest)) if on)
     n = len(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
     try:
-        lowered = jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:])
-        compiled = lowered.compile()
-        # XLA:GPU hands matrix products to cuBLAS, whose FLOPs its compiled cost
-        # analysis does not count: count the step's matrix products in its jaxpr too,
-        # over the devices, and take the larger.
-        products = _dot_flops(jax.make_jaxpr(run)(dynamic[0], dynamic[1:]).jaxpr)
+        compiled = _compile(jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:]))
     except EqshardError:
         raise
     except Exception as error:  # the user's step: named, with its error as the cause
@@ -553,9 +386,8 @@ def cost(
             f"`eqshard.cost` cannot trace and compile the step {name} on {n} devices under "
             f"{_spec_name(spec)}: it raised {type(error).__name__}: {error}"
         ) from error
-    analysis = compiled.memory_analysis()
-    costs = _first(compiled.cost_analysis())
-    flops = max(float(costs.get("flops", 0.0)), products / n)
+    analysis = compiled.memory
+    module = _parse(compiled.text, p.mesh)
     dtypes = [row.dtype for row in held.parameters]
     return Cost(
         memory=Memory(
@@ -570,9 +402,9 @@ def cost(
             - getattr(analysis, "alias_size_in_bytes", 0),
             temporaries=getattr(analysis, "temp_size_in_bytes", 0),
         ),
-        collectives=_collectives(compiled.as_text() or "", p.mesh),
-        flops=flops,
-        bytes_accessed=float(costs.get("bytes accessed", 0.0)),
+        collectives=_collectives(module, p.mesh),
+        flops=float(_hlo.flops(module)),
+        bytes_accessed=float(compiled.costs.get("bytes accessed", 0.0)),
         mesh=p.mesh,
         devices=len(p.devices) if p.devices is not None else 0,
         dtype=max(set(dtypes), key=dtypes.count) if dtypes else "float32",
@@ -643,25 +475,6 @@ def _spec_name(spec: Any) -> str:
     if isinstance(spec, (str, Expression)):
         return f"the expression {str(spec)!r}"
     return f"a spec of type {type(spec).__name__}"
-
-
-def _dot_flops(jaxpr: Any) -> float:
-    """2 x M x N x K for every matrix product of a jaxpr, nested calls and scans
-    included (a `while` loop's body counts once)."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contracting, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            out = eqn.outvars[0].aval.shape
-            total += 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
-        times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    total += times * _dot_flops(inner)
-    return total
 
 
 def _bare(tree: Any) -> Any:

@@ -6,19 +6,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import EqshardError, whole_number
+from .._hlo import KINDS
 from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
 from ._references import callable_reference, spec_reference
 from ._tolerances import Needed
 
 __all__ = ["COLLECTIVE_KINDS", "assert_equivalent"]
 
-COLLECTIVE_KINDS = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "collective-permute",
-    "all-to-all",
-)
+COLLECTIVE_KINDS = KINDS  # every kind `eqshard.cost` reads from the compiled step
 _SHOWN = 10  # differing leaves shown per device count
 
 
@@ -127,11 +122,16 @@ def assert_equivalent(
         `eqshard.testing.TOLERANCES` (float32: 1e-5 and 1e-6). Integer leaves must be
         equal.
     - `max_communication`: bytes per collective kind (`"all-gather"`,
-        `"all-reduce"`, `"reduce-scatter"`, `"collective-permute"`, `"all-to-all"`)
-        that the compiled step may move on each device, summed over the step, from
-        `eqshard.cost`. `{"all-gather": 0}` asserts that no parameter is gathered.
-        A collective in a loop counts once per trip where XLA knows the trip count
-        (`jax.lax.scan`), else once; every branch of a `cond` counts.
+        `"all-reduce"`, `"reduce-scatter"`, `"collective-permute"`, `"all-to-all"`,
+        `"ragged-all-to-all"`, `"collective-broadcast"`: `COLLECTIVE_KINDS`) that
+        the compiled step may move on each device, summed over the step, as
+        `eqshard.cost` counts them (a reduce-scatter by its operand, any other by
+        its result). `{"all-gather": 0}` asserts that no parameter is gathered. A
+        collective in a loop counts once per trip where XLA knows the trip count
+        (`jax.lax.scan`), else once; of a `cond`'s branches, the one that moves the
+        most of each kind. A step whose compiled program has a collective, a
+        device-group notation or a dtype eqshard cannot read fails with an
+        `EqshardError` naming it: a budget never passes on what was not read.
     - `build`, `loss`, `batch` and `optimizer` are imported again in each process:
         pass them as top-level functions of an importable module (or as
         `"mypkg.model:build"`, `"path/to/file.py:build"`).
