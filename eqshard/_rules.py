@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from ._annotation import complete, for_rank
 from ._errors import (
@@ -271,13 +272,22 @@ def looks_like_state(tree: Any) -> str | None:
 
 def _twins(flat: list[tuple[Any, Any]], kinds: dict[tuple[Any, ...], type]) -> str | None:
     """`its subtrees mu and nu have the same paths and shapes`, when every array of
-    one dimension or more lies in such subtrees (see `looks_like_state`)."""
+    one dimension or more lies in such subtrees, and an integer scalar (a step
+    count) lies beside them: twin towers of a model (an encoder and a decoder, a
+    teacher and a student) count no steps (see `looks_like_state`)."""
     arrays = [
         (tuple(path), tuple(leaf.shape))
         for path, leaf in flat
         if is_array_like(leaf) and len(getattr(leaf, "shape", ())) > 0
     ]
-    if not arrays:
+    counts = [
+        leaf
+        for _, leaf in flat
+        if is_array_like(leaf)
+        and not getattr(leaf, "shape", ())
+        and np.issubdtype(np.dtype(leaf.dtype), np.integer)
+    ]
+    if not arrays or not counts:
         return None
     for depth in range(1, min(len(path) for path, _ in arrays)):
         groups: dict[tuple[Any, ...], list[tuple[tuple[str, ...], tuple[int, ...]]]] = {}

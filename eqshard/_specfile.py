@@ -19,8 +19,8 @@ import json
 import math
 import os
 import re
+import secrets
 import stat
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -571,9 +571,10 @@ def write_atomically(path: Path, data: bytes) -> None:
             raise EqshardError(f"not written: {name} is a symbolic link that leads to itself")
         if target.exists() and not _is_regular(target):
             raise EqshardError(f"not written: {name} is not a regular file (a directory or pipe)")
-        descriptor, temporary = tempfile.mkstemp(
-            prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
-        )
+        # Made with mode 0o666, which the kernel masks with the umask, as for any new
+        # file (reading the umask would race with other threads).
+        temporary = str(target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp")
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     except (OSError, ValueError) as error:
         if isinstance(error, EqshardError):
             raise
@@ -587,10 +588,6 @@ def write_atomically(path: Path, data: bytes) -> None:
             os.fsync(file.fileno())
         if target.exists():
             os.chmod(temporary, stat.S_IMODE(target.stat().st_mode))
-        else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, target)
     except OSError as error:
         with contextlib.suppress(OSError):

@@ -26,14 +26,14 @@ def parameters_of(optimizer, state, params):
         is_leaf=_is_masked,
     )
 
-    # Masked and filtered places are `MaskedNode`s in the state, and `None` or the
-    # parameter's index in the map: pair them, then drop them.
+    # Masked and filtered places are `MaskedNode`s (a leaf's, or a whole subtree's)
+    # in the state, and `None`, the parameter's index or the subtree's indices in the
+    # map: pair the map with the state's structure, holes as leaves, then drop them.
     def hole(x):
         return x is None or _is_masked(x)
 
-    found = jax.tree_util.tree_leaves(mapped, is_leaf=hole)
-    held = jax.tree_util.tree_leaves(state, is_leaf=hole)
-    assert len(found) == len(held)
+    held, structure = jax.tree_util.tree_flatten(state, is_leaf=hole)
+    found = structure.flatten_up_to(mapped)
     return [i for i, leaf in zip(found, held) if not hole(leaf)]
 
 

@@ -334,6 +334,8 @@ def test_what_looks_like_an_optimizer_state():
     assert looks_like_state(model) is None
     assert looks_like_state(attention) is None
     assert looks_like_state([params, params]) is None  # a list of alike subtrees
+    # twin towers of a model count no steps
+    assert looks_like_state({"encoder": params, "decoder": params}) is None
     state = {"m": params, "v": params, "step": jax.ShapeDtypeStruct((), "int32")}
     assert looks_like_state(state) == STATE_HINT.replace(
         "it holds optax's ScaleByAdamState", "its subtrees m and v have the same paths and shapes"

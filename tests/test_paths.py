@@ -4,7 +4,6 @@
 import random
 import re
 import signal
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -402,11 +401,11 @@ def _deadline(seconds: float) -> Iterator[None]:
     ],
 )
 def test_no_catastrophic_backtracking(pattern: str, path: tuple[str, ...], matches: bool) -> None:
-    start = time.perf_counter()
-    with _deadline(2.0):
+    # A backtracking matcher would not finish these in the age of the universe; this
+    # one takes milliseconds. A generous deadline stops a hang, never a slow machine.
+    with _deadline(60.0):
         assert match(pattern, path) is matches
         assert PathIndex([pattern]).first(path) == (0 if matches else None)
-    assert time.perf_counter() - start < 2.0
 
 
 LEAVES = [

@@ -57,7 +57,14 @@ OPTIMIZERS = {
     ),
     "lion": lambda model: optax.lion(1e-3),
     "MultiSteps": lambda model: optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2),
+    "prefix-masked adam": lambda model: optax.masked(optax.adam(1e-3), _every_other_subtree),
 }
+
+
+def _every_other_subtree(params):
+    """A prefix mask: every other child of the root, masked whole."""
+    children, treedef = jax.tree_util.tree_flatten(params, is_leaf=lambda x: x is not params)
+    return jax.tree_util.tree_unflatten(treedef, [k % 2 == 0 for k in range(len(children))])
 
 
 def _assert_laid_out_as(laid_out, expected):
@@ -100,7 +107,7 @@ def test_every_moment_has_its_parameters_blocks(name):
         else:  # step counts
             assert row.origin == "replicated: no parameter here"
     assert sum(want is not None for want in expected) >= (
-        2 if name in ("masked adam", "adafactor", "lion") else 4
+        2 if name in ("masked adam", "adafactor", "lion", "prefix-masked adam") else 4
     )
     assert report.bytes_per_device == sum(
         math.prod((want or leaf.sharding).shard_shape(leaf.shape)) * leaf.dtype.itemsize
@@ -357,6 +364,7 @@ _RANDOM_OPTIMIZERS = [
     "adafactor",
     "MultiSteps",
     "lion",
+    "prefix-masked adam",
 ]
 
 
@@ -419,3 +427,25 @@ def test_a_plan_keeps_none_of_the_models_arrays_alive():
 
 
 RULES_FOR_LINEAR = {"eqshard": 1, "rules": [{"path": "weight", "expr": "o i -> o* i"}]}
+
+
+def test_a_prefix_mask_that_masks_whole_subtrees_follows_optax_s_own_map():
+    keys = jax.random.split(jax.random.key(0), 3)
+    model = (
+        [eqx.nn.Linear(16, 16, key=keys[0]), eqx.nn.Linear(16, 8, key=keys[1])],
+        eqx.nn.Linear(8, 16, key=keys[2]),
+    )
+    params = eqx.filter(model, eqx.is_array)
+    spec = jax.tree_util.tree_map(
+        lambda x: "a ... -> a* ..." if x.shape[0] % 8 == 0 else None, params
+    )
+    plan = eqshard.plan(model, spec)
+    # a prefix of the parameters: blocks[1] and the head masked as whole subtrees
+    optimizer = optax.masked(optax.adam(1e-3), ([True, False], False))
+    state = optimizer.init(params)
+    holes = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+    assert sum(isinstance(x, optax.MaskedNode) for x in holes) == 4  # 2 subtrees, in mu and nu
+    expected = expected_shardings(optimizer, state, params, plan)
+    assert sum(want is not None for want in expected) == 4  # blocks[0]'s moments
+    _assert_laid_out_as(eqshard.abstract(state, plan), expected)
+    _assert_laid_out_as(eqshard.abstract((model, state), plan)[1], expected)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import EqshardError, whole_number
-from .._workers import ModelError, start_worker, without_device_count, worker_answer
+from .._workers import ModelError, Worker, start_worker, without_device_count, worker_answer
 
 __all__ = [
     "TIMEOUT_SECONDS",
@@ -108,11 +108,10 @@ def run_per_count(
     env = without_device_count(os.environ)
     results: dict[int, dict[str, Any]] = {}
     for start in range(0, len(counts), at_once):
-        running = [
-            (n, start_worker({**request, "devices": n}, _ENTRY, env))
-            for n in counts[start : start + at_once]
-        ]
+        running: list[tuple[int, Worker]] = []
         try:
+            for n in counts[start : start + at_once]:  # each started is stopped below
+                running.append((n, start_worker({**request, "devices": n}, _ENTRY, env)))
             for n, worker in running:
                 what = f"{doing} on {n} devices"
                 try:
