@@ -6,6 +6,7 @@ device), so `eqshard check` and golden files need no simulated devices; placing
 or compiling with it is refused, saying what to pass instead.
 """
 
+import json
 from pathlib import Path
 
 import equinox as eqx
@@ -26,6 +27,82 @@ SPECS = ROOT / "examples" / "specs"
 TRANSFORMER = f"{ROOT / 'examples' / 'transformer.py'}:build"
 GPT = f"{ROOT / 'examples' / 'gpt_stacked.py'}:build"
 LLAMA = f"{Path(__file__).parent / 'llama_model.py'}:build"
+
+# Specs that lay out, misfit their mesh, name the wrong device count, leave rules
+# unused and leaves unmatched: what each says must not depend on devices.
+FAULTY = {
+    "eqshard": 1,
+    "devices": 4,
+    "mesh": [["data", 2], ["model", "*"]],
+    "default": "error",
+    "rules": [
+        {"path": "**.up.weight", "expr": "o i -> o4 i2"},
+        {"path": "**.attn.query_proj.weight", "expr": "o i -> o* i"},
+        {"path": "**.attn.nothing.weight", "expr": "o i -> o* i"},
+        {"path": "embed.weight", "expr": "v d -> v d 3"},
+    ],
+}
+DISAGREEING = {
+    "eqshard": 1,
+    "rules": [
+        {"path": "**.up.weight", "expr": "o i -> o2 i4"},
+        {"path": "**.down.weight", "expr": "o i -> o4 i2"},
+    ],
+}
+
+
+def _pairs(tmp_path):
+    """(spec file, model) pairs: the repository's spec files, and faulty ones."""
+    for name, spec in (("faulty", FAULTY), ("disagreeing", DISAGREEING)):
+        (tmp_path / f"{name}.eqshard.json").write_text(json.dumps(spec))
+    return [
+        (SPECS / "transformer.eqshard.json", TRANSFORMER),
+        (SPECS / "gpt.eqshard.json", GPT),
+        *((path, "eqshard._demo_model:build") for path in sorted((SPECS / "demo").glob("*.json"))),
+        *((path, TRANSFORMER) for path in sorted((ROOT / "tests/specs/valid").glob("*.json"))),
+        (tmp_path / "faulty.eqshard.json", TRANSFORMER),
+        (tmp_path / "disagreeing.eqshard.json", TRANSFORMER),
+    ]
+
+
+def _lay_out_on_devices(monkeypatch):
+    """From here on, `eqshard check` lays out as it did before: on the first n real
+    devices, not on an abstract mesh."""
+    import eqshard._plan
+
+    abstract = eqshard._plan.make_plan
+    meshes = []  # each plan's mesh, to show that they had devices
+
+    def on_devices(model, spec, *, devices=None, **kwargs):
+        if isinstance(devices, int):
+            devices = jax.devices()[:devices]
+        planned = abstract(model, spec, devices=devices, **kwargs)
+        meshes.append(planned.plan.mesh)
+        return planned
+
+    monkeypatch.setattr(eqshard._plan, "make_plan", on_devices)
+    return meshes
+
+
+def test_check_says_the_same_with_devices_and_without(run_cli, tmp_path, monkeypatch):
+    pairs = _pairs(tmp_path)
+    abstract = []
+    for spec, model in pairs:
+        result = run_cli("check", spec, "--model", model, "--devices", 8, "--format", "json")
+        abstract.append((result.code, json.loads(result.out)))
+    assert {code for code, _ in abstract} == {0, 1}  # some fit, some do not
+    faulty = abstract[-2][1]["checks"][0]
+    assert len(faulty["problems"]) >= 4
+    assert faulty["warnings"]
+    assert abstract[-1][1]["checks"][0]["warnings"][0]["message"].startswith(
+        "the layouts group the devices in ways that disagree"
+    )
+    meshes = _lay_out_on_devices(monkeypatch)
+    for (spec, model), (code, document) in zip(pairs, abstract):
+        result = run_cli("check", spec, "--model", model, "--devices", 8, "--format", "json")
+        assert (result.code, json.loads(result.out)) == (code, document), spec
+    assert len(meshes) == len(pairs)
+    assert all(isinstance(m, Mesh) for m in meshes)
 
 
 def _leaf_specs(plan):
@@ -112,6 +189,25 @@ def test_a_llama_shaped_model_on_65536_devices():
     assert abstract.layers.up.weight.sharding.shard_shape((LAYERS, HIDDEN, DIM)) == (32, 896, 1)
 
 
+def test_check_on_65536_devices_from_the_command_line(run_python, tmp_path):
+    spec = tmp_path / "llama.eqshard.json"
+    spec.write_text(json.dumps(LLAMA_SPEC))
+    command = ["-m", "eqshard", "check", spec, "--model", LLAMA, "--devices", "8", "65536"]
+    result = run_python([*map(str, command), "--format", "json"])
+    assert result.returncode == 1, result.stderr  # on 8 devices, 'model' 16 does not fit
+    eight, many = json.loads(result.stdout)["checks"]
+    assert eight["problems"][0]["message"].startswith(
+        "the mesh ('data': *, 'model': 16) needs a multiple of 16 devices"
+    )
+    assert many["ok"]
+    assert many["devices"] == 65536
+    assert not many["problems"]
+    leaves = {leaf["path"]: leaf for leaf in many["leaves"]}
+    assert leaves["layers.q.weight"]["partition_spec"] == "P(None, 'model', 'data')"
+    assert leaves["layers.q.weight"]["bytes_per_device"] == LAYERS * DIM * DIM * 4 // 65536
+    assert many["bytes_per_device"] == sum(leaf["bytes_per_device"] for leaf in leaves.values())
+
+
 def test_an_abstract_plan_serves_jit_where_a_mesh_is_set():
     model = eqx.nn.Linear(8, 16, key=jax.random.key(0))
     rules = eqshard.load({"eqshard": 1, "rules": [{"path": "weight", "expr": "o i -> o2 i4"}]})
@@ -190,3 +286,14 @@ def test_a_count_is_a_whole_number_a_sharding_can_describe():
     sharding = eqshard.sharding("a b -> a2* b", (65536 * 2, 16), devices=65536)
     assert sharding.mesh == AbstractMesh((65536, 1), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
     assert sharding.shard_shape((65536 * 2, 16)) == (2, 16)
+
+
+def test_check_refuses_a_count_no_sharding_can_describe(run_cli, tmp_path):
+    spec = tmp_path / "llama.eqshard.json"
+    spec.write_text(json.dumps(LLAMA_SPEC))
+    result = run_cli("check", spec, "--model", LLAMA, "--devices", 2**31)
+    assert result.code == 2
+    assert (
+        "argument --devices: '2147483648' is more than 2147483647 devices, the most a JAX "
+        "sharding can describe"
+    ) in result.err
