@@ -82,7 +82,7 @@ def place(tree: Any, planned: Planned, what: str = "`eqshard.apply`") -> Any:
     """Places every leaf of `tree` that `planned` gives a sharding, in one
     `jax.device_put`; raises every problem of the plan and of the values at once."""
     p = planned.plan
-    on_devices(p.mesh, what)
+    on_devices(p.mesh, what, p.devices)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
     refused = [

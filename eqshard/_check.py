@@ -1,13 +1,18 @@
 """`eqshard check`: resolve a spec file against an abstract model, on N devices.
 
 Nothing here touches device memory: the model is built with
-`eqx.filter_eval_shape`, and each device count is a subset of simulated devices.
+`eqx.filter_eval_shape`. Layouts need no devices either: each device count is
+laid out on an abstract mesh (`make_plan(..., devices=n)`), so 65,536 devices
+cost what 8 do. Only a step to compile (`--step`) needs devices: a subset of
+simulated devices.
 
-The command line checks each device count in a process of its own
-(`check_in_processes`, which runs `main_worker`), so every count gets a JAX
-started for it, and a model that sets its own device count at import works.
-This module imports JAX only when a check runs, so the process that starts the
-workers never pays for it up front.
+The command line checks in worker processes (`check_in_processes`, which runs
+`main_worker`), so the user's model is imported in a fresh Python, and what it
+prints never mixes with the report: the layouts of every file and count in one
+worker, which builds the model once; a step, each count in a worker of its own,
+with a JAX started on that many simulated devices (a model that sets its own
+device count at import works). This module imports JAX only when a check runs,
+so the process that starts the workers never pays for it up front.
 """
 
 from __future__ import annotations
@@ -309,10 +314,13 @@ def check(
 
     Every leaf that can be laid out is, so one run reports every independent fault:
     expressions that do not fit, the file's device count, unmatched leaves under
-    `"default": "error"`, and (with `strict`) rules that match nothing. With `step`,
-    the step is compiled over the laid-out arguments (`eqshard.cost`) and each result
-    has its cost. With `max_memory` (bytes per device), a check whose peak lower
-    bound (without `step`: its parameters per device) is more has a problem.
+    `"default": "error"`, and (with `strict`) rules that match nothing. The layouts
+    are made for the count, abstractly, so a count may be more than this process
+    has devices. With `step`, the plan is made on the first `n` of `jax.devices()`
+    (the same layouts) and the step is compiled over the laid-out arguments
+    (`eqshard.cost`), so each result has its cost. With `max_memory` (bytes per
+    device), a check whose peak lower bound (without `step`: its parameters per
+    device) is more has a problem.
     """
     import jax
 
@@ -326,7 +334,7 @@ def check(
     held = "the parameters and state take" if state_leaves else "the parameters alone take"
     results = []
     for n in device_counts:
-        planned = make_plan(model, rules, devices=jax.devices()[:n])
+        planned = make_plan(model, rules, devices=n if step is None else jax.devices()[:n])
         problems = list(planned.problems)
         notes: list[str] = []
         warnings: list[dict[str, Any]] = []
@@ -508,9 +516,8 @@ def _held_label(results: Sequence[CheckResult]) -> str:
 
 
 def check_in_processes(
-    source: str,
+    checks: Sequence[tuple[str, Sequence[int]]],
     model: str,
-    device_counts: Sequence[int],
     *,
     strict: bool = False,
     step: str | None = None,
@@ -519,22 +526,24 @@ def check_in_processes(
     max_memory: int | None = None,
     timeout: float = WORKER_TIMEOUT_SECONDS,
 ) -> list[CheckResult]:
-    """`check`, with each device count in a fresh Python process (`main_worker`).
+    """`check`, in fresh Python processes (`main_worker`).
 
-    Each process starts JAX on as many simulated CPU devices as its count, then
+    Without `step`, one process imports and builds the model once and lays out
+    every file on every count, abstractly: a count costs no devices, so 65,536 of
+    them take what 8 take. With `step`, each count is compiled in a process of its
+    own that starts JAX on as many simulated CPU devices as its count, then
     imports and builds the model, so a count may be more than this process could
-    simulate, and a model that sets `jax_num_cpu_devices` at import works. Up to
-    `WORKERS` counts run at once; the first error, in the order of the counts, stops
+    simulate, and a model that sets `jax_num_cpu_devices` at import works; up to
+    `WORKERS` run at once, and the first error, in the order of the checks, stops
     the others. The workers' stderr is this process's, so what the model prints,
-    and its warnings, show as they come (once per count).
+    and its warnings, show as they come (once per worker).
 
     **Arguments:**
 
-    - `source`: the spec file's path, as the user wrote it; each worker loads it,
-        and the results name it so.
+    - `checks`: each spec file's path, as the user wrote it (each worker loads it,
+        and the results name it so), with the device counts to check it on.
     - `model`: `MODULE:CALLABLE`, as for `abstract_model`, imported by each worker
         with this process's `sys.path`.
-    - `device_counts`: the device counts to check, in the order of the results.
     - `strict`: a rule that matches nothing is a problem rather than a note.
     - `step`, `optimizer`, `batch`: `MODULE:CALLABLE`s, as for `step_inputs`; with
         `step` (and `batch`), each worker compiles the step and its result has its
@@ -544,23 +553,20 @@ def check_in_processes(
 
     **Returns:**
 
-    One `CheckResult` per count, equal to what `check` gives for it in a process
-    started with that many devices.
+    One `CheckResult` per file and count, in the order given, equal to what
+    `check` gives for it (with `step`, in a process started with that many
+    devices).
 
     **Raises:**
 
     What a worker raised, as the same class here: `ModelError` (exit code 2) when
     the model cannot be imported or built, and when a worker ends without an answer
     or takes longer than `timeout` ("checking on 8 devices took longer than 1800
-    s"); `EqshardError` when JAX started with fewer devices than a count (XLA_FLAGS,
-    or the model, set a smaller one); `SpecError` when the spec file cannot be
-    loaded.
+    s"); `EqshardError` when, with `step`, JAX started with fewer devices than a
+    count (XLA_FLAGS, or the model, set a smaller one); `SpecError` when a spec
+    file cannot be loaded.
     """
-    counts = list(dict.fromkeys(device_counts))
-    at_once = max(1, min(WORKERS, os.cpu_count() or 1))
-    results: dict[int, CheckResult] = {}
     request = {
-        "spec": source,
         "model": model,
         "strict": strict,
         "step": step,
@@ -568,49 +574,87 @@ def check_in_processes(
         "batch": batch,
         "max_memory": max_memory,
     }
-    for start in range(0, len(counts), at_once):
+    each = list(dict.fromkeys((source, n) for source, counts in checks for n in counts))
+    if step is None:
+        results = _layouts_in_one_process(request, each, timeout)
+    else:
+        results = _steps_in_processes(request, each, timeout)
+    return [results[source, n] for source, counts in checks for n in counts]
+
+
+_Key = tuple[str, int]  # a spec file, and a device count to check it on
+
+
+def _layouts_in_one_process(
+    request: Mapping[str, Any], each: Sequence[_Key], timeout: float
+) -> dict[_Key, CheckResult]:
+    """Every file on every count, laid out abstractly by one worker."""
+    wanted: dict[str, list[int]] = {}
+    for source, n in each:
+        wanted.setdefault(source, []).append(n)
+    checks = [{"spec": source, "devices": counts} for source, counts in wanted.items()]
+    worker = start_worker({**request, "checks": checks}, "eqshard._check:main_worker")
+    from . import _report  # noqa: F401  (JAX, for the results' rows, while it runs)
+
+    counts = ", ".join(map(str, dict.fromkeys(n for _, n in each)))
+    found = _answer(f"checking on {counts} devices", worker, timeout)
+    return dict(zip([(source, n) for source, ns in wanted.items() for n in ns], found))
+
+
+def _steps_in_processes(
+    request: Mapping[str, Any], each: Sequence[_Key], timeout: float
+) -> dict[_Key, CheckResult]:
+    """Each file and count, its step compiled by a worker of its own, up to
+    `WORKERS` at once; the first error stops the rest."""
+    at_once = max(1, min(WORKERS, os.cpu_count() or 1))
+    results: dict[_Key, CheckResult] = {}
+    for start in range(0, len(each), at_once):
         running = [
-            (n, start_worker({**request, "devices": n}, "eqshard._check:main_worker"))
-            for n in counts[start : start + at_once]
+            (
+                key,
+                start_worker(
+                    {**request, "checks": [{"spec": key[0], "devices": [key[1]]}]},
+                    "eqshard._check:main_worker",
+                ),
+            )
+            for key in each[start : start + at_once]
         ]
         try:
             if not results:  # JAX, for the results' rows, imported while the workers run
                 from . import _report  # noqa: F401
-            for n, worker in running:
-                results[n] = _answer(n, worker, timeout)
+            for key, worker in running:
+                (results[key],) = _answer(f"checking on {key[1]} devices", worker, timeout)
         finally:
             for _, worker in running:  # after an error, the rest are not needed
                 worker.stop()
-    return [results[n] for n in device_counts]
+    return results
 
 
-def _answer(devices: int, worker: Worker, timeout: float) -> CheckResult:
-    """The worker's result, or its error raised here."""
-    document = worker_answer(
-        worker,
-        timeout,
-        f"checking on {devices} devices",
-        "Run the model's build in Python to see why",
-    )
-    return CheckResult.from_json(document["result"])
+def _answer(doing: str, worker: Worker, timeout: float) -> list[CheckResult]:
+    """The worker's results, or its error raised here."""
+    document = worker_answer(worker, timeout, doing, "Run the model's build in Python to see why")
+    return [CheckResult.from_json(entry) for entry in document["result"]]
 
 
 def main_worker() -> int:
-    """Checks one device count in this fresh process, for `check_in_processes`.
+    """Checks in this fresh process, for `check_in_processes`.
 
     `check_in_processes` runs it with `python -c`, after setting `sys.path` to its
-    own; by hand, run `python -m eqshard._check`. It reads one JSON request from stdin,
-    `{"spec": PATH, "model": "MODULE:CALLABLE", "devices": N, "strict": BOOL}`, with
-    optionally `"step"`, `"optimizer"`, `"batch"` (`MODULE:CALLABLE` or null) and
-    `"max_memory"` (bytes or null); starts JAX on N simulated CPU devices (unless
-    XLA_FLAGS sets a count) before it imports the model, which may set its own
-    count; loads the spec, builds the model (and the step's arguments) abstractly,
-    and checks it on N devices (compiling the step, with one). It writes one JSON document to
-    stdout, and nothing else goes there (what the model prints goes to stderr):
+    own; by hand, run `python -m eqshard._check`. It reads one JSON request from
+    stdin, `{"checks": [{"spec": PATH, "devices": [N, ...]}, ...], "model":
+    "MODULE:CALLABLE", "strict": BOOL}`, with optionally `"step"`, `"optimizer"`,
+    `"batch"` (`MODULE:CALLABLE` or null) and `"max_memory"` (bytes or null). It
+    loads the specs and builds the model abstractly, once. Without a step, it lays
+    each spec out on each count abstractly, with no devices; with one, it first
+    starts JAX on the largest count's simulated CPU devices (unless XLA_FLAGS sets
+    a count; the model, imported after, may set its own), builds the step's
+    arguments abstractly and compiles the step on each count. It writes one JSON
+    document to stdout, and nothing else goes there (what the model prints goes to
+    stderr):
 
-    - `{"result": {...}}`: the `CheckResult`, as `to_json()` writes it but with
-        each problem whole (`where`, `message`, `detail`, `file`), for
-        `CheckResult.from_json`;
+    - `{"result": [{...}, ...]}`: a `CheckResult` per spec and count, in order, as
+        `to_json()` writes it but with each problem whole (`where`, `message`,
+        `detail`, `file`), for `CheckResult.from_json`;
     - `{"error": {"type", "message", "exit_code", "eqshard"}}`: what was raised
         (its class name, its text, the command line's exit code for it, whether it
         is an `EqshardError`), with `headline` and `problems` for a `SpecError`.
@@ -620,37 +664,44 @@ def main_worker() -> int:
     The exit code: 0 once it has answered, whatever the answer; 130 on Ctrl-C,
     without an answer. It never prints a traceback.
     """
-    return serve(_answer_one)
+    return serve(_answer_all)
 
 
-def _answer_one(request: Mapping[str, Any]) -> dict[str, Any]:
-    result = _check_one(request)
-    return {**result.to_json(), "problems": [dataclasses.asdict(p) for p in result.problems]}
+def _answer_all(request: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {**result.to_json(), "problems": [dataclasses.asdict(p) for p in result.problems]}
+        for result in _check_all(request)
+    ]
 
 
-def _check_one(request: Mapping[str, Any]) -> CheckResult:
-    """The worker's check of one device count, JAX not yet started."""
+def _check_all(request: Mapping[str, Any]) -> list[CheckResult]:
+    """The worker's checks, JAX not yet started."""
     import jax
 
     from ._specfile import load
 
-    devices = whole_number(request["devices"], "devices")
-    jax.config.update("jax_platforms", "cpu")
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        jax.config.update("jax_num_cpu_devices", devices)
-    rules = load(request["spec"])
+    checks = [
+        (str(entry["spec"]), [whole_number(n, "devices") for n in entry["devices"]])
+        for entry in request["checks"]
+    ]
+    most = max(n for _, counts in checks for n in counts)
+    jax.config.update("jax_platforms", "cpu")  # never an accelerator another process holds
+    compiling = request.get("step") is not None
+    if compiling and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        jax.config.update("jax_num_cpu_devices", most)
+    specs = [load(source) for source, _ in checks]
     modules: dict[str, Any] = {}
     model = abstract_model(str(request["model"]), modules=modules)  # it may set its own count
-    started = len(jax.devices())
-    if started < devices:
-        raise EqshardError(
-            f"checking on {devices} devices needs {devices} simulated devices, but JAX "
-            f"started with {started}; XLA_FLAGS or the model's own "
-            "jax.config.update('jax_num_cpu_devices', ...) set that count: leave the count "
-            "to `eqshard check`, or check on at most that many devices"
-        )
     step = None
-    if request.get("step") is not None:
+    if compiling:
+        started = len(jax.devices())
+        if started < most:
+            raise EqshardError(
+                f"checking on {most} devices needs {most} simulated devices, but JAX "
+                f"started with {started}; XLA_FLAGS or the model's own "
+                "jax.config.update('jax_num_cpu_devices', ...) set that count: leave the "
+                "count to `eqshard check`, or check on at most that many devices"
+            )
         step = step_inputs(
             model,
             str(request["step"]),
@@ -659,15 +710,17 @@ def _check_one(request: Mapping[str, Any]) -> CheckResult:
             modules=modules,
         )
     limit = request.get("max_memory")
-    (result,) = check(
-        rules,
-        model,
-        [devices],
-        strict=bool(request["strict"]),
-        step=step,
-        max_memory=None if limit is None else whole_number(limit, "max_memory"),
-    )
-    return result
+    results: list[CheckResult] = []
+    for rules, (_, counts) in zip(specs, checks):
+        results += check(
+            rules,
+            model,
+            counts,
+            strict=bool(request["strict"]),
+            step=step,
+            max_memory=None if limit is None else whole_number(limit, "max_memory"),
+        )
+    return results
 
 
 if __name__ == "__main__":  # `python -m eqshard._check`: one worker

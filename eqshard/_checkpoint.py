@@ -36,7 +36,7 @@ def abstract(
     spec: Any = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Sequence[Device] | int | None = None,
 ) -> PyTree[Any]:
     """`tree` with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at each array leaf.
 
@@ -242,7 +242,7 @@ def restore(
     if planned.problems:
         raise SpecError(planned.problems)
     p = planned.plan
-    on_devices(p.mesh, "`eqshard.restore`")
+    on_devices(p.mesh, "`eqshard.restore`", p.devices)
     resolved = p.resolved
     specs, targets = [], []
     for i, (leaf, sharding) in enumerate(zip(resolved.leaves, p.flat_shardings)):

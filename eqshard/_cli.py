@@ -98,7 +98,7 @@ _positive, _size = _whole(1), _whole(0)
 
 _EVERY_ONE = "--format json lists every one"  # where to see the problems text only counts
 
-MAX_SIMULATED = 4096  # simulated CPU devices for layouts: enough for any mesh worth drawing
+MAX_SIMULATED = 4096  # simulated CPU devices to draw on, or compile a step on
 MAX_DEMO_DEVICES = 64  # the demo compiles and runs a step on each: XLA:CPU's limit on 2 cores
 MAX_DEMO_STEPS = 1000  # each strategy trains this many steps on one fixed batch
 
@@ -114,6 +114,14 @@ def _at_most(limit: int, what: str):
 
 
 _device_count = _at_most(MAX_SIMULATED, "simulated devices")
+
+
+def _layout_count(text: str) -> int:
+    """An argparse type: a device count to lay out on, abstractly."""
+    from ._layout import MAX_DEVICES  # no JAX
+
+    return _at_most(MAX_DEVICES, "devices, the most a JAX sharding can describe")(text)
+
 
 _MEMORY_UNITS = {
     "": 1,
@@ -241,35 +249,35 @@ def _check_command(args: argparse.Namespace) -> int:
     for name in dict.fromkeys(args.files):
         rules = load(name)
         counts = args.devices or [rules.devices or 8]
-        if max(counts) > MAX_SIMULATED:
+        if args.step is not None and max(counts) > MAX_SIMULATED:
+            given = "--devices" if args.devices else f'{name} says "devices":'
             raise EqshardError(
-                f'{name} says "devices": {max(counts)}; check it with --devices N, up to '
-                f"{MAX_SIMULATED} simulated devices"
+                f"{given} {max(counts)}: --step compiles the step on simulated devices, "
+                f"up to {MAX_SIMULATED}; without --step, layouts are checked on any count"
             )
         checks.append((name, rules, counts))
     results = []
     if _check_in_processes():
         from ._check import check_in_processes
 
-        for name, _, counts in checks:
-            results += check_in_processes(
-                name,
-                args.model,
-                counts,
-                strict=args.strict,
-                step=args.step,
-                optimizer=args.optimizer,
-                batch=args.batch,
-                max_memory=args.max_memory,
-            )
+        results = check_in_processes(
+            [(name, counts) for name, _, counts in checks],
+            args.model,
+            strict=args.strict,
+            step=args.step,
+            optimizer=args.optimizer,
+            batch=args.batch,
+            max_memory=args.max_memory,
+        )
     else:
         most = max(max(counts) for _, _, counts in checks)
-        _use_devices(most)
+        if args.step is not None:  # layouts alone need no devices
+            _use_devices(most)
         import jax
 
         from ._check import abstract_model, check, step_inputs
 
-        if len(jax.devices()) < most:
+        if args.step is not None and len(jax.devices()) < most:
             raise EqshardError(
                 f"checking on {most} devices needs {most} simulated devices, "
                 f"but JAX started with {len(jax.devices())} (is XLA_FLAGS setting a device "
@@ -412,9 +420,11 @@ def _parser() -> argparse.ArgumentParser:
         help="resolve spec files against a model, abstractly, on N devices",
         description=(
             "Build the model abstractly (no device memory), resolve each spec file's "
-            "rules on N simulated devices for each N given, and print a per-leaf "
-            "table with the totals per device. With --step, compile the training step "
-            "over the laid-out arguments and print what it costs per device: memory, "
+            "rules on N devices for each N given, abstractly (no devices either, so "
+            "65536 take seconds), and print a per-leaf table with the totals per "
+            "device. With --step, compile the training step on N simulated devices "
+            f"(at most {MAX_SIMULATED}) over the laid-out arguments and print what it "
+            "costs per device: memory, "
             "communication per step and an estimate on an H100. Several files or "
             "counts are compared side by side. Exit 1 when a leaf is unmatched under "
             '"default": "error", a dim does not divide, the device count does not '
@@ -458,10 +468,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--devices",
-        type=_device_count,
+        type=_layout_count,
         nargs="+",
         metavar="N",
-        help='device counts to check (default: the file\'s "devices", or 8)',
+        help='device counts to check (default: the file\'s "devices", or 8); any count '
+        f"for layouts, at most {MAX_SIMULATED} with --step",
     )
     check.add_argument(
         "--strict", action="store_true", help="a rule that matches nothing is an error"

@@ -30,7 +30,7 @@ from ._hardware import HARDWARE, Estimate, Hardware, Moved, hardware_profile, ro
 from ._plan import Plan, plan
 from ._report import LeafRow, leaf_rows
 from ._resolver import is_resolver
-from ._sharding import AnyMesh, Device, on_devices, sharding
+from ._sharding import AnyMesh, Device, device_count, on_devices, sharding
 from ._specfile import Rules
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
@@ -349,7 +349,7 @@ def cost(
     else:  # with the model's eqx.nn.State, one mesh fits both
         planned_for = _stateful(abstract_model, abstract_args, spec)
         p = plan(planned_for, spec, mesh=mesh, devices=devices)
-    on_devices(p.mesh, "`eqshard.cost`")
+    on_devices(p.mesh, "`eqshard.cost`", p.devices)
     if batch is None:
         batch = _data_parallel(p)
     model_plan = _laid_out(abstract_model, p)  # a plan of `(model, state)` lays out the model
@@ -375,7 +375,7 @@ def cost(
         return eqx.filter(fn(*everything), eqx.is_array)
 
     donate = tuple(i for i, on in enumerate((donate_first, donate_rest)) if on)
-    n = len(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
+    n = device_count(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
     try:
         compiled = _compile(jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:]))
     except EqshardError:
@@ -406,7 +406,7 @@ def cost(
         flops=float(_hlo.flops(module)),
         bytes_accessed=float(compiled.costs.get("bytes accessed", 0.0)),
         mesh=p.mesh,
-        devices=len(p.devices) if p.devices is not None else 0,
+        devices=device_count(p.devices) if p.devices is not None else 0,
         dtype=max(set(dtypes), key=dtypes.count) if dtypes else "float32",
     )
 

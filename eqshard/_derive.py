@@ -347,7 +347,7 @@ def plan_for(
     spec: Any,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Sequence[Device] | int | None = None,
     unspecified: Unspecified = "replicate",
 ) -> Planned:
     """The plan that lays out `tree`. For a spec, `make_plan(tree, spec, ...)`. For a

@@ -137,7 +137,7 @@ def init(
     if planned.problems or refused:
         headline = "`eqshard.init` cannot place these leaves" if refused else None
         raise SpecError(planned.problems + refused, headline)
-    on_devices(plan.mesh, "`eqshard.init`")
+    on_devices(plan.mesh, "`eqshard.init`", plan.devices)
     leaves = list(plan.resolved.leaves)
     for group in _groups(leaves):
         for i, array in zip(group, _compiled(factory, plan, group)()):

@@ -24,12 +24,17 @@ from ._errors import EqshardError, whole_number
 from ._expression import Element, Expression, parse
 
 __all__ = [
+    "MAX_DEVICES",
     "MAX_ELEMENTS",
     "Layout",
     "integer_root",
     "layout",
     "shape_of",
 ]
+
+MAX_DEVICES = 2**31 - 1
+"""The most devices a plan is made for without devices (`devices=` a count): XLA's
+shardings count devices in 32 bits."""
 
 MAX_ELEMENTS = 32
 """The most elements a right side may have: one mesh axis each, and JAX allows 32."""

@@ -7,6 +7,11 @@ coarsest shared row-major mesh, which exists on any power-of-two device count.
 Each leaf's devices hold exactly the blocks that `eqshard.sharding` (and einshard)
 would give them; only the mesh they are written on is shared. Where no shared
 mesh exists, each expression keeps its own mesh, as `eqshard.sharding` builds it.
+
+Planning needs no devices: given a count (`devices=65536`), every mesh is the
+`jax.sharding.AbstractMesh` of the axes the same devices would get, so the
+layouts, `PartitionSpec`s and bytes per device are those of the concrete plan,
+and only placing or compiling needs devices (`_sharding.on_devices`).
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ from ._resolver import Target
 from ._sharding import (
     AnyMesh,
     Device,
-    device_tuple,
+    Placement,
+    device_count,
     mesh as build_mesh,
     mesh_devices,
     named_sharding,
+    placement,
     user_mesh,
 )
 
@@ -70,7 +77,8 @@ class Plan:
 
     - `mesh`: the one mesh every sharding is written on: the user's (`mesh=`, the
         mesh of `jax.set_mesh`, or the `"mesh"` a spec file declares, built with
-        Auto axes), else a shared row-major mesh of Auto axes `m0`, `m1`, ...; or
+        Auto axes), else a shared row-major mesh of Auto axes `m0`, `m1`, ... (a
+        `jax.sharding.AbstractMesh` of the same axes for a plan made for a count); or
         `None` when the layouts share no mesh (then each sharding has its
         expression's own mesh, as `eqshard.sharding` builds it).
     - `shardings`: the model's structure with a `NamedSharding` for each array leaf
@@ -78,6 +86,10 @@ class Plan:
     - `partition_specs`: the same, with each leaf's `PartitionSpec`.
     - `expressions`: the same, with each leaf's complete `Expression` (`None` where
         the spec gave none).
+    - `devices`: the devices the plan places on, in einshard's order; or, for a
+        plan made for a device count (`devices=65536`), that count: then every mesh
+        is a `jax.sharding.AbstractMesh`, and placing or compiling with the plan is
+        an error that says to plan with devices. `None` on the user's abstract mesh.
     - `mesh_is_given`: whether `mesh` is the user's or a spec file's, not eqshard's.
     - `spec`, `unspecified`: what the plan was made from, which also lays out the
         model's `eqx.nn.State` when the plan meets one.
@@ -88,7 +100,7 @@ class Plan:
     mesh: AnyMesh | None
     resolved: Resolved = dataclasses.field(repr=False)
     flat_shardings: list[NamedSharding | None] = dataclasses.field(repr=False)
-    devices: tuple[Device, ...] | None = dataclasses.field(default=None, repr=False)
+    devices: Placement | None = dataclasses.field(default=None, repr=False)
     mesh_is_given: bool = dataclasses.field(default=False, repr=False)
     spec: Any = dataclasses.field(default=None, repr=False)
     unspecified: Unspecified = dataclasses.field(default="replicate", repr=False)
@@ -98,7 +110,7 @@ class Plan:
         if self.mesh is not None:
             return NamedSharding(self.mesh, PartitionSpec())
         assert self.devices is not None
-        return named_sharding((len(self.devices),), ("_0",), (), self.devices)
+        return named_sharding((device_count(self.devices),), ("_0",), (), self.devices)
 
     def _tree(self, flat: list[Any]) -> Any:
         return jax.tree_util.tree_unflatten(self.resolved.treedef, flat)
@@ -147,7 +159,7 @@ def make_plan(
     spec: Any = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Sequence[Device] | int | None = None,
     unspecified: Unspecified = "replicate",
     context: Any = None,
     fit_onto: AnyMesh | None = None,
@@ -164,9 +176,10 @@ def make_plan(
         raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
     target_mesh = user_mesh(mesh, devices)
     problems: list[Problem] = []
+    placed_on: Placement | None
     if target_mesh is None:
-        placed_on = device_tuple(devices)
-        n = len(placed_on)
+        placed_on = placement(devices)
+        n = device_count(placed_on)
         declared, found = declared_mesh(spec, n)
         problems += found
         if declared is not None:
@@ -289,13 +302,14 @@ def plan(
     spec: Any = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Sequence[Device] | int | None = None,
     unspecified: Unspecified = "replicate",
 ) -> Plan:
     """Resolves a spec against a model and lays out every array leaf, placing nothing.
 
     It works on abstract models (`eqx.filter_eval_shape`) as well as concrete ones,
-    so checking a spec costs no device memory.
+    so checking a spec costs no device memory; and, given a device count rather
+    than devices, on no devices at all.
 
     **Example:**
 
@@ -306,6 +320,9 @@ def plan(
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     eqshard.plan(model, spec, mesh=mesh).partition_specs.w1   # P(None, 'model')
+
+    big = eqshard.plan(model, spec, devices=65536)   # abstractly: no devices needed
+    big.mesh                      # AbstractMesh('m0': 65536, ...)
     ```
 
     **Arguments:**
@@ -321,6 +338,12 @@ def plan(
         By default the mesh of `jax.set_mesh`, if one is set, else the mesh a spec
         file declares.
     - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
+        Or a device count, such as `65536`: the plan is made without devices, on a
+        `jax.sharding.AbstractMesh` with the axes that many devices would get, and
+        gives every leaf the `PartitionSpec` and bytes per device of the plan on
+        that many real devices. It serves `report`, `abstract`, `constrain` inside
+        `jit` and golden files; `apply`, `init`, `restore`, `shard` and `cost` need
+        devices and say so.
     - `unspecified`: what an array leaf whose expression is `None` gets:
         `"replicate"` (a full copy on every device, the default) or `"keep"` (it
         stays where it is).
@@ -335,8 +358,9 @@ def plan(
     path, shape, expression and the rule it breaks (rank, divisibility, device
     count, annotation, or a layout that does not fit the mesh, with the same counts
     in the mesh's order where they fit); or naming the first path where the spec's
-    structure differs from the model's. `eqshard.MeshWarning` when, with no user
-    mesh, the layouts group devices in ways that disagree.
+    structure differs from the model's. `eqshard.EqshardError` when `devices` is
+    neither devices nor a count of at least 1. `eqshard.MeshWarning` when, with no
+    user mesh, the layouts group devices in ways that disagree.
     """
     planned = make_plan(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if planned.problems:

@@ -197,7 +197,7 @@ def report(
     spec: Any = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Sequence[Device] | int | None = None,
 ) -> Report:
     """The per-leaf table of where a model or an optimizer state goes.
 

@@ -75,7 +75,7 @@ def shard(
     if why is not None:
         raise EqshardError(f"the array {why}")
     target = sharding(expr, shape, mesh=mesh, devices=devices)
-    on_devices(target.mesh, "`eqshard.shard`")
+    on_devices(target.mesh, "`eqshard.shard`", devices)
     return jax.device_put(source_for(x, target), target)
 
 

@@ -1,7 +1,10 @@
 """From a layout to a `jax.sharding.NamedSharding`, cached.
 
 Meshes are built with `AxisType.Auto` axes and filled with the devices in
-row-major order, as einshard fills them on CPU and GPU. Auto axes mean that
+row-major order, as einshard fills them on CPU and GPU. Given a device count
+rather than devices, the same mesh is built abstractly (`abstract_mesh`): a
+`jax.sharding.AbstractMesh` of the same axis names and sizes, on which every
+layout, `PartitionSpec` and `shard_shape` is the same, and nothing is placed. Auto axes mean that
 arrays placed by eqshard work in `jax.jit` with no mesh set, and inside
 `jax.set_mesh(mesh)` when that mesh's axes are Auto too. A mesh with Explicit
 axes (the default of `jax.make_mesh` since JAX 0.10) is a different mode: see
@@ -18,10 +21,10 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._errors import EqshardError
+from ._errors import EqshardError, whole_number
 from ._expression import Expression, parse
 from ._fit import fit, mesh_shape_of, misfit
-from ._layout import layout, shape_of
+from ._layout import MAX_DEVICES, layout, shape_of
 
 if TYPE_CHECKING:
     from jaxlib._jax import Device
@@ -29,17 +32,48 @@ else:
     Device = jax.Device
 
 __all__ = [
+    "MAX_DEVICES",
     "AnyMesh",
+    "Placement",
+    "abstract_mesh",
     "cached_sharding",
     "context_mesh",
+    "device_count",
     "device_tuple",
     "mesh",
     "mesh_devices",
     "named_sharding",
     "on_devices",
+    "placement",
     "sharding",
     "user_mesh",
 ]
+
+Placement = Union[tuple[Device, ...], int]
+"""What a layout is placed on without a user's mesh: devices in einshard's order
+(its device `i` is the `i`-th), or a count of devices, laid out abstractly."""
+
+
+def placement(devices: Sequence[Device] | np.ndarray | int | None) -> Placement:
+    """What `devices=` places on: a count (an `int`) as it is, to lay out
+    abstractly, else the devices (`device_tuple`).
+
+    **Raises:** `EqshardError` for a count below 1, or what `device_tuple` raises.
+    """
+    if isinstance(devices, (int, np.integer)):
+        count = whole_number(devices if isinstance(devices, bool) else int(devices), "`devices`")
+        if count > MAX_DEVICES:
+            raise EqshardError(
+                f"`devices` is {count}, more than {MAX_DEVICES}, the most devices a JAX "
+                "sharding can describe (it counts them in 32 bits)"
+            )
+        return count
+    return device_tuple(devices)
+
+
+def device_count(placed: Placement) -> int:
+    """How many devices a `Placement` holds."""
+    return placed if isinstance(placed, int) else len(placed)
 
 
 def device_tuple(devices: Sequence[Device] | np.ndarray | None) -> tuple[Device, ...]:
@@ -53,8 +87,8 @@ def device_tuple(devices: Sequence[Device] | np.ndarray | None) -> tuple[Device,
         devices = tuple(given)
     except TypeError:
         raise EqshardError(
-            f"`devices` is a list of JAX devices, such as `jax.devices()[:4]`, not "
-            f"{type(devices).__name__}"
+            f"`devices` is a list of JAX devices, such as `jax.devices()[:4]`, or a device "
+            f"count, such as 4096, to lay out abstractly; not {type(devices).__name__}"
         ) from None
     wrong = next((d for d in devices if not isinstance(d, jax.Device)), None)
     if wrong is not None:
@@ -110,12 +144,28 @@ def user_mesh(mesh: object, devices: object) -> AnyMesh | None:
     return mesh
 
 
-def on_devices(mesh: AnyMesh | None, what: str) -> None:
+def on_devices(mesh: AnyMesh | None, what: str, placed: object = None) -> None:
     """Checks that `what` (such as "`eqshard.apply`"), which places or compiles
-    arrays, has devices to do it on: its mesh is not a `jax.sharding.AbstractMesh`.
+    arrays, has devices to do it on: its mesh is not a `jax.sharding.AbstractMesh`,
+    and `placed` (the plan's `devices`, or `devices=` as given) is not a count,
+    which lays out abstractly.
 
     **Raises:** `EqshardError` saying how to make a concrete mesh.
     """
+    if isinstance(placed, int):
+        on = (
+            f"a `jax.sharding.AbstractMesh` {dict(zip(mesh.axis_names, mesh.axis_sizes))}, "
+            "which has no devices"
+            if mesh is not None
+            else "abstract meshes, which have no devices"
+        )
+        raise EqshardError(
+            f"{what} needs a mesh with devices, and its layouts were made for a device "
+            f"count, `devices={placed}`, on {on}; pass devices rather "
+            f"than a count, such as `devices=jax.devices()[:{placed}]`, or a concrete "
+            "`jax.sharding.Mesh`. A count serves `eqshard.plan`, `eqshard.report`, "
+            "`eqshard.abstract`, `eqshard.sharding`, and `eqshard.constrain` inside `jit`"
+        )
     if isinstance(mesh, AbstractMesh):
         raise EqshardError(
             f"{what} needs a mesh with devices, and its mesh is a "
@@ -135,10 +185,22 @@ def mesh_devices(mesh: AnyMesh) -> tuple[Device, ...] | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def mesh(
-    mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], devices: tuple[Device, ...]
-) -> Mesh:
-    """A mesh of Auto axes, filled with `devices` in row-major order. Cached."""
+def abstract_mesh(mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> AbstractMesh:
+    """An `AbstractMesh` of Auto axes: the one place one is built. JAX 0.8.1 to
+    0.11 take `AbstractMesh(axis_sizes, axis_names, axis_types)` alike, but the
+    axis types' default changes (Auto, then Explicit after 0.11), so they are
+    always given."""
+    return AbstractMesh(
+        tuple(mesh_shape), tuple(axis_names), axis_types=(AxisType.Auto,) * len(axis_names)
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def mesh(mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], devices: Placement) -> AnyMesh:
+    """A mesh of Auto axes, filled with `devices` in row-major order; for a device
+    count, the `AbstractMesh` of the same axes. Cached."""
+    if isinstance(devices, int):
+        return abstract_mesh(mesh_shape, axis_names)
     grid = np.empty(len(devices), dtype=object)
     grid[:] = devices
     return Mesh(
@@ -152,17 +214,18 @@ def named_sharding(
     mesh_shape: tuple[int, ...],
     mesh_axes: tuple[str, ...],
     spec: Sequence[str | tuple[str, ...] | None],
-    devices: tuple[Device, ...],
+    devices: Placement,
 ) -> NamedSharding:
-    """The `NamedSharding` of `spec` on the cached row-major mesh of `devices`."""
+    """The `NamedSharding` of `spec` on the cached row-major mesh of `devices` (an
+    abstract mesh for a device count)."""
     return NamedSharding(mesh(mesh_shape, mesh_axes, devices), PartitionSpec(*spec))
 
 
 @functools.lru_cache(maxsize=8192)
 def cached_sharding(
-    expr: str | Expression, shape: tuple[int, ...], devices: tuple[Device, ...]
+    expr: str | Expression, shape: tuple[int, ...], devices: Placement
 ) -> NamedSharding:
-    lay = layout(parse(expr), shape, len(devices))
+    lay = layout(parse(expr), shape, device_count(devices))
     return named_sharding(lay.mesh_shape, lay.mesh_axes, lay.spec, devices)
 
 
@@ -187,7 +250,7 @@ def sharding(
     shape: Sequence[int],
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | np.ndarray | None = None,
+    devices: Sequence[Device] | np.ndarray | int | None = None,
 ) -> NamedSharding:
     """The `NamedSharding` that an einshard expression gives an array of `shape`.
 
@@ -211,7 +274,9 @@ def sharding(
         `mesh.devices.flat[i]`.
     - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
         Pass a list to place on a subset. Their order is the row-major order of the
-        mesh.
+        mesh. A count (`devices=65536`) needs no devices: the sharding is on a
+        `jax.sharding.AbstractMesh` of the same axes, for `shard_shape`,
+        `jax.ShapeDtypeStruct` and `eqshard.constrain` inside `jit`.
 
     **Returns:**
 
@@ -233,4 +298,4 @@ def sharding(
     on = user_mesh(mesh, devices)
     if on is not None:
         return sharding_on(expr, shape_of(shape), on)
-    return cached_sharding(expr, shape_of(shape), device_tuple(devices))
+    return cached_sharding(expr, shape_of(shape), placement(devices))

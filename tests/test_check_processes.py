@@ -1,7 +1,8 @@
-"""`eqshard check` as a user runs it: each device count in a process of its own.
+"""`eqshard check` as a user runs it: the layouts of every count in one worker
+process (a step, each count in a worker of its own: tests/test_cli_cost.py).
 
-Each test runs `python -m eqshard check` in a subprocess (about 2 s per device
-count); `run_cli` checks in this process, on its 8 CPU devices, as before.
+Each test runs `python -m eqshard check` in a subprocess (about 2 s);
+`run_cli` checks in this process, as before.
 """
 
 import json
@@ -54,8 +55,8 @@ def test_a_model_that_sets_its_own_device_count(run_python, tmp_path):
     result = _check(run_python, spec, "--model", f"{model}:build", "--devices", 2, 16)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)  # the one document: the model printed to stderr
-    assert result.stderr.count("a model that talks on stdout") == 2  # once per count
-    assert result.stderr.count("and below Python too") == 2
+    assert result.stderr.count("a model that talks on stdout") == 1  # built once for both
+    assert result.stderr.count("and below Python too") == 1
     assert report["ok"] is True
     assert [c["devices"] for c in report["checks"]] == [2, 16]
     for c in report["checks"]:

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 
+import jax
 import pytest
 
 MODULE = """
@@ -239,3 +240,25 @@ def test_a_batch_that_needs_values_runs_on_the_host(run_cli, files, report):
         "(run on the host, as it needs concrete values: it calls NumPy on a JAX array, or "
         "branches on one) raised ValueError: no data here\n"
     )
+
+
+def test_a_step_needs_as_many_devices_as_its_count(run_cli, files):
+    # Layouts need no devices; compiling a step does: on 16, JAX here has 8, and
+    # above MAX_SIMULATED no worker could simulate them.
+    specs, module = files
+    assert len(jax.devices()) == 8  # started, whatever ran before
+    result = run_cli("check", specs[0], *_step_args(module), "--devices", 16)
+    assert result.code == 1
+    assert result.err == (
+        "eqshard check: error: checking on 16 devices needs 16 simulated devices, but JAX "
+        "started with 8 (is XLA_FLAGS setting a device count?)\n"
+    )
+    result = run_cli("check", specs[0], *_step_args(module), "--devices", 8, 65536)
+    assert result.code == 1
+    assert result.err == (
+        "eqshard check: error: --devices 65536: --step compiles the step on simulated "
+        "devices, up to 4096; without --step, layouts are checked on any count\n"
+    )
+    result = run_cli("check", specs[0], "--model", f"{module}:build", "--devices", 65536)
+    assert result.code == 0, result.err
+    assert f"{specs[0]} on 65536 devices: ok" in result.out

@@ -360,15 +360,18 @@ def test_check_device_count_that_does_not_fit(run_cli, spec_file):
     assert checks[1]["bytes_per_device"] is None
 
 
-def test_check_on_more_devices_than_jax_started_with(run_cli):
-    # JAX is up in this process with 8 devices; `check` says so rather than crash.
+def test_check_lays_out_on_more_devices_than_jax_started_with(run_cli):
+    # JAX is up in this process with 8 devices; layouts need none.
     assert len(jax.devices()) == 8  # started, whatever ran before
-    result = run_cli("check", EXAMPLE, "--model", MODEL, "--devices", "16")
-    assert result.code == 1
-    assert result.err == (
-        "eqshard check: error: checking on 16 devices needs 16 simulated devices, but JAX "
-        "started with 8 (is XLA_FLAGS setting a device count?)\n"
-    )
+    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--devices", "16", "65536")
+    assert code == 1  # 65536 does not divide the example's 256 columns
+    sixteen, many = report["checks"]
+    assert sixteen["ok"]
+    assert sixteen["devices"] == 16
+    leaves = {leaf["path"]: leaf for leaf in sixteen["leaves"]}
+    assert leaves["blocks.0.up.weight"]["partition_spec"] == "P('m0', None)"
+    assert leaves["blocks.0.up.weight"]["bytes_per_device"] == 256 * 64 * 4 // 16
+    assert {p["where"] for p in many["problems"]} >= {"blocks.0.up.weight (Linear.weight)"}
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from eqshard import Element, EqshardError, Expression
     ("call", "message"),
     [
         (lambda: eqshard.sharding(["a -> a"], (8,)), "must be a string such as"),  # type: ignore[arg-type]
-        (lambda: eqshard.sharding("a -> a*", (8,), devices=8), "not int"),  # type: ignore[arg-type]
+        (lambda: eqshard.sharding("a -> a*", (8,), devices=8.0), "not float"),  # type: ignore[arg-type]
         (
             lambda: eqshard.sharding("a -> a*", (8,), devices=[0, 1]),
             "holds 0, which is not a JAX device",

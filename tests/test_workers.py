@@ -144,7 +144,7 @@ def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
         with pytest.raises(
             eqshard.EqshardError, match=r"^checking on 2 devices took longer than 0.5 s"
         ):
-            check_in_processes(str(spec), "eqshard_user_steps:slow_build", [2], timeout=0.5)
+            check_in_processes([(str(spec), [2])], "eqshard_user_steps:slow_build", timeout=0.5)
     elif work == "harness":
         with pytest.raises(
             eqshard.EqshardError, match=r"^laying out on 2 devices took longer than 0.5 s"

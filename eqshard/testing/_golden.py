@@ -10,7 +10,7 @@ from typing import Any
 from .._errors import EqshardError
 from .._specfile import write_atomically
 from ._plugin import update_requested
-from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
+from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_in_one_process
 from ._references import callable_reference, spec_reference
 
 __all__ = ["GOLDEN_VERSION", "assert_layouts"]
@@ -45,8 +45,9 @@ def assert_layouts(
 
     `pytest --eqshard-update` (or `EQSHARD_UPDATE=1`) writes the file instead of
     comparing: run it once to create it, and again when a change is intended; the
-    file's diff then shows what changed. Each count runs in a fresh process with
-    that many simulated CPU devices; the model is only built abstractly.
+    file's diff then shows what changed. The model is only built abstractly, once,
+    in a fresh process, and laid out on each count without devices (an abstract
+    mesh), so a count may be 65,536.
 
     **Arguments:**
 
@@ -75,7 +76,7 @@ def assert_layouts(
         "spec": spec_reference(spec),
         "mesh": template,
     }
-    results = run_per_count(request, counts, "laying out", timeout)
+    results = run_in_one_process(request, counts, "laying out", timeout)
     now = {str(n): results[n] for n in dict.fromkeys(counts)}
     path = Path(golden)
     if update_requested():

@@ -16,6 +16,7 @@ __all__ = [
     "default_counts",
     "device_counts",
     "mesh_template",
+    "run_in_one_process",
     "run_per_count",
 ]
 
@@ -96,14 +97,31 @@ def _rules(spec: Any) -> Any:
     return None
 
 
+def _counts(counts: Sequence[int]) -> list[int]:
+    counts = [whole_number(n, "devices") for n in dict.fromkeys(counts)]
+    if not counts or any(n < 1 for n in counts):
+        raise EqshardError(f"`devices` must name device counts >= 1, not {list(counts)}")
+    return counts
+
+
+def _result(worker: Worker, what: str, timeout: float) -> Any:
+    """The worker's `result`; the user's code's error as a `ModelError` naming `what`."""
+    try:
+        return worker_answer(worker, timeout, what, "Run the callables in Python to see why")[
+            "result"
+        ]
+    except EqshardError:
+        raise
+    except Exception as error:  # the user's code raised, in the worker
+        raise ModelError(f"{what}: {type(error).__name__}: {error}") from None
+
+
 def run_per_count(
     request: Mapping[str, Any], counts: Sequence[int], doing: str, timeout: float
 ) -> dict[int, dict[str, Any]]:
     """Each count's `result`, its work run in a fresh process (up to one per CPU
     core at once); the first error, in the order of the counts, is raised here."""
-    counts = [whole_number(n, "devices") for n in dict.fromkeys(counts)]
-    if not counts or any(n < 1 for n in counts):
-        raise EqshardError(f"`devices` must name device counts >= 1, not {list(counts)}")
+    counts = _counts(counts)
     at_once = max(1, min(4, os.cpu_count() or 1))
     env = without_device_count(os.environ)
     results: dict[int, dict[str, Any]] = {}
@@ -113,16 +131,20 @@ def run_per_count(
             for n in counts[start : start + at_once]:  # each started is stopped below
                 running.append((n, start_worker({**request, "devices": n}, _ENTRY, env)))
             for n, worker in running:
-                what = f"{doing} on {n} devices"
-                try:
-                    results[n] = worker_answer(
-                        worker, timeout, what, "Run the callables in Python to see why"
-                    )["result"]
-                except EqshardError:
-                    raise
-                except Exception as error:  # the user's code raised, in the worker
-                    raise ModelError(f"{what}: {type(error).__name__}: {error}") from None
+                results[n] = _result(worker, f"{doing} on {n} devices", timeout)
         finally:
             for _, worker in running:
                 worker.stop()
     return results
+
+
+def run_in_one_process(
+    request: Mapping[str, Any], counts: Sequence[int], doing: str, timeout: float
+) -> dict[int, dict[str, Any]]:
+    """Each count's `result`, from one fresh process given every count (work that
+    needs no devices, such as layouts: `"devices"` is the list of counts, and the
+    result one entry per count, in order)."""
+    counts = _counts(counts)
+    worker = start_worker({**request, "devices": counts}, _ENTRY)
+    found = _result(worker, f"{doing} on {', '.join(map(str, counts))} devices", timeout)
+    return dict(zip(counts, found))

@@ -4,7 +4,8 @@
 devices, imports the user's callables by name, and answers one JSON document on
 stdout (`{"result": ...}` or `{"error": ...}`, as `eqshard check`'s workers do):
 
-- `"task": "layouts"`: every array leaf's layout on that count, for golden files;
+- `"task": "layouts"`: every array leaf's layout on each of the counts given, for
+    golden files, made without devices (on abstract meshes);
 - `"task": "equivalence"`: the unsharded and the sharded loss, gradients (and a
     stateful model's new state) and one optimizer step, compared leaf by leaf, with
     the smallest tolerances that pass them, and optionally the compiled step's
@@ -69,15 +70,18 @@ def _spec(request: Mapping[str, Any]) -> Any:
     return unpickled(entry["pickle"], "`spec`")
 
 
-def _target(request: Mapping[str, Any], devices: int) -> dict[str, Any]:
-    """`plan`'s `mesh=` (from the request's mesh template) or `devices=`."""
+def _target(request: Mapping[str, Any], devices: int, abstract: bool) -> dict[str, Any]:
+    """`plan`'s `mesh=` (from the request's mesh template) or `devices=`: the first
+    `devices` of this process, or, `abstract`, their count and an abstract mesh."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
 
+    from .._sharding import abstract_mesh
+
     template = request.get("mesh")
     if template is None:
-        return {"devices": jax.devices()[:devices]}
+        return {"devices": devices if abstract else jax.devices()[:devices]}
     sizes = [int(size) if size != "*" else 0 for size in template.values()]
     fixed = math.prod(size for size in sizes if size)
     if devices % fixed:
@@ -88,29 +92,39 @@ def _target(request: Mapping[str, Any], devices: int) -> dict[str, Any]:
     sizes = [size or devices // fixed for size in sizes]
     if math.prod(sizes) != devices:
         raise EqshardError(f"the mesh {template} does not fit {devices} devices")
+    if abstract:
+        return {"mesh": abstract_mesh(tuple(sizes), tuple(template))}
     grid = np.array(jax.devices()[:devices]).reshape(sizes)
     return {"mesh": Mesh(grid, tuple(template))}
 
 
-def _plan(model: Any, request: Mapping[str, Any], devices: int) -> Any:
+def _plan(model: Any, request: Mapping[str, Any], devices: int, abstract: bool = False) -> Any:
     from .._plan import plan
 
+    spec = _spec(request)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # layouts are compared, not warnings
-        return plan(model, _spec(request), **_target(request, devices))
+        return plan(model, spec, **_target(request, devices, abstract))
 
 
-def _layouts(request: Mapping[str, Any]) -> dict[str, Any]:
-    devices = _start(request)
+def _layouts(request: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each count's layouts, made without devices: the model built once."""
     import equinox as eqx
+    import jax
 
-    from .._fsdp import is_fsdp_replicated
-    from .._report import leaf_rows
-
+    counts = [whole_number(n, "devices") for n in request["devices"]]
+    jax.config.update("jax_platforms", "cpu")  # never an accelerator another process holds
     modules: dict[str, Any] = {}
     build = _callable(request, "build", modules)
     model = call("`build`", request["build"], "build()", lambda: eqx.filter_eval_shape(build))
-    p = _plan(model, request, devices)
+    return [_layout_entry(_plan(model, request, n, abstract=True)) for n in counts]
+
+
+def _layout_entry(p: Any) -> dict[str, Any]:
+    """One count's entry in a golden file: its mesh, and each leaf's layout."""
+    from .._fsdp import is_fsdp_replicated
+    from .._report import leaf_rows
+
     mesh = dict(zip(p.mesh.axis_names, p.mesh.axis_sizes)) if p.mesh is not None else None
     return {
         "mesh": mesh,
@@ -485,7 +499,7 @@ def _over_budget(collectives: Any, budget: Mapping[str, int]) -> list[dict[str, 
     return over
 
 
-_TASKS: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+_TASKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "layouts": _layouts,
     "equivalence": _equivalence,
 }
