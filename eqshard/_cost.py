@@ -20,6 +20,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from . import _hlo
 from ._derive import plan_for
@@ -32,6 +33,7 @@ from ._report import LeafRow, leaf_rows
 from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device, device_count, on_devices, sharding
 from ._specfile import Rules
+from ._targets import CompileTarget, compile_target
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
 
@@ -157,7 +159,9 @@ def _combined(source: str) -> tuple[str, list[str]]:
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Bytes per device. `peak` is a lower bound: XLA:CPU reports few temporaries.
+    """Bytes per device. `peak` is the compiler's own: exact for a TPU `target`'s
+    compiler (XLA:TPU), and a lower bound from XLA:CPU, which reports few
+    temporaries (an H100 measured 1.00x of XLA:CPU's peak for three MLP steps).
 
     - `parameters`: the model's array leaves, as the plan lays them out.
     - `state`: the leaves of its `eqx.nn.State` (BatchNorm's running statistics),
@@ -191,8 +195,11 @@ class Cost:
     the compiled program: `dot`, `convolution`, cuBLAS and cuDNN calls, a loop's by
     its trip count, a `cond` or `switch` by its most expensive branch; elementwise
     work is not counted), `bytes_accessed` (per device, from XLA's cost analysis,
-    which counts a loop's body once), `mesh`, `devices` and `dtype` (the
-    parameters' dtype, for the estimate).
+    which counts a loop's body once), `mesh`, `devices`, `dtype` (the parameters'
+    dtype, for the estimate); `compiler`, whose figures these are (`"XLA:TPU (libtpu
+    0.0.42.1)"` for a `target`, else `"XLA:CPU, 8 simulated devices"`), `target`
+    (the TPU slice, or `None`), `hardware` (its chip's profile) and
+    `memory_per_device` (its HBM per device; `fits` compares the peak with it).
     """
 
     memory: Memory
@@ -202,6 +209,18 @@ class Cost:
     mesh: AnyMesh | None
     devices: int
     dtype: str
+    compiler: str = "XLA:CPU"
+    target: str | None = None
+    hardware: Hardware | None = None
+    memory_per_device: int | None = None
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step's peak fits each device's memory, on a target whose
+        memory is known; `None` without one (XLA:CPU's peak is a lower bound)."""
+        if self.memory_per_device is None:
+            return None
+        return self.memory.peak <= self.memory_per_device
 
     def bytes_by_axes(self) -> dict[tuple[str, tuple[str, ...]], int]:
         """Bytes moved per step, by (kind, mesh axes): comparable across backends,
@@ -211,10 +230,14 @@ class Cost:
             totals[(c.kind, c.axes)] = totals.get((c.kind, c.axes), 0) + c.total_bytes
         return totals
 
-    def estimate(self, hardware: str | Hardware = "h100") -> Estimate:
-        """A roofline estimate of one step on `hardware` (`"h100"`, `"tpu-v5e"`, or a
-        `Hardware`): FLOPs at peak, bytes at memory bandwidth, and each collective
-        over one link (a ring: an all-reduce moves 2 (n-1)/n of its bytes)."""
+    def estimate(self, hardware: str | Hardware | None = None) -> Estimate:
+        """A roofline estimate of one step on `hardware` (a name in `eqshard.HARDWARE`,
+        such as `"h100"` or `"tpu-v5p"`, or a `Hardware`; by default the target's
+        chip, else `"h100"`): FLOPs at peak, bytes at memory bandwidth, and each
+        collective over one link (a ring: an all-reduce moves 2 (n-1)/n of its
+        bytes)."""
+        if hardware is None:
+            hardware = self.hardware or "h100"
         moved = [Moved(c.kind, c.total_bytes, c.group_size) for c in self.collectives]
         return roofline(
             hardware_profile(hardware), self.flops, self.bytes_accessed, self.dtype, moved
@@ -278,6 +301,7 @@ def cost(
     batch: str | None = None,
     mesh: AnyMesh | None = None,
     devices: int | Sequence[Device] | None = None,
+    target: str | None = None,
 ) -> Cost:
     """Compiles the user's step under a spec, without running it, and reads its cost.
 
@@ -320,6 +344,14 @@ def cost(
         simulated CPU devices in a new process (the step and the abstract arguments
         travel there with cloudpickle, the `eqshard[cost]` extra), so a laptop can
         ask for 64.
+    - `target`: a TPU slice as `jax.experimental.topologies` names it (`"v5e:4x4"`,
+        `"v5p:4x4x4"`, `"v6e:2x2"`, `"v4:2x2x1"`): the step is compiled by XLA:TPU
+        for that slice's devices, on this machine, without a TPU (the `eqshard[tpu]`
+        extra installs libtpu). The mesh is laid over the slice's devices in their
+        order, with `mesh=`'s axis names and sizes where it is given, else the
+        spec's. Memory is then the TPU compiler's own, `memory_per_device` the
+        chip's HBM, and `estimate()` runs on the chip's profile. JAX cannot
+        compile for a GPU without one: leave `target` out there.
 
     **Returns:**
 
@@ -329,7 +361,8 @@ def cost(
 
     `eqshard.SpecError` when the spec does not lay out the model, its
     `eqx.nn.State` or the optimizer state;
-    `eqshard.EqshardError` when the step cannot be traced or compiled (naming the
+    `eqshard.EqshardError` for a `target` that is no TPU slice or without libtpu
+    (saying how to install it), when the step cannot be traced or compiled (naming the
     step, the device count and the spec, with the step's or JAX's error as its
     cause; the command line exits 2 for it, as for a model that cannot be built),
     when the mesh is a `jax.sharding.AbstractMesh`, when more devices are asked
@@ -338,7 +371,10 @@ def cost(
     matrix-product call that eqshard cannot read (naming it and its line: a figure
     is never a silent zero).
     """
-    if isinstance(devices, int):
+    on: CompileTarget | None = None
+    if target is not None:
+        on, mesh, devices = _on_target(target, spec, mesh, devices)
+    elif isinstance(devices, int):
         if devices > len(jax.devices()):
             return _in_a_process_of_its_own(step, model, args, spec, batch, devices)
         devices = jax.devices()[:devices]
@@ -406,9 +442,43 @@ def cost(
         flops=float(_hlo.flops(module)),
         bytes_accessed=float(compiled.costs.get("bytes accessed", 0.0)),
         mesh=p.mesh,
-        devices=device_count(p.devices) if p.devices is not None else 0,
+        devices=n,
         dtype=max(set(dtypes), key=dtypes.count) if dtypes else "float32",
+        compiler=on.compiler if on is not None else f"XLA:CPU, {n} simulated devices",
+        target=None if on is None else on.name,
+        hardware=None if on is None else on.hardware,
+        memory_per_device=None if on is None else on.memory_per_device,
     )
+
+
+def _on_target(
+    target: str, spec: Any, mesh: AnyMesh | None, devices: Any
+) -> tuple[CompileTarget, AnyMesh | None, Sequence[Device] | None]:
+    """The TPU slice `target`, and the `mesh=` or `devices=` that lay the step out on
+    its devices: the user's mesh, its axes over the slice's devices in their order;
+    else the slice's devices, all of them."""
+    if devices is not None:
+        raise EqshardError(
+            f"`devices=` and `target={target!r}` are both given; the slice has its devices "
+            "(pass `mesh=` for axis names, or neither)"
+        )
+    if isinstance(spec, Plan):
+        raise EqshardError(
+            f"`spec` is a `Plan`, made on this process's devices, and `target={target!r}` "
+            "lays the step out on the slice's: pass the spec the plan was made from"
+        )
+    on = compile_target(target)
+    if mesh is None:
+        return on, None, on.devices
+    if mesh.size != len(on.devices):
+        raise EqshardError(
+            f"the mesh {dict(zip(mesh.axis_names, mesh.axis_sizes))} holds {mesh.size} "
+            f"devices, and the slice {target!r} has {len(on.devices)}; give it axes whose "
+            f"sizes multiply to {len(on.devices)}"
+        )
+    grid = np.empty(len(on.devices), dtype=object)
+    grid[:] = on.devices
+    return on, Mesh(grid.reshape(mesh.axis_sizes), mesh.axis_names, mesh.axis_types), None
 
 
 def _stateful(model: Any, args: Sequence[Any], spec: Any) -> Any:

@@ -19,14 +19,27 @@ __all__ = ["HARDWARE", "Estimate", "Hardware", "Moved", "hardware_profile", "roo
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
-    """A named hardware profile for a roofline estimate, with its source."""
+    """A named hardware profile for a roofline estimate, with its source.
+
+    - `flops`: peak dense FLOP/s of one chip, by the parameters' dtype.
+    - `memory_bandwidth`: bytes/s of one chip's memory.
+    - `interconnect_bandwidth`: bytes/s per chip, one direction.
+    - `memory`: bytes of memory per chip (HBM), where the datasheet gives it.
+    - `source`: the datasheet.
+    """
 
     name: str
-    flops: dict[str, float]  # peak dense FLOP/s by parameter dtype
-    memory_bandwidth: float  # bytes/s
-    interconnect_bandwidth: float  # bytes/s, per device, one direction
+    flops: dict[str, float]
+    memory_bandwidth: float
+    interconnect_bandwidth: float
     source: str
+    memory: int | None = None
 
+    def __repr__(self) -> str:  # the name: the figures are in `HARDWARE`'s source
+        return f"Hardware({self.name!r})"
+
+
+_GIB = 1 << 30
 
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(
@@ -35,20 +48,53 @@ HARDWARE: dict[str, Hardware] = {
         3.35e12,
         450e9,  # NVLink 4: 900 GB/s both directions
         "NVIDIA H100 Tensor Core GPU datasheet (dense, without sparsity)",
+        80 * _GIB,
+    ),
+    "tpu-v4": Hardware(
+        "Google Cloud TPU v4",
+        {"bfloat16": 275e12, "float32": 275e12 / 4},
+        1200e9,
+        270e9,  # ICI: 6 links of 45 GB/s each way; the Cloud docs give no per-chip figure
+        "Google Cloud TPU v4 documentation (system architecture); ICI from How to Scale "
+        "Your Model (the JAX scaling book), part 2",
+        32 * _GIB,
     ),
     "tpu-v5e": Hardware(
         "Google Cloud TPU v5e",
         {"bfloat16": 197e12, "float32": 197e12 / 4},
         819e9,
-        200e9,  # ICI: 1,600 Gbit/s per chip
+        200e9,  # ICI: 400 GB/s per chip, both directions
         "Google Cloud TPU v5e documentation (system architecture)",
+        16 * _GIB,
+    ),
+    "tpu-v5p": Hardware(
+        "Google Cloud TPU v5p",
+        {"bfloat16": 459e12, "float32": 459e12 / 4},
+        2765e9,
+        600e9,  # ICI: 1,200 GB/s per chip, both directions
+        "Google Cloud TPU v5p documentation (key specifications)",
+        95 * _GIB,
+    ),
+    "tpu-v6e": Hardware(
+        "Google Cloud TPU v6e (Trillium)",
+        {"bfloat16": 918e12, "float32": 918e12 / 4},
+        1638e9,
+        400e9,  # ICI: 800 GB/s per chip, both directions
+        "Google Cloud TPU v6e documentation (system architecture)",
+        32 * _GIB,
     ),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """A roofline estimate of one step, in seconds: never a measurement."""
+    """A roofline estimate of one step, in seconds: never a measurement.
+
+    - `hardware`: the profile it is made on.
+    - `compute`, `memory`, `communication`: the seconds of the FLOPs at peak, of
+        the bytes accessed at memory bandwidth, and of the collectives over the
+        interconnect.
+    """
 
     hardware: Hardware
     compute: float
@@ -60,6 +106,13 @@ class Estimate:
         """Compute or memory, whichever bounds the step, plus communication (no
         overlap assumed)."""
         return max(self.compute, self.memory) + self.communication
+
+    def __repr__(self) -> str:
+        return (
+            f"Estimate({self.seconds:.3g} s on {self.hardware.name}: compute "
+            f"{self.compute:.3g} s, memory {self.memory:.3g} s, communication "
+            f"{self.communication:.3g} s)"
+        )
 
 
 class Moved(NamedTuple):

@@ -1,0 +1,124 @@
+"""Compile targets: what `cost` compiles the step for, and whose figures it reports.
+
+A TPU slice is compiled for by its own compiler, from any machine: with `libtpu`
+installed (the `eqshard[tpu]` extra), `jax.experimental.topologies` describes a
+slice such as `"v5e:4x4"` (its devices, in their order), and a step laid out on a
+mesh of those devices is lowered and compiled by XLA:TPU on this CPU. Its memory
+analysis is then the TPU compiler's own: exact for that compiler, not a bound.
+
+GPUs cannot be compiled for without one (JAX offers no deviceless GPU
+compilation): there, and without a target, `cost` compiles with XLA:CPU on
+simulated CPU devices, whose communication is the SPMD partitioner's (the same
+on every backend) and whose memory is XLA:CPU's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from typing import Any
+
+from ._errors import EqshardError
+from ._hardware import HARDWARE, Hardware
+
+__all__ = ["CompileTarget", "compile_target"]
+
+# `jax.experimental.topologies` names a slice by its generation and its chips' grid.
+_TOPOLOGY = re.compile(r"(?P<generation>v\d+[a-z]*):(?P<grid>\d+(?:x\d+)*)")
+_PROFILES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
+_GPUS = ("h100", "h200", "a100", "b200", "gpu", "cuda")
+
+# libtpu looks for a TPU VM's metadata when it starts, and logs at length when it
+# finds none: tell it there is none to find (only where the user has not said).
+_QUIET = {
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_WORKER_ID": "0",
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileTarget:
+    """A TPU slice to compile for, from any machine.
+
+    - `name`: as given, `"v5e:4x4"`.
+    - `devices`: the slice's devices, in `jax.experimental.topologies`' order: a mesh
+        is laid over them in that order.
+    - `hardware`: the chip's profile, for the roofline estimate.
+    - `memory_per_device`: bytes of HBM each device has (a chip's, or its share
+        where a chip shows each of its cores as a device, as v4's does).
+    - `compiler`: which compiler's figures these are, with its version.
+    """
+
+    name: str
+    devices: tuple[Any, ...]
+    hardware: Hardware
+    memory_per_device: int
+    compiler: str
+
+
+@functools.lru_cache(maxsize=32)
+def compile_target(name: str) -> CompileTarget:
+    """The TPU slice `name` (`"v5e:4x4"`, `"v5p:4x4x4"`, `"v6e:2x2"`, `"v4:2x2x1"`).
+
+    **Raises:**
+
+    `EqshardError` for a name that is no TPU slice (a GPU's, which cannot be
+    compiled for without one, says so), for a slice libtpu refuses (with its
+    reason), and where libtpu is not installed (with the command that installs it).
+    """
+    found = _TOPOLOGY.fullmatch(name.strip()) if isinstance(name, str) else None
+    if found is None:
+        if isinstance(name, str) and name.strip().lower().startswith(_GPUS):
+            raise EqshardError(
+                f"`target={name!r}`: JAX cannot compile for a GPU without one, so eqshard "
+                "cannot either; leave `target` out, and `cost` compiles with XLA:CPU on "
+                "simulated devices (its communication is the same SPMD partitioning; its "
+                "memory is XLA:CPU's: on an H100, three MLP steps measured 1.00x of it)"
+            )
+        raise EqshardError(
+            f"`target={name!r}` is not a TPU slice; write one as "
+            "`jax.experimental.topologies` names it, GENERATION:GRID, such as 'v5e:4x4', "
+            "'v5p:4x4x4', 'v6e:2x2' or 'v4:2x2x1'"
+        )
+    generation = found["generation"]
+    if generation not in _PROFILES:
+        raise EqshardError(
+            f"`target={name!r}`: eqshard has no profile of TPU {generation}; the "
+            f"generations it knows are {', '.join(_PROFILES)}"
+        )
+    topologies, version = _libtpu(name)
+    for key, value in _QUIET.items():
+        os.environ.setdefault(key, value)
+    try:
+        devices = tuple(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+    except Exception as error:  # libtpu's own refusal: a grid the generation has not
+        raise EqshardError(
+            f"`target={name!r}`: libtpu refuses the slice: {error}".rstrip()
+        ) from None
+    hardware = HARDWARE[_PROFILES[generation]]
+    chips = len({tuple(getattr(d, "coords", (i,))) for i, d in enumerate(devices)})
+    assert hardware.memory is not None
+    per_device = hardware.memory * chips // len(devices)
+    return CompileTarget(name, devices, hardware, per_device, f"XLA:TPU (libtpu {version})")
+
+
+def _libtpu(name: str) -> tuple[Any, str]:
+    """`jax.experimental.topologies`, and libtpu's version, where libtpu is installed."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        raise EqshardError(
+            f"`target={name!r}` compiles with the TPU compiler, which comes with libtpu; "
+            "install it with `pip install 'eqshard[tpu]'` (libtpu for this JAX), or "
+            "leave `target` out to compile with XLA:CPU"
+        ) from None
+    from jax.experimental import topologies
+
+    return topologies, version

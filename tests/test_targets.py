@@ -1,0 +1,120 @@
+"""`eqshard.cost` on a TPU slice, compiled by XLA:TPU on this CPU machine (libtpu)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqshard
+from eqshard._targets import compile_target
+
+pytest.importorskip("libtpu", reason="the TPU compiler comes with libtpu (eqshard[tpu])")
+
+OPTIMIZER = optax.adamw(1e-3)
+FSDP = eqshard.load({"eqshard": 1, "default": "fsdp"})
+
+
+def _model():
+    return eqx.nn.MLP(256, 256, 1024, 2, key=jax.random.key(0))
+
+
+@eqx.filter_jit
+def _step(model, opt_state, x):
+    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state
+
+
+def _arguments():
+    model = eqx.filter_eval_shape(_model)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = eqx.filter_eval_shape(OPTIMIZER.init, params)
+    return model, opt_state, jax.ShapeDtypeStruct((64, 256), jnp.float32)
+
+
+def test_a_step_compiled_for_a_tpu_slice_reports_the_tpu_compilers_figures():
+    model, opt_state, x = _arguments()
+    c = eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4")
+    slice_ = compile_target("v5e:2x4")
+    assert c.compiler.startswith("XLA:TPU (libtpu ")
+    assert c.target == "v5e:2x4"
+    assert c.devices == 8
+    assert isinstance(c.mesh, jax.sharding.Mesh)
+    assert tuple(c.mesh.devices.flat) == slice_.devices  # in their order
+    assert {d.platform for d in c.mesh.devices.flat} == {"tpu"}
+    assert c.memory_per_device == 16 << 30
+    assert c.fits is True
+    assert c.hardware is eqshard.HARDWARE["tpu-v5e"]
+    assert c.estimate().hardware.name == "Google Cloud TPU v5e"
+    # FSDP: each device holds an eighth of every weight (they split by 8)...
+    weights = sum(
+        x.size * 4 for x in jax.tree_util.tree_leaves(model) if isinstance(x, jax.ShapeDtypeStruct)
+    )
+    assert c.memory.parameters < weights / 4
+    # ... gathers the weights over the data axis, and the TPU reduce-scatters gradients
+    kinds = {kind for kind, _ in c.bytes_by_axes()}
+    assert "all-gather" in kinds
+    assert c.memory.peak == c.memory.arguments + c.memory.outputs + c.memory.temporaries
+
+
+def test_the_users_mesh_is_laid_over_the_slices_devices():
+    model, opt_state, x = _arguments()
+    cpu_mesh = jax.make_mesh(
+        (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    c = eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4", mesh=cpu_mesh)
+    assert isinstance(c.mesh, jax.sharding.Mesh)
+    assert c.mesh.axis_names == ("data", "model")
+    assert c.mesh.devices.shape == (2, 4)
+    assert np.array_equal(
+        np.vectorize(lambda d: d.id)(c.mesh.devices),
+        np.array([d.id for d in compile_target("v5e:2x4").devices]).reshape(2, 4),
+    )
+    assert {axes for _, axes in c.bytes_by_axes()} <= {("data",), ("model",), ("data", "model")}
+
+
+def test_a_v4_chip_shows_its_two_cores_as_devices_with_half_its_memory_each():
+    slice_ = compile_target("v4:2x2x1")
+    assert len(slice_.devices) == 8  # 4 chips, 2 cores each
+    assert slice_.memory_per_device == 16 << 30
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("h100", r"JAX cannot compile for a GPU without one, so eqshard cannot either"),
+        ("v5e", r"is not a TPU slice; write one as `jax.experimental.topologies` names it"),
+        ("v2:2x2", r"eqshard has no profile of TPU v2; the generations it knows are v4, v5e"),
+        ("v5e:3x3", r"libtpu refuses the slice: .*not divisible"),
+    ],
+)
+def test_what_is_no_slice_says_why(target, message):
+    model, opt_state, x = _arguments()
+    with pytest.raises(eqshard.EqshardError, match=message):
+        eqshard.cost(_step, model, opt_state, x, spec=FSDP, target=target)
+
+
+def test_devices_or_a_plan_with_a_target_are_refused():
+    model, opt_state, x = _arguments()
+    with pytest.raises(eqshard.EqshardError, match=r"`devices=` and `target='v5e:2x4'`"):
+        eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4", devices=8)
+    plan = eqshard.plan(model, FSDP)
+    with pytest.raises(eqshard.EqshardError, match=r"pass the spec the plan was made from"):
+        eqshard.cost(_step, model, opt_state, x, spec=plan, target="v5e:2x4")
+
+
+def test_without_libtpu_the_error_says_how_to_install_it(monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    compile_target.cache_clear()
+    try:
+        with pytest.raises(eqshard.EqshardError, match=r"pip install 'eqshard\[tpu\]'"):
+            compile_target("v5e:2x2")
+    finally:
+        compile_target.cache_clear()
