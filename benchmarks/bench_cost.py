@@ -1,20 +1,33 @@
-"""`eqshard.cost` against a measured step: its memory lower bound and its estimate.
+"""`eqshard.cost` against a measured step, and on TPU slices against XLA:CPU.
 
-Run: `python benchmarks/bench_cost.py [--width 4096] [--depth 8] [--batch 8192]`.
+Run: `python benchmarks/bench_cost.py [--width 4096] [--depth 8] [--batch 8192]`, and
+`python benchmarks/bench_cost.py --targets v5e:4x4,v5p:4x4x4` for the second part.
+
+First part:
 
 On the devices at hand (a GPU host: its GPU; else 8 simulated CPU devices, where
 timings mean nothing for accelerators), a data-parallel MLP training step with
 Adam: what `eqshard.cost` says (peak memory lower bound, FLOPs, the roofline
 estimate on the matching hardware profile) beside what the device reports
 (`peak_bytes_in_use`) and the measured step time (median of 20, after warm-up).
+
+With `--targets`: the stacked GPT of `examples/gpt_stacked.py` under its spec file
+and the Llama-3-8B-shaped model of `examples/llama_8b.py` (abstract, bfloat16,
+AdamW) under `LLAMA_SPEC`, each compiled for each TPU slice by XLA:TPU (libtpu,
+on this CPU machine) and for as many simulated CPU devices by XLA:CPU: the compile
+time of each, the memory per device of each (and the slice's HBM, and whether it
+fits), and the bytes moved per step by mesh axis.
 """
 
 import argparse
 import statistics
+import sys
 import time
 
 import jax
 
+if "--targets" in sys.argv:  # compiled for TPU slices on this CPU machine: no TPU here
+    jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx
@@ -24,13 +37,99 @@ import optax
 import eqshard
 
 
+def _gib(n: float) -> str:
+    from eqshard._report import human_bytes
+
+    return human_bytes(int(n))
+
+
+def _by_axis(c) -> str:
+    totals: dict[str, int] = {}
+    for (kind, axes), size in c.bytes_by_axes().items():
+        key = f"{kind} over {'+'.join(axes) or '-'}"
+        totals[key] = totals.get(key, 0) + size
+    return ", ".join(f"{key} {_gib(size)}" for key, size in sorted(totals.items()))
+
+
+def compare_targets(targets: list[str]) -> None:
+    """Each model on each slice, XLA:TPU beside XLA:CPU on as many devices."""
+    from pathlib import Path
+
+    # The examples as modules, importable by name in the worker processes that
+    # compile on more CPU devices than this one has (they take this `sys.path`).
+    sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+    import gpt_stacked  # pyright: ignore[reportMissingImports]
+    import llama_8b  # pyright: ignore[reportMissingImports]
+
+    models = {
+        "stacked GPT (examples/gpt_stacked.py)": (
+            vars(gpt_stacked),
+            eqshard.load(gpt_stacked.SPEC),
+        ),
+        "Llama-3-8B-shaped (examples/llama_8b.py)": (
+            vars(llama_8b),
+            eqshard.load(llama_8b.LLAMA_SPEC),
+        ),
+    }
+    print(f"jax {jax.__version__}; XLA:TPU beside XLA:CPU, per device")
+    for title, (ns, spec) in models.items():
+        model = eqx.filter_eval_shape(ns["build"])
+        params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        opt_state = eqx.filter_eval_shape(ns["optimizer"]().init, params)
+        print(f"\n{title}")
+        for target in targets:
+            start = time.perf_counter()
+            tpu = eqshard.cost(
+                ns["step"], model, opt_state, _batch(ns, target), spec=spec, target=target
+            )
+            tpu_s = time.perf_counter() - start
+            start = time.perf_counter()
+            cpu = eqshard.cost(
+                ns["step"], model, opt_state, _batch(ns, target), spec=spec, devices=tpu.devices
+            )
+            cpu_s = time.perf_counter() - start
+            mesh = dict(zip(tpu.mesh.axis_names, tpu.mesh.axis_sizes)) if tpu.mesh else {}
+            assert tpu.memory_per_device is not None
+            print(f"  {target} ({tpu.devices} chips, mesh {mesh}), {tpu.compiler}")
+            print(
+                f"    compile: XLA:TPU {tpu_s:.1f} s, XLA:CPU {cpu_s:.1f} s; parameters "
+                f"{_gib(tpu.memory.parameters)}, optimizer {_gib(tpu.memory.optimizer)}"
+            )
+            print(
+                f"    peak: XLA:TPU {_gib(tpu.memory.peak)} (arguments {_gib(tpu.memory.arguments)}, "
+                f"outputs {_gib(tpu.memory.outputs)}, temporaries {_gib(tpu.memory.temporaries)}) "
+                f"of {_gib(tpu.memory_per_device)} HBM: {'fits' if tpu.fits else 'does not fit'}; "
+                f"XLA:CPU {_gib(cpu.memory.peak)}, {cpu.memory.peak / tpu.memory.peak:.2f}x"
+            )
+            print(f"    moved per step, XLA:TPU: {_by_axis(tpu)}")
+            print(f"    moved per step, XLA:CPU: {_by_axis(cpu)}")
+            print(
+                f"    estimate on {tpu.estimate().hardware.name}: {tpu.estimate().seconds * 1e3:.1f} ms"
+            )
+
+
+def _batch(ns, target: str):
+    """The model's batch, with as many sequences as the slice has chips where it has
+    fewer (each `data` device a whole sequence)."""
+    tokens = ns["batch"]()
+    chips = 1
+    for size in target.partition(":")[2].split("x"):
+        chips *= int(size)
+    rows = max(tokens.shape[0], chips)
+    return jax.ShapeDtypeStruct((rows, *tokens.shape[1:]), tokens.dtype)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--targets", default=None, help="TPU slices: v5e:4x4,v5p:4x4x4")
     args = parser.parse_args()
+    if args.targets:
+        compare_targets(args.targets.split(","))
+        return
     dtype = jnp.dtype(args.dtype)
     devices = jax.devices()
     gpu = devices[0].platform == "gpu"

@@ -31,8 +31,11 @@ _PROFILES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e
 _GPUS = ("h100", "h200", "a100", "b200", "gpu", "cuda")
 
 # libtpu looks for a TPU VM's metadata when it starts, and logs at length when it
-# finds none: tell it there is none to find (only where the user has not said).
+# finds none: tell it there is none to find (only where the user has not said). It
+# also takes a lock that keeps a second process from loading it, which a compiler
+# that runs nothing on a TPU does not need.
 _QUIET = {
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
     "TPU_SKIP_MDS_QUERY": "1",
     "TPU_ACCELERATOR_TYPE": "v5litepod-4",
     "TPU_WORKER_HOSTNAMES": "localhost",

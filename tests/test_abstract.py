@@ -179,10 +179,10 @@ def test_a_llama_shaped_model_on_65536_devices():
     assert specs.embed.weight == specs.head.weight == P("model", "data")
     assert specs.layers.attention_norm.weight == P(None, None)  # replicated
     rows = {row.path: row for row in eqshard.report(model, plan).rows}
-    assert rows["layers.q.weight"].bytes_per_device == LAYERS * DIM * DIM * 4 // 65536
-    assert rows["layers.down.weight"].bytes_per_device == LAYERS * HIDDEN * DIM * 4 // 65536
-    assert rows["embed.weight"].bytes_per_device == VOCAB // 16 * DIM // 4096 * 4
-    assert rows["norm.weight"].bytes_per_device == DIM * 4
+    assert rows["layers.q.weight"].bytes_per_device == LAYERS * DIM * DIM * 2 // 65536  # bf16
+    assert rows["layers.down.weight"].bytes_per_device == LAYERS * HIDDEN * DIM * 2 // 65536
+    assert rows["embed.weight"].bytes_per_device == VOCAB // 16 * DIM // 4096 * 2
+    assert rows["norm.weight"].bytes_per_device == DIM * 2
     assert rows["embed.weight"].partition_spec == "P('model', 'data')"
     abstract = eqshard.abstract(model, plan)
     assert abstract.layers.up.weight.sharding == plan.shardings.layers.up.weight
@@ -204,7 +204,7 @@ def test_check_on_65536_devices_from_the_command_line(run_python, tmp_path):
     assert not many["problems"]
     leaves = {leaf["path"]: leaf for leaf in many["leaves"]}
     assert leaves["layers.q.weight"]["partition_spec"] == "P(None, 'model', 'data')"
-    assert leaves["layers.q.weight"]["bytes_per_device"] == LAYERS * DIM * DIM * 4 // 65536
+    assert leaves["layers.q.weight"]["bytes_per_device"] == LAYERS * DIM * DIM * 2 // 65536
     assert many["bytes_per_device"] == sum(leaf["bytes_per_device"] for leaf in leaves.values())
 
 

@@ -75,3 +75,11 @@ def test_the_cost_of_the_stacked_gpt_is_what_megatron_implies(gpt_stacked):
     assert 0 < moved[("all-reduce", ("data",))] <= c.memory.parameters + 64
     assert c.memory.optimizer == 2 * c.memory.parameters + 4  # AdamW's two moments
     assert c.estimate("h100").seconds > 0
+
+
+def test_the_llama_spec_file_is_the_examples_spec():
+    from llama_model import LLAMA_SPEC
+
+    on_disk = eqshard.load(EXAMPLES / "specs" / "llama.eqshard.json")
+    assert on_disk.rules == eqshard.load(LLAMA_SPEC).rules
+    assert on_disk.mesh == eqshard.load(LLAMA_SPEC).mesh
