@@ -58,8 +58,8 @@ def compare_targets(targets: list[str]) -> None:
     # The examples as modules, importable by name in the worker processes that
     # compile on more CPU devices than this one has (they take this `sys.path`).
     sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-    import gpt_stacked  # pyright: ignore[reportMissingImports]
-    import llama_8b  # pyright: ignore[reportMissingImports]
+    import gpt_stacked
+    import llama_8b
 
     models = {
         "stacked GPT (examples/gpt_stacked.py)": (
