@@ -4,15 +4,18 @@ Nothing here touches device memory: the model is built with
 `eqx.filter_eval_shape`. Layouts need no devices either: each device count is
 laid out on an abstract mesh (`make_plan(..., devices=n)`), so 65,536 devices
 cost what 8 do. Only a step to compile (`--step`) needs devices: a subset of
-simulated devices.
+simulated devices, or a TPU slice's (`--target v5e:4x4`), which XLA:TPU compiles
+for on this machine through libtpu.
 
 The command line checks in worker processes (`check_in_processes`, which runs
 `main_worker`), so the user's model is imported in a fresh Python, and what it
 prints never mixes with the report: the layouts of every file and count in one
 worker, which builds the model once; a step, each count in a worker of its own,
 with a JAX started on that many simulated devices (a model that sets its own
-device count at import works). This module imports JAX only when a check runs,
-so the process that starts the workers never pays for it up front.
+device count at import works); TPU slices, every slice in one worker, which loads
+libtpu once and builds the model (and the step's inputs) once. This module imports
+JAX only when a check runs, so the process that starts the workers never pays for
+it up front.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from ._report import LeafRow
+    from ._targets import CompileTarget
 
 __all__ = [
     "CheckResult",
@@ -47,8 +51,12 @@ __all__ = [
     "abstract_model",
     "check",
     "check_in_processes",
+    "check_slices",
+    "compiler_line",
     "cost_line",
+    "devices_text",
     "main_worker",
+    "memory_line",
     "result_table",
     "step_inputs",
     "summary_table",
@@ -73,9 +81,21 @@ class CheckResult:
 
     `cost`, with a step to compile (`--step`), is what one step costs per device:
     `parameters`, `state` (the model's `eqx.nn.State`), `optimizer`, `gradients`
-    and `peak_lower_bound` in bytes, `flops` and `bytes_accessed`, `communication`
+    and `peak` in bytes (`peak_lower_bound`, the same figure, a lower bound from
+    XLA:CPU and exact from XLA:TPU), `flops` and `bytes_accessed`, `communication`
     (a list of `{"kind", "axes", "bytes"}`, one per kind of collective and mesh
-    axes) and `estimate_h100_seconds`.
+    axes), `estimate_h100_seconds` and `estimate` (`{"hardware", "seconds"}`, on
+    the target's chip, else an H100); `compiler` (whose figures these are),
+    `target`, `memory_per_device` (the chip's HBM) and `fits` (the peak within
+    it; `None` without a target), and `batch` (the expression the batch was laid
+    out by).
+
+    `target` is the TPU slice the check was made for (`--target`), whose device
+    count is `devices`; `max_memory`, where there is a limit, is
+    `{"bytes", "from", "needed", "fits"}`: the limit, where it comes from
+    (`"--max-memory"`, or `"the chip's HBM"` with a target and no `--max-memory`),
+    what the check needs per device (the step's peak, else the parameters and
+    state), and whether that is within the limit.
     """
 
     source: str
@@ -86,6 +106,8 @@ class CheckResult:
     cost: dict[str, Any] | None = None
     warnings: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     state_leaves: int = 0
+    target: str | None = None
+    max_memory: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -115,6 +137,8 @@ class CheckResult:
             "notes": self.notes,
             "warnings": self.warnings,
             "cost": self.cost,
+            "target": self.target,
+            "max_memory": self.max_memory,
         }
 
     @classmethod
@@ -130,8 +154,8 @@ class CheckResult:
         **Arguments:**
 
         - `document`: a mapping with the keys `file`, `devices`, `leaves`,
-            `problems` and `notes` (and `cost`, `warnings` and `state_leaves`, which
-            may be missing), as
+            `problems` and `notes` (and `cost`, `warnings`, `state_leaves`, `target`
+            and `max_memory`, which may be missing), as
             `to_json()` (or the worker) wrote them.
 
         **Returns:**
@@ -151,6 +175,8 @@ class CheckResult:
             cost=None if document.get("cost") is None else dict(document["cost"]),
             warnings=[dict(entry) for entry in document.get("warnings") or []],
             state_leaves=int(document.get("state_leaves") or 0),
+            target=None if document.get("target") is None else str(document["target"]),
+            max_memory=None if document.get("max_memory") is None else dict(document["max_memory"]),
         )
 
 
@@ -304,11 +330,12 @@ def _abstract_batch(target: str, name: str, make_batch: Callable[[], Any]) -> An
 def check(
     rules: Rules,
     model: Any,
-    device_counts: Sequence[int],
+    device_counts: Sequence[int | str],
     *,
     strict: bool = False,
     step: StepInputs | None = None,
     max_memory: int | None = None,
+    batch: str | None = None,
 ) -> list[CheckResult]:
     """Lays out `model` under `rules` on each device count; collects every fault.
 
@@ -316,11 +343,14 @@ def check(
     expressions that do not fit, the file's device count, unmatched leaves under
     `"default": "error"`, and (with `strict`) rules that match nothing. The layouts
     are made for the count, abstractly, so a count may be more than this process
-    has devices. With `step`, the plan is made on the first `n` of `jax.devices()`
-    (the same layouts) and the step is compiled over the laid-out arguments
-    (`eqshard.cost`), so each result has its cost. With `max_memory` (bytes per
-    device), a check whose peak lower bound (without `step`: its parameters per
-    device) is more has a problem.
+    has devices. A TPU slice's name (`"v5e:4x4"`) among `device_counts` checks on
+    its devices' count, and with `step` compiles for the slice with XLA:TPU. With
+    `step`, the plan is made on the first `n` of `jax.devices()` (the same
+    layouts) and the step is compiled over the laid-out arguments
+    (`eqshard.cost`, the batch laid out by `batch`, else by the file's `"batch"`,
+    else its default), so each result has its cost. With `max_memory` (bytes per
+    device), or on a slice without it its chip's HBM, a check whose peak (without
+    `step`: its parameters per device) is more has a problem.
     """
     import jax
 
@@ -331,10 +361,15 @@ def check(
     state_leaves = 0
     if is_stateful_pair(model):
         state_leaves = sum(map(is_array_like, jax.tree_util.tree_leaves(model[1])))
-    held = "the parameters and state take" if state_leaves else "the parameters alone take"
     results = []
-    for n in device_counts:
-        planned = make_plan(model, rules, devices=n if step is None else jax.devices()[:n])
+    for entry in device_counts:
+        if isinstance(entry, int):
+            on, n = None, entry
+        else:
+            on = _slice(entry)
+            n = len(on.devices)
+        on_cpu = step is not None and on is None  # compiled here, on simulated devices
+        planned = make_plan(model, rules, devices=jax.devices()[:n] if on_cpu else n)
         problems = list(planned.problems)
         notes: list[str] = []
         warnings: list[dict[str, Any]] = []
@@ -350,52 +385,139 @@ def check(
         rows = leaf_rows(planned.plan)
         cost = None
         if step is not None and not planned.problems:  # one that cannot be laid out: no step
-            cost = _cost_entry(step, model, planned.plan, n)
-        if max_memory is not None:
-            if cost is not None:
-                needed, what = cost["peak_lower_bound"], "the step needs at least"
-            else:
-                needed, what = total_bytes_per_device(rows), held
-            if needed is not None and needed > max_memory:
-                problems.append(_memory_problem(rules.source, n, needed, what, max_memory))
+            spec = rules if on is not None else planned.plan  # a slice plans on its devices
+            cost = _cost_entry(step, model, spec, n, None if on is None else on.name, batch)
+        limit = _limit(max_memory, on)
+        if limit is not None:
+            needed = cost["peak"] if cost is not None else total_bytes_per_device(rows)
+            if needed is not None:
+                limit = {**limit, "needed": needed, "fits": needed <= limit["bytes"]}
+                if not limit["fits"]:
+                    where = devices_text(n, None if on is None else on.name)
+                    what = _needed(cost, state_leaves)
+                    problems.append(_memory_problem(rules.source, where, needed, what, limit))
         results.append(
-            CheckResult(rules.source, n, rows, problems, notes, cost, warnings, state_leaves)
+            CheckResult(
+                rules.source,
+                n,
+                rows,
+                problems,
+                notes,
+                cost,
+                warnings,
+                state_leaves,
+                None if on is None else on.name,
+                limit,
+            )
         )
     return results
 
 
-def _memory_problem(source: str, devices: int, needed: int, what: str, limit: int) -> Problem:
+HBM = "the chip's HBM"  # where a check on a TPU slice takes its memory limit from
+
+
+def _slice(name: str) -> CompileTarget:
+    """The TPU slice `name`."""
+    from ._targets import compile_target
+
+    return compile_target(name)
+
+
+def check_slices(names: Sequence[str], devices: Sequence[int] | None = None) -> None:
+    """Checks that each of `names` is a TPU slice this machine can compile for, and
+    that `devices` (`--devices`, where given with `--target`) is its device count.
+
+    **Raises:**
+
+    `EqshardError` for a name that is no slice (as `eqshard.cost`'s `target=`);
+    `UsageError` (exit code 2) where libtpu is not installed, or where `devices`
+    holds another count than a slice's.
+    """
+    from ._errors import UsageError
+
+    for name in names:
+        on = _slice(name)
+        if devices and set(devices) != {len(on.devices)}:
+            given = " ".join(map(str, dict.fromkeys(devices)))
+            raise UsageError(
+                f"--devices {given} and --target {name}: the slice has {len(on.devices)} "
+                "devices, and its check is made on all of them; leave --devices out with "
+                "--target (the slice sets the count)"
+            )
+
+
+def _limit(max_memory: int | None, on: CompileTarget | None) -> dict[str, Any] | None:
+    """The memory limit per device: `--max-memory`, else a slice's HBM, else none."""
+    if max_memory is not None:
+        return {"bytes": max_memory, "from": "--max-memory"}
+    if on is not None:
+        return {"bytes": on.memory_per_device, "from": HBM}
+    return None
+
+
+def devices_text(devices: int, target: str | None) -> str:
+    """`8 devices`, or `v5e:2x4 (8 devices)` on a TPU slice."""
+    return f"{devices} devices" if target is None else f"{target} ({devices} devices)"
+
+
+def _needed(cost: Mapping[str, Any] | None, state_leaves: int) -> str:
+    """What a check's memory is: the step's peak (a lower bound from XLA:CPU), else
+    what its parameters (and state) take."""
+    if cost is not None:
+        return "the step needs" if cost.get("target") else "the step needs at least"
+    return "the parameters and state take" if state_leaves else "the parameters alone take"
+
+
+def _limit_text(limit: Mapping[str, Any]) -> str:
+    """`--max-memory 74.5 GiB`, or `the chip's HBM, 16 GiB`."""
     from ._report import human_bytes
 
-    bound = " (a lower bound)" if what.startswith("the step") else ""
+    size = human_bytes(int(limit["bytes"])).replace(".0 ", " ")
+    return f"{HBM}, {size}" if limit["from"] == HBM else f"--max-memory {size}"
+
+
+def _memory_problem(
+    source: str, where: str, needed: int, what: str, limit: Mapping[str, Any]
+) -> Problem:
+    from ._report import human_bytes
+
+    bound = " (a lower bound)" if what.endswith("at least") else ""
     return Problem(
         source,
-        f"{what} {human_bytes(needed)} per device on {devices} devices{bound}, more than "
-        f"--max-memory {human_bytes(limit)}: it does not fit",
+        f"{what} {human_bytes(needed)} per device on {where}{bound}, more than "
+        f"{_limit_text(limit)}: it does not fit",
     )
 
 
-def _cost_entry(step: StepInputs, model: Any, plan: Any, devices: int) -> dict[str, Any]:
-    """`eqshard.cost` of the step on this plan, as `CheckResult.cost` holds it. A
-    stateful model's step takes the model alone, then the state (in `step.args`):
-    the plan, made for `(model, state)`, lays out both."""
+def _cost_entry(
+    step: StepInputs, model: Any, spec: Any, devices: int, target: str | None, batch: str | None
+) -> dict[str, Any]:
+    """`eqshard.cost` of the step under `spec` (a plan on this process's devices, or
+    on a TPU `target` the rules), as `CheckResult.cost` holds it. A stateful model's
+    step takes the model alone, then the state (in `step.args`): the plan, made for
+    `(model, state)`, lays out both."""
     from ._cost import cost
     from ._fields import is_stateful_pair
 
     first = model[0] if is_stateful_pair(model) else model
+    count = devices if target is None else None  # a slice has its devices
     found = call(
         "--step",
         step.target,
-        f"compiling the step on {devices} devices",
-        lambda: cost(step.step, first, *step.args, spec=plan, devices=devices),
+        f"compiling the step on {devices_text(devices, target)}",
+        lambda: cost(
+            step.step, first, *step.args, spec=spec, batch=batch, devices=count, target=target
+        ),
         keep=(EqshardError,),  # the spec's faults (the optimizer state's layout), as they are
     )
     memory = found.memory
+    estimate = found.estimate()
     return {
         "parameters": memory.parameters,
         "state": memory.state,
         "optimizer": memory.optimizer,
         "gradients": memory.gradients,
+        "peak": memory.peak,
         "peak_lower_bound": memory.peak,
         "flops": found.flops,
         "bytes_accessed": found.bytes_accessed,
@@ -404,6 +526,12 @@ def _cost_entry(step: StepInputs, model: Any, plan: Any, devices: int) -> dict[s
             for (kind, axes), size in sorted(found.bytes_by_axes().items())
         ],
         "estimate_h100_seconds": found.estimate("h100").seconds,
+        "estimate": {"hardware": estimate.hardware.name, "seconds": estimate.seconds},
+        "compiler": found.compiler,
+        "target": found.target,
+        "memory_per_device": found.memory_per_device,
+        "fits": found.fits,
+        "batch": found.batch,
     }
 
 
@@ -417,7 +545,7 @@ def result_table(result: CheckResult) -> Table:
     for entry in result.warnings:
         for leaf in entry.get("leaves", []):
             flags.setdefault(leaf, f"warning: {entry.get('path') or entry['where']}")
-    title = f"{result.source} on {result.devices} devices"
+    title = f"{result.source} on {devices_text(result.devices, result.target)}"
     return leaf_table(result.rows, title=title, flags=flags)
 
 
@@ -452,7 +580,7 @@ def _communication(cost: Mapping[str, Any]) -> list[str]:
 
 def cost_line(cost: Mapping[str, Any]) -> str:
     """One line of what a step costs: memory per device, communication per step,
-    and the estimate on an H100 (a `CheckResult.cost`)."""
+    and the estimate on the target's chip, else an H100 (a `CheckResult.cost`)."""
     from ._report import human_bytes
 
     memory = f"parameters {human_bytes(cost['parameters'])}"
@@ -461,17 +589,67 @@ def cost_line(cost: Mapping[str, Any]) -> str:
     if cost["optimizer"]:
         memory += f", optimizer {human_bytes(cost['optimizer'])}"
     moved = ", ".join(_communication(cost)) or "no communication"
+    peak = "peak" if cost.get("target") else "peak >="
     return (
-        f"cost: {memory}, peak >= {human_bytes(cost['peak_lower_bound'])} per device; "
-        f"{moved} per step; estimate on an H100: {_seconds(cost['estimate_h100_seconds'])}"
+        f"cost: {memory}, {peak} {human_bytes(cost['peak_lower_bound'])} per device; "
+        f"{moved} per step; estimate on {_chip(cost)}: {_seconds(_estimate(cost))}"
+    )
+
+
+def _chip(cost: Mapping[str, Any]) -> str:
+    """`an H100`, or the target's chip: `a Google Cloud TPU v5e`."""
+    estimate = cost.get("estimate")
+    if not cost.get("target") or not estimate:
+        return "an H100"
+    return f"a {estimate['hardware']}"
+
+
+def _estimate(cost: Mapping[str, Any]) -> float:
+    """The estimate's seconds: on the target's chip, else on an H100."""
+    estimate = cost.get("estimate")
+    return float(estimate["seconds"] if estimate else cost["estimate_h100_seconds"])
+
+
+def compiler_line(cost: Mapping[str, Any]) -> str:
+    """Whose figures a step's cost holds, and how its batch was laid out:
+    `compiled by XLA:TPU (libtpu 0.0.42.1) for v5e:2x4; the batch laid out by
+    'b ... -> b* ...'`."""
+    line = f"compiled by {cost['compiler']}"
+    if cost.get("target"):
+        line += f" for {cost['target']}"
+    batch = cost.get("batch")
+    return line + (f"; the batch laid out by {batch!r}" if batch else "; no batch laid out")
+
+
+def memory_line(result: CheckResult) -> str | None:
+    """The memory limit of one check, where it has one, and whether it holds:
+    `max memory: the chip's HBM, 16 GiB per device (no --max-memory given); the step
+    needs 1.1 MiB: it fits`."""
+    from ._report import human_bytes
+
+    limit = result.max_memory
+    if limit is None or limit.get("needed") is None:
+        return None
+    given = ""
+    if limit["from"] == HBM:
+        given = " (no --max-memory given)"
+    elif result.cost is not None and result.cost.get("memory_per_device") is not None:
+        hbm = _limit_text({"bytes": result.cost["memory_per_device"], "from": HBM})
+        given = f" ({hbm})"
+    what = _needed(result.cost, result.state_leaves)
+    verdict = "it fits" if limit["fits"] else "it does not fit"
+    return (
+        f"max memory: {_limit_text(limit)} per device{given}; {what} "
+        f"{human_bytes(int(limit['needed']))}: {verdict}"
     )
 
 
 def summary_table(results: Sequence[CheckResult]) -> Table:
-    """The checks side by side: spec, devices, whether it fits, what the model holds
-    per device (its parameters, and its `eqx.nn.State` and the optimizer state where
-    there are, as the column's title says), the peak's lower bound, communication
-    per step and the estimate on an H100 (the last three with a step to compile)."""
+    """The checks side by side: spec, devices (and the TPU slice), whether it fits,
+    what the model holds per device (its parameters, and its `eqx.nn.State` and the
+    optimizer state where there are, as the column's title says), the peak (a lower
+    bound from XLA:CPU), communication per step and the estimate on an H100, or on
+    each slice's chip (the last three with a step to compile)."""
     from rich.table import Table
     from rich.text import Text
 
@@ -482,9 +660,10 @@ def summary_table(results: Sequence[CheckResult]) -> Table:
     table.add_column("devices", justify="right")
     table.add_column("fits")
     table.add_column(f"{_held_label(results)} / device", justify="right")
-    table.add_column("peak >= / device", justify="right")
+    on_slices = any(result.target for result in results)  # --target: every check is on one
+    table.add_column("peak / device" if on_slices else "peak >= / device", justify="right")
     table.add_column("communication / step")
-    table.add_column("estimate (H100)", justify="right")
+    table.add_column("estimate (chip)" if on_slices else "estimate (H100)", justify="right")
     for result in results:
         cost = result.cost
         if cost is not None:
@@ -494,12 +673,12 @@ def summary_table(results: Sequence[CheckResult]) -> Table:
         problems = len(result.problems)
         table.add_row(
             Text(result.source),
-            str(result.devices),
+            str(result.devices) if result.target is None else f"{result.devices} ({result.target})",
             "yes" if result.ok else f"no ({problems} problem{'s' * (problems != 1)})",
             "-" if held is None else human_bytes(held),
             "-" if cost is None else human_bytes(cost["peak_lower_bound"]),
             "-" if cost is None else "\n".join(_communication(cost)) or "none",
-            "-" if cost is None else _seconds(cost["estimate_h100_seconds"]),
+            "-" if cost is None else _seconds(_estimate(cost)),
         )
     return table
 
@@ -516,7 +695,7 @@ def _held_label(results: Sequence[CheckResult]) -> str:
 
 
 def check_in_processes(
-    checks: Sequence[tuple[str, Sequence[int]]],
+    checks: Sequence[tuple[str, Sequence[int | str]]],
     model: str,
     *,
     strict: bool = False,
@@ -524,6 +703,8 @@ def check_in_processes(
     optimizer: str | None = None,
     batch: str | None = None,
     max_memory: int | None = None,
+    batch_spec: str | None = None,
+    devices: Sequence[int] | None = None,
     timeout: float = WORKER_TIMEOUT_SECONDS,
 ) -> list[CheckResult]:
     """`check`, in fresh Python processes (`main_worker`).
@@ -535,13 +716,17 @@ def check_in_processes(
     imports and builds the model, so a count may be more than this process could
     simulate, and a model that sets `jax_num_cpu_devices` at import works; up to
     `WORKERS` run at once, and the first error, in the order of the checks, stops
-    the others. The workers' stderr is this process's, so what the model prints,
-    and its warnings, show as they come (once per worker).
+    the others. TPU slices, with a step or without, are checked by one process,
+    which loads libtpu once and builds the model (and the step's inputs) once: it
+    compiles for each slice in turn, on no device of its own. The workers' stderr
+    is this process's, so what the model prints, and its warnings, show as they
+    come (once per worker).
 
     **Arguments:**
 
     - `checks`: each spec file's path, as the user wrote it (each worker loads it,
-        and the results name it so), with the device counts to check it on.
+        and the results name it so), with the device counts (or TPU slices, such
+        as `"v5e:4x4"`) to check it on.
     - `model`: `MODULE:CALLABLE`, as for `abstract_model`, imported by each worker
         with this process's `sys.path`.
     - `strict`: a rule that matches nothing is a problem rather than a note.
@@ -549,6 +734,9 @@ def check_in_processes(
         `step` (and `batch`), each worker compiles the step and its result has its
         cost.
     - `max_memory`: bytes per device, as for `check`.
+    - `batch_spec`: the batch's expression, as `check`'s `batch`.
+    - `devices`: the device counts the user gave with TPU slices, which must be
+        each slice's (`check_slices`).
     - `timeout`: the seconds each worker may take.
 
     **Returns:**
@@ -563,8 +751,9 @@ def check_in_processes(
     the model cannot be imported or built, and when a worker ends without an answer
     or takes longer than `timeout` ("checking on 8 devices took longer than 1800
     s"); `EqshardError` when, with `step`, JAX started with fewer devices than a
-    count (XLA_FLAGS, or the model, set a smaller one); `SpecError` when a spec
-    file cannot be loaded.
+    count (XLA_FLAGS, or the model, set a smaller one), or a TPU slice is none;
+    `UsageError` (exit code 2) as `check_slices` raises it; `SpecError` when a
+    spec file cannot be loaded.
     """
     request = {
         "model": model,
@@ -573,23 +762,26 @@ def check_in_processes(
         "optimizer": optimizer,
         "batch": batch,
         "max_memory": max_memory,
+        "batch_spec": batch_spec,
+        "given_devices": None if devices is None else list(devices),
     }
     each = list(dict.fromkeys((source, n) for source, counts in checks for n in counts))
-    if step is None:
-        results = _layouts_in_one_process(request, each, timeout)
+    if step is None or any(isinstance(n, str) for _, n in each):
+        results = _in_one_process(request, each, timeout)
     else:
         results = _steps_in_processes(request, each, timeout)
     return [results[source, n] for source, counts in checks for n in counts]
 
 
-_Key = tuple[str, int]  # a spec file, and a device count to check it on
+_Key = tuple[str, "int | str"]  # a spec file, and a device count (or a slice) to check it on
 
 
-def _layouts_in_one_process(
+def _in_one_process(
     request: Mapping[str, Any], each: Sequence[_Key], timeout: float
 ) -> dict[_Key, CheckResult]:
-    """Every file on every count, laid out abstractly by one worker."""
-    wanted: dict[str, list[int]] = {}
+    """Every file on every count, laid out abstractly by one worker; or on every
+    TPU slice, compiled for by one worker."""
+    wanted: dict[str, list[int | str]] = {}
     for source, n in each:
         wanted.setdefault(source, []).append(n)
     checks = [{"spec": source, "devices": counts} for source, counts in wanted.items()]
@@ -597,7 +789,7 @@ def _layouts_in_one_process(
     from . import _report  # noqa: F401  (JAX, for the results' rows, while it runs)
 
     counts = ", ".join(map(str, dict.fromkeys(n for _, n in each)))
-    found = _answer(f"checking on {counts} devices", worker, timeout)
+    found = _answer(f"checking on {counts}{' devices' * _all_counts(each)}", worker, timeout)
     return dict(zip([(source, n) for source, ns in wanted.items() for n in ns], found))
 
 
@@ -630,6 +822,10 @@ def _steps_in_processes(
     return results
 
 
+def _all_counts(each: Sequence[_Key]) -> bool:
+    return all(isinstance(n, int) for _, n in each)
+
+
 def _answer(doing: str, worker: Worker, timeout: float) -> list[CheckResult]:
     """The worker's results, or its error raised here."""
     document = worker_answer(worker, timeout, doing, "Run the model's build in Python to see why")
@@ -642,13 +838,17 @@ def main_worker() -> int:
     `check_in_processes` runs it with `python -c`, after setting `sys.path` to its
     own; by hand, run `python -m eqshard._check`. It reads one JSON request from
     stdin, `{"checks": [{"spec": PATH, "devices": [N, ...]}, ...], "model":
-    "MODULE:CALLABLE", "strict": BOOL}`, with optionally `"step"`, `"optimizer"`,
-    `"batch"` (`MODULE:CALLABLE` or null) and `"max_memory"` (bytes or null). It
-    loads the specs and builds the model abstractly, once. Without a step, it lays
-    each spec out on each count abstractly, with no devices; with one, it first
-    starts JAX on the largest count's simulated CPU devices (unless XLA_FLAGS sets
-    a count; the model, imported after, may set its own), builds the step's
-    arguments abstractly and compiles the step on each count. It writes one JSON
+    "MODULE:CALLABLE", "strict": BOOL}` (a TPU slice's name, `"v5e:4x4"`, may stand
+    for a count N), with optionally `"step"`, `"optimizer"`, `"batch"`
+    (`MODULE:CALLABLE` or null), `"max_memory"` (bytes or null), `"batch_spec"`
+    (the batch's expression or null) and `"given_devices"` (the user's counts, or
+    null, for `check_slices`). It checks the slices first, then loads the specs
+    and builds the model abstractly, once. Without a step, it lays each spec out
+    on each count abstractly, with no devices; with one, it first starts JAX on the
+    largest count's simulated CPU devices (unless XLA_FLAGS sets a count; the
+    model, imported after, may set its own), builds the step's arguments
+    abstractly and compiles the step on each count, or with XLA:TPU for each
+    slice. It writes one JSON
     document to stdout, and nothing else goes there (what the model prints goes to
     stderr):
 
@@ -681,13 +881,18 @@ def _check_all(request: Mapping[str, Any]) -> list[CheckResult]:
     from ._specfile import load
 
     checks = [
-        (str(entry["spec"]), [whole_number(n, "devices") for n in entry["devices"]])
+        (str(entry["spec"]), [_count_or_slice(n) for n in entry["devices"]])
         for entry in request["checks"]
     ]
-    most = max(n for _, counts in checks for n in counts)
+    most = max((n for _, counts in checks for n in counts if isinstance(n, int)), default=1)
     jax.config.update("jax_platforms", "cpu")  # never an accelerator another process holds
+    slices = [n for _, counts in checks for n in counts if isinstance(n, str)]
+    if slices:  # libtpu, once, before the model is imported: a missing one is said first
+        given = request.get("given_devices")
+        check_slices(slices, None if given is None else [whole_number(n, "devices") for n in given])
     compiling = request.get("step") is not None
-    if compiling and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    simulated = compiling and not slices  # a slice's devices are libtpu's, not simulated
+    if simulated and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         jax.config.update("jax_num_cpu_devices", most)
     specs = [load(source) for source, _ in checks]
     modules: dict[str, Any] = {}
@@ -695,7 +900,7 @@ def _check_all(request: Mapping[str, Any]) -> list[CheckResult]:
     step = None
     if compiling:
         started = len(jax.devices())
-        if started < most:
+        if simulated and started < most:
             raise EqshardError(
                 f"checking on {most} devices needs {most} simulated devices, but JAX "
                 f"started with {started}; XLA_FLAGS or the model's own "
@@ -719,8 +924,14 @@ def _check_all(request: Mapping[str, Any]) -> list[CheckResult]:
             strict=bool(request["strict"]),
             step=step,
             max_memory=None if limit is None else whole_number(limit, "max_memory"),
+            batch=None if request.get("batch_spec") is None else str(request["batch_spec"]),
         )
     return results
+
+
+def _count_or_slice(entry: Any) -> int | str:
+    """A request's device count, or a TPU slice's name, as given."""
+    return entry if isinstance(entry, str) else whole_number(entry, "devices")
 
 
 if __name__ == "__main__":  # `python -m eqshard._check`: one worker

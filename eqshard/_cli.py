@@ -234,27 +234,50 @@ def _check_in_processes() -> bool:
     return "jax" not in sys.modules
 
 
+def _batch_spec(text: str | None) -> str | None:
+    """`--batch-spec`, checked (a complete expression) before any worker starts."""
+    from ._errors import ExpressionError
+    from ._specfile import batch_expression  # no JAX
+
+    if text is None:
+        return None
+    try:
+        return str(batch_expression(text))
+    except ExpressionError as error:
+        raise EqshardError(f"--batch-spec {text!r}: {error}") from None
+
+
 def _check_command(args: argparse.Namespace) -> int:
     from ._specfile import load
 
-    if args.step is None and (args.batch is not None or args.optimizer is not None):
-        option = "--batch" if args.batch is not None else "--optimizer"
-        raise _UsageError(f"eqshard check: error: {option} is for the step: name it with --step")
+    for option, value in (
+        ("--batch", args.batch),
+        ("--optimizer", args.optimizer),
+        ("--batch-spec", args.batch_spec),
+    ):
+        if args.step is None and value is not None:
+            raise _UsageError(
+                f"eqshard check: error: {option} is for the step: name it with --step"
+            )
     if args.step is not None and args.batch is None:
         raise _UsageError(
             "eqshard check: error: --step needs --batch MODULE:CALLABLE, where CALLABLE() "
             "returns the step's batch"
         )
-    checks = []  # (file, its rules, its device counts)
+    batch_spec = _batch_spec(args.batch_spec)
+    targets = list(dict.fromkeys(args.target or []))
+    checks = []  # (file, its rules, its device counts, or the TPU slices to check on)
     for name in dict.fromkeys(args.files):
         rules = load(name)
-        counts = args.devices or [rules.devices or 8]
-        if args.step is not None and max(counts) > MAX_SIMULATED:
+        simulated: list[int] = args.devices or [rules.devices or 8]
+        if not targets and args.step is not None and max(simulated) > MAX_SIMULATED:
             given = "--devices" if args.devices else f'{name} says "devices":'
             raise EqshardError(
-                f"{given} {max(counts)}: --step compiles the step on simulated devices, "
-                f"up to {MAX_SIMULATED}; without --step, layouts are checked on any count"
+                f"{given} {max(simulated)}: --step compiles the step on simulated devices, "
+                f"up to {MAX_SIMULATED}, or with --target on a TPU slice's, any number; "
+                "without --step, layouts are checked on any count"
             )
+        counts: list[int | str] = [*targets] if targets else [*simulated]
         checks.append((name, rules, counts))
     results = []
     if _check_in_processes():
@@ -268,16 +291,21 @@ def _check_command(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             batch=args.batch,
             max_memory=args.max_memory,
+            batch_spec=batch_spec,
+            devices=args.devices,
         )
     else:
-        most = max(max(counts) for _, _, counts in checks)
-        if args.step is not None:  # layouts alone need no devices
+        counted = [n for _, _, counts in checks for n in counts if isinstance(n, int)]
+        most = max(counted, default=1)
+        if args.step is not None and counted:  # layouts alone need no devices, nor a slice
             _use_devices(most)
         import jax
 
-        from ._check import abstract_model, check, step_inputs
+        from ._check import abstract_model, check, check_slices, step_inputs
 
-        if args.step is not None and len(jax.devices()) < most:
+        if targets:
+            check_slices(targets, args.devices)
+        if args.step is not None and counted and len(jax.devices()) < most:
             raise EqshardError(
                 f"checking on {most} devices needs {most} simulated devices, "
                 f"but JAX started with {len(jax.devices())} (is XLA_FLAGS setting a device "
@@ -290,10 +318,24 @@ def _check_command(args: argparse.Namespace) -> int:
             step = step_inputs(model, args.step, str(args.batch), args.optimizer, modules=modules)
         for _, rules, counts in checks:
             results += check(
-                rules, model, counts, strict=args.strict, step=step, max_memory=args.max_memory
+                rules,
+                model,
+                counts,
+                strict=args.strict,
+                step=step,
+                max_memory=args.max_memory,
+                batch=batch_spec,
             )
 
-    from ._check import cost_line, result_table, summary_table, warning_lines
+    from ._check import (
+        compiler_line,
+        cost_line,
+        devices_text,
+        memory_line,
+        result_table,
+        summary_table,
+        warning_lines,
+    )
     from ._errors import problem_lines
     from ._fsdp import is_fsdp_replicated
     from ._report import human_bytes
@@ -318,13 +360,17 @@ def _check_command(args: argparse.Namespace) -> int:
         )
         if result.cost is not None:
             _out(cost_line(result.cost))
+            _out(compiler_line(result.cost))
+        memory = memory_line(result)
+        if memory is not None:
+            _out(memory)
         for line in problem_lines(result.problems, more=_EVERY_ONE):
             _out(line)
         verdict = "ok" if result.ok else f"{len(result.problems)} problem(s)"
         if result.ok and result.warnings:
             count = len(result.warnings)
             verdict += f", with {count} warning{'s' * (count != 1)} (an error under --strict)"
-        _out(f"{result.source} on {result.devices} devices: {verdict}\n")
+        _out(f"{result.source} on {devices_text(result.devices, result.target)}: {verdict}\n")
     if len(results) > 1:
         console.print(summary_table(results))
     return 0 if all(r.ok for r in results) else 1
@@ -425,11 +471,14 @@ def _parser() -> argparse.ArgumentParser:
             "device. With --step, compile the training step on N simulated devices "
             f"(at most {MAX_SIMULATED}) over the laid-out arguments and print what it "
             "costs per device: memory, "
-            "communication per step and an estimate on an H100. Several files or "
-            "counts are compared side by side. Exit 1 when a leaf is unmatched under "
+            "communication per step and an estimate on an H100; with --target, "
+            "compile it for a TPU slice's devices with the TPU compiler (libtpu, on "
+            "this machine, no TPU needed), whose memory is exact and is held against "
+            "the chip's HBM. Several files, counts or slices are compared side by "
+            "side. Exit 1 when a leaf is unmatched under "
             '"default": "error", a dim does not divide, the device count does not '
-            "fit, a check needs more than --max-memory, or (with --strict) a rule "
-            "matched nothing."
+            "fit, a check needs more than --max-memory (with --target, by default, "
+            "the chip's HBM), or (with --strict) a rule matched nothing."
         ),
     )
     check.add_argument("files", nargs="+", metavar="FILE")
@@ -460,11 +509,31 @@ def _parser() -> argparse.ArgumentParser:
         "host, which holds one batch in memory",
     )
     check.add_argument(
+        "--batch-spec",
+        metavar="EXPR",
+        help="the einshard expression that lays out the step's batch (each of its "
+        "arrays), both sides: 'b ... -> b* ...' splits the leading dim over every "
+        "device, '... -> * ...' gives each device a whole copy, as tensor parallelism "
+        'alone does (default: the spec file\'s "batch", else the leading dim over the '
+        "first axis of its mesh, else over every device)",
+    )
+    check.add_argument(
+        "--target",
+        nargs="+",
+        metavar="SLICE",
+        help="TPU slices to check on, as jax.experimental.topologies names them, e.g. "
+        "v5e:4x4 or v5p:8x8x16: each on its devices, the step (with --step) compiled "
+        "for them by XLA:TPU on this machine (libtpu: pip install 'eqshard[tpu]'), "
+        "--max-memory by default the chip's HBM; --devices, if given, must be the "
+        "slice's count",
+    )
+    check.add_argument(
         "--max-memory",
         type=_memory_size,
         metavar="SIZE",
         help="memory per device, e.g. 80GB or 16GiB: a check that needs more (the step's "
-        "peak, or without --step the parameters) does not fit",
+        "peak, or without --step the parameters) does not fit (default with --target: "
+        "the chip's HBM)",
     )
     check.add_argument(
         "--devices",

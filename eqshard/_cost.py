@@ -20,7 +20,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from . import _hlo
 from ._derive import plan_for
@@ -31,8 +31,8 @@ from ._hardware import HARDWARE, Estimate, Hardware, Moved, hardware_profile, ro
 from ._plan import Plan, plan
 from ._report import LeafRow, leaf_rows
 from ._resolver import is_resolver
-from ._sharding import AnyMesh, Device, device_count, on_devices, sharding
-from ._specfile import Rules
+from ._sharding import AnyMesh, Device, device_count, mesh_devices, on_devices, sharding
+from ._specfile import Rules, batch_expression
 from ._targets import CompileTarget, compile_target
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
@@ -198,8 +198,10 @@ class Cost:
     which counts a loop's body once), `mesh`, `devices`, `dtype` (the parameters'
     dtype, for the estimate); `compiler`, whose figures these are (`"XLA:TPU (libtpu
     0.0.42.1)"` for a `target`, else `"XLA:CPU, 8 simulated devices"`), `target`
-    (the TPU slice, or `None`), `hardware` (its chip's profile) and
-    `memory_per_device` (its HBM per device; `fits` compares the peak with it).
+    (the TPU slice, or `None`), `hardware` (its chip's profile),
+    `memory_per_device` (its HBM per device; `fits` compares the peak with it) and
+    `batch` (the expression the batch's array leaves were laid out by, `None` where
+    no leaf was: each kept its own placement, or the step takes no batch).
     """
 
     memory: Memory
@@ -213,6 +215,7 @@ class Cost:
     target: str | None = None
     hardware: Hardware | None = None
     memory_per_device: int | None = None
+    batch: str | None = None
 
     @property
     def fits(self) -> bool | None:
@@ -298,7 +301,7 @@ def cost(
     model: Any,
     *args: Any,
     spec: Any,
-    batch: str | None = None,
+    batch: str | Expression | None = None,
     mesh: AnyMesh | None = None,
     devices: int | Sequence[Device] | None = None,
     target: str | None = None,
@@ -335,10 +338,18 @@ def cost(
         the model, or for `(model, state)` (it lays out both, and the step still
         takes the model alone first). With a spec and a state among `args`, the
         plan is made for `(model, state)`, so that one mesh fits both.
-    - `batch`: the expression of the other arguments' array leaves. By default they
-        are data parallel: their leading dim is split over the first axis of a mesh
-        the user or the spec file gives (the data axis, by convention), else over
-        every device. `"... -> * ..."` replicates them.
+    - `batch`: the expression of the other arguments' array leaves (the batch), a
+        complete one: `"b ... -> b* ..."` splits their leading dim over every
+        device, `"... -> * ..."` gives each device a whole copy. Given, it lays out
+        every batch leaf. Without it, a leaf already placed on the plan's devices (a
+        `jax.Array`, or a `jax.ShapeDtypeStruct` carrying a sharding, whose
+        `NamedSharding`'s mesh holds the plan's devices in the plan's order) keeps
+        its sharding; the others (an array on one device, as `jnp.asarray` makes it,
+        on other devices, or abstract without a sharding) are laid out by the spec
+        file's `"batch"` (`Rules.batch`, also where `spec` is a `Plan` made from
+        `Rules`), else data parallel: their leading dim split over the first axis
+        of a mesh the user or the spec file gives (the data axis, by convention),
+        else over every device.
     - `mesh`, `devices`: as for `eqshard.plan`; `devices` may be a count: the first
         that many devices of this process, or, where it has fewer, that many
         simulated CPU devices in a new process (the step and the abstract arguments
@@ -360,7 +371,8 @@ def cost(
     **Raises:**
 
     `eqshard.SpecError` when the spec does not lay out the model, its
-    `eqx.nn.State` or the optimizer state;
+    `eqx.nn.State` or the optimizer state; `eqshard.ExpressionError` (with a caret)
+    when `batch` is malformed or a short form, or does not lay out a batch leaf;
     `eqshard.EqshardError` for a `target` that is no TPU slice or without libtpu
     (saying how to install it), when the step cannot be traced or compiled (naming the
     step, the device count and the spec, with the step's or JAX's error as its
@@ -371,6 +383,8 @@ def cost(
     matrix-product call that eqshard cannot read (naming it and its line: a figure
     is never a silent zero).
     """
+    if batch is not None:  # checked here, with a caret, before anything is compiled
+        batch = str(batch_expression(batch))
     on: CompileTarget | None = None
     if target is not None:
         on, mesh, devices = _on_target(target, spec, mesh, devices)
@@ -386,8 +400,7 @@ def cost(
         planned_for = _stateful(abstract_model, abstract_args, spec)
         p = plan(planned_for, spec, mesh=mesh, devices=devices)
     on_devices(p.mesh, "`eqshard.cost`", p.devices)
-    if batch is None:
-        batch = _data_parallel(p)
+    batches = _Batches(batch, p)
     model_plan = _laid_out(abstract_model, p)  # a plan of `(model, state)` lays out the model
     held = _Held()
     held.count(model_plan, "parameters")
@@ -400,7 +413,7 @@ def cost(
             held.count(state.plan, "optimizer")
             laid_out.append(state.plan.abstract)
         else:  # nothing shaped like the model in it: a batch
-            laid_out.append(jax.tree_util.tree_map(lambda x: _batch(x, batch, p), arg))
+            laid_out.append(jax.tree_util.tree_map(batches.lay_out, arg))
     fn = getattr(step, "__wrapped__", step)
     donate_first = bool(getattr(step, "donate_first", False))
     donate_rest = bool(getattr(step, "donate_rest", False))
@@ -448,6 +461,7 @@ def cost(
         target=None if on is None else on.name,
         hardware=None if on is None else on.hardware,
         memory_per_device=None if on is None else on.memory_per_device,
+        batch=batches.used,
     )
 
 
@@ -642,6 +656,39 @@ def _data_parallel(p: Plan) -> str:
         return "b ... -> b* ..."
     first, rest = p.mesh.axis_sizes[0], p.mesh.size // p.mesh.axis_sizes[0]
     return f"b ... -> b{first} ..." + (f" {rest}" if rest > 1 else "")
+
+
+class _Batches:
+    """Lays out the batch's leaves for `cost`: by `batch=` where it is given; else a
+    leaf already placed on the plan's devices keeps its sharding, and the others
+    follow the spec file's `"batch"`, else `_data_parallel`. `used` is the
+    expression that laid out a leaf, if any did."""
+
+    def __init__(self, batch: str | None, p: Plan) -> None:
+        self.given = batch is not None
+        if batch is None:  # a plan made from `Rules` (or `cost`'s spec, planned here)
+            declared = p.spec.batch if isinstance(p.spec, Rules) else None
+            batch = _data_parallel(p) if declared is None else str(declared)
+        self.expr = str(batch)
+        self.plan = p
+        self.devices = mesh_devices(p.mesh) if p.mesh is not None else p.devices
+        self.used: str | None = None
+
+    def lay_out(self, x: Any) -> Any:
+        if not (isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)):
+            return x
+        if not self.given and self._placed(getattr(x, "sharding", None)):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if x.shape:  # a scalar is whole on every device, whatever the expression
+            self.used = self.expr
+        return _batch(x, self.expr, self.plan)
+
+    def _placed(self, placed: Any) -> bool:
+        """Whether `placed` (a leaf's sharding) lays it out on the plan's devices,
+        in the plan's order, as one compiled program can take it with the plan's."""
+        if not isinstance(placed, NamedSharding) or not isinstance(placed.mesh, Mesh):
+            return False
+        return isinstance(self.devices, tuple) and tuple(placed.mesh.devices.flat) == self.devices
 
 
 def _first(costs: Any) -> dict[str, Any]:

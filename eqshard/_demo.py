@@ -44,7 +44,7 @@ from ._errors import EqshardError, Problem, UnreadableError
 from ._plan import Plan, plan
 from ._report import human_bytes
 from ._shard import constrain
-from ._specfile import load
+from ._specfile import Rules, load
 
 __all__ = [
     "SPECS",
@@ -141,9 +141,10 @@ def spec_path(name: str) -> Path:
 
 
 def batch_expression(p: Plan) -> str:
-    """How the batch is laid out under a plan: its leading dim split over a mesh
-    axis named `data` when the spec's mesh starts with one (as `eqshard.cost` lays
-    out a batch by default), else a full copy on every device.
+    """How the batch is laid out under a plan: as its spec file's `"batch"` says
+    (`eqshard.cost` lays it out so too); else its leading dim split over a mesh axis
+    named `data` when the spec's mesh starts with one (as `eqshard.cost` lays out a
+    batch by default), else a full copy on every device.
 
     **Example:**
 
@@ -159,6 +160,8 @@ def batch_expression(p: Plan) -> str:
 
     An einshard expression for the batch.
     """
+    if isinstance(p.spec, Rules) and p.spec.batch is not None:
+        return str(p.spec.batch)
     if p.mesh is not None and p.mesh_is_given and p.mesh.axis_names[0] == "data":
         return _data_parallel(p)
     return "... -> * ..."

@@ -28,6 +28,7 @@ __all__ = [
     "UnreadableError",
     "UnusedRule",
     "UnusedRuleWarning",
+    "UsageError",
     "in_file",
     "named",
     "problem_lines",
@@ -334,6 +335,15 @@ class StepError(EqshardError):
     """The user's step cannot be traced or compiled under a spec: the user's code
     failed, not the spec, so the command line exits with 2, as for a model that
     cannot be built."""
+
+    exit_code = 2
+
+
+class UsageError(EqshardError):
+    """What was asked for cannot be done as asked: options that contradict each
+    other (`--devices 8` with `--target v5e:4x4`, whose slice has 16), or a package
+    it needs that is not installed (libtpu, for a TPU target). The command line
+    exits with 2, as for bad usage."""
 
     exit_code = 2
 

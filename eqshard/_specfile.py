@@ -52,6 +52,7 @@ __all__ = [
     "VERSION",
     "Rule",
     "Rules",
+    "batch_expression",
     "document_problems",
     "dump",
     "load",
@@ -127,9 +128,12 @@ class Rules:
     **Fields:** `rules` (a tuple of `Rule`), `default` (`"replicate"`, `"error"`
     or `"fsdp"`: what a leaf no rule or dim matches gets), `devices` (the device
     count the file was written for, or `None`), `dims` (dim name to a modifier or a
-    mesh axis name), `source` (the file name, for messages), and `mesh` (the
+    mesh axis name), `source` (the file name, for messages), `mesh` (the
     declared mesh: each axis's name and size, `None` for the one `"*"` axis; or
-    `None`).
+    `None`), and `batch` (the complete `Expression` that `eqshard.cost` and
+    `eqshard check --step` lay the step's batch out by, such as
+    `"... -> * ..."` for a whole batch on every device; `None` for their default,
+    the leading dim over the mesh's first axis).
     """
 
     rules: tuple[Rule, ...] = ()
@@ -138,12 +142,15 @@ class Rules:
     dims: Mapping[str, str] = dataclasses.field(default_factory=dict)
     source: str = "<rules>"
     mesh: tuple[tuple[str, int | None], ...] | None = None
+    batch: Expression | None = None
 
     def __post_init__(self) -> None:
         if self.default not in _DEFAULTS:
             raise EqshardError(
                 "`Rules.default` is 'replicate', 'error' or 'fsdp', not " + repr(self.default)
             )
+        if self.batch is not None:
+            object.__setattr__(self, "batch", batch_expression(self.batch))
 
     def where(self, json_path: str) -> str:
         """`file::$.json.path`: where a fault of this spec is, in messages."""
@@ -199,7 +206,29 @@ class Rules:
             document["dims"] = dict(self.dims)
         if self.mesh is not None:
             document["mesh"] = [[name, "*" if size is None else size] for name, size in self.mesh]
+        if self.batch is not None:
+            document["batch"] = str(self.batch)
         return document
+
+
+def batch_expression(expr: str | Expression) -> Expression:
+    """`expr` parsed as a batch's expression: complete, since a batch's arrays have
+    no annotation to give a short form its left side.
+
+    **Raises:** `ExpressionError`, with a caret, when `expr` is malformed or short.
+    """
+    parsed = parse(expr)
+    if not parsed.is_complete:
+        text = parsed.text or str(parsed)
+        raise ExpressionError(
+            text,
+            0,
+            "a batch's arrays have no annotation to complete a short form: write both "
+            "sides, such as 'b ... -> b* ...' (the leading dim split over every device) "
+            "or '... -> * ...' (a whole copy on every device)",
+            length=len(text),
+        )
+    return parsed
 
 
 # --------------------------------------------------------------------------- #
@@ -309,6 +338,8 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
             "'*', white space, a bracket or a quote is written quoted, as eqshard names "
             "it: params['a b'].w",
         )
+    if path == ["batch"] and keyword in ("pattern", "type"):
+        return _batch_problem(where, instance)
     if "propertyNames" in error.schema_path:
         return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
     if keyword == "anyOf" and path[:1] == ["dims"]:
@@ -342,6 +373,22 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
     return Problem(where, error.message)
 
 
+def _batch_problem(where: str, instance: Any) -> Problem:
+    """What is wrong with a file's `"batch"`: not text, or no complete expression
+    (with a caret under the fault)."""
+    if not isinstance(instance, str):
+        return Problem(
+            where,
+            f"{instance!r} is not of type 'string'; write an einshard expression such as "
+            "'b ... -> b* ...' or '... -> * ...'",
+        )
+    try:
+        batch_expression(instance)
+    except ExpressionError as bad:
+        return Problem.from_error(where, bad)
+    return Problem(where, f"{instance!r} is not an einshard expression")
+
+
 def _order(path: Sequence[Any]) -> list[tuple[int, int, str]]:
     """Sorts JSON paths in document order: `$.rules[2]` before `$.rules[10]`."""
     return [(1, c, "") if isinstance(c, int) else (0, 0, str(c)) for c in path]
@@ -350,10 +397,10 @@ def _order(path: Sequence[Any]) -> list[tuple[int, int, str]]:
 def document_problems(document: Any, name: str) -> list[Problem]:
     """Every fault of a spec file's document, in document order: the schema's, then
     what it cannot say. Each problem's `file` is `name`."""
-    found = [
-        (_order(error.absolute_path), _schema_problem(name, error))
-        for error in _validator().iter_errors(document)
-    ]
+    orders: dict[Problem, list[tuple[int, int, str]]] = {}
+    for error in _validator().iter_errors(document):  # once, where two schema rules say it
+        orders.setdefault(_schema_problem(name, error), _order(error.absolute_path))
+    found = [(order, problem) for problem, order in orders.items()]
     if isinstance(document, dict):
         found += _rule_problems(document, name, {p.where for _, p in found})
     return [in_file(problem, name) for _, problem in sorted(found, key=lambda pair: pair[0])]
@@ -400,6 +447,13 @@ def _rule_problems(
                 )
                 problems.append((_order(["rules", i, "path"]), problem))
             seen.setdefault(parsed, (i, path))
+    batch = document.get("batch")
+    where = f"{name}::$.batch"
+    if isinstance(batch, str) and where not in schema_paths:
+        try:
+            batch_expression(batch)
+        except ExpressionError as bad:
+            problems.append((_order(["batch"]), Problem.from_error(where, bad)))
     problems += _mesh_problems(document, name)
     dims = document.get("dims")
     for dim, modifier in dims.items() if isinstance(dims, dict) else ():
@@ -499,6 +553,7 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
         mesh=None
         if document.get("mesh") is None
         else tuple((n, None if size == "*" else int(size)) for n, size in document["mesh"]),
+        batch=None if document.get("batch") is None else parse(document["batch"]),
     )
 
 

@@ -20,7 +20,7 @@ import os
 import re
 from typing import Any
 
-from ._errors import EqshardError
+from ._errors import EqshardError, UsageError
 from ._hardware import HARDWARE, Hardware
 
 __all__ = ["CompileTarget", "compile_target"]
@@ -32,8 +32,9 @@ _GPUS = ("h100", "h200", "a100", "b200", "gpu", "cuda")
 
 # libtpu looks for a TPU VM's metadata when it starts, and logs at length when it
 # finds none: tell it there is none to find (only where the user has not said). It
-# also takes a lock that keeps a second process from loading it, which a compiler
-# that runs nothing on a TPU does not need.
+# also takes a lock file, so that one process at a time drives a TPU; compiling for
+# a slice drives none, so a second process (`eqshard check`'s worker, another
+# check, a test run) may load it too.
 _QUIET = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
     "TPU_SKIP_MDS_QUERY": "1",
@@ -72,7 +73,8 @@ def compile_target(name: str) -> CompileTarget:
 
     `EqshardError` for a name that is no TPU slice (a GPU's, which cannot be
     compiled for without one, says so), for a slice libtpu refuses (with its
-    reason), and where libtpu is not installed (with the command that installs it).
+    reason); `UsageError` (an `EqshardError` the command line exits 2 for) where
+    libtpu is not installed, with the command that installs it.
     """
     found = _TOPOLOGY.fullmatch(name.strip()) if isinstance(name, str) else None
     if found is None:
@@ -117,7 +119,7 @@ def _libtpu(name: str) -> tuple[Any, str]:
     try:
         version = metadata.version("libtpu")
     except metadata.PackageNotFoundError:
-        raise EqshardError(
+        raise UsageError(
             f"`target={name!r}` compiles with the TPU compiler, which comes with libtpu; "
             "install it with `pip install 'eqshard[tpu]'` (libtpu for this JAX), or "
             "leave `target` out to compile with XLA:CPU"

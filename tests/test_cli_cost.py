@@ -257,7 +257,8 @@ def test_a_step_needs_as_many_devices_as_its_count(run_cli, files):
     assert result.code == 1
     assert result.err == (
         "eqshard check: error: --devices 65536: --step compiles the step on simulated "
-        "devices, up to 4096; without --step, layouts are checked on any count\n"
+        "devices, up to 4096, or with --target on a TPU slice's, any number; without "
+        "--step, layouts are checked on any count\n"
     )
     result = run_cli("check", specs[0], "--model", f"{module}:build", "--devices", 65536)
     assert result.code == 0, result.err

@@ -3,9 +3,10 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqshard
 from eqshard._cost import _collectives
@@ -206,3 +207,88 @@ def test_a_step_that_cannot_be_traced_names_the_devices_and_the_spec(tmp_path):
         eqshard.EqshardError, match=r" on 4 devices under the expression '\.\.\. -> \* \.\.\.': "
     ):
         eqshard.cost(broken, MODEL, STATE, BATCH, spec="... -> * ...", devices=4)
+
+
+# --------------------------------------------------------------------------- #
+# The batch: `batch=`, a placement of its own, the spec file's "batch", the default.
+# --------------------------------------------------------------------------- #
+
+# Megatron on 8 devices (a 2 x 4 mesh): a batch split over every device makes the
+# step gather the activations over m1 and sum the gradients over m0; a whole batch
+# only sums the activations over m1.
+SPLIT = {("all-gather", ("m1",)), ("all-reduce", ("m0",)), ("all-reduce", ("m1",))}
+WHOLE = {("all-reduce", ("m1",))}
+
+
+def _split():
+    """The communication of the Megatron step with the batch split (the default)."""
+    c = _megatron_cost(BATCH)
+    moved = c.bytes_by_axes()
+    assert set(moved) == SPLIT
+    assert c.memory.parameters <= moved[("all-reduce", ("m0",))] <= c.memory.parameters + 64
+    return moved
+
+
+def _megatron_cost(x, **kw):
+    spec = kw.pop("spec", MEGATRON)
+    return eqshard.cost(step, MODEL, STATE, x, spec=spec, **kw)
+
+
+def _placed(x, spec):
+    p = eqshard.plan(MODEL, MEGATRON, devices=jax.devices())
+    assert p.mesh is not None
+    return jax.device_put(x, NamedSharding(p.mesh, spec))
+
+
+def test_a_batch_placed_on_the_plans_devices_keeps_its_sharding():
+    x = jnp.arange(64 * 256, dtype=jnp.float32).reshape(64, 256)
+    split = _split()  # the default
+    whole = _megatron_cost(_placed(x, P()))
+    assert set(whole.bytes_by_axes()) == WHOLE
+    assert whole.batch is None  # no leaf was laid out by an expression
+    abstract = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_placed(x, P()).sharding)
+    assert _megatron_cost(abstract).bytes_by_axes() == whole.bytes_by_axes()
+    assert _megatron_cost(_placed(x, P(("m0", "m1")))).bytes_by_axes() == split
+    # `batch=` says otherwise: every leaf is laid out by it
+    given = _megatron_cost(_placed(x, P()), batch="b ... -> b* ...")
+    assert (given.bytes_by_axes(), given.batch) == (split, "b ... -> b* ...")
+
+
+def test_a_batch_on_one_device_or_on_other_devices_is_laid_out_by_the_default():
+    split = _split()
+    on_one = jnp.zeros((64, 256))  # on jax.devices()[0]
+    c = _megatron_cost(on_one)
+    assert (c.bytes_by_axes(), c.batch) == (split, "b ... -> b* ...")
+    four = Mesh(np.array(jax.devices()[:4]), ("a",))
+    elsewhere = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(four, P()))
+    assert _megatron_cost(elsewhere).bytes_by_axes() == split
+    # the plan's devices in another order: one program cannot take both orders
+    reversed_mesh = Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("m0", "m1"))
+    reordered = jax.ShapeDtypeStruct(
+        (64, 256), jnp.float32, sharding=NamedSharding(reversed_mesh, P())
+    )
+    assert _megatron_cost(reordered).bytes_by_axes() == split
+
+
+def test_the_spec_files_batch_lays_out_the_batch_unless_batch_is_given():
+    split = _split()
+    whole_batch = eqshard.load({**MEGATRON.to_json(), "batch": "... -> * ..."})
+    assert whole_batch.batch == eqshard.parse("... -> * ...")
+    c = _megatron_cost(BATCH, spec=whole_batch)
+    assert (set(c.bytes_by_axes()), c.batch) == (WHOLE, "... -> * ...")
+    p = eqshard.plan(MODEL, whole_batch, devices=jax.devices())  # a plan made from Rules
+    assert _megatron_cost(BATCH, spec=p).bytes_by_axes() == c.bytes_by_axes()
+    c = _megatron_cost(BATCH, spec=whole_batch, batch="b ... -> b* ...")
+    assert (c.bytes_by_axes(), c.batch) == (split, "b ... -> b* ...")
+    # a batch placed by its user keeps its place over the file's "batch"
+    x = jnp.zeros((64, 256))
+    assert _megatron_cost(_placed(x, P(("m0", "m1"))), spec=whole_batch).bytes_by_axes() == split
+
+
+def test_a_short_or_malformed_batch_is_refused_with_a_caret():
+    with pytest.raises(eqshard.ExpressionError, match=r"(?s)    b\*\n    \^\^\na batch's arrays"):
+        _megatron_cost(BATCH, batch="b*")
+    with pytest.raises(eqshard.ExpressionError, match=r"a count of 0 is not allowed"):
+        _megatron_cost(BATCH, batch="b ... -> b0 ...")
+    with pytest.raises(eqshard.ExpressionError, match=r"a batch's arrays have no annotation"):
+        eqshard.Rules(batch=eqshard.parse("b*"))

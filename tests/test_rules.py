@@ -158,6 +158,7 @@ def test_full_spec_loads_every_field():
     assert isinstance(short, eqshard.Expression)
     assert not short.is_complete
     assert dict(rules.dims) == {"mlp": "*", "vocab": "2", "heads": "2*"}
+    assert rules.batch == eqshard.parse("b ... -> b* ...")
 
 
 INVALID = {
@@ -181,7 +182,7 @@ INVALID = {
     "structure.eqshard.json": [
         (
             "$",
-            "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims'",
+            "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'batch'",
             "",
         ),
         ("$.default", "'maybe' is not one of ['replicate', 'error', 'fsdp']", ""),
@@ -434,11 +435,14 @@ def test_dump_rules_round_trips(tmp_path):
     eqshard.dump(rules, path)
     again = eqshard.load(path)
     assert again.rules == rules.rules
-    assert (again.default, again.devices, dict(again.dims)) == (
+    assert (again.default, again.devices, dict(again.dims), again.batch) == (
         rules.default,
         rules.devices,
         dict(rules.dims),
+        rules.batch,
     )
+    assert rules.batch is not None
+    assert json.loads(path.read_text("utf-8"))["batch"] == "b ... -> b* ..."
 
 
 def test_dump_a_prefix_spec_and_load_it_back(tmp_path):
