@@ -92,6 +92,34 @@ _LAZY = {
 }
 
 
+__all__ = sorted(  # the public API: `help(eqshard)` and `dir(eqshard)` list it
+    [
+        "EqshardError",
+        "EqshardWarning",
+        "Element",
+        "Expression",
+        "ExpressionError",
+        "FSDP",
+        "Layout",
+        "MeshWarning",
+        "PathError",
+        "Problem",
+        "Rule",
+        "Rules",
+        "SpecError",
+        "UnreadableError",
+        "UnusedRule",
+        "UnusedRuleWarning",
+        "dump",
+        "layout",
+        "load",
+        "parse",
+        "schema",
+        *_LAZY,
+    ]
+)
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
@@ -102,7 +130,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+    return sorted({*globals(), *__all__})
 
 
 try:
