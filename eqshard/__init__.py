@@ -36,6 +36,7 @@ from ._specfile import (
 )
 
 if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazily
+    from ._activations import use as use
     from ._apply import apply as apply
     from ._checkpoint import abstract as abstract, restore as restore
     from ._cost import (
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._sharding import sharding as sharding
 
 _LAZY = {
+    "use": "._activations",
     "apply": "._apply",
     "abstract": "._checkpoint",
     "Collective": "._cost",

@@ -13,6 +13,7 @@ bound.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from . import _hlo
+from ._activations import use
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError, StepError
 from ._expression import Expression
@@ -337,7 +339,11 @@ def cost(
     - `spec`: anything `eqshard.apply` takes, a `Plan` included: a plan made for
         the model, or for `(model, state)` (it lays out both, and the step still
         takes the model alone first). With a spec and a state among `args`, the
-        plan is made for `(model, state)`, so that one mesh fits both.
+        plan is made for `(model, state)`, so that one mesh fits both. A spec
+        file's rules (or a plan made from them) are active while the step is
+        traced, as under `eqshard.use`: activations the model names
+        (`eqshard.constrain(x, ("batch", "embed"))`) are laid out by its `"dims"`,
+        on the plan's mesh, and costed so.
     - `batch`: the expression of the other arguments' array leaves (the batch), a
         complete one: `"b ... -> b* ..."` splits their leading dim over every
         device, `"... -> * ..."` gives each device a whole copy. Given, it lays out
@@ -426,7 +432,9 @@ def cost(
     donate = tuple(i for i, on in enumerate((donate_first, donate_rest)) if on)
     n = device_count(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
     try:
-        compiled = _compile(jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:]))
+        with use(p) if isinstance(p.spec, Rules) else contextlib.nullcontext():
+            lowered = jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:])
+        compiled = _compile(lowered)
     except EqshardError:
         raise
     except Exception as error:  # the user's step: named, with its error as the cause

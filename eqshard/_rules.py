@@ -27,7 +27,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._annotation import complete, for_rank
+from ._annotation import Annotation, complete, for_rank
 from ._errors import (
     ExpressionError,
     Problem,
@@ -53,7 +53,14 @@ from ._resolver import Resolution, Target
 from ._sharding import device_tuple
 from ._specfile import Rule, Rules
 
-__all__ = ["Match", "match_rules", "resolve_rules", "rules_of_spec_tree"]
+__all__ = [
+    "Match",
+    "dims_expression",
+    "is_axis",
+    "match_rules",
+    "resolve_rules",
+    "rules_of_spec_tree",
+]
 
 _REPLICATE = parse("... -> * ...")
 
@@ -105,45 +112,64 @@ _AXIS_NAME = re.compile(r"[^\W\d]+")
 
 
 def _from_dims(rules: Rules, item: LeafInfo | None, mesh: Any) -> Expression | Problem | None:
-    """The expression `dims` give a leaf, from its annotation: modifiers in the
-    annotation's order, or logical axes laid out in the order of `mesh`'s axes."""
+    """The expression `dims` give a leaf, from its annotation (see `dims_expression`)."""
     if item is None or item.annotation is None:
         return None
     annotation = for_rank(item.annotation, len(getattr(item.leaf, "shape", ())))
+    return dims_expression(rules, annotation, item.label, mesh)
+
+
+def is_axis(mapped: str | None) -> bool:
+    """Whether a value of `dims` names a mesh axis (a logical axis), rather than
+    being a shard modifier (`"*"`, `"4"`) or `None` (JSON `null`: the dim is whole)."""
+    return mapped is not None and _AXIS_NAME.fullmatch(mapped) is not None
+
+
+def dims_expression(
+    rules: Rules, annotation: Annotation, label: str, mesh: Any, noun: str = "leaf"
+) -> Expression | Problem | None:
+    """The expression `dims` give the array `label` whose dims `annotation` names:
+    modifiers in the annotation's order, or logical axes laid out in the order of
+    `mesh`'s axes; a dim mapped to `None` (JSON `null`) and a dim `dims` leaves out
+    are whole. `None` where `dims` maps none of its dims. A parameter's annotation
+    and an activation's names (`eqshard.constrain(x, ("batch", "embed"))`) go
+    through here alike; `noun` names the array in messages ("leaf", "array")."""
     names = [d for d in annotation.items if isinstance(d, str)]
     mapped = {d: rules.dims[d] for d in names if d in rules.dims}
     if not mapped:
         return None
     where = ", ".join(f"$.dims.{d}" for d in mapped)
-    logical = {d: axis for d, axis in mapped.items() if _AXIS_NAME.fullmatch(axis)}
+    logical = {d: axis for d, axis in mapped.items() if axis is not None and is_axis(axis)}
     if logical:
-        short = _logical(rules, item, logical, len(logical) == len(mapped), mesh)
+        alone = all(m is None or d in logical for d, m in mapped.items())
+        short = _logical(rules, label, logical, alone, mesh, noun)
         if isinstance(short, Problem):
             return short
-    else:
-        short = " ".join(f"{d}{rules.dims.get(d, '')}" for d in names)
+    else:  # modifiers in the annotation's order; only whole dims: replicated
+        whole = all(m is None for m in mapped.values())
+        short = " ".join(["*"] * whole + [f"{d}{rules.dims.get(d) or ''}" for d in names])
     try:
         return complete(parse(short), annotation)
     except ExpressionError as error:
-        return Problem.from_error(item.label, error, f"from {rules.source}::{where}")
+        return Problem.from_error(label, error, f"from {rules.source}::{where}")
 
 
 def _logical(
-    rules: Rules, item: LeafInfo, logical: dict[str, str], alone: bool, mesh: Any
+    rules: Rules, label: str, logical: dict[str, str], alone: bool, mesh: Any, noun: str
 ) -> str | Problem:
     """The short form that splits each dim over its mesh axis, in the mesh's order,
     and replicates over the other axes."""
     where = ", ".join(f"$.dims.{d}" for d in logical)
     if not alone:
         return Problem(
-            item.label,
-            f"{rules.source}::{where} map dims of this leaf to mesh axes, and other dims "
-            "of it to shard modifiers; map every dim of one leaf the same way",
+            label,
+            f"{rules.source}::{where} map dims of this {noun} to mesh axes, and other dims "
+            f"of it to shard modifiers; map every dim of one {noun} the same way",
         )
     if mesh is None:
         dim, axis = next(iter(logical.items()))
         return Problem(
-            item.label,
+            label,
             f"{rules.source}::$.dims.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
             f'there is no mesh; declare "mesh" in {rules.source}, or pass `mesh=`',
         )
@@ -152,15 +178,16 @@ def _logical(
     for dim, axis in logical.items():
         if axis not in sizes:
             return Problem(
-                item.label,
+                label,
                 f"{rules.source}::$.dims.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
                 f"the mesh has the axes {', '.join(map(repr, sizes))}; name one of them",
             )
         if axis in by_axis:
             return Problem(
-                item.label,
+                label,
                 f"{rules.source}::{where} map both {by_axis[axis]!r} and {dim!r} of this "
-                f"leaf to the mesh axis {axis!r}; a mesh axis splits one dim of a leaf",
+                f"{noun} to the mesh axis {axis!r}; a mesh axis splits one dim of "
+                f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}",
             )
         by_axis[axis] = dim
     return " ".join(

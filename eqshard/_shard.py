@@ -10,13 +10,15 @@ import jax.core
 from jax.sharding import AxisType, NamedSharding
 from jaxtyping import Array, ArrayLike, PyTree
 
+from ._activations import activation_sharding, is_names
 from ._apply import place
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
-from ._plan import Unspecified
+from ._plan import Plan, Unspecified
 from ._sharding import AnyMesh, Device, on_devices, sharding
+from ._specfile import Rules
 from ._values import source_for, unplaceable
 
 __all__ = ["constrain", "shard"]
@@ -74,8 +76,12 @@ def shard(
     why = unplaceable(x, "`eqshard.shard`")
     if why is not None:
         raise EqshardError(f"the array {why}")
-    target = sharding(expr, shape, mesh=mesh, devices=devices)
-    on_devices(target.mesh, "`eqshard.shard`", devices)
+    return _put(x, sharding(expr, shape, mesh=mesh, devices=devices), "`eqshard.shard`", devices)
+
+
+def _put(x: ArrayLike, target: NamedSharding, what: str, devices: object) -> Array:
+    """`x` placed in `target`, outside `jit`: one `jax.device_put`."""
+    on_devices(target.mesh, what, devices)
     return jax.device_put(source_for(x, target), target)
 
 
@@ -86,6 +92,7 @@ def constrain(
     mesh: AnyMesh | None = None,
     devices: Sequence[Device] | None = None,
     unspecified: Unspecified = "replicate",
+    rules: Rules | Plan | None = None,
 ) -> PyTree[Any]:
     """Constrains values inside `jit` to a layout: one activation, or a whole model.
 
@@ -96,6 +103,13 @@ def constrain(
     they came in with (otherwise XLA is free to choose new ones). Outside `jit` it
     places the values, as `eqshard.apply` does.
 
+    An activation may also be named, one dim name per axis, and laid out by the
+    active rules (`eqshard.use(rules)`, or `rules=`): each name maps through the
+    rules' `"dims"` to a mesh axis, a shard modifier or `null` (whole), as a
+    parameter's annotated dims do, on the user's mesh or the rules' declared one.
+    With no rules active, named activations come back unchanged (the same object),
+    so model code that names them runs anywhere, sharded or not.
+
     **Example:**
 
     ```python
@@ -105,30 +119,51 @@ def constrain(
         grads = eqx.filter_grad(loss)(model, x, y)
         model = eqx.apply_updates(model, update(grads))
         return eqshard.constrain(model, spec)        # keep the parameters' layouts
+
+    class Block(eqx.Module):
+        def __call__(self, x):                       # x: (batch, seq, embed)
+            x = eqshard.constrain(x, ("batch", "seq", "embed"))   # by the active rules
+            ...
     ```
 
     **Arguments:**
 
     - `x`: one array, or a pytree such as a model; traced or concrete.
-    - `spec`: for one array, an einshard expression. For a pytree, anything
-        `eqshard.apply` takes (by default the `eqshard.field`s), or an
-        `eqshard.Plan` made for a model of the same structure.
+    - `spec`: for one array, an einshard expression, or a tuple of names, one per
+        axis: a dim name of the rules' `"dims"`, `None` for an axis left free (the
+        compiler chooses it inside `jit`; whole outside it), and a leading `...`
+        for the axes in front, left free (under `jax.vmap` it stands for none). For
+        a pytree, anything `eqshard.apply` takes (by default the `eqshard.field`s),
+        or an `eqshard.Plan` made for a model of the same structure.
     - `mesh`: the mesh to constrain on; by default the mesh of `jax.set_mesh`
         (inside `jit`, its abstract mesh), if one is set. On a mesh of Explicit axes
         the values are resharded (`jax.sharding.reshard`), as JAX requires there.
     - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
         They must be the devices the rest of the computation runs on.
     - `unspecified`: as for `eqshard.apply`.
+    - `rules`: with names, the `eqshard.Rules` (or a plan made from them) that lay
+        them out, rather than those of `eqshard.use`.
 
     **Returns:**
 
-    `x`, constrained to the layout.
+    `x`, constrained to the layout; with names and no rules, `x` itself.
 
     **Raises:**
 
     `eqshard.ExpressionError` or `eqshard.SpecError` when the spec does not fit
-    `x` or the mesh, naming each leaf.
+    `x` or the mesh, naming each leaf. With names, `eqshard.SpecError` naming the
+    spec file's `$.dims` for a name it does not map, and the dims of two names
+    mapped to one mesh axis; `eqshard.EqshardError` for names that do not match
+    `x`'s rank.
     """
+    if is_names(x, spec):
+        return _named(x, spec, rules, mesh, devices)
+    if rules is not None:
+        raise EqshardError(
+            "`rules=` lays out an array whose axes are named, as in "
+            "`eqshard.constrain(x, ('batch', 'embed'), rules=rules)`; for an expression or "
+            "a spec, pass the rules as the spec: `eqshard.constrain(model, rules)`"
+        )
     traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
     if is_array_like(x) and isinstance(spec, (str, Expression)):
         if not traced:
@@ -148,6 +183,26 @@ def constrain(
     for i, value in zip(indices, constrained):
         leaves[i] = value
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _named(
+    x: Any,
+    names: Any,
+    rules: Rules | Plan | None,
+    mesh: AnyMesh | None,
+    devices: Sequence[Device] | None,
+) -> Any:
+    """`x`, whose axes `names` names, held to the layout the rules give it; `x`
+    itself where no rules are active."""
+    target = activation_sharding(x, names, rules, mesh=mesh, devices=devices)
+    if target is None:
+        return x
+    if not isinstance(x, jax.core.Tracer):
+        why = unplaceable(x, "`eqshard.constrain`")
+        if why is not None:
+            raise EqshardError(f"the array {why}")
+        return _put(x, target, "`eqshard.constrain`", devices)
+    return _constrained([x], [target])[0]
 
 
 def _constrained(values: list[Any], shardings: list[NamedSharding]) -> list[Any]:

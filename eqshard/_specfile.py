@@ -127,8 +127,9 @@ class Rules:
 
     **Fields:** `rules` (a tuple of `Rule`), `default` (`"replicate"`, `"error"`
     or `"fsdp"`: what a leaf no rule or dim matches gets), `devices` (the device
-    count the file was written for, or `None`), `dims` (dim name to a modifier or a
-    mesh axis name), `source` (the file name, for messages), `mesh` (the
+    count the file was written for, or `None`), `dims` (dim name to a modifier, a
+    mesh axis name, or `None` for a whole dim; for parameters by their annotations
+    and for activations by `eqshard.constrain`'s names), `source` (the file name, for messages), and `mesh` (the
     declared mesh: each axis's name and size, `None` for the one `"*"` axis; or
     `None`), and `batch` (the complete `Expression` that `eqshard.cost` and
     `eqshard check --step` lay the step's batch out by, such as
@@ -139,7 +140,7 @@ class Rules:
     rules: tuple[Rule, ...] = ()
     default: Literal["replicate", "error", "fsdp"] = "replicate"
     devices: int | None = None
-    dims: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    dims: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     source: str = "<rules>"
     mesh: tuple[tuple[str, int | None], ...] | None = None
     batch: Expression | None = None
@@ -345,8 +346,8 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
     if keyword == "anyOf" and path[:1] == ["dims"]:
         return Problem(
             where,
-            f"{instance!r} is neither a shard modifier ('2', '*', '2*') nor the name of a "
-            "mesh axis",
+            f"{instance!r} is neither a shard modifier ('2', '*', '2*'), the name of a "
+            "mesh axis, nor null (a whole dim)",
         )
     if keyword == "pattern" and path[:1] == ["dims"]:
         return Problem(

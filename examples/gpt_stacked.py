@@ -5,8 +5,11 @@ every block leaf has a leading layer axis, and the model runs them with
 `jax.lax.scan`. `specs/gpt.eqshard.json` lays the stacked leaves out (its `...`
 keeps the layer axis whole), the model and its AdamW state are placed on a 2 x 4
 Auto mesh set with `jax.set_mesh`, and a few training steps are checked against the
-same steps unsharded. The example prints the per-leaf reports and the collectives
-of the compiled step.
+same steps unsharded. The model names its activations (`eqshard.constrain(x, (...,
+"seq", "embed"))` in each block, the logits in `loss`), and the sharded step runs
+under `eqshard.use(rules)`, so the spec file's `"dims"` lay them out; the unsharded
+run has no rules active, and its names change nothing. The example prints the
+per-leaf reports and the collectives of the compiled step.
 
 Run: `python examples/gpt_stacked.py`: on 8 accelerators, or else on 8 simulated
 CPU devices.
@@ -76,6 +79,7 @@ class Block(eqx.Module):
     def __call__(
         self, x: Float[Array, "seq embed"], mask: Bool[Array, "seq seq"]
     ) -> Float[Array, "seq embed"]:
+        x = eqshard.constrain(x, (..., "seq", "embed"))  # laid out by the active rules
         y = jax.vmap(self.norm1)(x)
         x = x + self.attn(y, y, y, mask=mask)
         y = jax.vmap(self.norm2)(x)
@@ -138,7 +142,7 @@ def build(seed: int = 0) -> GPT:
 
 
 def loss(model: GPT, tokens: Int[Array, "batch seq"]) -> Float[Array, ""]:
-    logits = jax.vmap(model)(tokens[:, :-1])
+    logits = eqshard.constrain(jax.vmap(model)(tokens[:, :-1]), ("batch", "seq", "vocab"))
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
@@ -206,9 +210,10 @@ def count_collectives(hlo_text: str, *, in_loops: bool = False) -> dict[str, int
     return {name: found[name] for name in COLLECTIVES}
 
 
-def main(steps: int = 3) -> dict[str, Any]:
+def main(steps: int = 3, spec: str | Path = SPEC) -> dict[str, Any]:
     """Trains `steps` steps sharded and unsharded, checks that the losses agree, and
-    prints the reports and the compiled step's collectives.
+    prints the reports and the compiled step's collectives. `spec` is the spec file
+    that lays out the parameters and the activations.
 
     **Returns:** `{"losses": [...], "reference": [...], "collectives": {...}, "plan": plan}`:
     the sharded and the unsharded losses, `count_collectives` of the compiled
@@ -240,8 +245,10 @@ def main(steps: int = 3) -> dict[str, Any]:
             value, ref_model, ref_state = reference_step(ref_model, ref_state, tokens)
             reference.append(float(value))
 
-        with jax.set_mesh(mesh):
-            plan = eqshard.plan(model, eqshard.load(SPEC))  # on the mesh set above
+        rules = eqshard.load(spec)
+        # the mesh set here lays out the parameters, and the rules the activations
+        with jax.set_mesh(mesh), eqshard.use(rules):
+            plan = eqshard.plan(model, rules)  # on the mesh set above
             model = eqshard.apply(model, plan)
             opt_state = eqshard.apply(opt_state, plan)  # moments follow their parameters
             tokens_in_shards = eqshard.shard(

@@ -190,7 +190,7 @@ INVALID = {
         ("$.dims", "dim name 'd1' is not an einshard name (letters and '_')", ""),
         (
             "$.dims.mlp",
-            "'2two' is neither a shard modifier ('2', '*', '2*') nor the name of a mesh axis",
+            "'2two' is neither a shard modifier ('2', '*', '2*'), the name of a mesh axis, nor null (a whole dim)",
             "",
         ),
         ("$.eqshard", "unsupported version 2; this eqshard reads version 1", ""),

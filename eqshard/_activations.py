@@ -1,0 +1,339 @@
+"""Activations by logical name: `eqshard.use(rules)` and `constrain(x, names)`.
+
+A model names its activations' axes (`eqshard.constrain(x, ("batch", "seq",
+"embed"))`); the active rules (`eqshard.use(rules)`, or `rules=`) map the names
+through their `dims`, exactly as a parameter's annotated dims are mapped
+(`_rules.dims_expression`): to a mesh axis (a logical axis), a shard modifier
+(`"*"`, `"4"`), or `null` (whole). The mesh is the user's (`mesh=`,
+`jax.set_mesh`), else the rules' declared mesh, built by the same cached helper as
+the plan's (`_sharding.mesh`), over the same devices, so activations and
+parameters share one `Mesh`. With no rules active, names mean nothing and `x`
+comes back unchanged, so model code that names its activations runs anywhere.
+
+An axis named `None`, and the axes in front that a leading `...` stands for, are
+left free: `PartitionSpec.UNCONSTRAINED` inside `jit` on Auto axes (the compiler
+chooses), the value's own layout on Explicit axes (JAX allows no unconstrained
+axis there), and whole when placing outside `jit`.
+
+The active rules are a context variable, mirrored into a JAX user context where
+JAX has one (`jax.make_user_context`), so that they are part of `jit`'s cache key,
+as `jax.set_mesh`'s mesh is: a jitted step called under other rules is traced
+again, and a compiled step keeps the rules it was traced under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from types import EllipsisType
+from typing import Any, Union
+
+import jax
+import jax.core
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from ._annotation import Annotation
+from ._errors import EqshardError, ExpressionError, Problem, SpecError
+from ._expression import Expression
+from ._plan import Plan, declared_mesh
+from ._rules import dims_expression, is_axis
+from ._sharding import (
+    AnyMesh,
+    Device,
+    Placement,
+    device_count,
+    mesh as build_mesh,
+    placement,
+    sharding,
+    sharding_on,
+    user_mesh,
+)
+from ._specfile import Rules
+
+__all__ = ["Active", "Names", "activation_sharding", "active", "is_names", "use"]
+
+Name = Union[str, None, EllipsisType]
+Names = Sequence[Name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Active:
+    """The rules `eqshard.use` made active, with where a plan placed its model.
+
+    - `rules`: the spec file's rules (compared by identity, as `Rules` are).
+    - `mesh`: the plan's mesh, where it is the user's or the spec file's; else
+        `None` (the mesh is chosen when an activation is constrained).
+    - `devices`: the plan's devices (or device count), for a declared mesh; else
+        `None` (`jax.devices()`).
+
+    It is hashable: it is the value of the JAX user context that keys `jit`'s cache.
+    """
+
+    rules: Rules
+    mesh: AnyMesh | None = None
+    devices: Placement | None = None
+
+
+_ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar(
+    "eqshard_active_rules", default=None
+)
+
+_make_user_context = getattr(jax, "make_user_context", None)
+_JIT_KEY = None if _make_user_context is None else _make_user_context(None)
+"""The active rules as part of `jit`'s cache key (JAX's `make_user_context`, made
+once: making one is not thread-safe, using it is); `None` on a JAX without it."""
+
+
+def active() -> Active | None:
+    """The rules `eqshard.use` made active in this thread or task, if any."""
+    return _ACTIVE.get()
+
+
+def _of(rules: Rules | Plan | None) -> Active | None:
+    if rules is None:
+        return None
+    if isinstance(rules, Rules):
+        return Active(rules)
+    if isinstance(rules, Plan):
+        if not isinstance(rules.spec, Rules):
+            raise EqshardError(
+                "`eqshard.use` (and `constrain`'s `rules=`) take a plan made from a spec "
+                "file's rules, and this plan "
+                f"was made from {type(rules.spec).__name__}; activations are named through "
+                'a spec file\'s "dims": pass `eqshard.load(path)`, or a plan made from it'
+            )
+        return Active(rules.spec, rules.mesh if rules.mesh_is_given else None, rules.devices)
+    raise EqshardError(
+        "`eqshard.use` (and `constrain`'s `rules=`) take the `eqshard.Rules` of a spec "
+        "file (`eqshard.load(path)`), "
+        f"a `Plan` made from them, or None (no rules), not {type(rules).__name__}"
+    )
+
+
+def use(rules: Rules | Plan | None) -> contextlib.AbstractContextManager[Rules | None]:
+    """Makes a spec file's rules lay out the activations a model names.
+
+    Inside the block, `eqshard.constrain(x, ("batch", "seq", "embed"))` maps each
+    name through the rules' `"dims"`, as parameters' annotated dims are mapped,
+    and constrains `x` to that layout. Outside any block, such a call returns `x`
+    unchanged, so model code that names its activations runs anywhere.
+
+    **Example:**
+
+    ```python
+    rules = eqshard.load("model.eqshard.json")   # "dims": {"batch": "data", "embed": "model"}
+    with eqshard.use(rules):
+        model, opt_state, loss = step(model, opt_state, batch)
+    ```
+
+    The rules hold when a step is traced. They are part of `jit`'s cache key, as
+    the mesh of `jax.set_mesh` is: a jitted step called under other rules (or
+    none) is traced again, and a step compiled under one set of rules
+    (`step.lower(...).compile()`) keeps them. Blocks nest, and leaving one, by an
+    exception too, restores the outer rules; each thread has its own.
+
+    **Arguments:**
+
+    - `rules`: an `eqshard.Rules` (`eqshard.load(path)`); or an `eqshard.Plan` made
+        from one, whose mesh (the user's or the spec file's) and devices the
+        activations then share; or `None`, for no rules inside the block.
+
+    **Returns:**
+
+    A context manager, which gives the rules in `as`.
+
+    **Raises:**
+
+    `eqshard.EqshardError` when `rules` is not `Rules`, a plan made from them, or
+    `None`.
+    """
+    return _using(_of(rules))
+
+
+@contextlib.contextmanager
+def _using(value: Active | None) -> Iterator[Rules | None]:
+    token = _ACTIVE.set(value)
+    try:
+        with contextlib.nullcontext() if _JIT_KEY is None else _JIT_KEY(value):
+            yield None if value is None else value.rules
+    finally:
+        _ACTIVE.reset(token)
+
+
+def is_names(x: Any, spec: Any) -> bool:
+    """Whether `constrain(x, spec)` names the axes of one array: a tuple or list of
+    dim names, `None`s and a leading `...`, for an array."""
+    return isinstance(spec, (tuple, list)) and hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _text(names: Names) -> str:
+    inner = ", ".join("..." if n is ... else repr(n) for n in names)
+    return f"({inner}{',' * (len(names) == 1)})"
+
+
+def _checked(names: Names, shape: tuple[int, ...], dtype: Any) -> tuple[Name, ...]:
+    """The names, one per axis of an array of `shape` (the axes `...` stands for as
+    `...` each), or the error that says how to write them."""
+    names = tuple(names)
+    for i, n in enumerate(names):
+        if n is ... and i == 0:
+            continue
+        if n is None or (isinstance(n, str) and is_axis(n)):
+            continue
+        where = "only first" if n is ... else f"not {n!r}"
+        raise EqshardError(
+            f"`eqshard.constrain` names the axes of x as {_text(names)}: each is a dim "
+            "name (letters and '_', such as 'embed'), None (the axis left free), or ... "
+            f"(the axes in front, left free; {where})"
+        )
+    named = names[1:] if names[:1] == (...,) else names
+    if len(named) > len(shape) or (len(named) < len(shape) and names[:1] != (...,)):
+        raise EqshardError(
+            f"`eqshard.constrain` names {len(named)} axes of x, {_text(names)}, and x is "
+            f"{dtype}{list(shape)}, of {len(shape)}; name each axis, with None for one "
+            "left free, or start with ... for the axes in front"
+        )
+    return (...,) * (len(shape) - len(named)) + named
+
+
+def _mesh(
+    found: Active, mesh: AnyMesh | None, devices: Sequence[Device] | None
+) -> tuple[AnyMesh | None, Placement]:
+    """The mesh activations are laid out on: `mesh=`, the plan's (`use(plan)`), the
+    mesh of `jax.set_mesh`, else the rules' declared mesh, built as the plan builds
+    it, on `devices=` (or the plan's devices, or every device); `None` where there
+    is none. And the devices, for a layout on its own mesh."""
+    placed = placement(devices if devices is not None else found.devices)
+    on = user_mesh(mesh, devices) if mesh is not None else found.mesh
+    if on is None and devices is None:
+        on = user_mesh(None, None)  # the mesh of `jax.set_mesh`
+    if on is not None:
+        return on, placed
+    declared, problems = declared_mesh(found.rules, device_count(placed))
+    if problems:
+        raise SpecError(problems)
+    if declared is None:
+        return None, placed
+    return build_mesh(declared.sizes, declared.names, placed), placed
+
+
+def activation_sharding(
+    x: Any,
+    names: Names,
+    rules: Rules | Plan | None = None,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Sequence[Device] | None = None,
+) -> NamedSharding | None:
+    """The sharding the rules give the array `x` whose axes `names` names, with its
+    free axes `PartitionSpec.UNCONSTRAINED` (inside `jit`, on Auto axes), as they
+    are (on Explicit axes) or whole (outside `jit`); `None` where no rules are
+    active, or no name is mapped (nothing to constrain).
+
+    **Raises:** `SpecError` naming the spec file's `$.dims` for a name it does not
+    map, a name that splits two axes, two names on one mesh axis, and a layout that
+    does not fit the array or the mesh; `EqshardError` for names that are not names
+    or do not match `x`'s rank.
+    """
+    shape, dtype = tuple(x.shape), x.dtype
+    items = _checked(names, shape, dtype)
+    found = _of(rules) if rules is not None else active()
+    if found is None:
+        return None
+    dims = found.rules.dims
+    source = found.rules.source
+    label = f"{_text(names)} of {dtype}{list(shape)}"
+    headline = f"`eqshard.constrain` cannot lay out {_text(names)} by {source}"
+    given = [n for n in items if isinstance(n, str)]
+    unknown = list(dict.fromkeys(n for n in given if n not in dims))
+    if unknown:
+        mapped = ", ".join(map(repr, dims)) or "nothing"
+        raise SpecError(
+            [
+                Problem(
+                    f"{source}::$.dims",
+                    f"{label} names {n!r}, which $.dims does not map (it maps {mapped}); "
+                    f"map {n!r} there to a mesh axis, a shard modifier ('*', '4') or null "
+                    "(the dim whole), or write None for that axis to leave it free",
+                    file=source,
+                )
+                for n in unknown
+            ],
+            headline,
+        )
+    twice = next((n for n in given if given.count(n) > 1 and dims[n] is not None), None)
+    if twice is not None:
+        raise SpecError(
+            [
+                Problem(
+                    label,
+                    f"{twice!r} names {given.count(twice)} axes, and {source}::$.dims.{twice} "
+                    f"splits it ({dims[twice]!r}); a dim is split once: give the other axes "
+                    "names of their own, or None to leave them free",
+                )
+            ],
+            headline,
+        )
+    if not given:
+        return None
+    on, placed = _mesh(found, mesh, devices)
+    annotation = Annotation(_text(names), " ".join(map(str, given)), _items(items))
+    expr = dims_expression(found.rules, annotation, label, on, noun="array")
+    if isinstance(expr, Problem):
+        raise SpecError([expr], headline)
+    if expr is None:  # not reached: every name given is mapped
+        return None
+    target = _laid_out(expr, shape, on, placed, label, headline, source)
+    return _free(x, target, [i for i, n in enumerate(items) if not isinstance(n, str)])
+
+
+def _items(items: tuple[Name, ...]) -> tuple[str | None, ...]:
+    """The names as an annotation's items: a free axis is an unnamed dim (whole)."""
+    return tuple(n if isinstance(n, str) else None for n in items)
+
+
+def _laid_out(
+    expr: Expression,
+    shape: tuple[int, ...],
+    on: AnyMesh | None,
+    placed: Placement,
+    label: str,
+    headline: str,
+    source: str,
+) -> NamedSharding:
+    try:
+        if on is not None:
+            return sharding_on(expr, shape, on)
+        return sharding(expr, shape, devices=placed)
+    except ExpressionError as error:
+        context = f"{str(expr)!r}, from {source}::$.dims"
+        raise SpecError([Problem.from_error(label, error, context)], headline) from None
+
+
+def _free(x: Any, target: NamedSharding, free: list[int]) -> NamedSharding:
+    """`target` with the axes at `free` left free: unconstrained inside `jit` on Auto
+    axes; on Explicit axes, as the value's type has them (where no named axis took
+    their mesh axes); outside `jit`, whole, as `target` has them."""
+    if not free or not isinstance(x, jax.core.Tracer):
+        return target
+    ndim = len(x.shape)
+    spec = list(target.spec) + [None] * (ndim - len(target.spec))
+    explicit = any(kind == AxisType.Explicit for kind in target.mesh.axis_types)
+    if not explicit:
+        for i in free:
+            spec[i] = PartitionSpec.UNCONSTRAINED
+        return NamedSharding(target.mesh, PartitionSpec(*spec))
+    held = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+    held = list(held) + [None] * (ndim - len(held))
+    taken = {a for i, s in enumerate(spec) if i not in free for a in _axes(s)}
+    for i in free:
+        spec[i] = None if _axes(held[i]) & taken else held[i]
+    return NamedSharding(target.mesh, PartitionSpec(*spec))
+
+
+def _axes(entry: Any) -> set[str]:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return set()
+    return set(entry) if isinstance(entry, tuple) else {entry}
