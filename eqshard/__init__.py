@@ -141,6 +141,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "shard",
     "sharding",
     "spec",
+    "use",
 ]
 
 
