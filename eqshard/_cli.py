@@ -429,7 +429,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--spec",
         metavar="NAME_OR_PATH",
-        help="run one strategy: data-parallel, fsdp, megatron or 2d, or a spec file of "
+        help="run one strategy: data-parallel, zero-1, fsdp, megatron or 2d, or a spec file of "
         "your own for the demo's model (default: each strategy)",
     )
     demo.add_argument(
