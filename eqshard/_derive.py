@@ -305,7 +305,10 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
     resolved = Resolved(
         *abstract_leaves(tree, leaves, treedef), exprs, origins, set(), context=model.model
     )
-    derived = dataclasses.replace(given, resolved=resolved, flat_shardings=shardings)
+    # the tree's own plan: its shardings are final, whichever section gave them
+    derived = dataclasses.replace(
+        given, resolved=resolved, flat_shardings=shardings, section=None, follows=None
+    )
     return Planned(derived, problems, warnings)
 
 
