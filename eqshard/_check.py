@@ -80,9 +80,11 @@ class CheckResult:
     `eqx.nn.State`, where `--model` builds `(model, state)`.
 
     `cost`, with a step to compile (`--step`), is what one step costs per device:
-    `parameters`, `state` (the model's `eqx.nn.State`), `optimizer`, `gradients`
-    and `peak` in bytes (`peak_lower_bound`, the same figure, a lower bound from
-    XLA:CPU and exact from XLA:TPU), `flops` and `bytes_accessed`, `communication`
+    `parameters`, `state` (the model's `eqx.nn.State`), `optimizer`, `gradients`,
+    `host` (what of those is held in host memory), `host_arguments` and
+    `host_outputs` (the step's, in host memory) and `peak` in bytes, device
+    memory only (`peak_lower_bound`, the same figure, a lower bound from XLA:CPU
+    and exact from XLA:TPU), `flops` and `bytes_accessed`, `communication`
     (a list of `{"kind", "axes", "bytes"}`, one per kind of collective and mesh
     axes), `estimate_h100_seconds` and `estimate` (`{"hardware", "seconds"}`, on
     the target's chip, else an H100); `compiler` (whose figures these are),
@@ -94,8 +96,9 @@ class CheckResult:
     count is `devices`; `max_memory`, where there is a limit, is
     `{"bytes", "from", "needed", "fits"}`: the limit, where it comes from
     (`"--max-memory"`, or `"the chip's HBM"` with a target and no `--max-memory`),
-    what the check needs per device (the step's peak, else the parameters and
-    state), and whether that is within the limit.
+    what the check needs per device in device memory (the step's peak, else the
+    parameters and state not held in host memory), and whether that is within the
+    limit.
     """
 
     source: str
@@ -350,13 +353,14 @@ def check(
     (`eqshard.cost`, the batch laid out by `batch`, else by the file's `"batch"`,
     else its default), so each result has its cost. With `max_memory` (bytes per
     device), or on a slice without it its chip's HBM, a check whose peak (without
-    `step`: its parameters per device) is more has a problem.
+    `step`: its parameters per device) is more has a problem; both count device
+    memory only, not leaves a rule holds in host memory (`"pinned_host"`).
     """
     import jax
 
     from ._fields import is_array_like, is_stateful_pair
     from ._plan import make_plan
-    from ._report import leaf_rows, total_bytes_per_device
+    from ._report import device_bytes_per_device, leaf_rows
 
     state_leaves = 0
     if is_stateful_pair(model):
@@ -389,7 +393,7 @@ def check(
             cost = _cost_entry(step, model, spec, n, None if on is None else on.name, batch)
         limit = _limit(max_memory, on)
         if limit is not None:
-            needed = cost["peak"] if cost is not None else total_bytes_per_device(rows)
+            needed = cost["peak"] if cost is not None else device_bytes_per_device(rows)
             if needed is not None:
                 limit = {**limit, "needed": needed, "fits": needed <= limit["bytes"]}
                 if not limit["fits"]:
@@ -517,6 +521,9 @@ def _cost_entry(
         "state": memory.state,
         "optimizer": memory.optimizer,
         "gradients": memory.gradients,
+        "host": memory.host,
+        "host_arguments": memory.host_arguments,
+        "host_outputs": memory.host_outputs,
         "peak": memory.peak,
         "peak_lower_bound": memory.peak,
         "flops": found.flops,
@@ -588,6 +595,8 @@ def cost_line(cost: Mapping[str, Any]) -> str:
         memory += f", state {human_bytes(cost['state'])}"
     if cost["optimizer"]:
         memory += f", optimizer {human_bytes(cost['optimizer'])}"
+    if cost.get("host"):
+        memory += f" ({human_bytes(cost['host'])} of it in host memory)"
     moved = ", ".join(_communication(cost)) or "no communication"
     peak = "peak" if cost.get("target") else "peak >="
     return (

@@ -214,8 +214,9 @@ def restore(
     - `like`: a tree of the saved structure, concrete or abstract (for example from
         `eqx.filter_eval_shape`): the model, or the whole training state.
     - `spec`: anything `eqshard.apply` takes. With a `Plan` made for the model, the
-        optimizer state in `like` gets its parameters' layouts, as
-        `eqshard.apply(opt_state, plan)` gives them.
+        optimizer state in `like` gets its parameters' layouts (or its optimizer
+        section's), as `eqshard.apply(opt_state, plan)` gives them, in their
+        memory kinds.
     - `mesh`, `devices`: as for `eqshard.plan`: the layout to restore into, on any
         device count, whatever the count it was saved from.
 

@@ -429,7 +429,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--spec",
         metavar="NAME_OR_PATH",
-        help="run one strategy: data-parallel, fsdp, megatron or 2d, or a spec file of "
+        help="run one strategy: data-parallel, zero-1, fsdp, megatron or 2d, or a spec file of "
         "your own for the demo's model (default: each strategy)",
     )
     demo.add_argument(
@@ -531,8 +531,9 @@ def _parser() -> argparse.ArgumentParser:
         "--max-memory",
         type=_memory_size,
         metavar="SIZE",
-        help="memory per device, e.g. 80GB or 16GiB: a check that needs more (the step's "
-        "peak, or without --step the parameters) does not fit (default with --target: "
+        help="device memory per device, e.g. 80GB or 16GiB: a check that needs more (the "
+        "step's peak, or without --step the parameters; leaves held in host memory, "
+        '"memory": "pinned_host", are not counted) does not fit (default with --target: '
         "the chip's HBM)",
     )
     check.add_argument(

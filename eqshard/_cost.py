@@ -31,7 +31,7 @@ from ._expression import Expression
 from ._fields import is_array_like, is_stateful_pair
 from ._hardware import HARDWARE, Estimate, Hardware, Moved, hardware_profile, roofline
 from ._plan import Plan, plan
-from ._report import LeafRow, leaf_rows
+from ._report import LeafRow, leaf_rows, memory_kind
 from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device, device_count, mesh_devices, on_devices, sharding
 from ._specfile import Rules, batch_expression
@@ -168,10 +168,21 @@ class Memory:
     - `parameters`: the model's array leaves, as the plan lays them out.
     - `state`: the leaves of its `eqx.nn.State` (BatchNorm's running statistics),
         as the plan lays them out; 0 for a model without one.
-    - `optimizer`: the optimizer state's leaves (moments follow their parameters).
+    - `optimizer`: the optimizer state's leaves, as the plan's optimizer section
+        lays them out (by default, each moment as its parameter).
     - `gradients`: a gradient for each floating-point parameter, laid out as it is.
-    - `arguments`, `outputs`, `temporaries`: from XLA's memory analysis of the
-        compiled step (outputs less what is donated).
+    - `arguments`, `outputs`, `temporaries`: device memory, from XLA's memory
+        analysis of the compiled step (outputs less what is donated); arguments and
+        outputs in host memory are not counted here.
+    - `host`: of `parameters`, `state` and `optimizer`, the bytes held in host
+        memory (a rule's `"memory": "pinned_host"`), not in the device's.
+    - `host_arguments`, `host_outputs`: the step's arguments and outputs in host
+        memory, per device: the compiler's own figures where it reports them apart
+        (`host_argument_size_in_bytes`), else those of their shardings (XLA:CPU
+        counts them among its arguments and outputs, and they are taken out there).
+
+    `parameters`, `state` and `optimizer` count every byte wherever it is held;
+    `peak`, and `eqshard check --max-memory`, count the device's memory only.
     """
 
     parameters: int
@@ -181,10 +192,14 @@ class Memory:
     arguments: int
     outputs: int
     temporaries: int
+    host: int = 0
+    host_arguments: int = 0
+    host_outputs: int = 0
 
     @property
     def peak(self) -> int:
-        """Arguments, outputs and temporaries, as the compiled program allocates them."""
+        """Arguments, outputs and temporaries in device memory, as the compiled
+        program allocates them."""
         return self.arguments + self.outputs + self.temporaries
 
 
@@ -275,20 +290,72 @@ def _parse(text: str, mesh: AnyMesh | None) -> _hlo.Module:
 @dataclasses.dataclass(frozen=True)
 class _Compiled:
     """What `cost` reads of a compiled step: its HLO text, XLA's memory analysis
-    and its cost analysis (one dict)."""
+    and its cost analysis (one dict); and the bytes per device of its arguments and
+    outputs in host memory, from their shardings."""
 
     text: str
     memory: Any
     costs: dict[str, Any]
+    host_arguments: int = 0
+    host_outputs: int = 0
 
 
-def _compile(lowered: Any) -> _Compiled:
+def _compile(lowered: Any, arguments: Any = ()) -> _Compiled:
     """Compiles a lowered step for the devices its arguments are laid out on (the
     target: XLA:CPU for simulated devices, an accelerator's compiler for its own),
-    and keeps what `cost` reads."""
+    and keeps what `cost` reads. `arguments` are the abstract arguments it was
+    lowered with."""
     compiled = lowered.compile()
     return _Compiled(
-        compiled.as_text() or "", compiled.memory_analysis(), _first(compiled.cost_analysis())
+        compiled.as_text() or "",
+        compiled.memory_analysis(),
+        _first(compiled.cost_analysis()),
+        _host_bytes(arguments),
+        _host_bytes(getattr(compiled, "out_info", ())),
+    )
+
+
+def _host_bytes(tree: Any) -> int:
+    """The bytes per device of the arrays of `tree` (abstract, with shardings) held
+    in host memory."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if memory_kind(sharding) is not None and hasattr(x, "shape"):
+            shard = sharding.shard_shape(tuple(x.shape))  # pyright: ignore[reportOptionalMemberAccess]
+            total += int(np.prod(shard, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _memory(held: _Held, compiled: _Compiled) -> Memory:
+    """The step's memory per device: the layouts' bytes by part, and XLA's memory
+    analysis split into device and host memory (see `Memory`)."""
+    analysis = compiled.memory
+    arguments = getattr(analysis, "argument_size_in_bytes", 0)
+    outputs = getattr(analysis, "output_size_in_bytes", 0) - getattr(
+        analysis, "alias_size_in_bytes", 0
+    )
+    host_arguments = getattr(analysis, "host_argument_size_in_bytes", 0) or 0
+    host_outputs = (getattr(analysis, "host_output_size_in_bytes", 0) or 0) - (
+        getattr(analysis, "host_alias_size_in_bytes", 0) or 0
+    )
+    if not (host_arguments or host_outputs):  # counted with the device's: take them out
+        host_arguments, host_outputs = compiled.host_arguments, compiled.host_outputs
+        arguments, outputs = arguments - host_arguments, outputs - host_outputs
+    every = [*held.parameters, *held.state, *held.optimizer]
+    return Memory(
+        parameters=_bytes(held.parameters),
+        state=_bytes(held.state),
+        optimizer=_bytes(held.optimizer),
+        gradients=_bytes(
+            row for row in held.parameters if np.issubdtype(np.dtype(row.dtype), np.inexact)
+        ),
+        arguments=max(arguments, 0),
+        outputs=max(outputs, 0),
+        temporaries=getattr(analysis, "temp_size_in_bytes", 0),
+        host=_bytes(row for row in every if row.on_host),
+        host_arguments=max(host_arguments, 0),
+        host_outputs=max(host_outputs, 0),
     )
 
 
@@ -333,9 +400,9 @@ def cost(
         `eqx.nn.State` (a stateful model's, such as BatchNorm's running statistics)
         is laid out by the plan, as `eqshard.apply(state, plan)` does, and counted
         as `memory.state`. One built from the model (an optimizer state: it holds
-        subtrees shaped like the model) is laid out by the model's plan, as
-        `eqshard.apply(opt_state, plan)` does; the array leaves of the others (the
-        batch) by `batch`.
+        subtrees shaped like the model) is laid out by the model's plan, its
+        optimizer section where it has one, as `eqshard.apply(opt_state, plan)`
+        does; the array leaves of the others (the batch) by `batch`.
     - `spec`: anything `eqshard.apply` takes, a `Plan` included: a plan made for
         the model, or for `(model, state)` (it lays out both, and the step still
         takes the model alone first). With a spec and a state among `args`, the
@@ -434,7 +501,7 @@ def cost(
     try:
         with use(p) if isinstance(p.spec, Rules) else contextlib.nullcontext():
             lowered = jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:])
-        compiled = _compile(lowered)
+        compiled = _compile(lowered, dynamic)
     except EqshardError:
         raise
     except Exception as error:  # the user's step: named, with its error as the cause
@@ -443,22 +510,10 @@ def cost(
             f"`eqshard.cost` cannot trace and compile the step {name} on {n} devices under "
             f"{_spec_name(spec)}: it raised {type(error).__name__}: {error}"
         ) from error
-    analysis = compiled.memory
     module = _parse(compiled.text, p.mesh)
     dtypes = [row.dtype for row in held.parameters]
     return Cost(
-        memory=Memory(
-            parameters=_bytes(held.parameters),
-            state=_bytes(held.state),
-            optimizer=_bytes(held.optimizer),
-            gradients=_bytes(
-                row for row in held.parameters if np.issubdtype(np.dtype(row.dtype), np.inexact)
-            ),
-            arguments=getattr(analysis, "argument_size_in_bytes", 0),
-            outputs=getattr(analysis, "output_size_in_bytes", 0)
-            - getattr(analysis, "alias_size_in_bytes", 0),
-            temporaries=getattr(analysis, "temp_size_in_bytes", 0),
-        ),
+        memory=_memory(held, compiled),
         collectives=_collectives(module, p.mesh),
         flops=float(_hlo.flops(module)),
         bytes_accessed=float(compiled.costs.get("bytes accessed", 0.0)),

@@ -5,8 +5,10 @@ The model is built from `eqx.nn` modules (`Embedding`, `LayerNorm`,
 run with `jax.lax.scan`. It is trained with AdamW for a few steps on a fixed batch
 of deterministic random tokens (next-token prediction), once unsharded on one device
 as the reference, then once per spec file in `demo_specs/` (a link to
-`examples/specs/demo/`): data parallel, FSDP-style, Megatron tensor parallel, and 2D.
-Each run lays out the model and the optimizer state by the spec's plan, the batch
+`examples/specs/demo/`): data parallel, ZeRO-1 (parameters replicated, the AdamW
+moments split over `data` by the file's `"optimizer"` section), FSDP-style, Megatron
+tensor parallel, and 2D. Each run lays out the model and the optimizer state by the
+spec's plan (the state by its optimizer section, where it has one), the batch
 over the mesh's `data` axis, and keeps every layout through the step; `eqshard.cost`
 compiles the same step over the same layouts to say what it holds and moves per
 device. The table compares them, final loss against the reference's.
@@ -69,7 +71,7 @@ __all__ = [
 SPECS = Path(__file__).parent / "demo_specs"
 """The strategies' spec files: `eqshard/demo_specs`, a link to `examples/specs/demo`."""
 
-STRATEGIES = ("data-parallel", "fsdp", "megatron", "2d")
+STRATEGIES = ("data-parallel", "zero-1", "fsdp", "megatron", "2d")
 """The strategies the demo runs by default, in order: `SPECS / f"{name}.eqshard.json"`."""
 
 TOLERANCE = 1e-5
@@ -395,7 +397,9 @@ def table(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> 
         title_justify="left",
         caption=(
             "Bytes per device of the parameters and the AdamW state, from each spec's "
-            "plan; communication per device and step, from the collectives of the "
+            "plan (the state's by its optimizer section, where it has one: ZeRO-1 splits "
+            "the moments and gathers the updated parameters); communication per device "
+            "and step, from the collectives of the "
             "step as eqshard.cost compiles it (those in the scan over the layers, once "
             f"per layer). = unsharded: every step's loss within {TOLERANCE:g} "
             "(relative) of the unsharded run's, with the largest difference."

@@ -14,11 +14,25 @@ Every other array leaf is replicated, and its origin says why: a leaf in no such
 subtree (step counts, custom state), or one whose shape differs from its
 parameter's (Adafactor's factored moments). A leaf whose parameter the plan keeps
 where it is (`unspecified="keep"`) is kept too.
+
+**Which section.** A plan has two sets of shardings per parameter: the
+parameters' and the optimizer state's (`Plan.optimizer`; the same where the spec
+has no optimizer section). A model-shaped subtree inside an optimizer state takes
+the optimizer's: one that has a `NamedTuple` among its ancestors, as every optax
+state is (`ScaleByAdamState`, `TraceState`, `MultiStepsState`, `MaskedState`),
+and so is the demo's `AdamState`. Any other takes the parameters': the tree's
+root itself, and one reached through tuples, lists, dicts, dataclasses and
+`eqx.Module`s only (`(model, opt_state)`, a training state holding the model,
+`eqx.filter(model, eqx.is_array)`). The rule is the tree's structure alone, so a
+training state of one's own holds the model in anything but a `NamedTuple`.
+Gradients are model-shaped at the root: `constrain(grads, plan.optimizer)` gives
+them the optimizer state's layouts (ZeRO-2).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -42,6 +56,7 @@ from ._plan import Plan, Planned, Unspecified, make_plan
 from ._resolve import Resolved, abstract_leaves
 from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device
+from ._specfile import Rules
 
 __all__ = ["REPLICATED", "plan_for"]
 
@@ -127,35 +142,55 @@ def _match(node: Any, model: Any, indices: Iterator[int], out: list[int | None])
     return all(_match(child, part, indices, out) for child, part in zip(these, theirs))
 
 
-def _correspondence(
-    tree: Any, templates: list[_Model]
-) -> tuple[list[int | None], list[tuple[int, Any]]]:
+def is_optimizer_state(node: Any) -> bool:
+    """Whether a model-shaped subtree under `node` belongs to an optimizer state: a
+    `NamedTuple`, as optax's states are (see the module's notes)."""
+    return isinstance(node, tuple) and hasattr(type(node), "_fields")
+
+
+class _Correspondence(NamedTuple):
+    """For each leaf of a tree: the plan's index of its parameter (`None` where it
+    has none) and whether it sits in an optimizer state; and each `eqx.nn.State`
+    in no model-shaped subtree, with the index of its first leaf."""
+
+    positions: list[int | None]
+    in_optimizer: list[bool]
+    states: list[tuple[int, Any]]
+
+
+def _correspondence(tree: Any, templates: list[_Model]) -> _Correspondence:
     """The plan's index of each leaf of `tree`, from its subtrees that have the
     structure of the model (or of a template); `None` for leaves in no such subtree.
     Also each `eqx.nn.State` in no such subtree, with the index of its first leaf:
     the plan's spec lays those out."""
     out: list[int | None] = []
+    inside: list[bool] = []
     states: list[tuple[int, Any]] = []
 
-    def visit(node: Any) -> None:
+    def visit(node: Any, in_optimizer: bool) -> None:
         for template in templates:
             found = template.match(node)
             if found is not None:
                 out.extend(found)
+                inside.extend([in_optimizer] * len(found))
                 return
         if isinstance(node, eqx.nn.State):
             states.append((len(out), node))
-            out.extend([None] * len(jax.tree_util.tree_leaves(node)))
+            count = len(jax.tree_util.tree_leaves(node))
+            out.extend([None] * count)
+            inside.extend([in_optimizer] * count)
             return
         children = _flatten_one(node)
         if children is None:
             out.append(None)
+            inside.append(in_optimizer)
             return
+        below = in_optimizer or is_optimizer_state(node)
         for child in children[0]:
-            visit(child)
+            visit(child, below)
 
-    visit(tree)
-    return out, states
+    visit(tree, False)
+    return _Correspondence(out, inside, states)
 
 
 def _described(model: Any) -> str:
@@ -209,7 +244,7 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
     for every other array leaf."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     model = given.resolved
-    positions, states = _correspondence(tree, _templates(given))
+    positions, in_optimizer, states = _correspondence(tree, _templates(given))
     assert len(positions) == len(leaves)  # both in `tree_leaves` order
     exprs: list[Expression | None] = [None] * len(leaves)
     origins: list[str | None] = [None] * len(leaves)
@@ -240,8 +275,12 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
                 f"{tuple(parameter.shape)}"
             )
             continue
-        shardings[i], exprs[i] = given.flat_shardings[j], model.exprs[j]
-        origins[i] = name if shardings[i] is not None else f"kept, as {name} is"
+        section = given.optimizer if in_optimizer[i] else given
+        shardings[i], exprs[i] = section.flat_shardings[j], section.resolved.exprs[j]
+        if section.follows is not None and not section.follows[j]:
+            origins[i] = f"{section.resolved.origins[j] or 'the optimizer section'} for {name}"
+        else:
+            origins[i] = name if shardings[i] is not None else f"kept, as {name} is"
         matched += 1
     problems = []
     warnings: list[EqshardWarning] = []
@@ -266,7 +305,10 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
     resolved = Resolved(
         *abstract_leaves(tree, leaves, treedef), exprs, origins, set(), context=model.model
     )
-    derived = dataclasses.replace(given, resolved=resolved, flat_shardings=shardings)
+    # the tree's own plan: its shardings are final, whichever section gave them
+    derived = dataclasses.replace(
+        given, resolved=resolved, flat_shardings=shardings, section=None, follows=None
+    )
     return Planned(derived, problems, warnings)
 
 
@@ -320,6 +362,7 @@ def _state_plan(state: Any, given: Plan) -> _StateLayout:
         where: dict[str, Any] = {"mesh": given.mesh}
     else:
         where = {"devices": given.devices, "fit_onto": given.mesh}
+    spec = _without_section(spec)  # the optimizer section's paths name parameters
     found = make_plan(state, spec, unspecified=given.unspecified, context=model, **where)
     names = state_leaf_names(model)
     warnings: list[EqshardWarning] = []
@@ -340,6 +383,21 @@ def _state_plan(state: Any, given: Plan) -> _StateLayout:
         found.problems,
         warnings,
     )
+
+
+def _without_section(spec: Any) -> Any:
+    """`spec`, without its optimizer section where it is a spec file's `Rules`
+    with one."""
+    if isinstance(spec, Rules) and spec.optimizer is not None:
+        return _rules_alone(spec)
+    return spec
+
+
+@functools.lru_cache(maxsize=64)
+def _rules_alone(rules: Rules) -> Rules:
+    """`rules` without its optimizer section, made once per `Rules` (they hash by
+    identity), so its path index is built once too."""
+    return dataclasses.replace(rules, optimizer=None)
 
 
 def plan_for(

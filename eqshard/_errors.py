@@ -415,12 +415,14 @@ class UnusedRuleWarning(EqshardWarning):
 
     **Attributes:** `source` (the file), `unused` (one `UnusedRule` per rule),
     `hint` (what the tree looks like, when it looks like an optimizer state rather
-    than a model), besides `where` and `message`.
+    than a model), `section` (where the rules sit in the file: `"$"`, or
+    `"$.optimizer"`), besides `where` and `message`.
     """
 
     source: str
     unused: list[UnusedRule]
     hint: str
+    section: str
 
     def __init__(
         self,
@@ -428,8 +430,10 @@ class UnusedRuleWarning(EqshardWarning):
         unused: Sequence[UnusedRule | tuple[int, str]],
         hint: str = "",
         tree: str = "the model",
+        section: str = "$",
     ):
         self.source = source
+        self.section = section
         self.unused = [
             rule
             if isinstance(rule, UnusedRule)
@@ -440,15 +444,18 @@ class UnusedRuleWarning(EqshardWarning):
         self.tree = tree
         first, count = self.unused[0], len(self.unused)
         if count == 1:
-            super().__init__(f"{source}::$.rules[{first.index}]", self._with_hint(first.message))
+            where = f"{source}::{section}.rules[{first.index}]"
+            super().__init__(where, self._with_hint(first.message))
             return
         lines = [f"{count} rules gave no leaf of {tree} its expression:"]
-        lines += [f"  $.rules[{rule.index}]: {rule.message}" for rule in self.unused[:NAMED]]
+        lines += [
+            f"  {section}.rules[{rule.index}]: {rule.message}" for rule in self.unused[:NAMED]
+        ]
         if count > NAMED:
             lines.append(f"  and {count - NAMED} more: `warning.problems` lists every one")
         if hint:
             lines.append(hint[0].upper() + hint[1:])
-        super().__init__(f"{source}::$.rules", "\n".join(lines))
+        super().__init__(f"{source}::{section}.rules", "\n".join(lines))
 
     def _with_hint(self, message: str) -> str:
         return f"{message}; {self.hint}" if self.hint else message
@@ -457,7 +464,7 @@ class UnusedRuleWarning(EqshardWarning):
     def problems(self) -> list[Problem]:
         return [
             Problem(
-                f"{self.source}::$.rules[{rule.index}]",
+                f"{self.source}::{self.section}.rules[{rule.index}]",
                 self._with_hint(rule.message),
                 file=self.source,
             )
@@ -479,7 +486,7 @@ class UnusedRuleWarning(EqshardWarning):
         ]
 
     def __reduce__(self) -> Any:
-        return (type(self), (self.source, self.unused, self.hint, self.tree))
+        return (type(self), (self.source, self.unused, self.hint, self.tree, self.section))
 
 
 def unused_message(path: str, tree: str = "the model") -> str:

@@ -35,7 +35,7 @@ from ._errors import (
     warn,
 )
 from ._expression import Expression
-from ._fields import FROM_FIELDS, is_array_like
+from ._fields import FROM_FIELDS, is_array_like, is_stateful_pair
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
 from ._resolve import Resolved, resolve
@@ -95,6 +95,18 @@ class Plan:
         model's `eqx.nn.State` when the plan meets one.
     - `abstract`: the tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
         at every array leaf, other leaves unchanged: what Orbax restores into.
+    - `optimizer`: the optimizer section: a plan of the same model whose shardings
+        are those of the optimizer state (each parameter's moments, accumulators),
+        from the spec file's `"optimizer"` section or `plan(..., optimizer=)`; the
+        plan itself where there is none (the state follows the parameters). A plan
+        lays the model-shaped subtrees of an optimizer state out by it
+        (`eqshard.apply(opt_state, plan)`), and `eqshard.constrain(grads,
+        plan.optimizer)` gives the gradients its layouts (ZeRO-2).
+    - `follows`: in an optimizer section, whether each leaf takes its parameter's
+        layout (`"default": "parameter"`); else `None`.
+
+    A sharding's memory kind is the rule's `"memory"` (`"pinned_host"`), else the
+    device's (`NamedSharding.memory_kind` `"device"`).
     """
 
     mesh: AnyMesh | None
@@ -104,6 +116,14 @@ class Plan:
     mesh_is_given: bool = dataclasses.field(default=False, repr=False)
     spec: Any = dataclasses.field(default=None, repr=False)
     unspecified: Unspecified = dataclasses.field(default="replicate", repr=False)
+    section: Plan | None = dataclasses.field(default=None, repr=False)
+    follows: tuple[bool, ...] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def optimizer(self) -> Plan:
+        """The plan of the optimizer state's layouts: the optimizer section, else
+        this plan (see the class's notes)."""
+        return self if self.section is None else self.section
 
     def replicated(self) -> NamedSharding:
         """A full copy on every device of the plan, on its mesh where it has one."""
@@ -154,6 +174,78 @@ class Planned(NamedTuple):
     warnings: list[EqshardWarning]
 
 
+class _Laid(NamedTuple):
+    """One spec resolved against the model and laid out, before fitting: the
+    parameters', or the optimizer section's."""
+
+    resolved: Resolved
+    layouts: list[Layout | None]
+    where: str  # how a problem of this spec names a leaf: `{}`, or its optimizer state
+
+
+def _laid_out(
+    resolved: Resolved, n: int, replicate: bool, problems: list[Problem], where: str = "{}"
+) -> _Laid:
+    """Every leaf's layout on `n` devices: its expression's, a replication where
+    it has none and `replicate` says so, else `None` (a problem's leaf, added to
+    `problems`, or one kept where it is)."""
+    layouts: list[Layout | None] = []
+    for i, (leaf, expr) in enumerate(zip(resolved.leaves, resolved.exprs)):
+        if expr is not None:
+            try:
+                layouts.append(_layout(expr, tuple(leaf.shape), n))
+            except ExpressionError as error:
+                context = f"{leaf.dtype}{list(leaf.shape)} {str(expr)!r}"
+                problem = Problem.from_error(resolved.where(i), error, context)
+                problems.append(_named(problem, where))
+                resolved.failed.add(i)
+                layouts.append(None)
+        elif replicate and i not in resolved.failed and is_array_like(leaf):
+            layouts.append(_replicated(len(leaf.shape), n))
+        else:
+            layouts.append(None)
+    return _Laid(resolved, layouts, where)
+
+
+_OPTIMIZER_STATE = "the optimizer state of {}"
+
+
+def _named(problem: Problem, where: str) -> Problem:
+    """`problem`, its leaf named as `where` says (a file's place stays as it is)."""
+    if where == "{}" or problem.file is not None or "::" in problem.where:
+        return problem
+    return dataclasses.replace(problem, where=where.format(problem.where))
+
+
+def optimizer_spec(spec: Any, optimizer: Any) -> Any:
+    """The optimizer section's spec: `optimizer=`, else a spec file's `"optimizer"`
+    section, else `None` (the state follows the parameters).
+
+    **Raises:** `EqshardError` when both are given, or when the parameters' rules
+    say `"default": "parameter"`, which only an optimizer section may.
+    """
+    from ._specfile import PARAMETER, Rules
+
+    if isinstance(spec, Rules) and spec.default == PARAMETER:
+        raise EqshardError(
+            f'{spec.source}: "default": "parameter" is for the optimizer state (its '
+            "state leaves follow their parameters); the parameters' rules say 'replicate', "
+            "'error' or 'fsdp'. Pass these rules as `optimizer=`"
+        )
+    declared = spec.optimizer if isinstance(spec, Rules) else None
+    if optimizer is not None and declared is not None:
+        raise EqshardError(
+            f'{spec.source} has an "optimizer" section, and `optimizer=` is given too; '
+            "pass one or the other"
+        )
+    if isinstance(optimizer, Plan):
+        raise EqshardError(
+            "`optimizer=` takes a spec (rules, a spec tree, an expression, `eqshard.FSDP`), "
+            "not a `Plan`: the section is laid out with the parameters, on one mesh"
+        )
+    return optimizer if optimizer is not None else declared
+
+
 def make_plan(
     model: PyTree[Any],
     spec: Any = FROM_FIELDS,
@@ -163,6 +255,7 @@ def make_plan(
     unspecified: Unspecified = "replicate",
     context: Any = None,
     fit_onto: AnyMesh | None = None,
+    optimizer: Any = None,
 ) -> Planned:
     """`plan`, collecting every problem of every leaf rather than raising them.
 
@@ -170,10 +263,13 @@ def make_plan(
     still is, so one pass finds every independent fault. `context` is the model
     `model` was built from, where `model` is part of its state (`Target.context`);
     `fit_onto`, the mesh of that model's plan, which the layouts must fit, though
-    the spec is resolved as without a mesh (it is not the user's).
+    the spec is resolved as without a mesh (it is not the user's). `optimizer`, the
+    optimizer section's spec (`optimizer_spec`): resolved against the model's
+    parameters and fitted onto the same mesh as they are.
     """
     if unspecified not in ("replicate", "keep"):
         raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
+    section_spec = optimizer_spec(spec, optimizer)
     target_mesh = user_mesh(mesh, devices)
     problems: list[Problem] = []
     placed_on: Placement | None
@@ -181,6 +277,8 @@ def make_plan(
         placed_on = placement(devices)
         n = device_count(placed_on)
         declared, found = declared_mesh(spec, n)
+        if declared is None and not found and section_spec is not None:
+            declared, found = declared_mesh(section_spec, n)  # `optimizer=` a file's
         problems += found
         if declared is not None:
             target_mesh = build_mesh(declared.sizes, declared.names, placed_on)
@@ -189,40 +287,32 @@ def make_plan(
         n = target_mesh.size
     resolved, resolving, warnings = resolve(model, spec, Target(n, target_mesh, context))
     problems += resolving
+    parts = [_laid_out(resolved, n, unspecified == "replicate", problems)]
+    if section_spec is not None:
+        parameters = model[0] if is_stateful_pair(model) else model  # the state has none
+        section, resolving, found = resolve(parameters, section_spec, Target(n, target_mesh))
+        problems += [_named(problem, _OPTIMIZER_STATE) for problem in resolving]
+        warnings += found
+        parts.append(_laid_out(section, n, False, problems, _OPTIMIZER_STATE))
 
-    layouts: list[Layout | None] = []
-    replicate = unspecified == "replicate"
-    for i, (leaf, expr) in enumerate(zip(resolved.leaves, resolved.exprs)):
-        if expr is not None:
-            try:
-                layouts.append(_layout(expr, tuple(leaf.shape), n))
-            except ExpressionError as error:
-                context = f"{leaf.dtype}{list(leaf.shape)} {str(expr)!r}"
-                problems.append(Problem.from_error(resolved.where(i), error, context))
-                resolved.failed.add(i)
-                layouts.append(None)
-        elif replicate and i not in resolved.failed and is_array_like(leaf):
-            layouts.append(_replicated(len(leaf.shape), n))
-        else:
-            layouts.append(None)
-
-    distinct = {lay for lay in layouts if lay is not None}
+    distinct = {lay for part in parts for lay in part.layouts if lay is not None}
     on_mesh = target_mesh if target_mesh is not None else fit_onto
     if on_mesh is not None:
         on = mesh_shape_of(on_mesh.axis_names, on_mesh.axis_sizes)
         specs = {lay: fit(lay, on) for lay in distinct}
-        for i, lay in enumerate(layouts):
-            if lay is not None and specs[lay] is None:
-                problem = _does_not_fit(resolved, i, on)
-                if target_mesh is None:  # the mesh of the model's plan
-                    problem = dataclasses.replace(
-                        problem,
-                        message=f"{problem.message}; it is the mesh of the model's plan: "
-                        "make the plan from `(model, state)`, so that one mesh fits both",
-                    )
-                problems.append(problem)
-                resolved.failed.add(i)
-                layouts[i] = None
+        for part in parts:
+            for i, lay in enumerate(part.layouts):
+                if lay is not None and specs[lay] is None:
+                    problem = _does_not_fit(part.resolved, i, on)
+                    if target_mesh is None:  # the mesh of the model's plan
+                        problem = dataclasses.replace(
+                            problem,
+                            message=f"{problem.message}; it is the mesh of the model's plan: "
+                            "make the plan from `(model, state)`, so that one mesh fits both",
+                        )
+                    problems.append(_named(problem, part.where))
+                    part.resolved.failed.add(i)
+                    part.layouts[i] = None
         by_layout = {
             lay: NamedSharding(on_mesh, PartitionSpec(*spec))
             for lay, spec in specs.items()
@@ -244,12 +334,54 @@ def make_plan(
                 lay: NamedSharding(common, PartitionSpec(*(fit(lay, shared) or ())))
                 for lay in distinct
             }
-            found = _disagreement(resolved, layouts, shared, n)
+            everything = [lay for part in parts for lay in part.layouts]
+            found = _disagreement(parts, everything, shared, n)
             if found is not None:
                 warnings.append(found)
-    flat = [None if lay is None else by_layout[lay] for lay in layouts]
+    flat = _shardings(parts[0], by_layout)
     made = Plan(common, resolved, flat, placed_on, target_mesh is not None, spec, unspecified)
+    if len(parts) > 1:
+        made = dataclasses.replace(made, section=_section(made, parts[1], by_layout))
     return Planned(made, problems, warnings)
+
+
+def _shardings(part: _Laid, by_layout: dict[Layout, NamedSharding]) -> list[NamedSharding | None]:
+    """Each leaf's sharding, in the memory kind its rule names."""
+    memory = part.resolved.memory or [None] * len(part.layouts)
+    return [
+        None
+        if lay is None
+        else by_layout[lay]
+        if kind in (None, "device")
+        else by_layout[lay].with_memory_kind(kind)
+        for lay, kind in zip(part.layouts, memory)
+    ]
+
+
+def _section(made: Plan, part: _Laid, by_layout: dict[Layout, NamedSharding]) -> Plan:
+    """The optimizer section of the plan `made`: the section's sharding where it
+    gives a leaf one, its parameter's where it gives none (`"default":
+    "parameter"`, or a `None` in a spec tree) and the leaf is not a problem's. A
+    `(model, state)` plan's state leaves follow too: no optimizer state holds them."""
+    own = _shardings(part, by_layout)
+    section = part.resolved
+    model = made.resolved
+    count = len(own)
+    flat, exprs, origins, follows = [], [], [], []
+    for i, (sharding, expr) in enumerate(zip(made.flat_shardings, model.exprs)):
+        mine = i < count and (own[i] is not None or i in section.failed)
+        follows.append(not mine)
+        flat.append(own[i] if mine else sharding)
+        exprs.append(section.exprs[i] if mine else expr)
+        if mine:
+            origins.append(section.origins[i])
+        else:
+            origin = model.origins[i]
+            origins.append(f"the parameter's ({origin})" if origin else "the parameter's")
+    resolved = dataclasses.replace(
+        model, exprs=exprs, origins=origins, failed={i for i in section.failed if i < count}
+    )
+    return dataclasses.replace(made, resolved=resolved, flat_shardings=flat, follows=tuple(follows))
 
 
 def declared_mesh(spec: Any, n_devices: int) -> tuple[MeshShape | None, list[Problem]]:
@@ -269,26 +401,33 @@ def _does_not_fit(resolved: Resolved, i: int, on: MeshShape) -> Problem:
 
 
 def _disagreement(
-    resolved: Resolved, layouts: list[Layout | None], shared: MeshShape, n: int
+    parts: list[_Laid], layouts: list[Layout | None], shared: MeshShape, n: int
 ) -> MeshWarning | None:
     """A warning when the shared mesh needs more axes than any one layout asks for:
-    their device groupings conflict, and XLA will move data between them."""
+    their device groupings conflict, and XLA will move data between them. `layouts`
+    are the parts' layouts, one after the other."""
+    leaves = [(part, i) for part in parts for i in range(len(part.layouts))]
     groups: dict[tuple[int, ...], int] = {}
-    for i, lay in enumerate(layouts):
+    for k, lay in enumerate(layouts):
         if lay is not None:
-            groups.setdefault(grouping(lay, n), i)
+            groups.setdefault(grouping(lay, n), k)
     most = max((len(g) for g in groups), default=1)
     if len(shared.sizes) <= most:
         return None
+
+    def where(k: int) -> str:
+        part, i = leaves[k]
+        return part.where.format(part.resolved.where(i))
+
+    def expr(k: int) -> str:
+        part, i = leaves[k]
+        return repr(str(part.resolved.exprs[i]))
+
     maximal = groupings([lay for lay in layouts if lay is not None], n)
-    named = [
-        f"{resolved.where(groups[g])} ({str(resolved.exprs[groups[g]])!r}) as {g}"
-        for g in maximal
-        if g in groups
-    ]
+    named = [f"{where(groups[g])} ({expr(groups[g])}) as {g}" for g in maximal if g in groups]
     first = groups[maximal[0]] if maximal and maximal[0] in groups else 0
     return MeshWarning(
-        resolved.where(first),
+        where(first),
         f"the layouts group the devices in ways that disagree: {'; '.join(named)}. They "
         f"share only the mesh {shared.sizes}, with more axes than any one of them asks "
         "for, so XLA moves data between the groupings (all-gathers and permutes rather "
@@ -304,6 +443,7 @@ def plan(
     mesh: AnyMesh | None = None,
     devices: Sequence[Device] | int | None = None,
     unspecified: Unspecified = "replicate",
+    optimizer: Any = None,
 ) -> Plan:
     """Resolves a spec against a model and lays out every array leaf, placing nothing.
 
@@ -347,6 +487,15 @@ def plan(
     - `unspecified`: what an array leaf whose expression is `None` gets:
         `"replicate"` (a full copy on every device, the default) or `"keep"` (it
         stays where it is).
+    - `optimizer`: how the optimizer state is laid out, as any spec source whose
+        paths name parameters: `eqshard.Rules` (`default="parameter"`: a state
+        leaf no rule matches takes its parameter's layout), `eqshard.FSDP`, one
+        expression, a spec tree of the model (`None`: the parameter's layout).
+        Each state leaf of a parameter (Adam's moments) takes the layout it gives
+        that parameter: `plan.optimizer`. By default a spec file's `"optimizer"`
+        section, else the parameters' own layouts. It is fitted onto the
+        parameters' mesh. ZeRO-1: `eqshard.plan(model, "... -> * ...",
+        optimizer=eqshard.FSDP)`.
 
     **Returns:**
 
@@ -362,7 +511,9 @@ def plan(
     neither devices nor a count of at least 1. `eqshard.MeshWarning` when, with no
     user mesh, the layouts group devices in ways that disagree.
     """
-    planned = make_plan(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+    planned = make_plan(
+        model, spec, mesh=mesh, devices=devices, unspecified=unspecified, optimizer=optimizer
+    )
     if planned.problems:
         raise SpecError(planned.problems)
     warn(planned.warnings)

@@ -20,9 +20,12 @@ from ._sharding import AnyMesh, Device
 __all__ = [
     "LeafRow",
     "Report",
+    "device_bytes_per_device",
+    "host_bytes_per_device",
     "human_bytes",
     "leaf_rows",
     "leaf_table",
+    "memory_kind",
     "report",
     "spec_text",
     "total_bytes_per_device",
@@ -41,6 +44,8 @@ class LeafRow:
         laid out.
     - `origin`: where its expression came from (`"$.rules[2]"`, `"dims"`,
         `"default"`, `"Linear.weight"`), when the spec says.
+    - `memory_kind`: where each device's part is held, where that is not the
+        device's own memory: `"pinned_host"`; else `None`.
     """
 
     path: str
@@ -51,6 +56,12 @@ class LeafRow:
     bytes_per_device: int | None = None
     total_bytes: int = 0
     origin: str | None = None
+    memory_kind: str | None = None
+
+    @property
+    def on_host(self) -> bool:
+        """Whether its part is held in host memory, not the device's."""
+        return self.memory_kind is not None
 
 
 def spec_text(spec: Any) -> str:
@@ -91,16 +102,35 @@ def leaf_rows(plan: Plan) -> list[LeafRow]:
                 bytes_per_device=per_device,
                 total_bytes=_nbytes(shape, leaf.dtype),
                 origin=resolved.origins[i],
+                memory_kind=memory_kind(sharding),
             )
         )
     return rows
 
 
+def memory_kind(sharding: Any) -> str | None:
+    """A sharding's memory kind where it is not the device's own (`"pinned_host"`),
+    else `None`."""
+    kind = getattr(sharding, "memory_kind", None)
+    return None if kind in (None, "device") else kind
+
+
 def total_bytes_per_device(rows: list[LeafRow]) -> int | None:
-    """What one device holds (with even shards every device holds the same), or
-    `None` when a leaf could not be laid out."""
+    """What one device holds (with even shards every device holds the same), in its
+    own memory and in host memory, or `None` when a leaf could not be laid out."""
     sizes = [row.bytes_per_device for row in rows]
     return None if None in sizes else sum(size or 0 for size in sizes)
+
+
+def device_bytes_per_device(rows: list[LeafRow]) -> int | None:
+    """What one device holds in its own memory (not in host memory), or `None` when
+    a leaf could not be laid out: what a memory limit is compared with."""
+    return total_bytes_per_device([row for row in rows if not row.on_host])
+
+
+def host_bytes_per_device(rows: list[LeafRow]) -> int:
+    """What is held in host memory for one device (`"pinned_host"` leaves)."""
+    return sum(row.bytes_per_device or 0 for row in rows if row.on_host)
 
 
 def human_bytes(n: int) -> str:
@@ -122,6 +152,9 @@ def leaf_table(
     for name in ("leaf", "shape", "dtype", "expression", "from", "spec"):
         table.add_column(name)
     table.add_column("per device", justify="right")
+    kinds = any(row.on_host for row in rows)  # a column only where it says something
+    if kinds:
+        table.add_column("memory")
     for row in rows:
         table.add_row(
             Text(row.path),
@@ -132,6 +165,7 @@ def leaf_table(
             row.partition_spec
             or Text("-" if row.bytes_per_device is None else "kept", style="dim"),
             "-" if row.bytes_per_device is None else human_bytes(row.bytes_per_device),
+            *([row.memory_kind or Text("device", style="dim")] if kinds else []),
         )
     return table
 
@@ -154,7 +188,10 @@ class Report:
 
     - `rows`: one `LeafRow` per array leaf, in tree order.
     - `total_bytes`: the bytes of every array leaf, whole.
-    - `bytes_per_device`: what one device holds (`None` if a leaf is not laid out).
+    - `bytes_per_device`: what one device holds (`None` if a leaf is not laid out),
+        in its own memory and in host memory.
+    - `host_bytes_per_device`: of that, what is held in host memory
+        (`"pinned_host"`).
     """
 
     rows: list[LeafRow]
@@ -168,12 +205,18 @@ class Report:
     def bytes_per_device(self) -> int | None:
         return total_bytes_per_device(self.rows)
 
+    @property
+    def host_bytes_per_device(self) -> int:
+        return host_bytes_per_device(self.rows)
+
     def __rich__(self) -> Table:
         table = leaf_table(self.rows, title=self.title)
-        per_device = self.bytes_per_device
+        per_device, host = self.bytes_per_device, self.host_bytes_per_device
         table.caption = f"{len(self.rows)} array leaves, {human_bytes(self.total_bytes)} in all" + (
             "" if per_device is None else f"; each device holds {human_bytes(per_device)}"
         )
+        if host and per_device is not None:
+            table.caption += f", {human_bytes(host)} of it in host memory"
         table.caption_justify = "left"
         return table
 
@@ -189,6 +232,7 @@ class Report:
             "leaves": [dataclasses.asdict(row) for row in self.rows],
             "total_bytes": self.total_bytes,
             "bytes_per_device": self.bytes_per_device,
+            "host_bytes_per_device": self.host_bytes_per_device,
         }
 
 
@@ -220,8 +264,10 @@ def report(
 
     A `Report`: per array leaf its dotted path, shape, dtype, expression (or
     "replicated"), where the expression came from (a rule, a field, the parameter
-    whose layout an optimizer moment follows, or "replicated: no parameter here"),
-    its `PartitionSpec` and the bytes one device holds; with the totals.
+    whose layout an optimizer moment follows, the optimizer section's rule and its
+    parameter, or "replicated: no parameter here"), its `PartitionSpec`, the bytes
+    one device holds and, where it is not the device's, its memory kind
+    (`"pinned_host"`); with the totals, and what of them is in host memory.
 
     **Raises:**
 

@@ -60,6 +60,8 @@ class Resolved:
     - `exprs`: the complete expression of each leaf, `None` where there is none.
     - `origins`: where each came from, when the resolver says.
     - `failed`: the leaves a problem left without an expression.
+    - `memory`: each leaf's memory kind where the resolver names any
+        (`"pinned_host"`; `None` for the device's), else `None`.
 
     Key paths, owners and annotations come from a walk over the model's fields,
     made only when something needs them: `FROM_FIELDS`, a short form, or a message.
@@ -73,6 +75,7 @@ class Resolved:
     failed: set[int]
     _fields: list[LeafInfo] | None = None
     context: Any = None
+    memory: list[str | None] | None = None
 
     def forget_values(self) -> None:
         """Holds the model's arrays abstract from now on (`abstract_leaves`)."""
@@ -142,6 +145,12 @@ def resolve(
             f"{len(leaves)} leaves; a resolver gives one per leaf"
         )
     origins = list(resolution.origins or [None] * len(leaves))
+    memory = None if resolution.memory is None else list(resolution.memory)
+    if memory is not None and len(memory) != len(leaves):
+        raise EqshardError(
+            f"{type(resolver).__name__} gave {len(memory)} memory kinds for a model of "
+            f"{len(leaves)} leaves; a resolver gives one per leaf"
+        )
     fields = None if resolution.fields is None else list(resolution.fields)
     resolved = Resolved(
         model,
@@ -152,6 +161,7 @@ def resolve(
         set(resolution.failed),
         fields,
         target.context,
+        memory,
     )
     problems = list(resolution.problems)
     for i, spec_leaf in enumerate(given):

@@ -64,6 +64,8 @@ class Resolution:
         (`"$.rules[2]"`, `"dims"`, `"Linear.weight"`), for reports.
     - `fields`: optionally, the walk over the model's fields that the resolver
         made (`eqshard._fields.walk_fields`), so it is not made twice.
+    - `memory`: optionally, each leaf's memory kind (`"pinned_host"`, `"device"`),
+        `None` for the device's own memory.
     """
 
     exprs: Sequence[SpecLeaf]
@@ -72,6 +74,7 @@ class Resolution:
     failed: frozenset[int] = frozenset()
     origins: Sequence[str | None] | None = None
     fields: Sequence[Any] | None = None
+    memory: Sequence[str | None] | None = None
 
 
 @runtime_checkable

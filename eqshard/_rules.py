@@ -51,7 +51,7 @@ from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
 from ._paths import Guesses, PathIndex, match, name, segments
 from ._resolver import Resolution, Target
 from ._sharding import device_tuple
-from ._specfile import Rule, Rules
+from ._specfile import PARAMETER, Rule, Rules
 
 __all__ = [
     "Match",
@@ -80,6 +80,9 @@ class Match:
     - `fsdp`: for an expression FSDP chose (a rule's `"fsdp"`, or `"default":
         "fsdp"`), `"fsdp"`, or `"fsdp: replicated, <why>"` for a leaf it could not
         split; else `None`.
+    - `memory`: the memory kind the matching rule names (`"pinned_host"`), else
+        `None` (the device's).
+    - `section`: where the rules sit in their file: `"$"`, or `"$.optimizer"`.
     """
 
     path: str
@@ -87,13 +90,19 @@ class Match:
     source: Literal["rule", "dims", "default", "none"]
     rule_index: int | None = None
     fsdp: str | None = None
+    memory: str | None = None
+    section: str = "$"
 
     @property
     def place(self) -> str | None:
-        """`"$.rules[2]"`, `"dims"` or `"default"`: what gave the expression."""
+        """`"$.rules[2]"`, `"dims"` or `"default"` (in the optimizer section
+        `"$.optimizer.rules[2]"`, `"$.optimizer.dims"`, `"$.optimizer.default"`):
+        what gave the expression."""
         if self.source == "rule":
-            return f"$.rules[{self.rule_index}]"
-        return None if self.source == "none" else self.source
+            return f"{self.section}.rules[{self.rule_index}]"
+        if self.source == "none":
+            return None
+        return self.source if self.section == "$" else f"{self.section}.{self.source}"
 
     @property
     def origin(self) -> str | None:
@@ -138,7 +147,7 @@ def dims_expression(
     mapped = {d: rules.dims[d] for d in names if d in rules.dims}
     if not mapped:
         return None
-    where = ", ".join(f"$.dims.{d}" for d in mapped)
+    where = ", ".join(f"{rules.at('$.dims')}.{d}" for d in mapped)
     logical = {d: axis for d, axis in mapped.items() if axis is not None and is_axis(axis)}
     if logical:
         alone = all(m is None or d in logical for d, m in mapped.items())
@@ -159,7 +168,7 @@ def _logical(
 ) -> str | Problem:
     """The short form that splits each dim over its mesh axis, in the mesh's order,
     and replicates over the other axes."""
-    where = ", ".join(f"$.dims.{d}" for d in logical)
+    where = ", ".join(f"{rules.at('$.dims')}.{d}" for d in logical)
     if not alone:
         return Problem(
             label,
@@ -170,7 +179,7 @@ def _logical(
         dim, axis = next(iter(logical.items()))
         return Problem(
             label,
-            f"{rules.source}::$.dims.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
+            f"{rules.where('$.dims')}.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
             f'there is no mesh; declare "mesh" in {rules.source}, or pass `mesh=`',
         )
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
@@ -179,7 +188,7 @@ def _logical(
         if axis not in sizes:
             return Problem(
                 label,
-                f"{rules.source}::$.dims.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
+                f"{rules.where('$.dims')}.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
                 f"the mesh has the axes {', '.join(map(repr, sizes))}; name one of them",
             )
         if axis in by_axis:
@@ -208,7 +217,8 @@ def match_rules(
     flat = list(zip(key_paths(model, context), jax.tree_util.tree_leaves(model)))
     fsdp = rules.default == FSDP_WORD or any(rule.expr == FSDP_WORD for rule in rules.rules)
     fields = walk_fields(model, context) if rules.dims or fsdp else None
-    fallback = _REPLICATE if rules.default == "replicate" else None
+    fallback = _REPLICATE if rules.default == "replicate" else None  # "parameter": none
+    section = rules.section
     index = _index(rules)
     mesh = None if target is None else target.mesh
 
@@ -225,32 +235,32 @@ def match_rules(
     for i, (path, leaf) in enumerate(flat):
         name = leaf_name(path)
         if not is_array_like(leaf):
-            matches.append(Match(name, None, "none"))
+            matches.append(Match(name, None, "none", section=section))
             continue
         position = index.first(segments(path))
         if position is not None:
             rule = rules.rules[position]
             if isinstance(rule.expr, Expression):
-                matches.append(Match(name, rule.expr, "rule", rule.index))
+                expr, how = rule.expr, None
             else:  # "fsdp"
                 expr, how = by_fsdp(i, leaf)
-                matches.append(Match(name, expr, "rule", rule.index, how))
+            matches.append(Match(name, expr, "rule", rule.index, how, rule.memory, section))
             continue
         expr = _from_dims(rules, fields[i] if fields else None, mesh)
         if isinstance(expr, Problem):
             problems.append(expr)
-            matches.append(Match(name, None, "dims"))
+            matches.append(Match(name, None, "dims", section=section))
             continue
         if expr is not None:
-            matches.append(Match(name, expr, "dims"))
+            matches.append(Match(name, expr, "dims", section=section))
             continue
         if rules.default == FSDP_WORD:
             expr, how = by_fsdp(i, leaf)
-            matches.append(Match(name, expr, "default", fsdp=how))
+            matches.append(Match(name, expr, "default", fsdp=how, section=section))
             continue
         if rules.default == "error":
             unmatched.append(i)
-        matches.append(Match(name, fallback, "default"))
+        matches.append(Match(name, fallback, "default", section=section))
     if unmatched:
         fields = fields or walk_fields(model, context)
         state = looks_like_state(model)
@@ -356,14 +366,18 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
     unused = [rule for rule in rules.rules if rule.index not in used]
     if unused:
         unused = _not_for_the_state(unused, model)
+    follows = rules.default == PARAMETER  # a leaf the default gives nothing follows
     return Resolution(
         [m.expr for m in matches],
         problems,
         [_unused_warning(rules, unused, model, matches)] if unused else [],
         failed=frozenset(
-            i for i, m in enumerate(matches) if m.expr is None and m.source in ("dims", "default")
+            i
+            for i, m in enumerate(matches)
+            if m.expr is None and (m.source == "dims" or (m.source == "default" and not follows))
         ),
         origins=[m.origin for m in matches],
+        memory=[m.memory for m in matches] if any(m.memory for m in matches) else None,
     )
 
 
@@ -436,7 +450,7 @@ def _unused_warning(
         message += f"; did you mean {best!r}, which matches {named(leaves)}?"
         suggestions = tuple(text for text, _ in close)
         found.append(UnusedRule(rule.index, rule.path, message, suggestions, leaves))
-    return UnusedRuleWarning(rules.source, found, state or "", tree)
+    return UnusedRuleWarning(rules.source, found, state or "", tree, rules.section)
 
 
 def rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:

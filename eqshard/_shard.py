@@ -134,7 +134,10 @@ def constrain(
         compiler chooses it inside `jit`; whole outside it), and a leading `...`
         for the axes in front, left free (under `jax.vmap` it stands for none). For
         a pytree, anything `eqshard.apply` takes (by default the `eqshard.field`s),
-        or an `eqshard.Plan` made for a model of the same structure.
+        or an `eqshard.Plan`: made for a model of the same structure, or applied to
+        a tree built from the model (an optimizer state takes the plan's optimizer
+        section). `plan.optimizer` gives gradients the optimizer state's layouts
+        (ZeRO-2: `constrain(grads, plan.optimizer)`).
     - `mesh`: the mesh to constrain on; by default the mesh of `jax.set_mesh`
         (inside `jit`, its abstract mesh), if one is set. On a mesh of Explicit axes
         the values are resharded (`jax.sharding.reshard`), as JAX requires there.
@@ -146,7 +149,10 @@ def constrain(
 
     **Returns:**
 
-    `x`, constrained to the layout; with names and no rules, `x` itself.
+    `x`, constrained to the layout; with names and no rules, `x` itself. A leaf
+    the plan holds in host memory (`"memory": "pinned_host"`) is moved there with
+    `jax.device_put`, since a sharding constraint keeps a value's memory kind as it
+    is.
 
     **Raises:**
 
@@ -208,11 +214,18 @@ def _named(
 def _constrained(values: list[Any], shardings: list[NamedSharding]) -> list[Any]:
     """`values` held to `shardings` inside `jit`: a sharding constraint where the
     mesh's axes are Auto, `jax.sharding.reshard` where they are Explicit (the mesh
-    of `jax.set_mesh`, in JAX's sharding-in-types mode)."""
+    of `jax.set_mesh`, in JAX's sharding-in-types mode); a sharding in host memory
+    (`"pinned_host"`) by `jax.device_put`, which moves the value there, as a
+    sharding constraint does not (JAX 0.10 keeps its memory kind as it is)."""
+    host = [s.memory_kind not in (None, "device") for s in shardings]
     explicit = [any(kind == AxisType.Explicit for kind in s.mesh.axis_types) for s in shardings]
-    if not any(explicit):
+    if not any(explicit) and not any(host):
         return jax.lax.with_sharding_constraint(values, shardings)
     return [
-        jax.sharding.reshard(v, s) if e else jax.lax.with_sharding_constraint(v, s)
-        for v, s, e in zip(values, shardings, explicit)
+        jax.device_put(v, s)
+        if h
+        else jax.sharding.reshard(v, s)
+        if e
+        else jax.lax.with_sharding_constraint(v, s)
+        for v, s, e, h in zip(values, shardings, explicit, host)
     ]

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_BYTES",
+    "MEMORY_KINDS",
+    "PARAMETER",
     "VERSION",
     "Rule",
     "Rules",
@@ -59,6 +61,9 @@ __all__ = [
     "schema",
     "write_atomically",
 ]
+
+PARAMETER = "parameter"
+"""The optimizer section's default: each state leaf takes its parameter's layout."""
 
 MAX_BYTES = 1 << 20
 """Spec files larger than this (1 MiB) are refused unread."""
@@ -96,12 +101,16 @@ class Rule:
         or as `eqshard.FSDP`): each matching leaf's own FSDP expression.
     - `comment`: the rule's comment, if any.
     - `index`: its place in the file's `rules` list.
+    - `memory`: where the matching leaves are held: `"device"` (the devices' own
+        memory) or `"pinned_host"` (host memory, as a `NamedSharding`'s memory
+        kind); `None` for the default, the device.
     """
 
     path: str
     expr: Expression | Literal["fsdp"]
     comment: str | None = None
     index: int = 0
+    memory: Literal["device", "pinned_host"] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str):
@@ -109,6 +118,10 @@ class Rule:
                 f"`Rule.path` is a dotted glob such as 'blocks.*.weight', not {self.path!r}"
             )
         parse_path(self.path)
+        if self.memory is not None and self.memory not in MEMORY_KINDS:
+            raise EqshardError(
+                f"`Rule.memory` is one of {', '.join(map(repr, MEMORY_KINDS))}, not {self.memory!r}"
+            )
         if self.expr is FSDP or (isinstance(self.expr, str) and self.expr == FSDP_WORD):
             object.__setattr__(self, "expr", FSDP_WORD)
         else:
@@ -116,6 +129,10 @@ class Rule:
 
 
 _DEFAULTS = ("replicate", "error", FSDP_WORD)
+_OPTIMIZER_DEFAULTS = (PARAMETER, "replicate", FSDP_WORD)
+
+MEMORY_KINDS = ("device", "pinned_host")
+"""The memory kinds a rule may name: the devices' own memory, or pinned host memory."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -134,28 +151,55 @@ class Rules:
     `None`), and `batch` (the complete `Expression` that `eqshard.cost` and
     `eqshard check --step` lay the step's batch out by, such as
     `"... -> * ..."` for a whole batch on every device; `None` for their default,
-    the leading dim over the mesh's first axis).
+    the leading dim over the mesh's first axis), `optimizer` (the file's
+    `"optimizer"` section, itself a `Rules` whose `default` may be `"parameter"`:
+    how the optimizer state is laid out; `None` where the state follows the
+    parameters) and `section` (where these rules sit in their file: `"$"`, or
+    `"$.optimizer"` for that section).
+
+    As an optimizer spec (`eqshard.plan(model, spec, optimizer=rules)`), its paths
+    name parameters, and `default="parameter"` gives each state leaf no rule or dim
+    matches its parameter's layout.
     """
 
     rules: tuple[Rule, ...] = ()
-    default: Literal["replicate", "error", "fsdp"] = "replicate"
+    default: Literal["replicate", "error", "fsdp", "parameter"] = "replicate"
     devices: int | None = None
     dims: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     source: str = "<rules>"
     mesh: tuple[tuple[str, int | None], ...] | None = None
     batch: Expression | None = None
+    optimizer: Rules | None = None
+    section: str = "$"
 
     def __post_init__(self) -> None:
-        if self.default not in _DEFAULTS:
+        if self.default not in (*_DEFAULTS, PARAMETER):
             raise EqshardError(
-                "`Rules.default` is 'replicate', 'error' or 'fsdp', not " + repr(self.default)
+                "`Rules.default` is 'replicate', 'error' or 'fsdp' (or, for the optimizer "
+                "state, 'parameter'), not " + repr(self.default)
             )
         if self.batch is not None:
             object.__setattr__(self, "batch", batch_expression(self.batch))
+        if self.optimizer is not None:
+            if not isinstance(self.optimizer, Rules) or self.optimizer.optimizer is not None:
+                raise EqshardError(
+                    "`Rules.optimizer` is the `Rules` of the optimizer state, with no "
+                    "optimizer section of its own"
+                )
+            if self.default == PARAMETER:
+                raise EqshardError(
+                    "`Rules.default` is 'parameter' in an optimizer section only; these rules "
+                    "lay out the parameters: 'replicate', 'error' or 'fsdp'"
+                )
 
     def where(self, json_path: str) -> str:
-        """`file::$.json.path`: where a fault of this spec is, in messages."""
-        return f"{self.source}::{json_path}"
+        """`file::$.json.path`: where a fault of this spec is, in messages (a path
+        under `$` is taken within `section`)."""
+        return f"{self.source}::{self.section}{json_path[1:]}"
+
+    def at(self, json_path: str) -> str:
+        """`json_path` (`"$.rules[2]"`) within the file: under `section`."""
+        return f"{self.section}{json_path[1:]}"
 
     def match(self, model: Any, target: Target | None = None) -> tuple[list[Match], list[Problem]]:
         """How each leaf of `model` gets its expression, and what went wrong.
@@ -199,17 +243,33 @@ class Rules:
         if self.devices is not None:
             document["devices"] = self.devices
         document["default"] = self.default
-        document["rules"] = [
-            {"path": r.path, "expr": str(r.expr), **({"comment": r.comment} if r.comment else {})}
-            for r in self.rules
-        ]
+        document["rules"] = _rules_json(self)
         if self.dims:
             document["dims"] = dict(self.dims)
         if self.mesh is not None:
             document["mesh"] = [[name, "*" if size is None else size] for name, size in self.mesh]
         if self.batch is not None:
             document["batch"] = str(self.batch)
+        if self.optimizer is not None:
+            section = self.optimizer
+            document["optimizer"] = {"default": section.default, "rules": _rules_json(section)}
+            if section.dims:
+                document["optimizer"]["dims"] = dict(section.dims)
         return document
+
+
+def _rules_json(rules: Rules) -> list[dict[str, Any]]:
+    """The `"rules"` of a spec file's document: each rule's path, expression, memory
+    kind and comment."""
+    return [
+        {
+            "path": r.path,
+            "expr": str(r.expr),
+            **({"memory": r.memory} if r.memory else {}),
+            **({"comment": r.comment} if r.comment else {}),
+        }
+        for r in rules.rules
+    ]
 
 
 def batch_expression(expr: str | Expression) -> Expression:
@@ -341,6 +401,20 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
         )
     if path == ["batch"] and keyword in ("pattern", "type"):
         return _batch_problem(where, instance)
+    if path[:1] == ["optimizer"]:  # the section's keys are checked as the file's are
+        path = path[1:]
+        if keyword == "enum" and path == ["default"]:
+            return Problem(
+                where,
+                f"{instance!r} is not a default of the optimizer section: 'parameter' (each "
+                "state leaf takes its parameter's layout), 'replicate' or 'fsdp'",
+            )
+    if keyword == "enum" and path[-1:] == ["memory"]:
+        return Problem(
+            where,
+            f"{instance!r} is not a memory kind: 'device' (the default) or 'pinned_host' "
+            "(host memory)",
+        )
     if "propertyNames" in error.schema_path:
         return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
     if keyword == "anyOf" and path[:1] == ["dims"]:
@@ -412,42 +486,10 @@ def _rule_problems(
 ) -> list[tuple[list[tuple[int, int, str]], Problem]]:
     """What the schema cannot say: each expression and path parses, and no path
     repeats (`a.b` and `a['b']` are one path)."""
-    problems: list[tuple[list[tuple[int, int, str]], Problem]] = []
-    rules = document.get("rules")
-    seen: dict[Any, tuple[int, str]] = {}
-    for i, rule in enumerate(rules if isinstance(rules, list) else []):
-        if not isinstance(rule, dict):
-            continue
-        expr = rule.get("expr")
-        where = f"{name}::$.rules[{i}].expr"
-        if isinstance(expr, str) and where not in schema_paths and expr != FSDP_WORD:
-            if expr.strip().lower() == FSDP_WORD:  # a short form naming a dim 'FSDP'
-                message = f"{expr!r}: write {FSDP_WORD!r}, in lower case with no spaces, for FSDP"
-                problems.append((_order(["rules", i, "expr"]), Problem(where, message)))
-            else:
-                try:
-                    parse(expr)
-                except ExpressionError as bad:
-                    found = Problem.from_error(where, bad)
-                    problems.append((_order(["rules", i, "expr"]), found))
-        path = rule.get("path")
-        where = f"{name}::$.rules[{i}].path"
-        if isinstance(path, str) and where not in schema_paths:
-            try:
-                parsed = parse_path(path)
-            except PathError as bad:
-                problems.append((_order(["rules", i, "path"]), Problem.from_error(where, bad)))
-                continue
-            if parsed in seen:
-                j, text = seen[parsed]
-                same = f"the same path {path!r}" if text == path else f"{text!r}, the same path,"
-                problem = Problem(
-                    where,
-                    f"this rule can never match: $.rules[{j}] has {same} and comes first; "
-                    "remove one",
-                )
-                problems.append((_order(["rules", i, "path"]), problem))
-            seen.setdefault(parsed, (i, path))
+    problems = _rules_problems(document, name, schema_paths, [])
+    section = document.get("optimizer")
+    if isinstance(section, dict):
+        problems += _rules_problems(section, name, schema_paths, ["optimizer"])
     batch = document.get("batch")
     where = f"{name}::$.batch"
     if isinstance(batch, str) and where not in schema_paths:
@@ -456,9 +498,57 @@ def _rule_problems(
         except ExpressionError as bad:
             problems.append((_order(["batch"]), Problem.from_error(where, bad)))
     problems += _mesh_problems(document, name)
+    return problems
+
+
+def _rules_problems(
+    document: Mapping[str, Any], name: str, schema_paths: set[str], at: list[str]
+) -> list[tuple[list[tuple[int, int, str]], Problem]]:
+    """What the schema cannot say of one list of rules and its dims (the file's, or
+    those of the section at `at`, `["optimizer"]`): each expression and path parses,
+    no path repeats (`a.b` and `a['b']` are one path), and each dim's modifier
+    parses."""
+    problems: list[tuple[list[tuple[int, int, str]], Problem]] = []
+    prefix = "".join(f".{key}" for key in at)
+    rules = document.get("rules")
+    seen: dict[Any, tuple[int, str]] = {}
+    for i, rule in enumerate(rules if isinstance(rules, list) else []):
+        if not isinstance(rule, dict):
+            continue
+        expr = rule.get("expr")
+        where = f"{name}::${prefix}.rules[{i}].expr"
+        order = _order([*at, "rules", i, "expr"])
+        if isinstance(expr, str) and where not in schema_paths and expr != FSDP_WORD:
+            if expr.strip().lower() == FSDP_WORD:  # a short form naming a dim 'FSDP'
+                message = f"{expr!r}: write {FSDP_WORD!r}, in lower case with no spaces, for FSDP"
+                problems.append((order, Problem(where, message)))
+            else:
+                try:
+                    parse(expr)
+                except ExpressionError as bad:
+                    problems.append((order, Problem.from_error(where, bad)))
+        path = rule.get("path")
+        where = f"{name}::${prefix}.rules[{i}].path"
+        order = _order([*at, "rules", i, "path"])
+        if isinstance(path, str) and where not in schema_paths:
+            try:
+                parsed = parse_path(path)
+            except PathError as bad:
+                problems.append((order, Problem.from_error(where, bad)))
+                continue
+            if parsed in seen:
+                j, text = seen[parsed]
+                same = f"the same path {path!r}" if text == path else f"{text!r}, the same path,"
+                problem = Problem(
+                    where,
+                    f"this rule can never match: ${prefix}.rules[{j}] has {same} and comes "
+                    "first; remove one",
+                )
+                problems.append((order, problem))
+            seen.setdefault(parsed, (i, path))
     dims = document.get("dims")
     for dim, modifier in dims.items() if isinstance(dims, dict) else ():
-        where = f"{name}::$.dims.{dim}"
+        where = f"{name}::${prefix}.dims.{dim}"
         if isinstance(modifier, str) and where not in schema_paths:
             if _AXIS_NAME.fullmatch(modifier):
                 continue  # a logical axis: checked against the mesh it is laid out on
@@ -466,7 +556,7 @@ def _rule_problems(
                 parse(f"x{modifier}")
             except ExpressionError as bad:
                 problem = Problem(where, f"{modifier[:24]!r}: {bad.rule}")
-                problems.append((_order(["dims", dim]), problem))
+                problems.append((_order([*at, "dims", dim]), problem))
     return problems
 
 
@@ -541,12 +631,18 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
         problems = [Problem(name, "the document nests too deeply to check")]
     if problems:
         raise SpecError(problems, f"{name} is not a valid eqshard spec")
-    rules = tuple(
-        Rule(rule["path"], rule["expr"], rule.get("comment"), i)
-        for i, rule in enumerate(document.get("rules", []))
-    )
+    section = document.get("optimizer")
+    optimizer = None
+    if section is not None:
+        optimizer = Rules(
+            rules=_rules_of(section),
+            default=section.get("default", PARAMETER),
+            dims=dict(section.get("dims", {})),
+            source=name,
+            section="$.optimizer",
+        )
     return Rules(
-        rules=rules,
+        rules=_rules_of(document),
         default=document.get("default", "replicate"),
         devices=None if document.get("devices") is None else int(document["devices"]),
         dims=dict(document.get("dims", {})),
@@ -555,6 +651,15 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
         if document.get("mesh") is None
         else tuple((n, None if size == "*" else int(size)) for n, size in document["mesh"]),
         batch=None if document.get("batch") is None else parse(document["batch"]),
+        optimizer=optimizer,
+    )
+
+
+def _rules_of(document: Mapping[str, Any]) -> tuple[Rule, ...]:
+    """The `Rule`s of a checked document's (or optimizer section's) `"rules"`."""
+    return tuple(
+        Rule(rule["path"], rule["expr"], rule.get("comment"), i, rule.get("memory"))
+        for i, rule in enumerate(document.get("rules", []))
     )
 
 

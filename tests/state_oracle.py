@@ -4,7 +4,16 @@ implies: what a plan must give each leaf of a state, to check eqshard against.""
 import jax
 import optax
 
-__all__ = ["expected_shardings", "parameters_of"]
+__all__ = ["blocks", "expected_shardings", "parameters_of"]
+
+
+def blocks(sharding, shape):
+    """Device id -> the block of `shape` it holds, as (start, stop) per dim: a
+    layout device by device, whatever mesh or PartitionSpec writes it."""
+    return {
+        d.id: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(i, shape))
+        for d, i in sharding.devices_indices_map(tuple(shape)).items()
+    }
 
 
 def _is_masked(x):

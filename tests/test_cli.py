@@ -150,7 +150,7 @@ def test_demo_trains_a_strategy_from_its_spec_file(run_python, tmp_path):
 def test_demo_names_what_it_cannot_run(run_cli):
     result = run_cli("demo", "--spec", "ring-attention")
     assert result.code == 2
-    assert "no such strategy or file; the strategies are data-parallel, fsdp" in result.err
+    assert "no such strategy or file; the strategies are data-parallel, zero-1, fsdp" in result.err
     result = run_cli("demo", "--spec", "2d", "--devices", "2")
     assert result.code == 1
     assert "needs a multiple of 4 devices" in result.err

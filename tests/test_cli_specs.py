@@ -96,7 +96,7 @@ def test_validate_json_format(run_cli):
         "where": f"{path}::$",
         "file": str(path),
         "path": "$",
-        "message": "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'batch'",
+        "message": "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'batch', 'optimizer'",
     }
     assert len(report["files"][0]["problems"]) == 10
 
@@ -168,6 +168,7 @@ def test_check_example_on_several_device_counts(run_cli):
         "bytes_per_device": 8192,
         "total_bytes": 65536,
         "origin": "$.rules[4]",
+        "memory_kind": None,
     }
     assert leaves["unembed.w"] == {
         "path": "unembed.w",
@@ -178,6 +179,7 @@ def test_check_example_on_several_device_counts(run_cli):
         "bytes_per_device": 8192,
         "total_bytes": 65536,
         "origin": "dims",
+        "memory_kind": None,
     }
     assert leaves["norm.weight"] == {
         "path": "norm.weight",
@@ -188,6 +190,7 @@ def test_check_example_on_several_device_counts(run_cli):
         "bytes_per_device": 256,
         "total_bytes": 256,
         "origin": "default",
+        "memory_kind": None,
     }
     assert leaves["blocks.0.attn.output_proj.weight"]["partition_spec"] == "P(None, 'm0')"
     assert {leaf["path"]: leaf["bytes_per_device"] for leaf in two["leaves"]}[

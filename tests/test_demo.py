@@ -1,7 +1,7 @@
 """`eqshard demo`: each strategy trains to the unsharded losses, holds what its spec
 says, and the table reports it.
 
-The four strategies train once, two steps each, in this process on its 8 CPU
+The five strategies train once, two steps each, in this process on its 8 CPU
 devices (`outcomes`); every test reads those runs. The command line itself runs in
 tests/test_cli.py.
 """
@@ -116,6 +116,36 @@ def test_fsdp_splits_every_leaf_and_its_moments_over_data(outcomes):
         )
 
 
+def test_zero_1_replicates_the_parameters_and_splits_the_moments(outcomes, reference):
+    outcome, dp = outcomes["zero-1"], outcomes["data-parallel"]
+    assert outcome.cost is not None
+    assert dp.cost is not None
+    assert outcome.batch == "b ... -> b8 ..."
+    for leaf in _arrays(outcome.model):
+        assert leaf.sharding.is_fully_replicated
+    assert outcome.state.steps.sharding.is_fully_replicated
+    for tree in (outcome.state.mu, outcome.state.nu):
+        for leaf in _arrays(tree):
+            # the optimizer section's "default": "fsdp": the largest dim over 'data'
+            dim = max(range(leaf.ndim), key=lambda k: (leaf.shape[k], k))
+            assert _spec(leaf) == P(*[None] * dim, "data", *[None] * (leaf.ndim - dim - 1))
+    moment = outcome.state.mu.blocks.up.weight  # (layers, hidden, dim): hidden over devices
+    rows = _demo_model.HIDDEN // 8
+    for shard in moment.addressable_shards:
+        start = rows * shard.device.id
+        np.testing.assert_array_equal(
+            np.asarray(shard.data), np.asarray(moment)[:, start : start + rows]
+        )
+    whole = sum(a.nbytes for a in _arrays(reference.model))
+    assert outcome.cost.memory.parameters == dp.cost.memory.parameters == whole
+    # an eighth of data parallel's moments; the step count (int32) is replicated
+    assert (outcome.cost.memory.optimizer - 4) * 8 == dp.cost.memory.optimizer - 4
+    # each device updates its eighth of every parameter: the step gathers them all
+    moved = _demo.per_step(outcome.cost)
+    assert moved[("all-gather", ("data",))] == whole
+    assert ("all-gather", ("data",)) not in _demo.per_step(dp.cost)
+
+
 def test_megatron_splits_heads_units_and_vocabulary_over_model(outcomes):
     outcome = outcomes["megatron"]
     model, mesh = outcome.model, outcome.plan.mesh
@@ -179,17 +209,20 @@ def test_the_table_and_the_json_report_every_strategy(outcomes, reference, devic
     }
     assert rows["unsharded"][3:5] == ["457.0 KiB", "914.0 KiB"]
     assert rows["fsdp"][1:5] == ["data=8", "split over data", "57.1 KiB", "114.3 KiB"]
+    assert rows["zero-1"][1:5] == ["data=8", "split over data", "457.0 KiB", "114.3 KiB"]
+    assert rows["zero-1"][5] == "all-gather over data: 457.0 KiB"
     assert rows["2d"][1] == "data=2 x model=4"
     assert all(rows[name][7].startswith("yes (") for name in _demo.STRATEGIES)
-    assert "No step times: simulated CPU devices" in text
+    assert "No step times: simulated CPU devices" in " ".join(text.split())
 
     report = _demo.to_json(ordered, reference, devices)
     assert report["ok"] is True
     assert [s["strategy"] for s in report["strategies"]] == list(_demo.STRATEGIES)
-    fsdp = report["strategies"][1]
-    assert (
-        fsdp["parameter_bytes_per_device"] * 8
-        == report["strategies"][0]["parameter_bytes_per_device"]
+    by_name = {s["strategy"]: s for s in report["strategies"]}
+    fsdp, dp = by_name["fsdp"], by_name["data-parallel"]
+    assert fsdp["parameter_bytes_per_device"] * 8 == dp["parameter_bytes_per_device"]
+    assert (by_name["zero-1"]["optimizer_bytes_per_device"] - 4) * 8 == (
+        dp["optimizer_bytes_per_device"] - 4
     )
     assert fsdp["seconds_per_step"] is None  # not measured on CPU devices
 

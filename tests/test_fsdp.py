@@ -207,7 +207,8 @@ def test_the_word_round_trips_and_is_checked(tmp_path, run_cli):
     assert f"{bad}::$.rules[0].expr: 'FSDP': write 'fsdp', in lower case" in result.out
     with pytest.raises(
         eqshard.EqshardError,
-        match=r"`Rules.default` is 'replicate', 'error' or 'fsdp', not 'shard'",
+        match=r"`Rules.default` is 'replicate', 'error' or 'fsdp' \(or, for the optimizer "
+        r"state, 'parameter'\), not 'shard'",
     ):
         eqshard.Rules(default="shard")  # pyright: ignore[reportArgumentType]
     with pytest.raises(eqshard.SpecError, match=r"For FSDP, pass `eqshard.FSDP` as the spec"):

@@ -97,7 +97,7 @@ def _objects(node):
 
 def test_every_object_in_the_schema_refuses_unknown_keys():
     objects = list(_objects(eqshard.schema()))
-    assert len(objects) == 3  # the document, a rule, dims
+    assert len(objects) == 4  # the document, a rule, dims, the optimizer section
     for obj in objects:
         assert obj.get("additionalProperties") is not None
         extra = obj["additionalProperties"]
@@ -182,7 +182,7 @@ INVALID = {
     "structure.eqshard.json": [
         (
             "$",
-            "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'batch'",
+            "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'batch', 'optimizer'",
             "",
         ),
         ("$.default", "'maybe' is not one of ['replicate', 'error', 'fsdp']", ""),
@@ -207,7 +207,11 @@ INVALID = {
             "",
         ),
         ("$.rules[2]", "missing key 'expr'", ""),
-        ("$.rules[3]", "unknown key 'shard'; the keys here are 'path', 'expr', 'comment'", ""),
+        (
+            "$.rules[3]",
+            "unknown key 'shard'; the keys here are 'path', 'expr', 'comment', 'memory'",
+            "",
+        ),
     ],
     "shadowed.eqshard.json": [
         (

@@ -12,7 +12,7 @@ import optax
 import pytest
 from hypothesis import given, settings, strategies as st
 from jaxtyping import Array, Float
-from state_oracle import expected_shardings, parameters_of
+from state_oracle import blocks, expected_shardings, parameters_of
 
 import eqshard
 from eqshard import SpecError
@@ -29,13 +29,6 @@ RULES = {
 
 def _model():
     return eqx.nn.MLP(16, 16, 64, 1, key=jax.random.key(0))
-
-
-def _blocks(sharding, shape):
-    return {
-        d.id: tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(i, shape))
-        for d, i in sharding.devices_indices_map(tuple(shape)).items()
-    }
 
 
 def _weights_only(model):
@@ -78,7 +71,7 @@ def _assert_laid_out_as(laid_out, expected):
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_every_moment_has_its_parameters_blocks(name):
+def test_every_moment_has_its_parametersblocks(name):
     model = _model()
     plan = eqshard.plan(model, eqshard.load(RULES))
     params = eqx.filter(model, eqx.is_array)
@@ -88,7 +81,7 @@ def test_every_moment_has_its_parameters_blocks(name):
     _assert_laid_out_as(state, expected)
     for leaf, want in zip(jax.tree_util.tree_leaves(state), expected):
         if want is not None:  # device by device, the parameter's blocks
-            assert _blocks(leaf.sharding, leaf.shape) == _blocks(want, leaf.shape)
+            assert blocks(leaf.sharding, leaf.shape) == blocks(want, leaf.shape)
     report = eqshard.report(state, plan)
     names = [row.path for row in eqshard.report(model, plan).rows]
     for row, leaf, i, want in zip(

@@ -51,7 +51,10 @@ def assert_equivalent(
     gradients with `eqx.filter_value_and_grad`, then the optimizer's update) on one
     device, then the same step with the model (and its state) and its optimizer
     state placed by the spec and the batch split over the data axis, and compares
-    every leaf.
+    every leaf. The optimizer state follows the spec's optimizer section, where it
+    has one (ZeRO-1); leaves a spec holds in host memory (`"memory":
+    "pinned_host"`) are moved to the device inside each step, as a host-offload
+    step moves them.
 
     A stateful model (BatchNorm's running statistics in an `eqx.nn.State`) is built
     as `eqx.nn.make_with_state` builds it, and its loss is written as in Equinox's

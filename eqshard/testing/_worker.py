@@ -298,6 +298,20 @@ def _described(out: Any) -> str:
     return f"a {type(out).__name__}"
 
 
+def _on_device(tree: Any) -> Any:
+    """`tree`'s arrays in device memory, inside `jit`: a spec may hold leaves in host
+    memory (`"memory": "pinned_host"`), and JAX computes on one memory kind at a
+    time, as a host-offload step does (`jax.device_put(x, jax.memory.Space.Device)`)."""
+    import equinox as eqx
+    import jax
+
+    space = getattr(getattr(jax, "memory", None), "Space", None)
+    if space is None:  # a JAX without memory spaces: nothing can be held elsewhere
+        return tree
+    arrays, rest = eqx.partition(tree, eqx.is_array)
+    return eqx.combine(jax.device_put(arrays, space.Device), rest)
+
+
 def _gradient(loss: Callable[..., Any], stateful: bool) -> Callable[..., Any]:
     """`(loss, gradients)` of `loss(model, batch)`, or `(loss, gradients, new
     state)` of `loss(model, state, batch)` for a `(model, state)` pair, jitted."""
@@ -307,13 +321,13 @@ def _gradient(loss: Callable[..., Any], stateful: bool) -> Callable[..., Any]:
 
         @eqx.filter_jit
         def gradient(model: Any, batch: Any) -> tuple[Any, ...]:
-            return tuple(eqx.filter_value_and_grad(loss)(model, batch))
+            return tuple(eqx.filter_value_and_grad(loss)(_on_device(model), batch))
 
         return gradient
 
     @eqx.filter_jit
     def stateful_gradient(pair: Any, batch: Any) -> tuple[Any, ...]:
-        model, state = pair
+        model, state = _on_device(pair)
         (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, batch)
         return value, grads, state
 
@@ -326,6 +340,7 @@ def _update(optimizer: Any) -> Callable[..., Any]:
 
     @eqx.filter_jit
     def update(model: Any, state: Any, grads: Any) -> tuple[Any, ...]:
+        model, state, grads = _on_device((model, state, grads))
         updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
         return eqx.apply_updates(model, updates), state
 
@@ -338,6 +353,7 @@ def _step(loss: Callable[..., Any], optimizer: Any, stateful: bool) -> Callable[
     import equinox as eqx
 
     def value_and_grad(built: Any, batch: Any) -> tuple[Any, Any, Any]:
+        built = _on_device(built)
         if not stateful:
             value, grads = eqx.filter_value_and_grad(loss)(built, batch)
             return value, grads, None
@@ -355,7 +371,8 @@ def _step(loss: Callable[..., Any], optimizer: Any, stateful: bool) -> Callable[
     @eqx.filter_jit
     def step_with_optimizer(built: Any, opt_state: Any, batch: Any) -> Any:
         value, grads, state = value_and_grad(built, batch)
-        model = built[0] if stateful else built
+        model = _on_device(built[0] if stateful else built)
+        opt_state = _on_device(opt_state)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         return value, eqx.apply_updates(model, updates), state, opt_state
 
