@@ -30,7 +30,7 @@ from ._errors import EqshardError, SpecError, StepError
 from ._expression import Expression
 from ._fields import is_array_like, is_stateful_pair
 from ._hardware import HARDWARE, Estimate, Hardware, Moved, hardware_profile, roofline
-from ._plan import Plan, plan
+from ._plan import Plan, Planned, plan
 from ._report import LeafRow, leaf_rows, memory_kind
 from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device, device_count, mesh_devices, on_devices, sharding
@@ -482,10 +482,10 @@ def cost(
         state = plan_for(arg, p)
         if isinstance(arg, eqx.nn.State) and state.problems:
             raise SpecError(state.problems)
-        if not state.problems:  # built from the model: its state, or an optimizer state
+        if isinstance(arg, eqx.nn.State) or _built_from_the_model(state):  # or an optimizer state
             held.count(state.plan, "optimizer")
             laid_out.append(state.plan.abstract)
-        else:  # nothing shaped like the model in it: a batch
+        else:  # nothing of the model's in it: a batch
             laid_out.append(jax.tree_util.tree_map(batches.lay_out, arg))
     fn = getattr(step, "__wrapped__", step)
     donate_first = bool(getattr(step, "donate_first", False))
@@ -556,6 +556,13 @@ def _on_target(
     grid = np.empty(len(on.devices), dtype=object)
     grid[:] = on.devices
     return on, Mesh(grid.reshape(mesh.axis_sizes), mesh.axis_names, mesh.axis_types), None
+
+
+def _built_from_the_model(planned: Planned) -> bool:
+    """Whether some leaf of a step's argument took a parameter's or the state's
+    layout by structure (at its place in a subtree shaped like the model, with its
+    shape): an optimizer state, not a batch."""
+    return not planned.problems and planned.matched > 0
 
 
 def _stateful(model: Any, args: Sequence[Any], spec: Any) -> Any:

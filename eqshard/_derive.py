@@ -226,12 +226,12 @@ def _same_structure(tree: Any, given: Plan) -> Planned | None:
         elif getattr(new, "dtype", None) != old.dtype or _weak(new) != _weak(old):
             retyped = True
     if not retyped:
-        return Planned(given, problems, [])
+        return Planned(given, problems, [], len(leaves))
     own = dataclasses.replace(
         resolved, model=tree, leaves=leaves, _fields=None, failed=set(resolved.failed)
     )
     own.forget_values()
-    return Planned(dataclasses.replace(given, resolved=own), problems, [])
+    return Planned(dataclasses.replace(given, resolved=own), problems, [], len(leaves))
 
 
 def _weak(x: Any) -> bool:
@@ -267,9 +267,8 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
             continue
         assert j is not None
         name = f"{'state' if j >= first_state else 'parameter'} {names[j]}"
-        if tuple(leaf.shape) != tuple(parameter.shape):
+        if tuple(leaf.shape) != tuple(parameter.shape):  # in the model's structure
             shardings[i] = replicated
-            unmatched += len(leaf.shape) > 0
             origins[i] = (
                 f"replicated: its shape {tuple(leaf.shape)} is not {name}'s "
                 f"{tuple(parameter.shape)}"
@@ -309,7 +308,7 @@ def _by_structure(tree: Any, given: Plan) -> Planned:
     derived = dataclasses.replace(
         given, resolved=resolved, flat_shardings=shardings, section=None, follows=None
     )
-    return Planned(derived, problems, warnings)
+    return Planned(derived, problems, warnings, matched)
 
 
 class _StateLayout(NamedTuple):

@@ -167,11 +167,13 @@ class Plan:
 
 class Planned(NamedTuple):
     """A plan with the faults found while making it: leaves with a problem have no
-    sharding (see `Plan.failed`)."""
+    sharding (see `Plan.failed`). `matched`, for a plan applied to another tree,
+    counts the leaves that took a parameter's or the state's layout by structure."""
 
     plan: Plan
     problems: list[Problem]
     warnings: list[EqshardWarning]
+    matched: int = 0
 
 
 class _Laid(NamedTuple):

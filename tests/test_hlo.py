@@ -455,7 +455,7 @@ def test_a_cost_and_so_a_budget_never_passes_on_what_it_could_not_read(monkeypat
     from eqshard import _cost
 
     unknown = _module(_ADD + "  ROOT %y = f32[8]{0} all-gather-scatter(%x), replica_groups={}")
-    monkeypatch.setattr(_cost, "_compile", lambda lowered: _Compiled(unknown, None, {}))
+    monkeypatch.setattr(_cost, "_compile", lambda lowered, *rest: _Compiled(unknown, None, {}))
     model = _Switched(jnp.zeros((8, 8)))
     with pytest.raises(eqshard.EqshardError, match="the collective `all-gather-scatter`"):
         eqshard.cost(lambda m, x: m.weight @ x, model, jnp.zeros((8, 8)), spec="... -> * ...")
