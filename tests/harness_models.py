@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+import eqshard
 from jaxtyping import Array, Float
 
 
@@ -130,3 +132,24 @@ def optimizer_stateful() -> optax.GradientTransformation:
     # SGD with momentum: Adam would turn the conv bias's gradient, zero up to the
     # last bits (BatchNorm takes the mean out), into whole steps of noise.
     return optax.sgd(1e-2, momentum=0.9)
+
+
+class Named(eqx.Module):
+    """A layer that names its activation, as third-party model code may."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x: Array) -> Array:
+        return eqshard.constrain(self.linear(x), ("hidden",))
+
+
+def build_named() -> Named:
+    return Named(eqx.nn.Linear(8, 8, key=jax.random.key(0)))
+
+
+def loss_named(model: Named, batch: Array) -> Array:
+    return jnp.mean(jax.vmap(model)(batch) ** 2)
+
+
+def batch_named() -> Array:
+    return jnp.ones((8, 8))

@@ -398,3 +398,25 @@ def test_golden_layouts_record_a_models_state_under_its_layers(tmp_path, monkeyp
         "  ~ bn.batch_state_index.0\n      expression: 'c -> c*' -> 'input_size -> input_size*'"
         in str(caught.value)
     )
+
+
+def test_a_spec_files_rules_name_the_activations_in_the_workers(tmp_path):
+    named = tmp_path / "named.eqshard.json"
+    named.write_text(json.dumps({"eqshard": 1, "dims": {"hidden": "*"}}))
+    assert_equivalent(
+        "harness_models:build_named",
+        named,
+        "harness_models:loss_named",
+        "harness_models:batch_named",
+        devices=(8,),
+    )
+    unnamed = tmp_path / "unnamed.eqshard.json"
+    unnamed.write_text(json.dumps({"eqshard": 1}))
+    with pytest.raises(eqshard.EqshardError, match=r"'hidden'"):
+        assert_equivalent(
+            "harness_models:build_named",
+            unnamed,
+            "harness_models:loss_named",
+            "harness_models:batch_named",
+            devices=(8,),
+        )

@@ -14,6 +14,7 @@ stdout (`{"result": ...}` or `{"error": ...}`, as `eqshard check`'s workers do):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -147,8 +148,10 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
     devices = _start(request)
     import equinox as eqx
 
+    from .._activations import use
     from .._apply import apply
     from .._fields import is_stateful_pair
+    from .._specfile import Rules
 
     modules: dict[str, Any] = {}
     build = _callable(request, "build", modules)
@@ -184,9 +187,11 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
     placed_model = placed[0] if stateful else placed
     placed_opt_state = None if opt_state is None else apply(opt_state, p)
     placed_batch = _placed_batch(batch, batch_expr, p)
-    got = gradient(placed, placed_batch)
-    if optimizer is not None:  # from the same gradients: see `assert_equivalent`
-        got += update(placed_model, placed_opt_state, apply(want[1], p))
+    # A spec file's rules lay out the activations the model names, as under `use`.
+    with use(p) if isinstance(p.spec, Rules) else contextlib.nullcontext():
+        got = gradient(placed, placed_batch)
+        if optimizer is not None:  # from the same gradients: see `assert_equivalent`
+            got += update(placed_model, placed_opt_state, apply(want[1], p))
 
     rtol, atol = request.get("rtol"), request.get("atol")
     parts = [part for part in _PARTS if stateful or part != _NEW_STATE]
