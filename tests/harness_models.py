@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jaxtyping import Array, Float
 
 import eqshard
-from jaxtyping import Array, Float
 
 
 def build() -> eqx.nn.MLP:
