@@ -48,6 +48,7 @@ from ._sharding import (
     mesh as build_mesh,
     mesh_devices,
     named_sharding,
+    partition_spec,
     placement,
     user_mesh,
 )
@@ -316,7 +317,7 @@ def make_plan(
                     part.resolved.failed.add(i)
                     part.layouts[i] = None
         by_layout = {
-            lay: NamedSharding(on_mesh, PartitionSpec(*spec))
+            lay: NamedSharding(on_mesh, partition_spec(spec))
             for lay, spec in specs.items()
             if spec is not None
         }
@@ -333,7 +334,7 @@ def make_plan(
         else:
             common = build_mesh(shared.sizes, shared.names, placed_on)
             by_layout = {
-                lay: NamedSharding(common, PartitionSpec(*(fit(lay, shared) or ())))
+                lay: NamedSharding(common, partition_spec(fit(lay, shared) or ()))
                 for lay in distinct
             }
             everything = [lay for part in parts for lay in part.layouts]

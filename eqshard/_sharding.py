@@ -44,6 +44,7 @@ __all__ = [
     "mesh_devices",
     "named_sharding",
     "on_devices",
+    "partition_spec",
     "placement",
     "sharding",
     "user_mesh",
@@ -185,6 +186,15 @@ def mesh_devices(mesh: AnyMesh) -> tuple[Device, ...] | None:
 
 
 @functools.lru_cache(maxsize=1024)
+def partition_spec(spec: Sequence[Any]) -> PartitionSpec:
+    """A layout's `PartitionSpec`, with a full copy written `P()` however many dims
+    the leaf has: so a replicated sharding compares equal to `Plan.replicated()`'s
+    and to what `constrain` gives, whichever made it."""
+    if all(axis is None for axis in spec):
+        return PartitionSpec()
+    return PartitionSpec(*spec)
+
+
 def abstract_mesh(mesh_shape: tuple[int, ...], axis_names: tuple[str, ...]) -> AbstractMesh:
     """An `AbstractMesh` of Auto axes: the one place one is built. JAX 0.8.1 to
     0.11 take `AbstractMesh(axis_sizes, axis_names, axis_types)` alike, but the
@@ -218,7 +228,7 @@ def named_sharding(
 ) -> NamedSharding:
     """The `NamedSharding` of `spec` on the cached row-major mesh of `devices` (an
     abstract mesh for a device count)."""
-    return NamedSharding(mesh(mesh_shape, mesh_axes, devices), PartitionSpec(*spec))
+    return NamedSharding(mesh(mesh_shape, mesh_axes, devices), partition_spec(spec))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -242,7 +252,7 @@ def sharding_on(expr: str | Expression, shape: tuple[int, ...], on: AnyMesh) -> 
     if spec is None:
         first, last = parsed.span_of_rhs(0), parsed.span_of_rhs(len(parsed.rhs) - 1)
         raise parsed.error(misfit(parsed, shape, axes), (first[0], last[1]))
-    return NamedSharding(on, PartitionSpec(*spec))
+    return NamedSharding(on, partition_spec(spec))
 
 
 def sharding(

@@ -177,7 +177,7 @@ def test_a_llama_shaped_model_on_65536_devices():
     for name in ROWS:
         assert getattr(specs.layers, name).weight == P(None, "data", "model")
     assert specs.embed.weight == specs.head.weight == P("model", "data")
-    assert specs.layers.attention_norm.weight == P(None, None)  # replicated
+    assert specs.layers.attention_norm.weight == P()  # replicated
     rows = {row.path: row for row in eqshard.report(model, plan).rows}
     assert rows["layers.q.weight"].bytes_per_device == LAYERS * DIM * DIM * 2 // 65536  # bf16
     assert rows["layers.down.weight"].bytes_per_device == LAYERS * HIDDEN * DIM * 2 // 65536

@@ -5,6 +5,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import PartitionSpec as P
@@ -69,15 +70,11 @@ def test_one_shared_mesh_and_readable_specs():
 def test_spec_forms_single_prefix_and_full():
     model = {"a": jnp.ones((8, 4)), "b": {"c": jnp.ones(8), "d": jnp.ones((2, 8))}}
     plan = eqshard.plan(model, "... -> * ...")
-    assert jax.tree_util.tree_leaves(plan.partition_specs) == [
-        P(None, None),
-        P(None),
-        P(None, None),
-    ]
+    assert jax.tree_util.tree_leaves(plan.partition_specs) == [P(), P(), P()]  # full copies
     plan = eqshard.plan(model, {"a": "r c -> r* c", "b": "... x -> ... x*"})
     assert plan.partition_specs == {"a": P("m0", None), "b": {"c": P("m0"), "d": P(None, "m0")}}
     plan = eqshard.plan(model, {"a": None, "b": {"c": eqshard.parse("x -> x*"), "d": None}})
-    assert plan.partition_specs == {"a": P(None, None), "b": {"c": P("m0"), "d": P(None, None)}}
+    assert plan.partition_specs == {"a": P(), "b": {"c": P("m0"), "d": P()}}
 
 
 def test_none_replicates_by_default_and_keep_leaves_it_alone():
@@ -352,3 +349,14 @@ def test_apply_refuses_what_it_cannot_place_faithfully():
         jax.jit(lambda m: eqshard.apply(m, "a -> a*"))({"w": jnp.ones(8)})
     with pytest.raises(SpecError, match=r"  s: JAX cannot place it"):
         eqshard.apply({"s": np.array(["a", "b"] * 4)}, "a -> a*")
+
+
+def test_a_full_copy_compares_equal_however_it_was_made():
+    model = {"w": jnp.ones((8, 4)), "b": jnp.ones(8)}
+    plan = eqshard.plan(model, "... -> * ...")
+    placed = eqshard.apply(model, plan)
+    traced = jax.jit(lambda m: eqshard.constrain(m, plan))(model)
+    for leaf in (placed["w"], placed["b"], traced["w"], traced["b"]):
+        assert leaf.sharding == plan.replicated()
+    state = eqshard.apply(optax.adam(1e-3).init(model), plan)  # a step count: a full copy
+    assert state[0].count.sharding == placed["w"].sharding

@@ -63,7 +63,7 @@ def test_a_model_that_sets_its_own_device_count(run_python, tmp_path):
         leaves = {leaf["path"]: leaf for leaf in c["leaves"]}
         assert leaves["w"]["partition_spec"] == "P('m0', None)"
         assert leaves["w"]["bytes_per_device"] == 32 * 4 * 4 // c["devices"]
-        assert leaves["b"]["partition_spec"] == "P(None)"
+        assert leaves["b"]["partition_spec"] == "P()"
 
 
 def test_a_model_that_fails_exits_2_with_one_document(run_python, tmp_path):

@@ -186,7 +186,7 @@ def test_check_example_on_several_device_counts(run_cli):
         "shape": [64],
         "dtype": "float32",
         "expression": "... -> * ...",
-        "partition_spec": "P(None)",
+        "partition_spec": "P()",
         "bytes_per_device": 256,
         "total_bytes": 256,
         "origin": "default",

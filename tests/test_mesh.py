@@ -349,7 +349,7 @@ def test_a_declared_mesh_is_built_and_logical_dims_use_its_names():
     assert dict(p.mesh.shape) == {"data": 2, "model": 4}
     assert p.partition_specs.qkv == P(None, "model")
     assert p.partition_specs.out == P("model", None)
-    assert p.partition_specs.norm == P(None)
+    assert p.partition_specs.norm == P()
     assert str(p.expressions.qkv) == "embed heads -> 2 heads4 embed"
     placed = eqshard.apply(Block(jax.random.key(0)), rules)
     assert placed.up.sharding == NamedSharding(p.mesh, P(None, "model"))

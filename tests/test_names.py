@@ -213,7 +213,7 @@ def test_the_e3nn_weight_from_the_issue(run_cli, tmp_path):
     spec = tmp_path / "e3nn.eqshard.json"
     spec.write_text(json.dumps({"eqshard": 1, "rules": [{"path": name_, "expr": "a -> a*"}]}))
     plan = eqshard.plan(model, eqshard.load(spec))
-    assert jax.tree_util.tree_leaves(plan.partition_specs) == [P("m0"), P(None, None)]
+    assert jax.tree_util.tree_leaves(plan.partition_specs) == [P("m0"), P()]
     report = eqshard.report(model, plan)
     assert [(row.path, row.origin) for row in report.rows] == [
         (name_, "$.rules[0]"),

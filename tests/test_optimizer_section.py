@@ -105,7 +105,7 @@ def test_the_section_from_python_takes_any_spec_source():
     model = _model()
     by_fsdp = eqshard.plan(model, "... -> * ...", optimizer=eqshard.FSDP)
     assert by_fsdp.optimizer.partition_specs.layers[0].weight == P("m0", None)
-    assert by_fsdp.partition_specs.layers[0].weight == P(None, None)
+    assert by_fsdp.partition_specs.layers[0].weight == P()
     one_rule = eqshard.Rules(
         (eqshard.Rule("layers.0.weight", eqshard.parse("o i -> o i*")),), default="parameter"
     )
@@ -169,7 +169,7 @@ def test_the_model_takes_the_parameters_layouts_and_the_optimizer_state_the_sect
     model = _model()
     plan = eqshard.plan(model, eqshard.load(ZERO_1))
     state = optax.adam(1e-3).init(eqx.filter(model, eqx.is_array))
-    split, whole = P("data", None), P(None, None)
+    split, whole = P("data", None), P()
     for tree, get in (
         ((model, state), lambda t: (t[0], t[1])),
         (TrainState(model, state), lambda t: (t.model, t.opt_state)),

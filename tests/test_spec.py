@@ -188,7 +188,7 @@ def test_tree_at_gives_third_party_modules_expressions():
     assert plan.partition_specs.layers[0].weight == jax.sharding.PartitionSpec("m0", None)
     assert plan.partition_specs.layers[0].bias == jax.sharding.PartitionSpec("m0")
     assert plan.partition_specs.layers[1].weight == jax.sharding.PartitionSpec(None, "m0")
-    assert plan.partition_specs.layers[1].bias == jax.sharding.PartitionSpec(None)
+    assert plan.partition_specs.layers[1].bias == jax.sharding.PartitionSpec()
     assert plan.expressions.layers[0].weight == eqshard.parse("o i -> o* i")
 
 
