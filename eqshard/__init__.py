@@ -27,6 +27,7 @@ from ._errors import (
 from ._expression import Element as Element, Expression as Expression, parse as parse
 from ._fsdp import FSDP as FSDP
 from ._layout import Layout as Layout, layout as layout
+from ._resolver import Spec as Spec, SpecLeaf as SpecLeaf
 from ._specfile import (
     Rule as Rule,
     Rules as Rules,
@@ -62,7 +63,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     )
     from ._rules import Match as Match
     from ._shard import constrain as constrain, shard as shard
-    from ._sharding import sharding as sharding
+    from ._sharding import Devices as Devices, sharding as sharding
 
 _LAZY = {
     "use": "._activations",
@@ -91,6 +92,7 @@ _LAZY = {
     "constrain": "._shard",
     "shard": "._shard",
     "sharding": "._sharding",
+    "Devices": "._sharding",
 }
 
 
@@ -100,6 +102,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "HARDWARE",
     "Collective",
     "Cost",
+    "Devices",
     "Element",
     "EqshardError",
     "EqshardWarning",
@@ -119,7 +122,9 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "Resolver",
     "Rule",
     "Rules",
+    "Spec",
     "SpecError",
+    "SpecLeaf",
     "Target",
     "UnreadableError",
     "UnusedRule",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -12,7 +11,8 @@ from ._derive import plan_for
 from ._errors import Problem, SpecError, warn
 from ._fields import FROM_FIELDS
 from ._plan import Planned, Unspecified
-from ._sharding import AnyMesh, Device, on_devices
+from ._resolver import Spec
+from ._sharding import AnyMesh, Devices, local_devices, on_devices
 from ._values import source_for, unplaceable
 
 __all__ = ["apply", "place"]
@@ -28,10 +28,10 @@ def _refusal(source: Any, target: jax.sharding.Sharding) -> str | None:
 
 def apply(
     model: PyTree[Any],
-    spec: Any = FROM_FIELDS,
+    spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Devices = None,
     unspecified: Unspecified = "replicate",
 ) -> PyTree[Any]:
     """Places every array leaf of a model as its spec says, in one pass.
@@ -56,7 +56,8 @@ def apply(
         `eqshard.Rules`.
     - `mesh`: the `jax.sharding.Mesh` to lay the model out on, with its axis names;
         by default the mesh of `jax.set_mesh`, if one is set.
-    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
+    - `devices`: else, the devices to use: a list of them, or a count, the first that
+        many of this process; all of `jax.devices()` by default.
     - `unspecified`: what an array leaf with no expression gets: `"replicate"` (a
         full copy on every device, the default) or `"keep"` (left where it is).
 
@@ -74,6 +75,7 @@ def apply(
     path where the spec's structure differs from the model's; `eqshard.EqshardError`
     when the mesh is a `jax.sharding.AbstractMesh`, which has no devices to place on.
     """
+    devices = local_devices(devices, "`eqshard.apply`")
     planned = plan_for(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     return place(model, planned)
 

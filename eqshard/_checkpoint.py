@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import functools
 import os
-from collections.abc import Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 import equinox as eqx
@@ -25,7 +24,9 @@ from jaxtyping import PyTree
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, is_array_like
-from ._sharding import AnyMesh, Device, on_devices
+from ._plan import Unspecified
+from ._resolver import Spec
+from ._sharding import AnyMesh, Devices, local_devices, on_devices
 from ._values import narrowed
 
 __all__ = ["abstract", "restore"]
@@ -33,10 +34,11 @@ __all__ = ["abstract", "restore"]
 
 def abstract(
     tree: PyTree[Any],
-    spec: Any = FROM_FIELDS,
+    spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | int | None = None,
+    devices: Devices = None,
+    unspecified: Unspecified = "replicate",
 ) -> PyTree[Any]:
     """`tree` with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at each array leaf.
 
@@ -54,7 +56,8 @@ def abstract(
         abstract (`eqx.filter_eval_shape`).
     - `spec`: anything `eqshard.apply` takes. A `Plan` made for the model lays out
         the optimizer state by structure, as `apply(opt_state, plan)` does.
-    - `mesh`, `devices`: as for `eqshard.plan`.
+    - `mesh`, `devices`, `unspecified`: as for `eqshard.plan` (a count lays out
+        abstractly: give devices for a target to restore into).
 
     **Returns:**
 
@@ -65,7 +68,7 @@ def abstract(
 
     `eqshard.SpecError` listing every leaf that cannot be laid out.
     """
-    planned = plan_for(tree, spec, mesh=mesh, devices=devices)
+    planned = plan_for(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if planned.problems:
         raise SpecError(planned.problems)
     return planned.plan.abstract
@@ -192,10 +195,11 @@ def _other(file: BinaryIO, like: Any, *, where: str) -> Any:
 def restore(
     path: str | os.PathLike[str],
     like: PyTree[Any],
-    spec: Any = FROM_FIELDS,
+    spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Devices = None,
+    unspecified: Unspecified = "replicate",
 ) -> PyTree[Any]:
     """Reads a file written by `eqx.tree_serialise_leaves` straight into shards.
 
@@ -217,7 +221,9 @@ def restore(
         optimizer state in `like` gets its parameters' layouts (or its optimizer
         section's), as `eqshard.apply(opt_state, plan)` gives them, in their
         memory kinds.
-    - `mesh`, `devices`: as for `eqshard.plan`: the layout to restore into, on any
+    - `unspecified`: as for `eqshard.plan`.
+    - `mesh`, `devices`: as for `eqshard.plan` (a count: the first that many devices
+        of this process): the layout to restore into, on any
         device count, whatever the count it was saved from.
 
     **Returns:**
@@ -239,7 +245,13 @@ def restore(
     Equinox's format is written from fully addressable arrays, so it is saved by one
     process; across hosts, save and restore with Orbax into `eqshard.abstract`.
     """
-    planned = plan_for(like, spec, mesh=mesh, devices=devices)
+    planned = plan_for(
+        like,
+        spec,
+        mesh=mesh,
+        devices=local_devices(devices, "`eqshard.restore`"),
+        unspecified=unspecified,
+    )
     if planned.problems:
         raise SpecError(planned.problems)
     p = planned.plan

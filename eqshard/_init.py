@@ -16,7 +16,7 @@ whole model then peaks at about 2.3 times the model's bytes. Non-array leaves
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -26,9 +26,10 @@ import numpy as np
 from ._derive import plan_for
 from ._errors import EqshardError, Problem, SpecError
 from ._fields import FROM_FIELDS
-from ._plan import Plan
+from ._plan import Plan, Unspecified
+from ._resolver import Spec
 from ._rng_lowering import unrolled_threefry
-from ._sharding import AnyMesh, Device, on_devices
+from ._sharding import AnyMesh, Devices, local_devices, on_devices
 from ._values import unplaceable
 
 __all__ = ["init", "initializer"]
@@ -62,10 +63,11 @@ def initializer(factory: Callable[[], Any], plan: Plan) -> Any:
 
 def init(
     factory: Callable[[], Model],
-    spec: Any = FROM_FIELDS,
+    spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Devices = None,
+    unspecified: Unspecified = "replicate",
 ) -> Model:
     """Builds a model straight into its shards: no device ever holds a whole leaf it
     should hold only a shard of.
@@ -82,7 +84,9 @@ def init(
         `functools.partial(MyModel, cfg, key=key)` or a lambda). It must be pure JAX:
         it is traced twice (once abstractly, once under `jit`).
     - `spec`: anything `eqshard.apply` takes, a `Plan` included.
-    - `mesh`, `devices`: as for `eqshard.plan`.
+    - `mesh`: as for `eqshard.plan`; `devices`: a list of devices, or a count, the
+        first that many of this process.
+    - `unspecified`: as for `eqshard.plan`.
 
     **Returns:**
 
@@ -131,7 +135,13 @@ def init(
             f"{type(error).__name__}: {error}; `factory` takes no arguments and is pure "
             "JAX (use functools.partial(MyModel, ..., key=key))"
         ) from error
-    planned = plan_for(abstract, spec, mesh=mesh, devices=devices)
+    planned = plan_for(
+        abstract,
+        spec,
+        mesh=mesh,
+        devices=local_devices(devices, "`eqshard.init`"),
+        unspecified=unspecified,
+    )
     plan = planned.plan
     refused = [Problem(plan.resolved.where(i), why) for i, why in wide.items()]
     if planned.problems or refused:

@@ -39,7 +39,7 @@ from ._fields import FROM_FIELDS, is_array_like, is_stateful_pair
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
 from ._resolve import Resolved, resolve
-from ._resolver import Target
+from ._resolver import Spec, Target
 from ._sharding import (
     AnyMesh,
     Device,
@@ -251,7 +251,7 @@ def optimizer_spec(spec: Any, optimizer: Any) -> Any:
 
 def make_plan(
     model: PyTree[Any],
-    spec: Any = FROM_FIELDS,
+    spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
     devices: Sequence[Device] | int | None = None,
@@ -441,7 +441,7 @@ def _disagreement(
 
 def plan(
     model: PyTree[Any],
-    spec: Any = FROM_FIELDS,
+    spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
     devices: Sequence[Device] | int | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from rich.table import Table
@@ -14,8 +14,9 @@ from rich.text import Text
 from ._derive import plan_for
 from ._errors import SpecError
 from ._fields import FROM_FIELDS, is_array_like
-from ._plan import Plan
-from ._sharding import AnyMesh, Device
+from ._plan import Plan, Unspecified
+from ._resolver import Spec
+from ._sharding import AnyMesh, Devices
 
 __all__ = [
     "LeafRow",
@@ -238,10 +239,11 @@ class Report:
 
 def report(
     tree: Any,
-    spec: Any = FROM_FIELDS,
+    spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | int | None = None,
+    devices: Devices = None,
+    unspecified: Unspecified = "replicate",
 ) -> Report:
     """The per-leaf table of where a model or an optimizer state goes.
 
@@ -258,7 +260,7 @@ def report(
     - `tree`: a model, an optimizer state built from it, or any pytree; concrete or
         abstract.
     - `spec`: anything `eqshard.apply` takes, a `Plan` included.
-    - `mesh`, `devices`: as for `eqshard.plan`.
+    - `mesh`, `devices`, `unspecified`: as for `eqshard.plan`.
 
     **Returns:**
 
@@ -273,7 +275,7 @@ def report(
 
     `eqshard.SpecError` listing every leaf that cannot be laid out.
     """
-    planned = plan_for(tree, spec, mesh=mesh, devices=devices)
+    planned = plan_for(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if planned.problems:
         raise SpecError(planned.problems)
     return Report(leaf_rows(planned.plan))

@@ -21,7 +21,7 @@ from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem, Spe
 from ._expression import Expression, parse
 from ._fields import FROM_FIELDS, LeafInfo, is_array_like, leaf_name, walk_fields
 from ._fsdp import FSDP_WORD
-from ._resolver import Resolver, Target, is_resolver
+from ._resolver import Resolver, Spec, Target, is_resolver
 from ._spectree import SpecTree, not_a_spec_leaf
 
 __all__ = ["Resolved", "abstract_leaves", "resolve", "spec"]
@@ -192,7 +192,7 @@ def resolve(
     return resolved, problems, list(resolution.warnings)
 
 
-def spec(model: PyTree[Any], rules: Resolver | None = None) -> PyTree[Expression | None]:
+def spec(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | None]:
     """The spec tree of a model: its structure, with an expression per array leaf.
 
     **Example:**
@@ -208,8 +208,10 @@ def spec(model: PyTree[Any], rules: Resolver | None = None) -> PyTree[Expression
 
     - `model`: an Equinox model or any pytree, concrete or abstract (from
         `eqx.filter_eval_shape`, with `jax.ShapeDtypeStruct` leaves).
-    - `rules`: optionally, a resolver such as the `Rules` of a JSON spec file. A
-        spec file's `"devices"` is checked against the devices JAX has.
+    - `spec`: where the expressions come from, as for `eqshard.plan`: by default
+        the model's `eqshard.field`s; the `Rules` of a spec file (its `"devices"` is
+        checked against the devices JAX has), `eqshard.FSDP`, an expression for
+        every leaf, or a spec tree (its prefix, written out whole).
 
     **Returns:**
 
@@ -225,7 +227,7 @@ def spec(model: PyTree[Any], rules: Resolver | None = None) -> PyTree[Expression
     """
     from ._sharding import device_tuple
 
-    source = FROM_FIELDS if rules is None else rules
+    source = FROM_FIELDS if spec is None else spec
     resolved, problems, found = resolve(model, source, Target(len(device_tuple(None))))
     if problems:
         raise SpecError(problems)

@@ -17,7 +17,8 @@ from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Plan, Unspecified
-from ._sharding import AnyMesh, Device, on_devices, sharding
+from ._resolver import Spec
+from ._sharding import AnyMesh, Devices, local_devices, on_devices, sharding
 from ._specfile import Rules
 from ._values import source_for, unplaceable
 
@@ -29,7 +30,7 @@ def shard(
     expr: str | Expression,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Devices = None,
 ) -> Array:
     """Places one array as an einshard expression says.
 
@@ -48,7 +49,8 @@ def shard(
     - `expr`: an einshard expression (text or `eqshard.Expression`).
     - `mesh`: the mesh to place on, with its axis names; by default the mesh of
         `jax.set_mesh`, if one is set.
-    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
+    - `devices`: else, the devices to use: a list of them, or a count, the first that
+        many of this process; all of `jax.devices()` by default.
 
     **Returns:**
 
@@ -76,6 +78,7 @@ def shard(
     why = unplaceable(x, "`eqshard.shard`")
     if why is not None:
         raise EqshardError(f"the array {why}")
+    devices = local_devices(devices, "`eqshard.shard`")
     return _put(x, sharding(expr, shape, mesh=mesh, devices=devices), "`eqshard.shard`", devices)
 
 
@@ -87,10 +90,10 @@ def _put(x: ArrayLike, target: NamedSharding, what: str, devices: object) -> Arr
 
 def constrain(
     x: PyTree[Any],
-    spec: Any = FROM_FIELDS,
+    spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Devices = None,
     unspecified: Unspecified = "replicate",
     rules: Rules | Plan | None = None,
 ) -> PyTree[Any]:
@@ -141,7 +144,8 @@ def constrain(
     - `mesh`: the mesh to constrain on; by default the mesh of `jax.set_mesh`
         (inside `jit`, its abstract mesh), if one is set. On a mesh of Explicit axes
         the values are resharded (`jax.sharding.reshard`), as JAX requires there.
-    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
+    - `devices`: else, the devices to use: a list of them, or a count, the first that
+        many of this process; all of `jax.devices()` by default.
         They must be the devices the rest of the computation runs on.
     - `unspecified`: as for `eqshard.apply`.
     - `rules`: with names, the `eqshard.Rules` (or a plan made from them) that lay
@@ -162,6 +166,7 @@ def constrain(
     mapped to one mesh axis; `eqshard.EqshardError` for names that do not match
     `x`'s rank.
     """
+    devices = local_devices(devices, "`eqshard.constrain`")
     if is_names(x, spec):
         return _named(x, spec, rules, mesh, devices)
     if rules is not None:
@@ -196,7 +201,7 @@ def _named(
     names: Any,
     rules: Rules | Plan | None,
     mesh: AnyMesh | None,
-    devices: Sequence[Device] | None,
+    devices: Sequence[Any] | None,
 ) -> Any:
     """`x`, whose axes `names` names, held to the layout the rules give it; `x`
     itself where no rules are active."""

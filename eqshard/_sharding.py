@@ -34,12 +34,14 @@ else:
 __all__ = [
     "MAX_DEVICES",
     "AnyMesh",
+    "Devices",
     "Placement",
     "abstract_mesh",
     "cached_sharding",
     "context_mesh",
     "device_count",
     "device_tuple",
+    "local_devices",
     "mesh",
     "mesh_devices",
     "named_sharding",
@@ -70,6 +72,32 @@ def placement(devices: Sequence[Device] | np.ndarray | int | None) -> Placement:
             )
         return count
     return device_tuple(devices)
+
+
+Devices = Union[int, Sequence[Device], None]
+"""What `devices=` takes everywhere: a count, or a list of devices (`None`: all of
+this process's)."""
+
+
+def local_devices(devices: Devices, what: str) -> Sequence[Device] | None:
+    """`devices=` for what places arrays (`apply`, `shard`, `init`, `restore`): a
+    count is the first that many of `jax.devices()`, as `eqshard.cost` takes
+    it; a list is itself.
+
+    **Raises:** `EqshardError` for a count this process has not as many devices for
+    (laying out needs no devices: `eqshard.plan(..., devices=n)` does that).
+    """
+    if not isinstance(devices, (int, np.integer)):
+        return devices
+    count = whole_number(devices if isinstance(devices, bool) else int(devices), "`devices`")
+    here = jax.devices()
+    if count > len(here):
+        raise EqshardError(
+            f"{what} places arrays on `devices={count}`, the first {count} of `jax.devices()`, "
+            f"and there are {len(here)}; pass at most {len(here)}, or lay out without "
+            f"devices with `eqshard.plan(model, spec, devices={count})`"
+        )
+    return tuple(here[:count])
 
 
 def device_count(placed: Placement) -> int:

@@ -266,13 +266,6 @@ def test_placing_with_a_plan_for_a_count_says_to_pass_devices(what, call, tmp_pa
         call(plan, tmp_path / "linear.eqx")
 
 
-def test_a_count_given_to_what_places_says_to_pass_devices():
-    with pytest.raises(EqshardError, match=r"^`eqshard\.apply` needs a mesh with devices.*"):
-        eqshard.apply(_linear(), eqshard.load(_LINEAR_RULES), devices=8)  # pyright: ignore
-    with pytest.raises(EqshardError, match=r"^`eqshard\.shard` needs .* `devices=4`, on a "):
-        eqshard.shard(jnp.ones((8, 8)), "a b -> a b*", devices=4)  # pyright: ignore
-
-
 def test_a_count_is_a_whole_number_a_sharding_can_describe():
     for count, message in [
         (0, r"`devices` is a whole number from 1, not 0"),

@@ -360,3 +360,23 @@ def test_a_full_copy_compares_equal_however_it_was_made():
         assert leaf.sharding == plan.replicated()
     state = eqshard.apply(optax.adam(1e-3).init(model), plan)  # a step count: a full copy
     assert state[0].count.sharding == placed["w"].sharding
+
+
+def test_devices_is_a_count_or_a_list_everywhere():
+    model = {"w": jnp.ones((8, 4))}
+    four = jax.devices()[:4]
+    by_count = eqshard.apply(model, "a b -> a* b", devices=4)
+    by_list = eqshard.apply(model, "a b -> a* b", devices=four)
+    assert by_count["w"].sharding == by_list["w"].sharding
+    assert set(by_count["w"].sharding.device_set) == set(four)
+    assert eqshard.shard(model["w"], "a b -> a* b", devices=4).sharding.device_set == set(four)
+    built = eqshard.init(lambda: model, "a b -> a* b", devices=4, unspecified="keep")
+    assert built["w"].sharding == by_list["w"].sharding
+    assert eqshard.plan(model, "a b -> a* b", devices=4).partition_specs == {"w": P("m0", None)}
+    with pytest.raises(
+        eqshard.EqshardError,
+        match=r"`eqshard.apply` places arrays on `devices=16`, the first 16 of `jax.devices\(\)`, "
+        r"and there are 8; pass at most 8, or lay out without devices with "
+        r"`eqshard.plan\(model, spec, devices=16\)`",
+    ):
+        eqshard.apply(model, "a b -> a* b", devices=16)

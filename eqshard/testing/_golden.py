@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import EqshardError
+from .._resolver import Spec
 from .._specfile import write_atomically
 from ._plugin import update_requested
 from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_in_one_process
@@ -23,7 +24,7 @@ _SHOWN = 20  # changed leaves shown per device count
 
 def assert_layouts(
     build: Callable[[], Any] | str,
-    spec: Any,
+    spec: Spec,
     *,
     golden: str | Path,
     devices: Sequence[int] | None = None,
