@@ -64,6 +64,7 @@ __all__ = [
     "name",
     "parse",
     "quoted_key",
+    "render",
     "segments",
 ]
 
@@ -324,8 +325,13 @@ def _escape(text: str, at: int) -> tuple[str, int]:
     )
 
 
-def _render(parts: Sequence[_Part | _Deep]) -> str:
-    """A parsed pattern as text, quoting literals where they must be (`name`)."""
+def render(parts: Sequence[_Part | _Deep]) -> str:
+    """A parsed pattern as text, quoting literals where they must be (`name`): the
+    inverse of `parse`.
+
+    **Example:** `render((DEEP, "attn", ("", "_proj"), "weight"))` is
+    `"**.attn.*_proj.weight"`.
+    """
     text = ""
     for part in parts:
         if isinstance(part, str):
@@ -614,7 +620,7 @@ def _aligned(parts: _Parsed, path: Sequence[str]) -> str | None:
     fixed = [_fix(part, seg) for part, seg in zip(head, path)]
     fixed += middle
     fixed += [_fix(part, seg) for part, seg in zip(tail, path[len(path) - len(tail) :])]
-    return _render(fixed)
+    return render(fixed)
 
 
 def aligned(pattern: str, path: Sequence[str]) -> str | None:

@@ -159,6 +159,28 @@ def test_full_spec_loads_every_field():
     assert not short.is_complete
     assert dict(rules.dims) == {"mlp": "*", "vocab": "2", "heads": "2*"}
     assert rules.batch == eqshard.parse("b ... -> b* ...")
+    assert rules.comment == "every key the format has"
+
+
+def test_the_files_and_the_sections_comments_round_trip(tmp_path):
+    document = {
+        "eqshard": 1,
+        "comment": "the file's",
+        "optimizer": {"comment": "the section's", "default": "fsdp"},
+    }
+    rules = eqshard.load(document)
+    assert (rules.comment, rules.optimizer and rules.optimizer.comment) == (
+        "the file's",
+        "the section's",
+    )
+    eqshard.dump(rules, tmp_path / "again.eqshard.json")
+    again = json.loads((tmp_path / "again.eqshard.json").read_text())
+    assert (again["comment"], again["optimizer"]["comment"]) == ("the file's", "the section's")
+    assert eqshard.load(eqshard.Rules(comment=None).to_json()).comment is None
+    with pytest.raises(
+        eqshard.EqshardError, match=r"`Rules.comment` is text for the reader, not 3"
+    ):
+        eqshard.Rules(comment=3)  # pyright: ignore[reportArgumentType]
 
 
 INVALID = {

@@ -1,0 +1,591 @@
+"""The candidates of `eqshard suggest`: every strategy on every factorization of the
+device count into a `("data", d) x ("model", m)` mesh, each written as readable rules.
+
+One generator gives them all:
+
+| strategy | parameters | optimizer state | batch |
+| --- | --- | --- | --- |
+| `"data parallel"` | whole on every device | as the parameters | over `data` |
+| `"fsdp"` | `"default": "fsdp"` over `data` | as the parameters | over `data` |
+| `"zero-1"` | whole on every device | `"optimizer": {"default": "fsdp"}` | over `data` |
+| `"megatron"` | column-, row- and vocab-parallel over `model` | as the parameters | whole |
+| `"data x tensor"` | Megatron over `model`, copied over `data` | as the parameters | over `data` |
+| `"fsdp x tensor"` | Megatron over `model`, FSDP over `data` | as the parameters | over `data` |
+
+The data strategies take `model = 1`, Megatron `data = 1`, and the two-dimensional
+ones every other factorization; where a two-dimensional one has an axis of size 1 it
+is the same layout as a one-dimensional one, and is dropped saying so. The Megatron
+roles come from the step's jaxpr (`_megatron.py`), never from names.
+
+A leaf whose chosen dim does not divide its split is replicated (over that axis),
+and the candidate names it in `repairs`, with its shape and the split; a candidate
+left with nothing split that its strategy is about (Megatron where no column- or
+row-parallel weight divides, FSDP where no leaf does) is dropped with the reason,
+as is a candidate whose batch does not split over `data`, and one whose layouts
+(device by device: every leaf, every optimizer state leaf and the batch) are those
+of a candidate before it. Every candidate kept is planned here (`make_plan` on a
+device count: no devices), and its rules checked to give each leaf exactly the
+expression meant, so no candidate is ever silently wrong.
+
+Rules are written readably (`_globs.py`): one group per role, expression and
+comment, each as few path globs as match its leaves and no other, each with a
+comment naming its role and partners; the file's comment names the strategy and
+the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+
+from ._cost import _built_from_the_model  # a batch is what `cost` takes for one
+from ._derive import plan_for
+from ._errors import EqshardError, problem_lines, whole_number
+from ._expression import parse
+from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
+from ._fsdp import Over, fsdp_leaf, is_fsdp_replicated
+from ._globs import readable_rules
+from ._megatron import Role, abstract_leaf, tensor_roles
+from ._paths import name, segments
+from ._plan import make_plan
+from ._rules import match_rules
+from ._specfile import Rule, Rules
+
+__all__ = ["STRATEGIES", "Candidate", "candidates"]
+
+STRATEGIES = ("data parallel", "fsdp", "zero-1", "megatron", "data x tensor", "fsdp x tensor")
+"""The strategies, in the order their candidates come."""
+
+_SPLIT_BATCH = {"data parallel", "fsdp", "zero-1", "data x tensor", "fsdp x tensor"}
+_SOURCE = "<candidate>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One candidate layout of `eqshard suggest`.
+
+    - `strategy`: one of `STRATEGIES`.
+    - `mesh`: `(("data", d), ("model", m))`, the mesh its rules declare.
+    - `rules`: a spec file's `Rules`: its declared `"mesh"`, `"batch"`, an
+        `"optimizer"` section where the strategy has one, a comment per rule and
+        for the file.
+    - `repairs`: one line per leaf whose layout did not divide and was replicated
+        (over the axis it did not divide), naming it, its shape and the split.
+    """
+
+    strategy: str
+    mesh: tuple[tuple[str, int], ...]
+    rules: Rules
+    repairs: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """`"fsdp x tensor on data=4, model=2"`: how tables and `dropped` name it."""
+        return _name(self.strategy, dict(self.mesh)["data"], dict(self.mesh)["model"])
+
+
+def _name(strategy: str, data: int, model: int) -> str:
+    return f"{strategy} on data={data}, model={model}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """An array leaf of what the rules lay out (the model, and its state)."""
+
+    path: str
+    segments: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    info: LeafInfo
+    role: Role | None
+    parameter: bool  # of the model, not of its eqx.nn.State
+
+    @property
+    def label(self) -> str:
+        """`blocks.up.bias float32[2, 128]`: the leaf, its dtype and shape."""
+        return f"{self.path} {self.dtype}{list(self.shape)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every candidate is built from: the leaves with their roles, the batch's
+    leaves, and what the rules are planned for."""
+
+    planned_for: Any
+    leaves: tuple[_Leaf, ...]
+    names: dict[int, str]  # leaf index (in `tree_leaves(model)`) -> its name
+    roles: dict[int, Role]  # by leaf index
+    batch: tuple[tuple[str, tuple[int, ...]], ...]  # each batch leaf's name and shape
+    pairs: bool  # whether the step shows any column- and row-parallel pair
+    devices: int
+
+
+def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: int) -> _Setup:
+    model = jax.tree_util.tree_map(abstract_leaf, model)
+    args = [jax.tree_util.tree_map(abstract_leaf, arg) for arg in args]
+    roles = tensor_roles(step, model, *args)
+    state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
+    planned_for = model if state is None else (model, state)
+    n_model = len(jax.tree_util.tree_leaves(model))
+    items = walk_fields(planned_for)
+    names = {i: leaf_name(item.path) for i, item in enumerate(items)}
+    leaves = tuple(
+        _Leaf(
+            names[i],
+            segments(item.path),
+            tuple(int(s) for s in item.leaf.shape),
+            str(item.leaf.dtype),
+            item,
+            roles.get(i) if i < n_model else None,
+            i < n_model,
+        )
+        for i, item in enumerate(items)
+        if is_array_like(item.leaf)
+    )
+    whole = make_plan(planned_for, "... -> * ...", devices=devices).plan
+    batch: list[tuple[str, tuple[int, ...]]] = []
+    for k, arg in enumerate(args):
+        if isinstance(arg, eqx.nn.State) or _built_from_the_model(plan_for(arg, whole)):
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            if is_array_like(leaf):
+                where = f"argument {k + 2}" + (f"'s leaf {leaf_name(path)}" if path else "")
+                batch.append((where, tuple(int(s) for s in leaf.shape)))
+    pairs = any(r.kind in ("column", "row") for r in roles.values())
+    return _Setup(planned_for, leaves, names, roles, tuple(batch), pairs, devices)
+
+
+# --------------------------------------------------------------------------- #
+# Expressions.
+# --------------------------------------------------------------------------- #
+
+
+def _names(rank: int, role: Role) -> dict[int, str]:
+    """A readable name for each axis an expression names: `o` and `i` for a
+    weight's output and input, `v` and `d` for a vocabulary's, `_`, `__`, ... for
+    the others."""
+    given: list[tuple[int | None, str]] = [(role.axis, "o")]
+    if role.kind in ("column", "row"):
+        given = [(role.output, "o"), (role.contracted, "i")]
+    elif role.kind == "vocab":
+        given = [(role.output, "v"), (role.contracted, "d")]
+    elif role.kind == "embedding":
+        others = [a for a in role.inner if a != role.axis]
+        given = [(role.axis, "v"), *((a, "d") for a in others[:1] if len(others) == 1)]
+    named = {a: n for a, n in given if a is not None}
+    blanks = 0
+    for a in range(min(role.inner), rank):
+        if a not in named:
+            blanks += 1
+            named[a] = "_" * blanks
+    return named
+
+
+def _expression(rank: int, role: Role, data_axis: int | None, data: int, model: int) -> str:
+    """The expression that splits `role.axis` over `model` (and `data_axis`, if any,
+    over `data`), replicating over what is left: `"... o i -> 2 ... o4 i"`."""
+    start = min(role.inner)
+    named = _names(rank, role)
+    counts = {role.axis: model}
+    if data_axis is not None:
+        counts[data_axis] = counts.get(data_axis, 1) * data
+    order = list(range(start, rank))
+    if data_axis is not None and data_axis != role.axis:
+        order.remove(data_axis)
+        order.insert(0, data_axis)  # the major mesh axis first
+    lhs = ["..."] * (start > 0) + [named[a] for a in range(start, rank)]
+    rhs = [str(data)] * (data > 1 and data_axis is None) + ["..."] * (start > 0)
+    rhs += [named[a] + (str(counts[a]) if a in counts else "") for a in order]
+    return f"{' '.join(lhs)} -> {' '.join(rhs)}"
+
+
+def _data_axis(leaf: _Leaf, role: Role, data: int, model: int) -> int | None:
+    """The axis FSDP splits a tensor-parallel leaf along over `data`: of the axes where
+    it is used, the largest (once split over `model`) that `data` divides, the last
+    of equals."""
+    sizes = {a: leaf.shape[a] // (model if a == role.axis else 1) for a in role.inner}
+    fits = [a for a, size in sizes.items() if size % data == 0]
+    return max(fits, key=lambda a: (sizes[a], a)) if fits else None
+
+
+_KIND = {
+    "column": "column-parallel",
+    "row": "row-parallel",
+    "vocab": "vocab-parallel",
+    "embedding": "vocab-parallel embedding",
+    "bias": "column-parallel bias",
+}
+
+
+def _comment(setup: _Setup, role: Role) -> str:
+    """A rule's comment: the leaf's role, and the leaves it is paired with."""
+    partners = ", ".join(setup.names[j] for j in role.partners)
+    if role.kind == "column":
+        return f"column-parallel: feeds {partners}"
+    if role.kind == "row":
+        return f"row-parallel: fed by {partners}; one all-reduce over 'model'"
+    if role.kind == "vocab":
+        return "vocab-parallel: split over its outputs, which feed no other weight"
+    if role.kind == "embedding":
+        return "vocab-parallel embedding: looked up by the batch"
+    partner = setup.roles.get(role.partners[0]) if role.partners else None
+    kind = "vocab" if partner is not None and partner.kind == "vocab" else "column"
+    return f"{kind}-parallel bias of {partners}: split as its output"
+
+
+# --------------------------------------------------------------------------- #
+# Strategies.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass
+class _Draft:
+    """A candidate before its rules are written: each ruled leaf's (comment,
+    expression), the default, the optimizer section, the batch, the repairs."""
+
+    ruled: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    default: Literal["replicate", "fsdp"] = "replicate"
+    optimizer: Rules | None = None
+    batch: str = "... -> * ..."
+    repairs: list[str] = dataclasses.field(default_factory=list)
+
+
+def _batch(data: int, model: int) -> str:
+    return f"b ... -> b{data} ..." + (f" {model}" if model > 1 else "")
+
+
+def _fsdp_repairs(setup: _Setup, data: int, model: int, only: Callable[[_Leaf], bool]) -> list[str]:
+    """A line for each leaf `only` picks that FSDP over `data` cannot split."""
+    split = Over(data, "data", (), (model,) if model > 1 else ())
+    lines = []
+    for leaf in setup.leaves:
+        if not only(leaf):
+            continue
+        _, origin = fsdp_leaf(leaf.shape, leaf.info.annotation, split)
+        if is_fsdp_replicated(origin):
+            why = origin.split("replicated, ", 1)[1]
+            lines.append(f"{leaf.label}: {why}; replicated over 'data'")
+    return lines
+
+
+def _fsdp_splits_something(setup: _Setup, data: int, only: Callable[[_Leaf], bool]) -> bool:
+    split = Over(data, "data")
+    return any(
+        not is_fsdp_replicated(fsdp_leaf(leaf.shape, leaf.info.annotation, split)[1])
+        for leaf in setup.leaves
+        if only(leaf)
+    )
+
+
+def _data_parallel(setup: _Setup, data: int, model: int) -> _Draft | str:
+    return _Draft(batch=_batch(data, model))
+
+
+def _fsdp(setup: _Setup, data: int, model: int) -> _Draft | str:
+    if data == 1:
+        return "'data' has one device: nothing to split"
+    if not _fsdp_splits_something(setup, data, lambda leaf: True):
+        return f"no leaf has a dim that divides over data={data}"
+    repairs = _fsdp_repairs(setup, data, model, lambda leaf: True)
+    return _Draft(default="fsdp", batch=_batch(data, model), repairs=repairs)
+
+
+def _zero_1(setup: _Setup, data: int, model: int) -> _Draft | str:
+    def parameter(leaf: _Leaf) -> bool:
+        return leaf.parameter
+
+    if data == 1:
+        return "'data' has one device: nothing to split"
+    if not _fsdp_splits_something(setup, data, parameter):
+        return f"no parameter has a dim that divides over data={data}, to split its moments"
+    section = Rules(
+        default="fsdp",
+        source=_SOURCE,
+        section="$.optimizer",
+        comment="Every optimizer state leaf of every parameter, split over 'data' as FSDP "
+        "would split the parameter.",
+    )
+    repairs = [
+        line.replace("; replicated over 'data'", "; its optimizer state replicated over 'data'")
+        for line in _fsdp_repairs(setup, data, model, parameter)
+    ]
+    return _Draft(optimizer=section, batch=_batch(data, model), repairs=repairs)
+
+
+def _tensor(setup: _Setup, data: int, model: int, fsdp: bool) -> _Draft | str:
+    """Megatron over `model`: each leaf with a role split along its axis, replicated
+    over `data` (`fsdp=False`) or split by FSDP over it too."""
+    if model == 1:
+        return "'model' has one device: nothing to split"
+    if not setup.pairs:
+        return "the step's jaxpr shows no column- and row-parallel pair of weights"
+    draft = _Draft(default="fsdp" if fsdp else "replicate")
+    split = False
+    for k, leaf in enumerate(setup.leaves):
+        role = leaf.role
+        if role is None:
+            continue
+        size = leaf.shape[role.axis]
+        if size % model:
+            rest = "left to FSDP over 'data'" if fsdp else "replicated"
+            draft.repairs.append(
+                f"{leaf.label}: {_KIND[role.kind]} over dim {role.axis} ({size}) does not "
+                f"divide over model={model}; {rest}"
+            )
+            continue
+        comment = _comment(setup, role)
+        data_axis = None
+        if fsdp and data > 1:
+            data_axis = _data_axis(leaf, role, data, model)
+            if data_axis is None:
+                part = [s // model if a == role.axis else s for a, s in enumerate(leaf.shape)]
+                past = " past the stacked layer axes" if min(role.inner) else ""
+                draft.repairs.append(
+                    f"{leaf.label}: no dim of its part on each 'model' device, {part}{past}, "
+                    f"is a multiple of {data}, the size of 'data'; replicated over 'data'"
+                )
+            else:
+                comment += "; FSDP over 'data'"
+        expr = _expression(len(leaf.shape), role, data_axis, data, model)
+        draft.ruled[k] = (comment, expr)
+        split = split or role.kind in ("column", "row")
+    if not split:
+        return f"no column- or row-parallel weight divides over model={model}"
+    if fsdp:
+        draft.repairs += _fsdp_repairs(setup, data, model, lambda leaf: leaf.role is None)
+    if data > 1:
+        draft.batch = _batch(data, model)
+    return draft
+
+
+_BUILDERS: dict[str, Callable[[_Setup, int, int], _Draft | str]] = {
+    "data parallel": _data_parallel,
+    "fsdp": _fsdp,
+    "zero-1": _zero_1,
+    "megatron": lambda setup, d, m: _tensor(setup, d, m, fsdp=False),
+    "data x tensor": lambda setup, d, m: _tensor(setup, d, m, fsdp=False),
+    "fsdp x tensor": lambda setup, d, m: _tensor(setup, d, m, fsdp=True),
+}
+
+_DESCRIPTIONS = {
+    "data parallel": "data parallelism: every leaf whole on every device, the batch split "
+    "over 'data'",
+    "fsdp": "FSDP (ZeRO-3): each leaf split over 'data' along its largest dim that 'data' "
+    "divides, the batch split over 'data'",
+    "zero-1": "ZeRO-1: the parameters whole on every device, their optimizer state split "
+    "over 'data' as FSDP would split them, the batch split over 'data'",
+    "megatron": "Megatron tensor parallelism: column- and row-parallel pairs found in the "
+    "step's jaxpr, the vocabulary and the embedding split over 'model'; the batch whole "
+    "on every device",
+    "data x tensor": "data x tensor parallelism: Megatron's split over 'model', each leaf "
+    "copied over 'data', the batch split over 'data'",
+    "fsdp x tensor": "FSDP x tensor parallelism: Megatron's split over 'model', each leaf "
+    "also split over 'data' by FSDP, the batch split over 'data'",
+}
+
+
+def _meshes(devices: int) -> list[tuple[str, int, int]]:
+    """Each strategy's factorizations `(strategy, data, model)`, in order."""
+    divisors = [m for m in range(1, devices + 1) if devices % m == 0]
+    found = [(s, devices, 1) for s in ("data parallel", "fsdp", "zero-1")]
+    found.append(("megatron", 1, devices))
+    for strategy in ("data x tensor", "fsdp x tensor"):
+        found += [(strategy, devices // m, m) for m in divisors]
+    return found
+
+
+def _same_as(strategy: str, data: int, model: int) -> str | None:
+    """Why a two-dimensional strategy on a mesh with an axis of size 1 is another."""
+    if strategy not in ("data x tensor", "fsdp x tensor"):
+        return None
+    if model == 1:
+        other = "data parallel" if strategy == "data x tensor" else "fsdp"
+        return f"the same layout as {_name(other, data, 1)}: nothing is split over 'model'"
+    if data == 1:
+        return f"the same layout as {_name('megatron', 1, model)}: 'data' has one device"
+    return None
+
+
+# --------------------------------------------------------------------------- #
+# Writing and checking the rules.
+# --------------------------------------------------------------------------- #
+
+
+def _written(setup: _Setup, draft: _Draft) -> list[Rule]:
+    """The draft's ruled leaves as readable rules, checked to give each leaf exactly
+    its expression (else one literal rule per leaf, which always does)."""
+    keys: dict[tuple[str, str], list[int]] = {}
+    for k, (comment, expr) in draft.ruled.items():
+        keys.setdefault((comment, expr), []).append(k)
+    groups = list(keys.values())
+    meta = list(keys)
+    paths = [leaf.segments for leaf in setup.leaves]
+    found = [
+        Rule(path, parse(meta[g][1]), meta[g][0], i)
+        for i, (path, g) in enumerate(readable_rules(paths, groups))
+    ]
+    if _gives(setup, draft, found):
+        return found
+    literal = [
+        Rule(name(setup.leaves[k].segments), parse(expr), comment, i)
+        for i, (k, (comment, expr)) in enumerate(sorted(draft.ruled.items()))
+    ]
+    if not _gives(setup, draft, literal):
+        raise EqshardError(
+            "eqshard suggest wrote rules that do not give each leaf its expression; "
+            "please report it to eqshard"
+        )
+    return literal
+
+
+def _gives(setup: _Setup, draft: _Draft, rules: list[Rule]) -> bool:
+    """Whether `rules` give each ruled leaf its expression, and the others none."""
+    matches, problems = match_rules(Rules(tuple(rules)), setup.planned_for)
+    if problems:
+        return False
+    arrays = [m for m in matches if m.source != "none"]
+    for k, found in enumerate(arrays):
+        want = draft.ruled.get(k)
+        if want is None:
+            if found.source == "rule":
+                return False
+        elif found.source != "rule" or found.expr != parse(want[1]):
+            return False
+    return True
+
+
+def _normal(sharding: Any) -> tuple[Any, ...]:
+    """A sharding as the devices see it: each dim's mesh axes as (size, stride) in
+    the row-major device order, axes of size 1 left out; the same for two meshes
+    that order the devices alike."""
+    if sharding is None:
+        return ()
+    mesh = sharding.mesh
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    strides: dict[str, int] = {}
+    stride = 1
+    for axis in reversed(mesh.axis_names):
+        strides[axis] = stride
+        stride *= sizes[axis]
+    out = []
+    for entry in sharding.spec:
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(tuple((sizes[a], strides[a]) for a in axes if sizes[a] > 1))
+    while out and not out[-1]:
+        out.pop()
+    return tuple(out)
+
+
+def _checked(setup: _Setup, candidate: Candidate, splits_batch: bool) -> tuple[Any, str | None]:
+    """The candidate's layouts as the devices see them (a key that two candidates
+    share when they lay everything out alike), or why its rules do not plan."""
+    planned = make_plan(setup.planned_for, candidate.rules, devices=setup.devices)
+    if planned.problems or planned.warnings:
+        faults = problem_lines(planned.problems) if planned.problems else []
+        faults += [str(w) for w in planned.warnings]
+        return None, "its rules do not plan: " + "; ".join(faults)
+    plan = planned.plan
+    data, model = dict(candidate.mesh)["data"], dict(candidate.mesh)["model"]
+    batch = ((data, model),) if splits_batch and data > 1 else ()
+    key = (
+        tuple(map(_normal, plan.flat_shardings)),
+        tuple(map(_normal, plan.optimizer.flat_shardings)),
+        batch,
+    )
+    return key, None
+
+
+def _batch_fault(setup: _Setup, data: int) -> str | None:
+    for where, shape in setup.batch:
+        if shape and shape[0] % data:
+            return (
+                f"the batch's leading dim does not split over data={data}: {where} has "
+                f"shape {list(shape)}"
+            )
+    return None
+
+
+def candidates(
+    step: Callable[..., Any], model: Any, *args: Any, devices: int
+) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """Every candidate layout for `devices` devices (the kept ones), and the dropped
+    ones as `(name, reason)`.
+
+    **Example:**
+
+    ```python
+    kept, dropped = candidates(step, eqx.filter_eval_shape(build), opt_state, batch, devices=8)
+    kept[0].strategy, kept[0].mesh     # "data parallel", (("data", 8), ("model", 1))
+    eqshard.dump(kept[3].rules, "megatron.eqshard.json")
+    ```
+
+    **Arguments:**
+
+    - `step`: the training step, called as `step(model, *args)`, as `eqshard.cost`
+        takes it; its jaxpr shows the tensor-parallel pairs.
+    - `model`: the model, abstract (`eqx.filter_eval_shape`) or concrete.
+    - `*args`: the step's other arguments, as `eqshard.cost` takes them: `(opt_state,
+        batch)`, or `(state, opt_state, batch)` for a stateful model.
+    - `devices`: the device count (no devices are needed).
+
+    **Returns:**
+
+    The candidates kept, in the order of `STRATEGIES` and, within one, of the size
+    of `model`; and `(name, reason)` for each one dropped.
+
+    **Raises:**
+
+    `eqshard.StepError` when the step cannot be traced; `eqshard.EqshardError` when
+    `devices` is not a whole number from 1.
+    """
+    whole_number(devices, "`devices`")
+    setup = _setup(step, model, args, devices)
+    kept: list[Candidate] = []
+    dropped: list[tuple[str, str]] = []
+    seen: dict[Any, str] = {}
+    for strategy, data, model_size in _meshes(devices):
+        title = _name(strategy, data, model_size)
+        reason = _same_as(strategy, data, model_size)
+        splits_batch = strategy in _SPLIT_BATCH
+        if reason is None and splits_batch:
+            reason = _batch_fault(setup, data)
+        built: _Draft | str = (
+            reason if reason is not None else _BUILDERS[strategy](setup, data, model_size)
+        )
+        if isinstance(built, str):
+            dropped.append((title, built))
+            continue
+        candidate = _candidate(setup, strategy, data, model_size, built)
+        key, fault = _checked(setup, candidate, splits_batch)
+        if fault is not None:
+            dropped.append((title, fault))
+            continue
+        if key in seen:
+            dropped.append((title, f"the same layout as {seen[key]}"))
+            continue
+        seen[key] = title
+        kept.append(candidate)
+    return kept, dropped
+
+
+def _candidate(setup: _Setup, strategy: str, data: int, model: int, draft: _Draft) -> Candidate:
+    mesh = (("data", data), ("model", model))
+    comment = f"{strategy} on data={data} x model={model} ({setup.devices} devices): "
+    comment += _DESCRIPTIONS[strategy] + ". Written by eqshard suggest."
+    if draft.repairs:
+        comment += f" {len(draft.repairs)} leaves did not divide and were replicated."
+    optimizer = draft.optimizer
+    rules = Rules(
+        tuple(_written(setup, draft)),
+        default=draft.default,
+        source=_SOURCE,
+        mesh=mesh,
+        batch=parse(draft.batch),
+        optimizer=optimizer,
+        comment=comment,
+    )
+    return Candidate(strategy, mesh, rules, tuple(draft.repairs))

@@ -1,0 +1,517 @@
+"""Megatron's column- and row-parallel pairs, found in the step's jaxpr, not in names.
+
+`tensor_roles` traces the user's training step (`jax.make_jaxpr` over the abstract
+arguments, as `eqshard.cost` takes them) and follows each of the model's leaves
+through the forward pass, into nested jaxprs (`jit`, `scan`, `while`, `cond`,
+`checkpoint`, `custom_jvp_call`, `custom_vjp_call`). A leaf used as an operand of a
+`dot_general` whose other operand is no leaf is a *weight*: the dot's dimension
+numbers say which of its axes are contracted and which are its output, in the
+leaf's own axes (a stacked layer's axis, scanned over or sliced away, is neither).
+
+Each weight's output is followed through the operations that are not a weight's
+matmul (elementwise ops, reshapes, reductions, attention's matmuls of two
+activations) to the weight matmuls whose activation operand it reaches. Then, in
+the order the forward pass runs them, greedily:
+
+- a weight not yet assigned whose output reaches weights that are unassigned or
+  row-parallel (and none that is column-parallel) is **column-parallel**: split
+  over its output axis; the unassigned ones become **row-parallel**: split over
+  their contracted axis, so the pair needs one all-reduce;
+- a weight whose output reaches no other weight (the unembedding) is
+  **vocab-parallel**: split over its output axis;
+- a leaf looked up by a `gather` whose indices come from the step's arguments (an
+  embedding) is split over the axis it is looked up along (vocab-parallel); a
+  lookup by indices computed from constants (positions) reads the whole table
+  every step and is left alone;
+- a leaf added to a column- or vocab-parallel output along its output axis (the
+  layer's bias) is split with it.
+
+Only the forward pass counts. The step's jaxpr also holds the gradient, whose
+transposed matmuls run the weights backwards (the unembedding's gradient reaches
+every weight before it); JAX names each of its operations `transpose(...)` in its
+name stack, and they are skipped. The step is traced rather than a loss, since the
+step is what the user gives and what `cost` compiles: the forward pass is the
+forward pass of the step that runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxprLiteral
+
+from ._errors import StepError
+
+__all__ = ["Role", "abstract_leaf", "tensor_roles"]
+
+Kind = Literal["column", "row", "vocab", "embedding", "bias"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """What a leaf is in Megatron's tensor parallelism, and which of its axes splits.
+
+    - `kind`: `"column"` (split over its output axis; its output feeds `partners`),
+        `"row"` (split over its contracted axis; fed by `partners`), `"vocab"` (a
+        weight whose output feeds no other weight, split over its output axis),
+        `"embedding"` (a lookup table, split over the axis it is looked up along),
+        `"bias"` (added to `partners`' split output, split with it).
+    - `axis`: the leaf's axis to split over the tensor-parallel mesh axis.
+    - `inner`: the leaf's axes where it is used (a stacked layer's axes are not).
+    - `output`, `contracted`: a weight's first output and first contracted axis.
+    - `partners`: indices (into the model's leaves) of the leaves it is paired with.
+    """
+
+    kind: Kind
+    axis: int
+    inner: tuple[int, ...]
+    output: int | None = None
+    contracted: int | None = None
+    partners: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    """What the walk knows of one value of the jaxpr.
+
+    - `view`: `(leaf, axes)` where the value is the model's leaf `leaf` seen through
+        casts, transposes, slices and broadcasts: each axis's leaf axis, or `None`.
+    - `sources`: the weights whose matmul output reaches it through operations that
+        are not a weight's matmul.
+    - `features`: `(weight, axis)`: which of its axes holds a weight's output axis.
+    - `data`: whether it depends on the step's arguments other than the model.
+    """
+
+    view: tuple[int, tuple[int | None, ...]] | None = None
+    sources: frozenset[int] = frozenset()
+    features: tuple[tuple[int, int], ...] = ()
+    data: bool = False
+
+
+_NOTHING = _Value()
+
+# Operations that show a leaf as it is, axis for axis (casts, copies, constraints).
+_SAME = frozenset(
+    {
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "reduce_precision",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+        "optimization_barrier",
+    }
+)
+_BIAS_OPS = frozenset({"add", "sub", "add_any"})
+
+
+def _join(a: _Value, b: _Value) -> _Value:
+    """What a loop's carry may hold: what either value holds (a view where they agree)."""
+    return _Value(
+        a.view if a.view == b.view else None,
+        a.sources | b.sources,
+        tuple(f for f in a.features if f in b.features),
+        a.data or b.data,
+    )
+
+
+def _merged(values: Sequence[_Value]) -> _Value:
+    """A value computed from `values` by an operation that is not a weight's matmul."""
+    sources: frozenset[int] = frozenset().union(*(v.sources for v in values))
+    return _Value(None, sources, (), any(v.data for v in values))
+
+
+def _is_backward(eqn: Any) -> bool:
+    """Whether `eqn` belongs to a gradient's transposed computation (JAX names those
+    `transpose(...)` in their name stack)."""
+    return "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
+
+
+@dataclasses.dataclass
+class _Use:
+    """How a weight is first used in a matmul."""
+
+    outputs: tuple[int, ...]
+    contracted: tuple[int, ...]
+    inner: tuple[int, ...]
+
+
+class _Walk:
+    """The abstract interpretation of the forward pass (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []  # weights, by their first matmul
+        self.uses: dict[int, _Use] = {}
+        self.edges: dict[int, dict[int, None]] = {}  # weight -> the weights it feeds
+        self.lookups: dict[int, tuple[int, tuple[int, ...]]] = {}  # leaf -> (axis, inner)
+        self.biases: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}
+
+    # ----------------------------------------------------------------- jaxprs
+    def run(self, jaxpr: Jaxpr, consts: Sequence[_Value], args: Sequence[_Value]) -> list[_Value]:
+        env: dict[Any, _Value] = {}
+        for var, value in zip(jaxpr.constvars, consts):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args):
+            env[var] = value
+
+        def read(atom: Any) -> _Value:
+            return _NOTHING if isinstance(atom, JaxprLiteral) else env.get(atom, _NOTHING)
+
+        for eqn in jaxpr.eqns:
+            if _is_backward(eqn):
+                continue  # the gradient: its values reach nothing of the forward pass
+            ins = [read(atom) for atom in eqn.invars]
+            outs = self.eqn(eqn, ins)
+            for var, value in zip(eqn.outvars, outs):
+                env[var] = value
+        return [read(atom) for atom in jaxpr.outvars]
+
+    def closed(self, closed: Any, args: Sequence[_Value]) -> list[_Value]:
+        if isinstance(closed, ClosedJaxpr):
+            return self.run(closed.jaxpr, [_NOTHING] * len(closed.consts), args)
+        return self.run(closed, [], args)
+
+    # ----------------------------------------------------------------- equations
+    def eqn(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        name = eqn.primitive.name
+        n_out = len(eqn.outvars)
+        handler = _HANDLERS.get(name)
+        if handler is not None:
+            return handler(self, eqn, ins)
+        if name in _SAME:
+            return [*ins[:n_out], *[_merged(ins)] * (n_out - len(ins))]
+        inner = _inner_jaxpr(eqn)
+        if inner is not None:
+            return self.closed(inner, ins)
+        if name in _BIAS_OPS:
+            self._bias(eqn, ins)
+        return [_merged(ins)] * n_out
+
+    def _bias(self, eqn: Any, ins: list[_Value]) -> None:
+        """An addition: a leaf added along a weight's output axis, right after its
+        matmul, is that weight's bias."""
+        rank = len(eqn.outvars[0].aval.shape)
+        for x, y in ((0, 1), (1, 0)):
+            view = ins[y].view if y < len(ins) and x < len(ins) else None
+            if view is None:
+                continue
+            leaf, axes = view
+            if len(axes) != rank or len(_known(axes, range(rank))) != 1:
+                continue  # only a vector along the output axis is a bias
+            for weight, axis in ins[x].features:
+                along = axes[axis]
+                if along is not None and leaf != weight:
+                    self.biases.setdefault(weight, {}).setdefault(leaf, (along, (along,)))
+
+    def _dot_general(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        lhs, rhs = ins[0], ins[1]
+        view = lhs.view or rhs.view
+        if view is None or (lhs.view is not None and rhs.view is not None):
+            return [_merged(ins)]  # two activations, or two leaves
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        is_lhs = lhs.view is not None
+        activation = rhs if is_lhs else lhs
+        contracting, batch = (lc, lb) if is_lhs else (rc, rb)
+        leaf, axes = view
+        free = [a for a in range(len(axes)) if a not in contracting and a not in batch]
+        if leaf not in self.uses:
+            self.order.append(leaf)
+            self.uses[leaf] = _Use(
+                _known(axes, free),
+                _known(axes, contracting),
+                tuple(sorted(_known(axes, [i for i in range(len(axes)) if i not in batch]))),
+            )
+        for source in activation.sources:
+            if source != leaf:
+                self.edges.setdefault(source, {})[leaf] = None
+        # the dot's output: its batch dims, the lhs's free dims, then the rhs's
+        lhs_free = len(eqn.invars[0].aval.shape) - len(lc) - len(lb)
+        features: tuple[tuple[int, int], ...] = ()
+        if free and axes[free[0]] is not None:
+            at = len(lb) + (0 if is_lhs else lhs_free)
+            features = ((leaf, at),)
+        return [_Value(None, frozenset({leaf}), features, activation.data)]
+
+    def _gather(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        operand, indices = ins[0], ins[1]
+        out = _merged(ins)
+        if operand.view is None or indices.view is not None:
+            return [out]
+        leaf, axes = operand.view
+        numbers = eqn.params["dimension_numbers"]
+        sizes = eqn.params["slice_sizes"]
+        shape = eqn.invars[0].aval.shape
+        looked = [a for a in numbers.start_index_map if sizes[a] < shape[a]]
+        along = axes[looked[0]] if len(looked) == 1 else None
+        if along is not None and indices.data:
+            inner = tuple(sorted(_known(axes, range(len(axes)))))
+            self.lookups.setdefault(leaf, (along, inner))
+        return [out]
+
+    def _transpose(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        (x,) = ins
+        perm = eqn.params["permutation"]
+        view = None if x.view is None else (x.view[0], tuple(x.view[1][p] for p in perm))
+        features = tuple((w, perm.index(a)) for w, a in x.features)
+        return [_Value(view, x.sources, features, x.data)]
+
+    def _broadcast_in_dim(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        x = ins[0]
+        dims = eqn.params["broadcast_dimensions"]
+        rank = len(eqn.params["shape"])
+        out = _merged(ins)
+        if x.view is not None:
+            axes: list[int | None] = [None] * rank
+            for i, d in enumerate(dims):
+                axes[int(d)] = x.view[1][i]
+            out = dataclasses.replace(out, view=(x.view[0], tuple(axes)))
+        features = tuple((w, int(dims[a])) for w, a in x.features)
+        return [dataclasses.replace(out, features=features)]
+
+    def _reshape(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        """A reshape that only adds or drops axes of size 1 keeps the rest."""
+        x = ins[0]
+        before = tuple(eqn.invars[0].aval.shape)
+        after = tuple(eqn.outvars[0].aval.shape)
+        kept_before = [i for i, s in enumerate(before) if s != 1]
+        kept_after = [i for i, s in enumerate(after) if s != 1]
+        out = _merged(ins)
+        if [before[i] for i in kept_before] != [after[i] for i in kept_after]:
+            return [out]
+        where = dict(zip(kept_before, kept_after))
+        if x.view is not None:
+            axes: list[int | None] = [None] * len(after)
+            for i, j in where.items():
+                axes[j] = x.view[1][i]
+            out = dataclasses.replace(out, view=(x.view[0], tuple(axes)))
+        features = tuple((w, where[a]) for w, a in x.features if a in where)
+        return [dataclasses.replace(out, features=features)]
+
+    def _squeeze(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        x = ins[0]
+        dropped = {int(d) for d in eqn.params["dimensions"]}
+        kept = [i for i in range(len(eqn.invars[0].aval.shape)) if i not in dropped]
+        out = _merged(ins)
+        if x.view is not None:
+            out = dataclasses.replace(out, view=(x.view[0], tuple(x.view[1][i] for i in kept)))
+        features = tuple((w, kept.index(a)) for w, a in x.features if a in kept)
+        return [dataclasses.replace(out, features=features)]
+
+    def _slice_view(self, ins: list[_Value]) -> list[_Value]:
+        """A slice of a leaf is still the leaf, axis for axis (a stacked layer taken
+        by index, a fused weight cut into parts)."""
+        out = _merged(ins)
+        return [dataclasses.replace(out, view=ins[0].view, features=ins[0].features)]
+
+    def _slice(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        return self._slice_view(ins)
+
+    def _dynamic_slice(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        return self._slice_view(ins)
+
+    # ----------------------------------------------------------------- control flow
+    def _scan(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        consts = eqn.params["num_consts"]
+        carries = eqn.params["num_carry"]
+        body = eqn.params["jaxpr"]
+        xs = [_sliced(v) for v in ins[consts + carries :]]
+        carry = list(ins[consts : consts + carries])
+        outs = self._fixed_point(
+            lambda c: self.closed(body, [*ins[:consts], *c, *xs]), carry, carries
+        )
+        return [*outs[:carries], *(_merged([v]) for v in outs[carries:])]
+
+    def _while(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        cond_n = eqn.params["cond_nconsts"]
+        body_n = eqn.params["body_nconsts"]
+        body_consts = ins[cond_n : cond_n + body_n]
+        carry = list(ins[cond_n + body_n :])
+        return self._fixed_point(
+            lambda c: self.closed(eqn.params["body_jaxpr"], [*body_consts, *c]), carry, len(carry)
+        )
+
+    def _cond(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        found: list[_Value] | None = None
+        for branch in eqn.params["branches"]:
+            outs = self.closed(branch, ins[1:])
+            found = outs if found is None else [_join(a, b) for a, b in zip(found, outs)]
+        index = ins[0]
+        return [
+            dataclasses.replace(v, data=v.data or index.data, view=None)
+            for v in (found or [_NOTHING] * len(eqn.outvars))
+        ]
+
+    def _fixed_point(
+        self, body: Callable[[list[_Value]], list[_Value]], carry: list[_Value], n: int
+    ) -> list[_Value]:
+        """Runs a loop's body until its carry holds no more than it did: a weight's
+        output reaches the next iteration's weights through the carry."""
+        for _ in range(64):  # each round grows a finite set, or stops
+            outs = body(carry)
+            grown = [_join(c, o) for c, o in zip(carry, outs[:n])]
+            if grown == carry:
+                return outs
+            carry = grown
+        return body(carry)
+
+    # ----------------------------------------------------------------- the roles
+    def roles(self) -> dict[int, Role]:
+        """Each leaf's role, assigned greedily in the order of the forward pass."""
+        found: dict[int, Role] = {}
+        fed_by: dict[int, list[int]] = {}
+        for weight in self.order:
+            if weight in found:
+                continue
+            use = self.uses[weight]
+            if not use.outputs:
+                continue
+            feeds = [c for c in self.edges.get(weight, {}) if c in self.uses and c != weight]
+            if not feeds:
+                found[weight] = Role("vocab", use.outputs[0], use.inner, *_io(use))
+                continue
+            if any(found.get(c) is not None and found[c].kind != "row" for c in feeds):
+                continue  # it feeds a column-parallel weight, which wants it whole
+            fresh = [c for c in feeds if c not in found and self.uses[c].contracted]
+            if not fresh and not all(c in found for c in feeds):
+                continue
+            found[weight] = Role("column", use.outputs[0], use.inner, *_io(use), tuple(feeds))
+            for consumer in feeds:
+                fed_by.setdefault(consumer, []).append(weight)
+            for consumer in fresh:
+                cuse = self.uses[consumer]
+                found[consumer] = Role("row", cuse.contracted[0], cuse.inner, *_io(cuse))
+        for weight, feeders in fed_by.items():
+            role = found.get(weight)
+            if role is not None and role.kind == "row":
+                found[weight] = dataclasses.replace(role, partners=tuple(feeders))
+        for leaf, (axis, inner) in self.lookups.items():
+            if leaf not in found:
+                found[leaf] = Role("embedding", axis, inner)
+        for weight, biases in self.biases.items():
+            role = found.get(weight)
+            if role is None or role.kind not in ("column", "vocab"):
+                continue
+            for leaf, (axis, inner) in biases.items():
+                if leaf not in found and axis is not None:
+                    found[leaf] = Role("bias", axis, inner, partners=(weight,))
+        return found
+
+
+_HANDLERS: dict[str, Callable[[_Walk, Any, list[_Value]], list[_Value]]] = {
+    "dot_general": _Walk._dot_general,
+    "gather": _Walk._gather,
+    "transpose": _Walk._transpose,
+    "broadcast_in_dim": _Walk._broadcast_in_dim,
+    "reshape": _Walk._reshape,
+    "squeeze": _Walk._squeeze,
+    "slice": _Walk._slice,
+    "dynamic_slice": _Walk._dynamic_slice,
+    "scan": _Walk._scan,
+    "while": _Walk._while,
+    "cond": _Walk._cond,
+}
+
+
+def _known(axes: Sequence[int | None], positions: Any) -> tuple[int, ...]:
+    """The leaf axes at `positions` of a view, those it has (not broadcast ones)."""
+    found = (axes[p] for p in positions)
+    return tuple(a for a in found if a is not None)
+
+
+def _io(use: _Use) -> tuple[int | None, int | None]:
+    return (
+        use.outputs[0] if use.outputs else None,
+        use.contracted[0] if use.contracted else None,
+    )
+
+
+def _sliced(value: _Value) -> _Value:
+    """A scanned-over value, as the body sees one slice of it: its leading axis gone."""
+    view = None if value.view is None else (value.view[0], value.view[1][1:])
+    features = tuple((w, a - 1) for w, a in value.features if a > 0)
+    return _Value(view, value.sources, features, value.data)
+
+
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _inner_jaxpr(eqn: Any) -> Any:
+    """The jaxpr a call-like equation runs on its operands as they are (`jit`,
+    `checkpoint`, `custom_jvp_call`, `custom_vjp_call`, ...), or `None`."""
+    for key in _CALL_PARAMS:
+        inner = eqn.params.get(key)
+        jaxpr = inner.jaxpr if isinstance(inner, ClosedJaxpr) else inner
+        if isinstance(jaxpr, Jaxpr) and len(jaxpr.invars) == len(eqn.invars):
+            return inner
+    return None
+
+
+def _is_abstract_array(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def abstract_leaf(x: Any) -> Any:
+    """An array leaf as a `jax.ShapeDtypeStruct` (no sharding); anything else as it is."""
+    if isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def tensor_roles(step: Callable[..., Any], model: Any, *args: Any) -> dict[int, Role]:
+    """The Megatron role of each of the model's leaves that has one, from the step's
+    jaxpr (see the module docstring).
+
+    **Example:**
+
+    ```python
+    roles = tensor_roles(step, eqx.filter_eval_shape(build), opt_state, batch)
+    roles[3]    # Role(kind='column', axis=1, inner=(1, 2), ...): by leaf index
+    ```
+
+    **Arguments:**
+
+    - `step`: the training step, called as `step(model, *args)`; an
+        `eqx.filter_jit` function is traced through what it wraps.
+    - `model`, `*args`: as `eqshard.cost` takes them, concrete or abstract.
+
+    **Returns:**
+
+    A dict from a leaf's index in `jax.tree_util.tree_leaves(model)` to its `Role`.
+
+    **Raises:**
+
+    `eqshard.StepError` when the step cannot be traced, with its error as the cause.
+    """
+    fn = getattr(step, "__wrapped__", step)
+    model = jax.tree_util.tree_map(abstract_leaf, model)
+    args = tuple(jax.tree_util.tree_map(abstract_leaf, arg) for arg in args)
+    dynamic, static = eqx.partition([model, *args], _is_abstract_array)
+
+    def run(dynamic: Any) -> Any:
+        everything = eqx.combine(dynamic, static)
+        return eqx.filter(fn(*everything), eqx.is_array)
+
+    try:
+        closed = jax.make_jaxpr(run)(dynamic)
+    except Exception as error:  # the user's step: named, with its error as the cause
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise StepError(
+            f"cannot trace the step {name} to find its tensor-parallel pairs: it raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    leaves = jax.tree_util.tree_leaves(model)
+    at = [i for i, leaf in enumerate(leaves) if _is_abstract_array(leaf)]
+    values = [
+        _Value(view=(at[k], tuple(range(len(var.aval.shape)))))
+        if k < len(at)
+        else _Value(data=True)
+        for k, var in enumerate(closed.jaxpr.invars)
+    ]
+    walk = _Walk()
+    walk.run(closed.jaxpr, [_NOTHING] * len(closed.consts), values)
+    return walk.roles()
