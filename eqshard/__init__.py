@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
         Memory as Memory,
         cost as cost,
     )
+    from ._diff import Diff as Diff, LeafChange as LeafChange, diff as diff
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
     from ._hardware import (
         HARDWARE as HARDWARE,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._rules import Match as Match
     from ._shard import constrain as constrain, shard as shard
     from ._sharding import sharding as sharding
+    from ._suggest import Ranked as Ranked, Suggestion as Suggestion, suggest as suggest
 
 _LAZY = {
     "use": "._activations",
@@ -72,6 +74,9 @@ _LAZY = {
     "Cost": "._cost",
     "Memory": "._cost",
     "cost": "._cost",
+    "Diff": "._diff",
+    "LeafChange": "._diff",
+    "diff": "._diff",
     "Estimate": "._hardware",
     "HARDWARE": "._hardware",
     "Hardware": "._hardware",
@@ -91,6 +96,9 @@ _LAZY = {
     "constrain": "._shard",
     "shard": "._shard",
     "sharding": "._sharding",
+    "Ranked": "._suggest",
+    "Suggestion": "._suggest",
+    "suggest": "._suggest",
 }
 
 
@@ -100,6 +108,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "HARDWARE",
     "Collective",
     "Cost",
+    "Diff",
     "Element",
     "EqshardError",
     "EqshardWarning",
@@ -108,18 +117,21 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "ExpressionError",
     "Hardware",
     "Layout",
+    "LeafChange",
     "Match",
     "Memory",
     "MeshWarning",
     "PathError",
     "Plan",
     "Problem",
+    "Ranked",
     "Report",
     "Resolution",
     "Resolver",
     "Rule",
     "Rules",
     "SpecError",
+    "Suggestion",
     "Target",
     "UnreadableError",
     "UnusedRule",
@@ -128,6 +140,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "apply",
     "constrain",
     "cost",
+    "diff",
     "dump",
     "field",
     "init",
@@ -141,6 +154,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "shard",
     "sharding",
     "spec",
+    "suggest",
     "use",
 ]
 

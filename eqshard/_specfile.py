@@ -154,8 +154,9 @@ class Rules:
     the leading dim over the mesh's first axis), `optimizer` (the file's
     `"optimizer"` section, itself a `Rules` whose `default` may be `"parameter"`:
     how the optimizer state is laid out; `None` where the state follows the
-    parameters) and `section` (where these rules sit in their file: `"$"`, or
-    `"$.optimizer"` for that section).
+    parameters), `section` (where these rules sit in their file: `"$"`, or
+    `"$.optimizer"` for that section) and `comment` (the file's, or the section's,
+    `"comment"`: free text for the reader, which `dump` writes back).
 
     As an optimizer spec (`eqshard.plan(model, spec, optimizer=rules)`), its paths
     name parameters, and `default="parameter"` gives each state leaf no rule or dim
@@ -171,6 +172,7 @@ class Rules:
     batch: Expression | None = None
     optimizer: Rules | None = None
     section: str = "$"
+    comment: str | None = None
 
     def __post_init__(self) -> None:
         if self.default not in (*_DEFAULTS, PARAMETER):
@@ -240,6 +242,8 @@ class Rules:
     def to_json(self) -> dict[str, Any]:
         """The document of a spec file that loads back to these rules."""
         document: dict[str, Any] = {"$schema": _schema()["$id"], "eqshard": VERSION}
+        if self.comment is not None:
+            document["comment"] = self.comment
         if self.devices is not None:
             document["devices"] = self.devices
         document["default"] = self.default
@@ -253,6 +257,8 @@ class Rules:
         if self.optimizer is not None:
             section = self.optimizer
             document["optimizer"] = {"default": section.default, "rules": _rules_json(section)}
+            if section.comment is not None:
+                document["optimizer"]["comment"] = section.comment
             if section.dims:
                 document["optimizer"]["dims"] = dict(section.dims)
         return document
@@ -640,6 +646,7 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
             dims=dict(section.get("dims", {})),
             source=name,
             section="$.optimizer",
+            comment=section.get("comment"),
         )
     return Rules(
         rules=_rules_of(document),
@@ -652,6 +659,7 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
         else tuple((n, None if size == "*" else int(size)) for n, size in document["mesh"]),
         batch=None if document.get("batch") is None else parse(document["batch"]),
         optimizer=optimizer,
+        comment=document.get("comment"),
     )
 
 
