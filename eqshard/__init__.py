@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
         Memory as Memory,
         cost as cost,
     )
+    from ._diff import Diff as Diff, LeafChange as LeafChange, diff as diff
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
     from ._hardware import (
         HARDWARE as HARDWARE,
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._rules import Match as Match
     from ._shard import constrain as constrain, shard as shard
     from ._sharding import Devices as Devices, sharding as sharding
+    from ._suggest import Ranked as Ranked, Suggestion as Suggestion, suggest as suggest
 
 _LAZY = {
     "use": "._activations",
@@ -73,6 +75,9 @@ _LAZY = {
     "Cost": "._cost",
     "Memory": "._cost",
     "cost": "._cost",
+    "Diff": "._diff",
+    "LeafChange": "._diff",
+    "diff": "._diff",
     "Estimate": "._hardware",
     "HARDWARE": "._hardware",
     "Hardware": "._hardware",
@@ -93,6 +98,9 @@ _LAZY = {
     "shard": "._shard",
     "sharding": "._sharding",
     "Devices": "._sharding",
+    "Ranked": "._suggest",
+    "Suggestion": "._suggest",
+    "suggest": "._suggest",
 }
 
 
@@ -103,6 +111,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "Collective",
     "Cost",
     "Devices",
+    "Diff",
     "Element",
     "EqshardError",
     "EqshardWarning",
@@ -111,12 +120,14 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "ExpressionError",
     "Hardware",
     "Layout",
+    "LeafChange",
     "Match",
     "Memory",
     "MeshWarning",
     "PathError",
     "Plan",
     "Problem",
+    "Ranked",
     "Report",
     "Resolution",
     "Resolver",
@@ -125,6 +136,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "Spec",
     "SpecError",
     "SpecLeaf",
+    "Suggestion",
     "Target",
     "UnreadableError",
     "UnusedRule",
@@ -133,6 +145,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "apply",
     "constrain",
     "cost",
+    "diff",
     "dump",
     "field",
     "init",
@@ -146,6 +159,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "shard",
     "sharding",
     "spec",
+    "suggest",
     "use",
 ]
 

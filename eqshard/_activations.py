@@ -52,7 +52,15 @@ from ._sharding import (
 )
 from ._specfile import Rules
 
-__all__ = ["Active", "Names", "activation_sharding", "active", "is_names", "use"]
+__all__ = [
+    "Active",
+    "Names",
+    "activation_sharding",
+    "active",
+    "is_names",
+    "recording",
+    "use",
+]
 
 Name = Union[str, None, EllipsisType]
 Names = Sequence[Name]
@@ -79,6 +87,26 @@ class Active:
 _ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar(
     "eqshard_active_rules", default=None
 )
+
+Recorded = list[tuple[tuple[Name, ...], tuple[int, ...]]]
+_RECORDING: contextvars.ContextVar[Recorded | None] = contextvars.ContextVar(
+    "eqshard_recorded_names", default=None
+)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recorded]:
+    """Records the names a model gives its activations while no rules are active:
+    each `constrain` call's names, one per axis (a leading `...` spelled out), with
+    the array's shape. `eqshard suggest` traces the step under it to learn the names
+    its candidates' `"dims"` must map."""
+    found: Recorded = []
+    token = _RECORDING.set(found)
+    try:
+        yield found
+    finally:
+        _RECORDING.reset(token)
+
 
 _make_user_context = getattr(jax, "make_user_context", None)
 _JIT_KEY = None if _make_user_context is None else _make_user_context(None)
@@ -241,6 +269,9 @@ def activation_sharding(
     items = _checked(names, shape, dtype)
     found = _of(rules) if rules is not None else active()
     if found is None:
+        record = _RECORDING.get()
+        if record is not None:
+            record.append((items, shape))
         return None
     dims = found.rules.dims
     source = found.rules.source

@@ -42,6 +42,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 
+from ._activations import recording
 from ._cost import _built_from_the_model  # a batch is what `cost` takes for one
 from ._derive import plan_for
 from ._errors import EqshardError, problem_lines, whole_number
@@ -122,12 +123,15 @@ class _Setup:
     batch: tuple[tuple[str, tuple[int, ...]], ...]  # each batch leaf's name and shape
     pairs: bool  # whether the step shows any column- and row-parallel pair
     devices: int
+    activations: tuple[str, ...]  # the names the model gives its activations' axes
+    batch_names: frozenset[str]  # those only ever on an activation's batch axis
 
 
 def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: int) -> _Setup:
     model = jax.tree_util.tree_map(abstract_leaf, model)
     args = [jax.tree_util.tree_map(abstract_leaf, arg) for arg in args]
-    roles = tensor_roles(step, model, *args)
+    with recording() as named:
+        roles = tensor_roles(step, model, *args)
     state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
     planned_for = model if state is None else (model, state)
     n_model = len(jax.tree_util.tree_leaves(model))
@@ -156,7 +160,29 @@ def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: i
                 where = f"argument {k + 2}" + (f"'s leaf {leaf_name(path)}" if path else "")
                 batch.append((where, tuple(int(s) for s in leaf.shape)))
     pairs = any(r.kind in ("column", "row") for r in roles.values())
-    return _Setup(planned_for, leaves, names, roles, tuple(batch), pairs, devices)
+    activations, batch_names = _activation_names(named, {shape[0] for _, shape in batch if shape})
+    return _Setup(
+        planned_for, leaves, names, roles, tuple(batch), pairs, devices, activations, batch_names
+    )
+
+
+def _activation_names(
+    named: Sequence[tuple[tuple[Any, ...], tuple[int, ...]]], batch_sizes: set[int]
+) -> tuple[tuple[str, ...], frozenset[str]]:
+    """The names the model's `constrain` calls give (in order of first use), and those
+    that only ever name an activation's leading axis, of the batch's size: the batch
+    axis, which a strategy that splits the batch maps to `data`. Every other name is
+    mapped to `null` (the axis whole), as Megatron keeps the activations between its
+    pairs."""
+    order: dict[str, None] = {}
+    elsewhere: set[str] = set()
+    for items, shape in named:
+        for axis, n in enumerate(items):
+            if isinstance(n, str):
+                order.setdefault(n)
+                if axis != 0 or shape[0] not in batch_sizes:
+                    elsewhere.add(n)
+    return tuple(order), frozenset(order.keys() - elsewhere)
 
 
 # --------------------------------------------------------------------------- #
@@ -575,12 +601,19 @@ def candidates(
 def _candidate(setup: _Setup, strategy: str, data: int, model: int, draft: _Draft) -> Candidate:
     mesh = (("data", data), ("model", model))
     comment = f"{strategy} on data={data} x model={model} ({setup.devices} devices): "
-    comment += _DESCRIPTIONS[strategy] + ". Written by eqshard suggest."
+    comment += _DESCRIPTIONS[strategy] + "."
+    split = strategy in _SPLIT_BATCH
+    dims = {n: "data" if split and n in setup.batch_names else None for n in setup.activations}
+    if dims:
+        named = ", ".join(f"{n} over 'data'" if axis else f"{n} whole" for n, axis in dims.items())
+        comment += f" The activations' axes: {named}."
+    comment += " Written by eqshard suggest."
     if draft.repairs:
         comment += f" {len(draft.repairs)} leaves did not divide and were replicated."
     optimizer = draft.optimizer
     rules = Rules(
         tuple(_written(setup, draft)),
+        dims=dims,
         default=draft.default,
         source=_SOURCE,
         mesh=mesh,

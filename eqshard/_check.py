@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._errors import EqshardError, Problem, whole_number
+from ._hardware import seconds_text
 from ._specfile import Rules
 from ._workers import (
     ModelError,
@@ -566,14 +567,6 @@ def warning_lines(result: CheckResult, limit: int = 12) -> list[str]:
     return [f"warning: {line}" for line in problem_lines(problems, limit=limit, more=more)]
 
 
-def _seconds(value: float) -> str:
-    """`4.4e-6` -> `'4.4 us'`."""
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if value >= scale:
-            return f"{value / scale:.3g} {unit}"
-    return f"{value / 1e-9:.3g} ns"
-
-
 def _communication(cost: Mapping[str, Any]) -> list[str]:
     """`all-reduce over data 514.0 KiB`, one per kind of collective and mesh axes."""
     from ._report import human_bytes
@@ -601,7 +594,7 @@ def cost_line(cost: Mapping[str, Any]) -> str:
     peak = "peak" if cost.get("target") else "peak >="
     return (
         f"cost: {memory}, {peak} {human_bytes(cost['peak_lower_bound'])} per device; "
-        f"{moved} per step; estimate on {_chip(cost)}: {_seconds(_estimate(cost))}"
+        f"{moved} per step; estimate on {_chip(cost)}: {seconds_text(_estimate(cost))}"
     )
 
 
@@ -687,7 +680,7 @@ def summary_table(results: Sequence[CheckResult]) -> Table:
             "-" if held is None else human_bytes(held),
             "-" if cost is None else human_bytes(cost["peak_lower_bound"]),
             "-" if cost is None else "\n".join(_communication(cost)) or "none",
-            "-" if cost is None else _seconds(_estimate(cost)),
+            "-" if cost is None else seconds_text(_estimate(cost)),
         )
     return table
 

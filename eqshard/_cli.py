@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Sequence
 
@@ -123,35 +122,14 @@ def _layout_count(text: str) -> int:
     return _at_most(MAX_DEVICES, "devices, the most a JAX sharding can describe")(text)
 
 
-_MEMORY_UNITS = {
-    "": 1,
-    "B": 1,
-    "kB": 1000,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "TB": 1000**4,
-    "KiB": 1024,
-    "MiB": 1024**2,
-    "GiB": 1024**3,
-    "TiB": 1024**4,
-}
-_MEMORY = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?) ?(?P<unit>[A-Za-z]*)", re.ASCII)
-
-
 def _memory_size(text: str) -> int:
     """An argparse type: bytes, as `80GB`, `16GiB`, `1.5TB` or a plain byte count."""
-    found = _MEMORY.fullmatch(text.strip())
-    unit = None if found is None else _MEMORY_UNITS.get(found["unit"])
-    if found is None or unit is None or (not found["unit"] and "." in found["number"]):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a memory size: write a byte count or a number with a unit, "
-            "e.g. 80GB or 16GiB (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-        )
-    size = round(float(found["number"]) * unit)
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
-    return size
+    from ._hardware import memory_size  # no JAX
+
+    try:
+        return memory_size(text)
+    except EqshardError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 _demo_devices = _at_most(
@@ -376,6 +354,82 @@ def _check_command(args: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+def _step_options(command: str, args: argparse.Namespace) -> None:
+    """`--batch` and `--optimizer` belong to `--step`, which needs `--batch`."""
+    for option, value in (("--batch", args.batch), ("--optimizer", args.optimizer)):
+        if args.step is None and value is not None:
+            raise _UsageError(
+                f"eqshard {command}: error: {option} is for the step: name it with --step"
+            )
+    if args.step is not None and args.batch is None:
+        raise _UsageError(
+            f"eqshard {command}: error: --step needs --batch MODULE:CALLABLE, where "
+            "CALLABLE() returns the step's batch"
+        )
+
+
+def _step_request(args: argparse.Namespace) -> dict[str, object]:
+    """What a worker needs to build the model and the step's inputs, and where."""
+    names = ("model", "step", "batch", "optimizer", "devices", "target")
+    return {name: getattr(args, name) for name in names}
+
+
+def _suggest_command(args: argparse.Namespace) -> int:
+    _step_options("suggest", args)
+    from ._compare import run
+
+    request = {**_step_request(args), "max_memory": args.max_memory, "workers": args.workers}
+    ranked = run("suggest", request, here=not _check_in_processes())
+    best = ranked.best
+    written = None
+    if args.write is not None and best is not None:
+        from ._specfile import dump
+
+        dump(best.rules, args.write)
+        written = args.write
+    costed = [s for s in ranked if s.cost is not None]
+    if args.format == "json":
+        _emit_json({"ok": best is not None, **ranked.to_json(), "written": written})
+    else:
+        _console().print(ranked)
+        if written is not None:
+            _out(f"wrote {written}: {best.name if best else ''}")
+        elif args.write is not None:
+            _out(f"nothing fits: {args.write} not written")
+    if ranked.suggestions and not costed:
+        _err(
+            "eqshard suggest: error: no candidate could be compiled; the first one's error: "
+            + (ranked.suggestions[0].error or "")
+        )
+        return 2
+    return 0 if best is not None else 1
+
+
+def _diff_command(args: argparse.Namespace) -> int:
+    from ._specfile import load  # no JAX: a file that does not load is said at once
+
+    _step_options("diff", args)
+    a, b = load(args.a), load(args.b)
+    if args.step is not None and args.target is None:
+        count = args.devices or a.devices or b.devices or 8
+        if count > MAX_SIMULATED:
+            raise EqshardError(
+                f"{count} devices: --step compiles the step on simulated devices, up to "
+                f"{MAX_SIMULATED}, or with --target on a TPU slice's, any number"
+            )
+    from ._compare import run
+
+    found = run(
+        "diff", {**_step_request(args), "a": args.a, "b": args.b}, here=not _check_in_processes()
+    )
+    if args.format == "json":
+        _emit_json({"ok": True, **found.to_json()})
+    else:
+        for line in found.lines():
+            _out(line)
+    return 0 if found.same else 1
+
+
 def _schema(args: argparse.Namespace) -> int:
     from ._specfile import schema
 
@@ -550,6 +604,128 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--format", choices=["text", "json"], default="text")
     check.set_defaults(run=_check_command)
 
+    suggest = commands.add_parser(
+        "suggest",
+        help="find the fastest spec that fits, by compiling the step under each strategy",
+        description=(
+            "Build the model, the optimizer state and the batch abstractly, generate the "
+            "candidate specs (data parallel, FSDP, ZeRO-1, Megatron tensor parallel, "
+            "data x tensor and FSDP x tensor, on every mesh of the device count), compile "
+            "the training step under each in worker processes (on N simulated devices "
+            "with XLA:CPU, or for a TPU slice with XLA:TPU), and print them ranked: those "
+            "that fit --max-memory (by default, with --target, the chip's HBM; without "
+            "either, every one) fastest first by a roofline estimate, then the others, "
+            "with how far over they are. --write saves the best as a spec file. Exit 0 "
+            "when a candidate fits, 1 when none does, 2 for bad input (a model, step or "
+            "batch that cannot be built, or a step that no candidate can compile)."
+        ),
+    )
+    suggest.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:CALLABLE",
+        help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
+    )
+    suggest.add_argument(
+        "--step",
+        required=True,
+        metavar="MODULE:CALLABLE",
+        help="the training step, as for check: step(model, opt_state, batch) with "
+        "--optimizer, else step(model, batch)",
+    )
+    suggest.add_argument(
+        "--batch",
+        required=True,
+        metavar="MODULE:CALLABLE",
+        help="what returns the step's batch",
+    )
+    suggest.add_argument(
+        "--optimizer",
+        metavar="MODULE:CALLABLE",
+        help="what returns the optax optimizer whose state the step takes",
+    )
+    where = suggest.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--devices",
+        type=_device_count,
+        metavar="N",
+        help=f"compile each candidate on N simulated CPU devices (at most {MAX_SIMULATED})",
+    )
+    where.add_argument(
+        "--target",
+        metavar="SLICE",
+        help="compile each candidate for a TPU slice, e.g. v5p:4x4x4, with XLA:TPU on this "
+        "machine (libtpu: pip install 'eqshard[tpu]')",
+    )
+    suggest.add_argument(
+        "--max-memory",
+        type=_memory_size,
+        metavar="SIZE",
+        help="device memory per device, e.g. 80GB or 75GiB (default with --target: the "
+        "chip's HBM; without it, no limit)",
+    )
+    suggest.add_argument(
+        "--write",
+        metavar="FILE",
+        help="write the best candidate that fits as a spec file, its comments naming the "
+        "strategy and its cost",
+    )
+    suggest.add_argument(
+        "--workers",
+        type=_positive,
+        metavar="N",
+        help="worker processes that compile at once (default: one per core)",
+    )
+    suggest.add_argument("--format", choices=["text", "json"], default="text")
+    suggest.set_defaults(run=_suggest_command)
+
+    diff = commands.add_parser(
+        "diff",
+        help="list the leaves two spec files lay out differently, and with a step the cost",
+        description=(
+            "Lay the model out under both spec files, abstractly (no devices), on N "
+            "devices or a TPU slice's, and print one line per leaf whose layout differs "
+            "(what a device holds of it), with both expressions and PartitionSpecs, and "
+            "the change of mesh and batch. With --step, compile the step under both and "
+            "print the change in memory per device, communication per mesh axis and "
+            "the estimate. Exit 0 when they lay everything out alike, 1 when they "
+            "differ, 2 for trouble (a file, model or step that cannot be read or built), "
+            "as diff(1) does."
+        ),
+    )
+    diff.add_argument("a", metavar="A", help="the spec file before")
+    diff.add_argument("b", metavar="B", help="the spec file after")
+    diff.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:CALLABLE",
+        help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
+    )
+    diff.add_argument(
+        "--step",
+        metavar="MODULE:CALLABLE",
+        help="the training step, as for check: compiled under both specs",
+    )
+    diff.add_argument(
+        "--batch", metavar="MODULE:CALLABLE", help="what returns the step's batch (with --step)"
+    )
+    diff.add_argument(
+        "--optimizer",
+        metavar="MODULE:CALLABLE",
+        help="what returns the optax optimizer whose state the step takes",
+    )
+    on = diff.add_mutually_exclusive_group()
+    on.add_argument(
+        "--devices",
+        type=_layout_count,
+        metavar="N",
+        help="the device count (default: A's \"devices\", else B's, else 8); at most "
+        f"{MAX_SIMULATED} with --step",
+    )
+    on.add_argument("--target", metavar="SLICE", help="a TPU slice, e.g. v5e:4x4: its device count")
+    diff.add_argument("--format", choices=["text", "json"], default="text")
+    diff.set_defaults(run=_diff_command)
+
     schema = commands.add_parser("schema", help="print the JSON Schema of spec files")
     schema.set_defaults(run=_schema)
     return parser
@@ -603,6 +779,9 @@ class _PipeSafe:
         return getattr(self._stream, name)
 
 
+_TROUBLE = ("suggest", "diff")  # commands whose 1 means an answer: any error is 2
+
+
 def _exit_code(error: BaseException) -> int:
     if isinstance(error, (UnreadableError, OSError, _UsageError)):
         return 2
@@ -614,7 +793,7 @@ def _exit_code(error: BaseException) -> int:
 def _report(command: str, error: BaseException, as_json: bool) -> int:
     """Says what went wrong, on stderr (and as the JSON document on stdout with
     `--format json`), and returns the exit code."""
-    code = _exit_code(error)
+    code = 2 if command in _TROUBLE else _exit_code(error)
     if isinstance(error, (EqshardError, OSError, _UsageError)):
         text = error.text(_EVERY_ONE) if isinstance(error, SpecError) else error
         message = (

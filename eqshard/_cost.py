@@ -714,9 +714,15 @@ def _cost_here(request: Any) -> str:
             "(jax.config.update('jax_num_cpu_devices', ...)); leave the count to eqshard"
         )
     found = cost(step, model, *args, spec=spec, batch=request["batch"], devices=devices)
-    if found.mesh is not None:
-        found = dataclasses.replace(found, mesh=found.mesh.abstract_mesh)
-    return pickled(found, "the cost", "report it as a bug in eqshard")
+    return pickled(portable(found), "the cost", "report it as a bug in eqshard")
+
+
+def portable(found: Cost) -> Cost:
+    """`found` with its mesh abstract: it holds no device, so it crosses to another
+    process (a worker's answer)."""
+    if found.mesh is None:
+        return found
+    return dataclasses.replace(found, mesh=found.mesh.abstract_mesh)
 
 
 def _data_parallel(p: Plan) -> str:

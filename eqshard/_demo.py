@@ -43,6 +43,7 @@ from ._demo_model import (
     tokens,
 )
 from ._errors import EqshardError, Problem, UnreadableError
+from ._fit import mesh_text
 from ._plan import Plan, plan
 from ._report import human_bytes
 from ._shard import constrain
@@ -366,7 +367,7 @@ def communication(c: Cost) -> str:
 def _mesh_text(p: Plan | None) -> str:
     if p is None or p.mesh is None:
         return "-"
-    return " x ".join(f"{name}={size}" for name, size in zip(p.mesh.axis_names, p.mesh.axis_sizes))
+    return mesh_text(zip(p.mesh.axis_names, p.mesh.axis_sizes))
 
 
 def table(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> Any:

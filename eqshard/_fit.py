@@ -30,6 +30,7 @@ __all__ = [
     "grouping",
     "groupings",
     "mesh_shape_of",
+    "mesh_text",
     "misfit",
     "reordered",
     "shared_mesh",
@@ -151,6 +152,11 @@ def reordered(expr: Expression, shape: tuple[int, ...], mesh: MeshShape) -> Expr
 def mesh_shape_of(names: Sequence[str], sizes: Sequence[int]) -> MeshShape:
     """A `MeshShape` from a mesh's axis names and sizes."""
     return MeshShape(tuple(names), tuple(int(s) for s in sizes))
+
+
+def mesh_text(axes: Iterable[tuple[str, int]]) -> str:
+    """A mesh's axes as tables show them: `data=4 x model=2` (`-` for none)."""
+    return " x ".join(f"{name}={size}" for name, size in axes) or "-"
 
 
 def _cuts(points: Iterable[int], n_devices: int) -> str:

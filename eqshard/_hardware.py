@@ -9,12 +9,22 @@ measurement.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
 from ._errors import EqshardError
 
-__all__ = ["HARDWARE", "Estimate", "Hardware", "Moved", "hardware_profile", "roofline"]
+__all__ = [
+    "HARDWARE",
+    "Estimate",
+    "Hardware",
+    "Moved",
+    "hardware_profile",
+    "memory_size",
+    "roofline",
+    "seconds_text",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +134,14 @@ class Moved(NamedTuple):
     group_size: int
 
 
+def seconds_text(value: float) -> str:
+    """Seconds, as a table shows them: `4.4e-6` -> `'4.4 us'`."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
 def hardware_profile(hardware: str | Hardware) -> Hardware:
     """`hardware` itself, or the profile of that name in `HARDWARE`.
 
@@ -181,3 +199,58 @@ def roofline(
         bytes_accessed / hardware.memory_bandwidth,
         total / hardware.interconnect_bandwidth,
     )
+
+
+_MEMORY_UNITS = {
+    "": 1,
+    "B": 1,
+    "kB": 1000,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
+}
+_MEMORY = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?) ?(?P<unit>[A-Za-z]*)", re.ASCII)
+
+
+def memory_size(size: int | str) -> int:
+    """Bytes, from a byte count or a size with a unit: `80GB`, `16GiB`, `1.5TB`.
+
+    **Example:**
+
+    ```python
+    memory_size("75GiB")   # 80530636800
+    ```
+
+    **Arguments:**
+
+    - `size`: a whole number of bytes, or text: a number and one of the units B,
+        kB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024).
+
+    **Returns:**
+
+    The bytes, at least 1.
+
+    **Raises:**
+
+    `EqshardError` for anything else, saying how to write a size.
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        if size < 1:
+            raise EqshardError(f"{size!r} must be at least 1 byte")
+        return size
+    found = _MEMORY.fullmatch(size.strip()) if isinstance(size, str) else None
+    unit = None if found is None else _MEMORY_UNITS.get(found["unit"])
+    if found is None or unit is None or (not found["unit"] and "." in found["number"]):
+        raise EqshardError(
+            f"{size!r} is not a memory size: write a byte count or a number with a unit, "
+            "e.g. 80GB or 16GiB (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    count = round(float(found["number"]) * unit)
+    if count < 1:
+        raise EqshardError(f"{size!r} must be at least 1 byte")
+    return count

@@ -26,6 +26,7 @@ EXPECTED_SECONDS = {
     "tests/test_demo.py": 100.0,  # 9 compiles: 5 training steps and 4 of eqshard.cost
     "tests/test_testing.py": 60.0,  # worker processes: each imports JAX and compiles
     "tests/test_cli.py": 50.0,
+    "tests/test_suggest.py": 75.0,  # about 15 compiles, in worker processes
 }
 DEFAULT_EXPECTED_SECONDS = 30.0
 

@@ -333,6 +333,13 @@ def test_the_gpt_candidates_on_8_devices(gpt):
         ("**.down.weight", "... o i -> ... o i8"),  # 128 / 4 = 32, the largest that 2 divides
         ("unembed.weight", "v d -> d2 v4"),
     ]
+    # the names the GPT gives its activations: only the batch axis follows the batch
+    assert dp.dims == {"batch": "data", "seq": None, "embed": None, "vocab": None}
+    assert dict(by["megatron on data=1, model=8"].dims) == dict.fromkeys(dp.dims)
+    assert fsdp_tensor.comment is not None
+    assert "The activations' axes: seq whole, embed whole, batch over 'data', vocab whole." in (
+        fsdp_tensor.comment
+    )
 
 
 def test_the_gpt_candidates_on_64_devices_repair_what_does_not_divide(gpt):
@@ -687,6 +694,7 @@ def test_rules_that_would_lay_out_wrongly_are_never_handed_out(gpt, monkeypatch)
     from eqshard import _candidates
 
     args = (gpt["opt_state"], _tokens(8, 16))
+
     def one_glob_for_all(paths, groups):
         return [("**", 0)] if groups else []
 
@@ -717,6 +725,7 @@ def test_rules_that_would_lay_out_wrongly_are_never_handed_out(gpt, monkeypatch)
     reasons = dict(dropped)
     assert "data x tensor on data=2, model=4" not in _names(kept)
     assert reasons["data x tensor on data=2, model=4"].startswith(
-        "its rules do not plan: embed.weight: float32[64, 32] 'v d -> v4 d 2' does not fit "
-        "the mesh ('data': 2, 'model': 4)"
+        "its rules do not plan: embed.weight (Embedding.weight), unembed.weight "
+        "(Linear.weight): float32[64, 32] 'v d -> v4 d 2' does not fit the mesh "
+        "('data': 2, 'model': 4)"
     )

@@ -1,0 +1,175 @@
+"""`eqshard suggest` and `eqshard diff` from the command line: the user's model, step,
+optimizer and batch, named by `MODULE:CALLABLE`, built as `eqshard check` builds
+them (`_check.abstract_model`, `_check.step_inputs`: abstractly, no device memory).
+
+The command line's own process imports no JAX before the work is done: each command
+runs in one worker (`_workers.start_worker`), which starts JAX for its device count,
+builds what the user named once, and answers the result pickled. `suggest`'s worker
+asks the candidate generator for the candidates, then ranks them
+(`_suggest.compile_in_workers`), each of its compile workers building the step's
+inputs from the same names (`step_arguments`) once. Where JAX is already imported
+(eqshard used as a library, the tests), the same work runs in this process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._errors import EqshardError, whole_number
+from ._workers import pickled, serve, start_worker, unpickled, without_device_count, worker_answer
+
+if TYPE_CHECKING:
+    from ._check import StepInputs
+    from ._diff import Diff
+    from ._suggest import Ranked
+
+__all__ = ["diff_here", "diff_worker", "run", "step_arguments", "suggest_here", "suggest_worker"]
+
+_TIMEOUT_SECONDS = 24 * 3600.0  # a whole command: its own compile workers time each candidate
+
+
+def step_arguments(request: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...]]:
+    """The step, the model (abstract; the model alone of a `(model, state)` build)
+    and the step's other arguments (the state, the optimizer state, the batch),
+    built from the request's `"model"`, `"step"`, `"batch"` and `"optimizer"`, as
+    `eqshard check --step` builds them. A rank worker's `inputs` name it."""
+    from ._fields import is_stateful_pair
+
+    model, inputs = _built(request)
+    if inputs is None:
+        raise EqshardError("the request names no step")
+    first = model[0] if is_stateful_pair(model) else model
+    return inputs.step, first, inputs.args
+
+
+def _built(request: Mapping[str, Any]) -> tuple[Any, StepInputs | None]:
+    """The abstract model, and with a `"step"` the step and its other arguments."""
+    from ._check import abstract_model, step_inputs
+
+    modules: dict[str, Any] = {}  # each of the user's files imported once
+    model = abstract_model(str(request["model"]), modules=modules)
+    if request.get("step") is None:
+        return model, None
+    optimizer = request.get("optimizer")
+    inputs = step_inputs(
+        model,
+        str(request["step"]),
+        str(request["batch"]),
+        None if optimizer is None else str(optimizer),
+        modules=modules,
+    )
+    return model, inputs
+
+
+def _names(request: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: request.get(key) for key in ("model", "step", "batch", "optimizer")}
+
+
+def _start_jax(devices: int | None) -> None:
+    """JAX on the CPU, with `devices` simulated devices where a count is given and
+    JAX has not started yet (in a worker: never an accelerator another process
+    holds); where it has (eqshard used as a library), its devices as they are."""
+    import jax
+
+    from ._cli import _backends_started
+
+    if _backends_started():
+        return
+    jax.config.update("jax_platforms", "cpu")
+    if devices is not None:
+        jax.config.update("jax_num_cpu_devices", devices)
+
+
+def suggest_here(request: Mapping[str, Any]) -> Ranked:
+    """`eqshard suggest` in this process: builds the step's inputs from the request's
+    names, asks the generator for the candidates on the request's `"devices"` (or
+    the `"target"` slice's), and ranks them in compile workers that build the same
+    inputs by name. `"max_memory"` is bytes or `None`, `"workers"` a count or
+    `None`."""
+    from ._suggest import compile_in_workers, memory_limit, placement, ranked
+
+    devices, target = request.get("devices"), request.get("target")
+    n, on = placement(devices, target)
+    _start_jax(None if target is not None else n)
+    step, model, args = step_arguments(request)
+    from ._candidates import candidates  # pyright: ignore[reportAttributeAccessIssue]
+
+    kept, dropped = candidates(step, model, *args, devices=n)
+    limit, limit_from = memory_limit(request.get("max_memory"), on)
+    inputs = {"build": "eqshard._compare:step_arguments", "request": _names(request)}
+    workers = request.get("workers")
+    results = compile_in_workers(
+        kept, inputs, n, target, None if workers is None else whole_number(workers, "workers")
+    )
+    return ranked(kept, results, n, on, limit, limit_from, dropped)
+
+
+def suggest_worker() -> int:
+    """A worker's entry: `suggest_here`, answered pickled."""
+    return serve(lambda request: pickled(suggest_here(request), "the ranking", "report it"))
+
+
+def diff_here(request: Mapping[str, Any]) -> Diff:
+    """`eqshard diff` in this process: the request's `"a"` and `"b"` (spec files),
+    `"model"`, and with `"step"` its `"batch"` and `"optimizer"`, on `"devices"` or
+    the `"target"` slice."""
+    from ._diff import diff
+    from ._specfile import load
+
+    devices, target = request.get("devices"), request.get("target")
+    a, b = load(str(request["a"])), load(str(request["b"]))
+    n = devices if devices is not None else a.devices or b.devices or 8
+    compiling = request.get("step") is not None and target is None
+    _start_jax(n if compiling else None)
+    if compiling:
+        import jax
+
+        if len(jax.devices()) < n:
+            raise EqshardError(
+                f"the diff's step compiles on {n} devices, which needs {n} simulated devices, "
+                f"but JAX started with {len(jax.devices())} (is XLA_FLAGS setting a device "
+                "count?)"
+            )
+    model, inputs = _built(request)
+    if inputs is None:
+        return diff(model, a, b, devices=devices, target=target)
+    return diff(model, a, b, *inputs.args, step=inputs.step, devices=devices, target=target)
+
+
+def diff_worker() -> int:
+    """A worker's entry: `diff_here`, answered pickled (its costs' meshes abstract)."""
+    return serve(lambda request: pickled(_portable(diff_here(request)), "the diff", "report it"))
+
+
+def _portable(found: Diff) -> Diff:
+    """`found` with no device in it, to cross to another process."""
+    import dataclasses
+
+    from ._cost import portable
+
+    if found.costs is None:
+        return found
+    return dataclasses.replace(found, costs=(portable(found.costs[0]), portable(found.costs[1])))
+
+
+_COMMANDS = {  # each command's worker, what it answers, and what to try when it dies
+    "suggest": (
+        "eqshard._compare:suggest_worker",
+        "the ranking",
+        "Run `eqshard check --step` on one spec file to see why",
+    ),
+    "diff": ("eqshard._compare:diff_worker", "the diff", "Run `eqshard check` on each file"),
+}
+
+
+def run(command: str, request: Mapping[str, Any], here: bool) -> Any:
+    """`suggest_here` or `diff_here`, in this process (`here`), else in a worker
+    process of its own, which starts JAX for it and answers the result pickled."""
+    if here:
+        return suggest_here(request) if command == "suggest" else diff_here(request)
+    entry, what, hint = _COMMANDS[command]
+    worker = start_worker(request, entry, without_device_count(os.environ))
+    document = worker_answer(worker, _TIMEOUT_SECONDS, f"eqshard {command}", hint)
+    return unpickled(document["result"], what)

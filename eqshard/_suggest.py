@@ -1,0 +1,715 @@
+"""`eqshard.suggest`: the fastest spec that fits, found by compiling the user's step.
+
+`suggest` asks the candidate generator (`_candidates.py`) for every strategy on every
+mesh of the device count, then `rank` costs each candidate with `eqshard.cost`: its
+`Rules` as the spec, compiled by XLA:CPU on simulated devices, or for a TPU slice by
+XLA:TPU through libtpu. Compiling is the slow part, so candidates are compiled in
+worker processes (`_workers.py`, the one protocol), up to one per core. Each worker
+starts JAX once (or loads libtpu once), receives the step and the abstract model and
+arguments once, and costs its share of the candidates in turn; a candidate that fails
+to compile is listed with its error, and the others are ranked.
+
+Those that fit the memory limit (`max_memory`, else the chip's HBM on a target) are
+ranked by their roofline estimate (`Cost.estimate`, on the target's chip, else an
+H100); the others follow, closest to the limit first, and the failures last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, overload
+
+from ._candidates import Candidate
+from ._errors import EqshardError, whole_number
+from ._fit import mesh_text
+from ._hardware import HARDWARE, memory_size, seconds_text
+from ._specfile import Rules
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ._cost import Cost
+    from ._targets import CompileTarget
+
+__all__ = [
+    "Ranked",
+    "Suggestion",
+    "communication",
+    "compile_in_workers",
+    "memory_limit",
+    "placement",
+    "rank",
+    "ranked",
+    "suggest",
+]
+
+HBM = "the chip's HBM"  # where the limit comes from with a target and no max_memory
+GIVEN = "max_memory"  # where it comes from when the user gives one
+
+_ERROR_CHARACTERS = 300  # of a failure's message, in the table's caption
+WIDTH = 200  # characters of `str(ranked)`: the table's lines, as the command line prints them
+
+
+def _name(candidate: Candidate) -> str:
+    """`fsdp x tensor (data=4 x model=2)`: a candidate, in messages and lists."""
+    return f"{candidate.strategy} ({mesh_text(candidate.mesh)})"
+
+
+def communication(found: Cost) -> dict[str, int]:
+    """What one step moves on each device, by the mesh axes its collectives run over
+    (`"data"`, `"model"`, `"data+model"`; `"-"` for none), every kind together."""
+    moved: dict[str, int] = {}
+    for c in found.collectives:
+        axes = "+".join(c.axes) or "-"
+        moved[axes] = moved.get(axes, 0) + c.total_bytes
+    return moved
+
+
+def _bytes(n: int) -> str:
+    from ._report import human_bytes
+
+    return human_bytes(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Suggestion:
+    """One candidate, costed: a row of `eqshard.suggest`'s table.
+
+    **Attributes:**
+
+    - `candidate`: the strategy, its mesh, its `Rules` as generated, and the leaves
+        replicated because their split did not divide (`candidate.repairs`).
+    - `cost`: the `eqshard.Cost` it was ranked by; `None` where it failed to compile.
+    - `fits`: whether its peak is within `limit` (always, without a limit).
+    - `over`: where it does not fit, its peak over the limit (`1.96` for 1.96x).
+    - `error`: why it could not be costed, else `None`.
+    - `limit`: the memory limit per device it was held to, in bytes, if any.
+    """
+
+    candidate: Candidate
+    cost: Cost | None = None
+    fits: bool = False
+    over: float | None = None
+    error: str | None = None
+    limit: int | None = None
+
+    @property
+    def strategy(self) -> str:
+        return self.candidate.strategy
+
+    @property
+    def mesh(self) -> tuple[tuple[str, int], ...]:
+        return self.candidate.mesh
+
+    @property
+    def name(self) -> str:
+        """The strategy and its mesh: `fsdp x tensor (data=4 x model=2)`."""
+        return _name(self.candidate)
+
+    @property
+    def seconds(self) -> float | None:
+        """The roofline estimate of one step it was ranked by (`cost.estimate()`: on
+        the target's chip, else an H100), or `None` where it was not costed."""
+        return None if self.cost is None else self.cost.estimate().seconds
+
+    @property
+    def rules(self) -> Rules:
+        """The candidate's `Rules`, whose comment also names the strategy and what it
+        costs: what `eqshard.dump(suggestion.rules, path)` (and `eqshard suggest
+        --write`) writes. They lay the model out exactly as it was costed."""
+        rules = self.candidate.rules
+        if self.cost is None:
+            return rules
+        note = self.summary()
+        return dataclasses.replace(
+            rules, comment=f"{rules.comment} {note}" if rules.comment else note
+        )
+
+    def summary(self) -> str:
+        """One sentence of what it costs, for the written file's comment."""
+        if self.cost is None:
+            return f"{self.name}: not costed: {self.error}"
+        c = self.cost
+        memory = c.memory
+        bound = "" if c.target else " at least"
+        held = f"parameters {_bytes(memory.parameters)}"
+        if memory.state:
+            held += f", state {_bytes(memory.state)}"
+        if memory.optimizer:
+            held += f", optimizer state {_bytes(memory.optimizer)}"
+        limit = "" if self.limit is None else f" (limit {_bytes(self.limit)})"
+        moved = ", ".join(f"{axes} {_bytes(n)}" for axes, n in communication(c).items())
+        estimate = c.estimate()
+        return (
+            f"Suggested by eqshard suggest: {self.name} on {_where(c.devices, c.target)}, "
+            f"compiled by {c.compiler}: it needs{bound} {_bytes(memory.peak)} per device"
+            f"{limit}, {held}; it moves {moved or 'nothing'} per step; estimate on "
+            f"{estimate.hardware.name}: {seconds_text(estimate.seconds)} (a roofline, "
+            f"never a measurement). Repaired leaves: {len(self.candidate.repairs)}."
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The suggestion as JSON: the candidate, its figures (bytes per device,
+        seconds), and the `Rules` as the spec file's document."""
+        entry: dict[str, Any] = {
+            "strategy": self.strategy,
+            "mesh": [[name, size] for name, size in self.mesh],
+            "fits": self.fits,
+            "over": self.over,
+            "error": self.error,
+            "repairs": list(self.candidate.repairs),
+        }
+        if self.cost is not None:
+            memory, estimate = self.cost.memory, self.cost.estimate()
+            entry.update(
+                peak=memory.peak,
+                parameters=memory.parameters,
+                state=memory.state,
+                optimizer=memory.optimizer,
+                communication=[
+                    {"axes": [] if axes == "-" else axes.split("+"), "bytes": n}
+                    for axes, n in communication(self.cost).items()
+                ],
+                estimate={"hardware": estimate.hardware.name, "seconds": estimate.seconds},
+                compiler=self.cost.compiler,
+            )
+        entry["rules"] = self.rules.to_json()
+        return entry
+
+
+def _where(devices: int, target: str | None) -> str:
+    """`8 devices`, or `v5p:4x4x4 (64 devices)`."""
+    return f"{devices} devices" if target is None else f"{target} ({devices} devices)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked(Sequence[Suggestion]):
+    """The candidates of `eqshard.suggest`, best first: those that fit by their
+    estimate, then those that do not by how far over the limit they are, then those
+    that failed to compile.
+
+    `print(ranked)` shows the table (plain text, for logs); in a rich console or
+    notebook it renders as one. `ranked[0]` is the first row, `ranked.best` the best
+    that fits (`None` when nothing does), and `to_json()` gives the same to machines.
+
+    **Attributes:**
+
+    - `suggestions`: every `Suggestion`, in order.
+    - `dropped`: `(name, reason)` of each candidate not ranked: those the generator
+        dropped (a split that does not divide and cannot be repaired), and those that
+        failed to compile, with their error.
+    - `devices`, `target`: where they were compiled for: a device count of
+        simulated devices, or a TPU slice (and its count).
+    - `compiler`: whose figures these are (`"XLA:CPU, 8 simulated devices"`).
+    - `hardware`: the profile the estimates are on: the target's chip, else an H100.
+    - `limit`, `limit_from`: the memory limit per device in bytes, and where it
+        comes from (`"max_memory"`, or `"the chip's HBM"`); `None` without one.
+    """
+
+    suggestions: tuple[Suggestion, ...]
+    dropped: tuple[tuple[str, str], ...] = ()
+    devices: int = 0
+    target: str | None = None
+    compiler: str = ""
+    hardware: str = HARDWARE["h100"].name
+    limit: int | None = None
+    limit_from: str | None = None
+
+    @overload
+    def __getitem__(self, index: int) -> Suggestion: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Suggestion]: ...
+
+    def __getitem__(self, index: int | slice) -> Suggestion | Sequence[Suggestion]:
+        return self.suggestions[index]
+
+    def __len__(self) -> int:
+        return len(self.suggestions)
+
+    def __iter__(self) -> Iterator[Suggestion]:
+        return iter(self.suggestions)
+
+    @property
+    def best(self) -> Suggestion | None:
+        """The fastest candidate that fits, or `None` when none does."""
+        return next((s for s in self.suggestions if s.fits and s.cost is not None), None)
+
+    def __rich__(self) -> Table:
+        from rich.table import Table
+        from rich.text import Text
+
+        lower = self.target is None  # XLA:CPU's peak is a lower bound
+        peak = "peak >= / device" if lower else "peak / device"
+        if self.limit is not None:
+            peak += f" (limit {_bytes(self.limit)})"
+        chip = "H100" if self.target is None else self.hardware
+        title = f"eqshard suggest: {len(self)} candidates on {_where(self.devices, self.target)}"
+        table = Table(title=Text(title), title_justify="left", caption_justify="left")
+        table.add_column("#", justify="right")
+        table.add_column("strategy", no_wrap=True)
+        table.add_column("mesh", no_wrap=True)
+        table.add_column(peak, justify="right")
+        table.add_column("fits", no_wrap=True)
+        table.add_column("communication / step")
+        table.add_column(f"estimate ({chip})", justify="right")
+        table.add_column("repairs", justify="right")
+        place = 0
+        for s in self.suggestions:
+            repairs = str(len(s.candidate.repairs))
+            if s.cost is None:
+                row = ["-", s.strategy, mesh_text(s.mesh), "-", "failed", "-", "-", repairs]
+            else:
+                place += 1
+                moved = communication(s.cost)
+                row = [
+                    str(place),
+                    s.strategy,
+                    mesh_text(s.mesh),
+                    _bytes(s.cost.memory.peak),
+                    self._fits_text(s),
+                    "\n".join(f"{axes} {_bytes(n)}" for axes, n in moved.items()) or "none",
+                    seconds_text(s.cost.estimate().seconds),
+                    repairs,
+                ]
+            table.add_row(*(Text(cell) for cell in row))
+        table.caption = Text("\n".join(self._notes()))
+        return table
+
+    def _fits_text(self, s: Suggestion) -> str:
+        if self.limit is None:
+            return "yes (no limit)"
+        if s.fits or s.cost is None:
+            return "yes"
+        peak = s.cost.memory.peak
+        return f"no: needs {_bytes(peak)} of {_bytes(self.limit)}: {peak / self.limit:.2f}x"
+
+    def _notes(self) -> list[str]:
+        """The lines under the table: whose figures, the limit, the verdict, and each
+        candidate that was dropped or failed."""
+        notes = [
+            f"compiled by {self.compiler or 'nothing: no candidate was compiled'}; estimates "
+            f"are rooflines on {self.hardware}, never measurements"
+        ]
+        if self.limit is None:
+            notes.append(
+                "no memory limit: XLA:CPU's peak is a lower bound, so every candidate counts "
+                "as fitting; give max_memory (--max-memory) to rule some out"
+            )
+        else:
+            limit = _bytes(self.limit)
+            source = f"{HBM}, {limit}" if self.limit_from == HBM else f"{limit} (given)"
+            bound = ", by XLA:CPU's peak, a lower bound" if self.target is None else ""
+            notes.append(f"max memory: {source} per device{bound}")
+        best = self.best
+        fitting = sum(s.fits and s.cost is not None for s in self.suggestions)
+        if best is None:
+            notes.append("nothing fits")
+        else:
+            notes.append(f"{fitting} of {len(self)} fit; the best: {best.name}")
+        for name, reason in self.dropped:
+            brief = " ".join(reason.split())  # one line: a message may hold a table
+            if len(brief) > _ERROR_CHARACTERS:
+                brief = brief[: _ERROR_CHARACTERS - 1] + "…"
+            notes.append(f"dropped: {name}: {brief}")
+        return notes
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=WIDTH, record=True, file=io.StringIO(), markup=False, emoji=False)
+        console.print(self)
+        return console.export_text().rstrip() + "\n"
+
+    def to_json(self) -> dict[str, Any]:
+        """The ranking as JSON: where it was compiled, the limit, each suggestion in
+        order (`Suggestion.to_json`), and the dropped candidates."""
+        best = self.best
+        return {
+            "devices": self.devices,
+            "target": self.target,
+            "compiler": self.compiler,
+            "hardware": self.hardware,
+            "max_memory": None
+            if self.limit is None
+            else {"bytes": self.limit, "from": self.limit_from},
+            "best": None if best is None else self.suggestions.index(best),
+            "suggestions": [s.to_json() for s in self.suggestions],
+            "dropped": [{"name": name, "reason": reason} for name, reason in self.dropped],
+        }
+
+
+def placement(devices: int | None, target: str | None) -> tuple[int, CompileTarget | None]:
+    """The device count the candidates are costed on, and the TPU slice, if any.
+
+    **Raises:** `EqshardError` when both or neither are given, or `devices` is no
+    whole number; what `compile_target` raises for the slice.
+    """
+    if target is not None:
+        if devices is not None:
+            raise EqshardError(
+                f"`devices={devices!r}` and `target={target!r}` are both given; the slice has "
+                "its devices: give one of them"
+            )
+        from ._targets import compile_target
+
+        on = compile_target(target)
+        return len(on.devices), on
+    if devices is None:
+        raise EqshardError(
+            "give `devices=` (how many simulated devices to compile each candidate on) or "
+            "`target=` (a TPU slice, such as 'v5p:4x4x4')"
+        )
+    return whole_number(devices, "`devices`"), None
+
+
+def memory_limit(
+    max_memory: int | str | None, on: CompileTarget | None
+) -> tuple[int | None, str | None]:
+    """The memory limit per device and where it comes from: `max_memory`, else the
+    target chip's HBM per device, else none."""
+    if max_memory is not None:
+        return memory_size(max_memory), GIVEN
+    if on is not None:
+        return on.memory_per_device, HBM
+    return None, None
+
+
+def _cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def rank(
+    candidates: Sequence[Candidate],
+    step: Any,
+    model: Any,
+    *args: Any,
+    devices: int | None = None,
+    target: str | None = None,
+    max_memory: int | str | None = None,
+    workers: int | None = None,
+    dropped: Sequence[tuple[str, str]] = (),
+) -> Ranked:
+    """Costs each candidate by compiling the user's step under its rules, and ranks them.
+
+    **Example:**
+
+    ```python
+    ranked = rank(candidates, step, model, opt_state, batch, devices=8, max_memory="16GiB")
+    print(ranked)          # the table
+    ranked.best.rules      # the fastest that fits
+    ```
+
+    **Arguments:**
+
+    - `candidates`: the `Candidate`s to cost.
+    - `step`, `model`, `*args`: as for `eqshard.cost`, concrete or abstract: they
+        travel to the workers abstract, once per worker.
+    - `devices`: compile each candidate on this many simulated CPU devices
+        (XLA:CPU, whose peak is a lower bound).
+    - `target`: or for this TPU slice (`"v5p:4x4x4"`), with XLA:TPU through libtpu.
+    - `max_memory`: device memory per device: bytes, or a size such as `"80GB"` or
+        `"75GiB"` (as `eqshard check --max-memory` reads it). By default the target
+        chip's HBM; without a target there is no limit, and every candidate fits.
+    - `workers`: how many worker processes compile at once (by default one per
+        core, at most one per candidate); `0` costs every candidate in this
+        process, one after another.
+    - `dropped`: the candidates the generator dropped, `(name, reason)`, listed with
+        the ranking's.
+
+    **Returns:**
+
+    A `Ranked`.
+
+    **Raises:**
+
+    `EqshardError` when `devices` and `target` are both given or neither is, for a
+    `max_memory` that is no size, for a `target` that is no TPU slice (`UsageError`
+    without libtpu), and when the step or its arguments cannot cross to a worker (a
+    worker's own trouble, such as a step module it cannot import, too). A candidate
+    that fails to compile is no error: it is listed with its message.
+    """
+    n, on = placement(devices, target)
+    limit, limit_from = memory_limit(max_memory, on)
+    if workers is not None:
+        workers = whole_number(workers, "`workers`", 0)
+    if workers == 0:
+        results = [_cost_one(step, model, args, c.rules, n, target) for c in candidates]
+    else:
+        from ._cost import _bare
+        from ._workers import pickled
+
+        inputs = {
+            "pickle": pickled(
+                (step, _bare(model), _bare(args)),
+                "the step or its arguments",
+                "define the step at the top level of a module, or in the script being run "
+                "(cloudpickle, `pip install 'eqshard[cost]'`, sends the script's by value)",
+            )
+        }
+        results = compile_in_workers(candidates, inputs, n, target, workers)
+    return ranked(candidates, results, n, on, limit, limit_from, dropped)
+
+
+def _cost_one(
+    step: Any, model: Any, args: Sequence[Any], rules: Rules, devices: int, target: str | None
+) -> Cost | str:
+    """`eqshard.cost` of one candidate, or why it failed."""
+    from ._cost import cost
+
+    try:
+        return cost(
+            step, model, *args, spec=rules, devices=None if target else devices, target=target
+        )
+    except Exception as error:  # a candidate that does not compile is listed, not fatal
+        return _error_text(error)
+
+
+def _error_text(error: BaseException) -> str:
+    """An error as a failed candidate's reason: eqshard's own by their message (which
+    names the step and the spec), anything else with its class."""
+    if isinstance(error, EqshardError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def ranked(
+    candidates: Sequence[Candidate],
+    results: Sequence[Cost | str],
+    devices: int,
+    on: CompileTarget | None,
+    limit: int | None,
+    limit_from: str | None,
+    dropped: Sequence[tuple[str, str]] = (),
+) -> Ranked:
+    """The `Ranked` of costed candidates: `results` holds each one's `Cost`, or
+    why it failed. Those that fit go first by their estimate (then their peak, then
+    the generator's order), then the others by how far over they are, then the
+    failures in the generator's order."""
+    fitting, over, failed = [], [], []
+    for i, (candidate, result) in enumerate(zip(candidates, results)):
+        if isinstance(result, str):
+            failed.append(Suggestion(candidate, error=result, limit=limit))
+            continue
+        peak = result.memory.peak
+        seconds = result.estimate().seconds
+        if limit is None or peak <= limit:
+            fitting.append(((seconds, peak, i), Suggestion(candidate, result, True, limit=limit)))
+        else:
+            ratio = peak / limit
+            over.append(
+                ((ratio, seconds, i), Suggestion(candidate, result, False, ratio, None, limit))
+            )
+    order = [s for _, s in sorted(fitting, key=lambda e: e[0])]
+    order += [s for _, s in sorted(over, key=lambda e: e[0])]
+    order += failed
+    compiler = next((r.compiler for r in results if not isinstance(r, str)), "")
+    if not compiler:
+        compiler = on.compiler if on is not None else f"XLA:CPU, {devices} simulated devices"
+    return Ranked(
+        tuple(order),
+        tuple(dropped) + tuple((s.name, s.error or "") for s in failed),
+        devices,
+        None if on is None else on.name,
+        compiler,
+        (HARDWARE["h100"] if on is None else on.hardware).name,
+        limit,
+        limit_from,
+    )
+
+
+_TIMEOUT_SECONDS = 3600.0  # each candidate's compile, in a worker
+
+
+def compile_in_workers(
+    candidates: Sequence[Candidate],
+    inputs: Mapping[str, Any],
+    devices: int,
+    target: str | None,
+    workers: int | None = None,
+) -> list[Cost | str]:
+    """Each candidate's `Cost`, or why it failed, compiled in worker processes.
+
+    Up to `workers` (by default one per core) start at once, each with its share of
+    the candidates (every `workers`-th), and answer once. `inputs` says how a worker
+    gets the step and its arguments, once: `{"pickle": ...}`, pickled (`pickled`),
+    or `{"build": "MODULE:FUNCTION", "request": {...}}`, a function that builds them
+    from the request (the command line's, which imports the user's modules by name).
+    A worker that ends without an answer (killed, out of memory, past its time)
+    fails its share, each with that message; an error it answers (its inputs cannot
+    be read or built) is raised here.
+    """
+    from ._workers import pickled, start_worker, unpickled, without_device_count, worker_answer
+
+    if not candidates:
+        return []
+    count = min(workers or _cores(), len(candidates))
+    shares = [list(range(start, len(candidates), count)) for start in range(count)]
+    env = without_device_count(os.environ)
+    results: list[Cost | str] = ["not compiled"] * len(candidates)
+    running = []
+    try:
+        for share in shares:
+            request = {
+                "inputs": dict(inputs),
+                "devices": devices,
+                "target": target,
+                "rules": pickled(
+                    [candidates[i].rules for i in share],
+                    "the candidates' rules",
+                    "report it as a bug in eqshard",
+                ),
+            }
+            running.append((share, start_worker(request, "eqshard._suggest:_worker", env)))
+        for share, worker in running:
+            doing = f"costing {len(share)} candidates on {_where(devices, target)}"
+            try:
+                document = worker_answer(
+                    worker,
+                    _TIMEOUT_SECONDS * len(share),
+                    doing,
+                    "Cost the candidate with `eqshard.cost` in this process to see why",
+                )
+            except EqshardError as error:
+                if worker.process.returncode == 0:  # it answered: its error, raised here
+                    raise
+                for i in share:
+                    results[i] = str(error)
+                continue
+            for i, entry in zip(share, document["result"]):
+                found = entry.get("cost")
+                results[i] = entry["error"] if found is None else unpickled(found, "the cost")
+    finally:
+        for _, worker in running:
+            worker.stop()
+    return results
+
+
+def _worker() -> int:
+    """A worker's entry (`compile_in_workers`): costs its share of the candidates."""
+    from ._workers import serve
+
+    return serve(_costs_here)
+
+
+def _costs_here(request: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The worker's costs, JAX not yet started: one entry per candidate, `{"cost":
+    pickled Cost}` or `{"error": why}`."""
+    import jax
+
+    from ._cost import portable
+    from ._workers import pickled, unpickled
+
+    target = request.get("target")
+    devices = whole_number(request["devices"], "devices")
+    jax.config.update("jax_platforms", "cpu")
+    if target is None:
+        jax.config.update("jax_num_cpu_devices", devices)
+    step, model, args = _inputs(request["inputs"])
+    started = len(jax.devices())  # the step's module may have started JAX with its own count
+    if target is None and started < devices:
+        raise EqshardError(
+            f"costing the candidates on {devices} devices needs {devices} simulated devices, "
+            f"but JAX started with {started}: the step's modules set that count "
+            "(jax.config.update('jax_num_cpu_devices', ...)); leave the count to eqshard"
+        )
+    answers = []
+    for rules in unpickled(request["rules"], "the candidates' rules"):
+        found = _cost_one(step, model, args, rules, devices, target)
+        if isinstance(found, str):
+            answers.append({"error": found})
+        else:
+            answers.append({"cost": pickled(portable(found), "the cost", "report it as a bug")})
+    return answers
+
+
+def _inputs(entry: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...]]:
+    """The step, the model and the other arguments, as the request carries them:
+    pickled, or built by the function it names."""
+    import importlib
+
+    from ._workers import unpickled
+
+    if "pickle" in entry:
+        step, model, args = unpickled(entry["pickle"], "the step or its arguments")
+        return step, model, tuple(args)
+    module, _, function = str(entry["build"]).partition(":")
+    step, model, args = getattr(importlib.import_module(module), function)(entry["request"])
+    return step, model, tuple(args)
+
+
+def suggest(
+    step: Any,
+    model: Any,
+    *args: Any,
+    devices: int | None = None,
+    target: str | None = None,
+    max_memory: int | str | None = None,
+    workers: int | None = None,
+) -> Ranked:
+    """The fastest spec that fits, found by compiling the user's own step under every
+    candidate strategy.
+
+    **Example:**
+
+    ```python
+    ranked = eqshard.suggest(step, model, opt_state, batch, devices=64, max_memory="80GB")
+    print(ranked)                                  # strategy, mesh, memory, fits, ...
+    ranked[0].rules                                # a Rules, with a comment per rule
+    ranked[0].cost                                 # the Cost it was ranked by
+    eqshard.dump(ranked[0].rules, "best.eqshard.json")
+    ```
+
+    **Arguments:**
+
+    - `step`: the training step, as `eqshard.cost` takes it: called as
+        `step(model, *args)`.
+    - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`).
+    - `*args`: the rest of the step's arguments (its `eqx.nn.State`, the optimizer
+        state, the batch), concrete or abstract.
+    - `devices`: the device count: each candidate is compiled on that many
+        simulated CPU devices by XLA:CPU (its peak is a lower bound).
+    - `target`: instead, a TPU slice (`"v5p:4x4x4"`): each candidate is compiled
+        for its devices by XLA:TPU, through libtpu (`pip install 'eqshard[tpu]'`).
+    - `max_memory`: device memory per device, bytes or a size (`"80GB"`,
+        `"75GiB"`); by default the target chip's HBM. Without either, nothing is
+        ruled out by memory, and the table says so.
+    - `workers`: worker processes that compile at once: by default one per core;
+        `0` compiles in this process.
+
+    **Returns:**
+
+    A `Ranked`: the candidates that fit, fastest first by their roofline estimate
+    (on the target's chip, else an H100), then those that do not, with how far
+    over the limit each is, then those that failed to compile, with their error;
+    `ranked.dropped` lists the candidates dropped (a split that cannot be
+    repaired) and those that failed, with the reasons.
+
+    **Raises:**
+
+    `EqshardError` when `devices` and `target` are both given or neither is, for a
+    `max_memory` that is no size or a `target` that is no TPU slice (`UsageError`
+    without libtpu), and when the step or its arguments cannot be sent to a worker.
+    """
+    from ._candidates import candidates
+
+    n, _ = placement(devices, target)
+    kept, dropped = candidates(step, model, *args, devices=n)
+    return rank(
+        kept,
+        step,
+        model,
+        *args,
+        devices=devices,
+        target=target,
+        max_memory=max_memory,
+        workers=workers,
+        dropped=dropped,
+    )

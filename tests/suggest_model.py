@@ -1,0 +1,61 @@
+"""Models for tests/test_suggest.py that worker processes import by name.
+
+`rank` sends the step to its workers with cloudpickle, which sends a module's
+functions by name: this module is `suggest_model` there too (the workers have the
+suite's `sys.path`, `tests/` among it). The stacked GPT is examples/gpt_stacked.py,
+run in this module's name, so its classes and functions are found here by name.
+"""
+
+import os
+import runpy
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt_stacked.py"
+_GPT = runpy.run_path(str(EXAMPLE), run_name=__name__)
+# every class and function by name here (Block too: a class a worker cannot find
+# by name is sent by value, and Equinox's fields do not survive that)
+globals().update({name: value for name, value in _GPT.items() if not name.startswith("__")})
+GPT = _GPT["GPT"]
+Block = _GPT["Block"]
+build = _GPT["build"]
+step = _GPT["step"]
+optimizer = _GPT["optimizer"]
+batch = _GPT["batch"]
+loss = _GPT["loss"]
+
+
+def mlp_build() -> eqx.nn.MLP:
+    """A small MLP: quick to compile on 8 devices."""
+    return eqx.nn.MLP(32, 32, 64, 1, key=jax.random.key(0))
+
+
+def mlp_optimizer() -> optax.GradientTransformation:
+    return optax.adam(1e-3)
+
+
+def mlp_batch() -> jax.Array:
+    return jnp.zeros((16, 32))
+
+
+@eqx.filter_jit
+def mlp_step(model, opt_state, x):
+    def loss_fn(m):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    value, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    params = eqx.filter(model, eqx.is_array)
+    updates, opt_state = mlp_optimizer().update(grads, opt_state, params)
+    return eqx.apply_updates(model, updates), opt_state, value
+
+
+def failing_step(model, opt_state, x):
+    raise ValueError("no step here")
+
+
+def dying_step(model, opt_state, x):
+    os._exit(3)  # as a compiler killed for its memory would: no answer

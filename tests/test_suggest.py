@@ -1,0 +1,418 @@
+"""`eqshard.suggest`'s ranking: candidates costed by compiling the user's step, in
+worker processes, ranked by their estimate within a memory limit.
+
+The candidates are made by hand here (the demo's spec files, small `Rules`); the
+generator has its own tests. `tests/suggest_model.py` holds the models, importable
+by name in the workers.
+"""
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import pytest
+import suggest_model as models
+
+import eqshard
+import eqshard._candidates
+from eqshard._candidates import Candidate
+from eqshard._report import human_bytes
+from eqshard._suggest import Suggestion, communication, rank
+
+TESTS = Path(__file__).parent
+DEMO = TESTS.parent / "examples" / "specs" / "demo"
+MODULE = TESTS / "suggest_model.py"
+BUDGET = 640 * 1024  # rules data parallel out for the stacked GPT: it needs 1.3x that
+
+# the demo's spec files, as the generator would name them, with the GPT's activations'
+# names mapped onto each mesh (the example's model names them; the files do not)
+STRATEGIES = {
+    "data-parallel": ("data parallel", (("data", 8),)),
+    "zero-1": ("zero-1", (("data", 8),)),
+    "fsdp": ("fsdp", (("data", 8),)),
+    "2d": ("data x tensor", (("data", 2), ("model", 4))),
+}
+
+
+def _abstract(build, optimizer, batch):
+    model = eqx.filter_eval_shape(build)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return model, jax.eval_shape(optimizer().init, params), eqx.filter_eval_shape(batch)
+
+
+def _demo_candidate(name: str, repairs: tuple[str, ...] = ()) -> Candidate:
+    strategy, mesh = STRATEGIES[name]
+    rules = eqshard.load(DEMO / f"{name}.eqshard.json")
+    axes = {axis for axis, _ in mesh}
+    dims = {
+        "batch": "data" if "data" in axes else None,
+        "seq": None,
+        "embed": None,
+        "vocab": "model" if "model" in axes else None,
+    }
+    return Candidate(strategy, mesh, dataclasses.replace(rules, dims=dims), repairs)
+
+
+FSDP_REPAIRS = ("pos.weight: replicated, as its dims do not divide by 8 (a made-up repair)",)
+UNMAPPED = Candidate(  # its rules map none of the names the model's activations carry
+    "data parallel (no dims)", (("data", 8),), eqshard.load(DEMO / "data-parallel.eqshard.json")
+)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _abstract(models.build, models.optimizer, models.batch)
+
+
+@pytest.fixture(scope="module")
+def gpt_ranked(gpt):
+    candidates = [
+        _demo_candidate(name, FSDP_REPAIRS if name == "fsdp" else ()) for name in STRATEGIES
+    ]
+    return rank([*candidates, UNMAPPED], models.step, *gpt, devices=8, max_memory=BUDGET)
+
+
+def _cost(s: Suggestion) -> eqshard.Cost:
+    assert s.cost is not None, s.error
+    return s.cost
+
+
+def _peak(s: Suggestion) -> int:
+    return _cost(s).memory.peak
+
+
+def test_the_limit_rules_data_parallel_out_and_the_rest_rank_by_estimate(gpt_ranked):
+    ranked = gpt_ranked
+    assert (ranked.limit, ranked.limit_from, ranked.devices) == (BUDGET, "max_memory", 8)
+    assert ranked.compiler == "XLA:CPU, 8 simulated devices"
+    by_strategy = {s.strategy: s for s in ranked}
+    assert len(by_strategy) == len(ranked) == 5
+    data_parallel = by_strategy["data parallel"]
+    assert not data_parallel.fits
+    assert data_parallel.over == pytest.approx(_peak(data_parallel) / BUDGET)
+    assert data_parallel.over > 1
+    costed = [s for s in ranked if s.cost is not None]
+    for s in costed:
+        assert s.fits == (_peak(s) <= BUDGET), s.name
+    fitting = [s for s in costed if s.fits]
+    over = [s for s in costed if not s.fits]
+    assert fitting, "nothing fits the budget"
+    assert list(ranked) == [*fitting, *over, by_strategy["data parallel (no dims)"]]
+    assert [s.seconds for s in fitting] == sorted(s.seconds for s in fitting)
+    assert [s.over for s in over] == sorted(s.over for s in over)
+    assert ranked[0] is ranked.best is fitting[0]
+    assert ranked.best.seconds == ranked.best.cost.estimate("h100").seconds
+
+
+def test_a_candidate_that_fails_to_compile_is_listed_with_its_error(gpt_ranked):
+    failed = gpt_ranked[-1]
+    assert failed.candidate is UNMAPPED
+    assert failed.cost is None
+    assert not failed.fits
+    assert "`eqshard.constrain` cannot lay out (..., 'seq', 'embed')" in failed.error
+    assert "names 'seq', which $.dims does not map" in failed.error
+    assert gpt_ranked.dropped == (("data parallel (no dims) (data=8)", failed.error),)
+
+
+def test_the_table_is_plain_text_with_every_column(gpt_ranked):
+    text = str(gpt_ranked)
+    assert "\x1b" not in text
+    lines = text.splitlines()
+    assert lines[0].rstrip() == "eqshard suggest: 5 candidates on 8 devices"
+    header = next(line for line in lines if "strategy" in line)
+    for column in ("#", "mesh", "peak >= / device (limit 640.0 KiB)", "fits"):
+        assert column in header
+    for column in ("communication / step", "estimate (H100)", "repairs"):
+        assert column in header
+    rows = [line for line in lines if line.startswith("│ ") and line[2] != " "]
+    names = [row.split("│")[2].strip() for row in rows]
+    assert names == [s.strategy for s in gpt_ranked]
+    for row, s in zip(rows, gpt_ranked):
+        cells = [cell.strip() for cell in row.split("│")[1:-1]]
+        repairs = str(len(s.candidate.repairs))
+        if s.cost is None:
+            assert cells == ["-", s.strategy, "data=8", "-", "failed", "-", "-", repairs]
+            continue
+        moved = communication(s.cost)
+        first = next(iter(moved))
+        assert cells[2] == " x ".join(f"{axis}={size}" for axis, size in s.mesh)
+        assert cells[3] == human_bytes(_peak(s))
+        assert cells[5] == f"{first} {human_bytes(moved[first])}"
+        assert cells[7] == repairs
+        if s.fits:
+            assert cells[4] == "yes"
+        else:
+            need = f"no: needs {human_bytes(_peak(s))} of 640.0 KiB: {_peak(s) / BUDGET:.2f}x"
+            assert cells[4] == need
+    notes = "\n".join(line.rstrip() for line in lines)
+    assert "max memory: 640.0 KiB (given) per device, by XLA:CPU's peak, a lower bound" in notes
+    assert f"; the best: {gpt_ranked.best.name}" in notes
+    assert "dropped: data parallel (no dims) (data=8): `eqshard.constrain` cannot lay" in notes
+
+
+def test_the_best_rules_written_load_back_to_the_same_layouts_and_check_agrees(
+    gpt, gpt_ranked, tmp_path, run_cli
+):
+    best = gpt_ranked.best
+    path = tmp_path / "best.eqshard.json"
+    eqshard.dump(best.rules, path)
+    loaded = eqshard.load(path)
+    comment = str(loaded.comment)
+    assert comment.startswith(best.candidate.rules.comment)
+    assert f"Suggested by eqshard suggest: {best.name} on 8 devices" in comment
+    assert [r.comment for r in loaded.rules] == [r.comment for r in best.candidate.rules.rules]
+    model = gpt[0]
+    written = eqshard.plan(model, loaded, devices=8)
+    costed = eqshard.plan(model, best.candidate.rules, devices=8)
+    assert written.mesh == costed.mesh
+    same = jax.tree_util.tree_leaves(written.partition_specs)
+    assert same == jax.tree_util.tree_leaves(costed.partition_specs)
+    same = jax.tree_util.tree_leaves(written.optimizer.partition_specs)
+    assert same == jax.tree_util.tree_leaves(costed.optimizer.partition_specs)
+
+    example = TESTS.parent / "examples" / "gpt_stacked.py"
+    done = run_cli(
+        *("check", path, "--devices", 8, "--format", "json"),
+        *("--model", f"{example}:build", "--step", f"{example}:step"),
+        *("--optimizer", f"{example}:optimizer", "--batch", f"{example}:batch"),
+    )
+    assert done.code == 0, done.err
+    found = json.loads(done.out)["checks"][0]["cost"]
+    assert found["peak"] == best.cost.memory.peak
+    assert found["optimizer"] == best.cost.memory.optimizer
+    by_axes = {(e["kind"], tuple(e["axes"])): e["bytes"] for e in found["communication"]}
+    assert by_axes == best.cost.bytes_by_axes()
+
+
+def _mlp_candidates() -> list[Candidate]:
+    megatron = eqshard.load(
+        {
+            "eqshard": 1,
+            "mesh": [["model", "*"]],
+            "batch": "... -> * ...",
+            "rules": [
+                {"path": "layers.0.weight", "expr": "o i -> o* i", "comment": "column"},
+                {"path": "layers.0.bias", "expr": "o -> o*"},
+                {"path": "layers.1.weight", "expr": "o i -> o i*", "comment": "row"},
+            ],
+        }
+    )
+    data = [["data", "*"]]
+    return [
+        Candidate("data parallel", (("data", 8),), eqshard.load({"eqshard": 1, "mesh": data})),
+        Candidate(
+            "fsdp", (("data", 8),), eqshard.load({"eqshard": 1, "mesh": data, "default": "fsdp"})
+        ),
+        Candidate("megatron", (("model", 8),), megatron),
+    ]
+
+
+def test_workers_and_this_process_give_the_same_costs():
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    candidates = _mlp_candidates()
+    here = rank(candidates, models.mlp_step, *mlp, devices=8, workers=0)
+    there = rank(candidates, models.mlp_step, *mlp, devices=8, workers=2, max_memory="75GiB")
+    assert (there.limit, here.limit) == (75 * 2**30, None)
+    assert [s.name for s in here] == [s.name for s in there]
+    for a, b in zip(here, there):
+        x, y = _cost(a), _cost(b)
+        assert x.memory == y.memory, a.name
+        assert x.bytes_by_axes() == y.bytes_by_axes(), a.name
+        assert (x.flops, x.bytes_accessed) == (y.flops, y.bytes_accessed)
+        assert (a.fits, b.fits) == (True, True)
+    text = str(here)
+    assert text.count("yes (no limit)") == 3
+    assert "no memory limit: XLA:CPU's peak is a lower bound, so every candidate counts" in text
+    assert "3 of 3 fit; the best:" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"devices": 8, "target": "v5e:2x4"}, r"`devices=8` and `target='v5e:2x4'` are both"),
+        ({}, r"give `devices=` \(how many simulated devices"),
+        ({"devices": 8, "max_memory": "lots"}, r"'lots' is not a memory size: write a byte"),
+        ({"devices": 8, "workers": -1}, r"`workers`"),
+    ],
+)
+def test_rank_refuses_what_it_cannot_do(kwargs, message):
+    with pytest.raises(eqshard.EqshardError, match=message):
+        rank(_mlp_candidates(), models.mlp_step, object(), **kwargs)
+
+
+def test_a_spec_file_keeps_its_comments_through_load_and_dump(tmp_path):
+    document = {
+        "eqshard": 1,
+        "comment": "the file's",
+        "rules": [{"path": "a", "expr": "x -> x*", "comment": "the rule's"}],
+        "optimizer": {"comment": "the section's", "default": "fsdp"},
+    }
+    rules = eqshard.load(document)
+    eqshard.dump(rules, tmp_path / "a.json")
+    again = eqshard.load(tmp_path / "a.json")
+    for each in (rules, again):
+        assert each.optimizer is not None
+        assert (each.comment, each.optimizer.comment) == ("the file's", "the section's")
+    assert again.rules[0].comment == "the rule's"
+
+
+# --------------------------------------------------------------------------- #
+# The command line, with the generator replaced by the hand-made candidates.
+# --------------------------------------------------------------------------- #
+
+
+def _generate(chosen):
+    def candidates(step, model, *args, devices):
+        assert devices == 8
+        return chosen, [("fsdp x tensor (data=1 x model=8)", "made up: it does not divide")]
+
+    return candidates
+
+
+def _suggest(run_cli, *extra, step="mlp_step"):
+    return run_cli(
+        *("suggest", "--devices", 8, "--model", f"{MODULE}:mlp_build"),
+        *("--step", f"{MODULE}:{step}", "--optimizer", f"{MODULE}:mlp_optimizer"),
+        *("--batch", f"{MODULE}:mlp_batch"),
+        *extra,
+    )
+
+
+def test_cli_writes_the_best_and_check_on_it_reports_the_ranking_s_figures(
+    run_cli, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(eqshard._candidates, "candidates", _generate(_mlp_candidates()), False)
+    path = tmp_path / "best.eqshard.json"
+    done = _suggest(run_cli, "--write", path, "--format", "json", "--max-memory", "16GiB")
+    assert done.code == 0, done.err
+    ranked = json.loads(done.out)
+    assert ranked["written"] == str(path)
+    assert ranked["max_memory"] == {"bytes": 16 * 2**30, "from": "max_memory"}
+    assert ranked["dropped"] == [
+        {"name": "fsdp x tensor (data=1 x model=8)", "reason": "made up: it does not divide"}
+    ]
+    best = ranked["suggestions"][ranked["best"]]
+    loaded = eqshard.load(path)
+    assert loaded.to_json() == eqshard.load(best["rules"]).to_json()
+    chosen = next(c for c in _mlp_candidates() if c.strategy == best["strategy"])
+    model = eqx.filter_eval_shape(models.mlp_build)
+    written = eqshard.plan(model, loaded, devices=8).partition_specs
+    costed = eqshard.plan(model, chosen.rules, devices=8).partition_specs
+    assert jax.tree_util.tree_leaves(written) == jax.tree_util.tree_leaves(costed)
+
+    check = run_cli(
+        *("check", path, "--devices", 8, "--format", "json", "--model", f"{MODULE}:mlp_build"),
+        *("--step", f"{MODULE}:mlp_step", "--optimizer", f"{MODULE}:mlp_optimizer"),
+        *("--batch", f"{MODULE}:mlp_batch"),
+    )
+    assert check.code == 0, check.err
+    found = json.loads(check.out)["checks"][0]["cost"]
+    assert found["peak"] == best["peak"]
+    moved: dict[str, int] = {}
+    for entry in found["communication"]:
+        axes = "+".join(entry["axes"]) or "-"
+        moved[axes] = moved.get(axes, 0) + entry["bytes"]
+    assert moved == {"+".join(e["axes"]) or "-": e["bytes"] for e in best["communication"]}
+
+
+def test_cli_exits_1_when_nothing_fits_and_writes_nothing(run_cli, monkeypatch, tmp_path):
+    monkeypatch.setattr(eqshard._candidates, "candidates", _generate(_mlp_candidates()[:1]), False)
+    path = tmp_path / "best.eqshard.json"
+    done = _suggest(run_cli, "--max-memory", "1kB", "--write", path, "--workers", 1)
+    assert done.code == 1, done.err
+    assert "no: needs" in done.out
+    assert "nothing fits" in done.out
+    assert f"nothing fits: {path} not written" in done.out
+    assert not path.exists()
+
+
+def test_cli_exits_2_when_no_candidate_compiles(run_cli, monkeypatch):
+    monkeypatch.setattr(eqshard._candidates, "candidates", _generate(_mlp_candidates()[:1]), False)
+    done = _suggest(run_cli, "--workers", 1, step="failing_step")
+    assert done.code == 2
+    assert (
+        "eqshard suggest: error: no candidate could be compiled; the first one's error:" in done.err
+    )
+    assert "it raised ValueError: no step here" in done.err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--model", "nope:build", "--step", "nope:step", "--batch", "nope:batch"),
+            "eqshard suggest: error: --model 'nope:build': cannot import 'nope'",
+        ),
+        (
+            ("--model", "m:b", "--step", "m:s", "--batch", "m:b", "--max-memory", "lots"),
+            "argument --max-memory: 'lots' is not a memory size: write a byte count",
+        ),
+        (
+            ("--model", "m:b", "--step", "m:s", "--batch", "m:b", "--target", "v5e:2x4"),
+            "argument --target: not allowed with argument --devices",
+        ),
+        (("--model", "m:b", "--step", "m:s"), "the following arguments are required: --batch"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_the_message(run_cli, args, message):
+    done = run_cli("suggest", "--devices", 8, *args)
+    assert done.code == 2
+    assert message in done.err
+    assert "Traceback" not in done.err
+
+
+def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tmp_path):
+    from eqshard.testing import assert_equivalent
+
+    ranked = eqshard.suggest(models.step, *gpt, devices=8, max_memory=BUDGET)
+    best = ranked.best
+    assert best is not None
+    assert best.fits
+    assert best.seconds <= gpt_ranked.best.seconds
+    path = tmp_path / "best.eqshard.json"
+    eqshard.dump(best.rules, path)
+    example = TESTS.parent / "examples" / "gpt_stacked.py"
+    assert_equivalent(
+        f"{example}:build",
+        str(path),
+        f"{example}:loss",
+        f"{example}:batch",
+        devices=(8,),
+        optimizer=f"{example}:optimizer",
+    )
+
+
+def test_a_worker_that_dies_fails_its_candidates_and_the_ranking_goes_on():
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    ranked = rank(_mlp_candidates()[:2], models.dying_step, *mlp, devices=8, workers=1)
+    assert [s.cost for s in ranked] == [None, None]
+    for s in ranked:
+        assert "costing 2 candidates on 8 devices: its process ended (exit code 3)" in str(s.error)
+    assert ranked.best is None
+    assert "nothing fits" in str(ranked)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="the TPU compiler comes with libtpu (eqshard[tpu])",
+)
+def test_on_a_tpu_slice_the_limit_is_the_chip_s_hbm():
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    ranked = rank(_mlp_candidates()[:2], models.mlp_step, *mlp, target="v5e:2x4", workers=1)
+    assert (ranked.limit, ranked.limit_from, ranked.devices) == (16 << 30, "the chip's HBM", 8)
+    assert ranked.compiler.startswith("XLA:TPU (libtpu ")
+    assert ranked.hardware == "Google Cloud TPU v5e"
+    for s in ranked:
+        assert _cost(s).target == "v5e:2x4"
+        assert s.fits
+        assert s.seconds == _cost(s).estimate("tpu-v5e").seconds
+    text = str(ranked)
+    assert "eqshard suggest: 2 candidates on v5e:2x4 (8 devices)" in text
+    assert "peak / device (limit 16.0 GiB)" in text
+    assert "estimate (Google Cloud TPU v5e)" in text
+    assert "max memory: the chip's HBM, 16.0 GiB per device" in [
+        line.rstrip() for line in text.splitlines()
+    ]
