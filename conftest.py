@@ -1,4 +1,5 @@
-"""Every code block of README.md runs in the test suite, through Sybil.
+"""Every code block of README.md and of the documentation (docs/) runs in the test
+suite, through Sybil. Each document is read on its own, as a reader reads a page:
 
 - `python` blocks run in order, in one namespace per document (`>>>` blocks are
     doctests, their output compared);
@@ -6,8 +7,8 @@
     repository's root) and compare what it prints with the lines under it;
 - `json` blocks parse; a spec file (one with `"eqshard"`) is loaded by
     `eqshard.load`, so the schema and every rule are checked, and written to
-    `model.eqshard.json` in the README's working directory (a fresh temporary
-    one), as a reader would save it;
+    `model.eqshard.json` in the document's working directory (a fresh temporary
+    one each), as a reader would save it;
 - `yaml` blocks (pre-commit) name hooks that `.pre-commit-hooks.yaml` defines;
 - any other block fails, unless `<!-- skip: next "why" -->` comes before it: none
     is skipped silently, and each skip shows its reason in the test report.
@@ -46,7 +47,7 @@ def _console(example: Example) -> None:
     for block in blocks:
         command, _, expected = block.partition("\n")
         argv = shlex.split(command)
-        if argv[0] != "eqshard":  # nothing else runs from the README: skip it, named
+        if argv[0] != "eqshard":  # nothing else runs from the docs: skip it, named
             raise AssertionError(f"$ {command}: a console block runs `eqshard` commands only")
         argv = [sys.executable, "-m", "eqshard", *argv[1:]]
         env = {**os.environ, "COLUMNS": "100", "TERM": "dumb", "NO_COLOR": "1"}
@@ -57,7 +58,7 @@ def _console(example: Example) -> None:
             raise AssertionError(
                 f"$ {command}\nprinted:\n"
                 + "\n".join(got)
-                + "\nthe README shows:\n"
+                + f"\n{example.path} shows:\n"
                 + "\n".join(want)
             )
 
@@ -113,13 +114,13 @@ class _Unrun:
 
 
 def _setup(namespace: dict[str, Any]) -> None:
-    """The README's blocks run in a fresh temporary directory, as a reader's would."""
-    namespace["__readme_dirs__"] = (os.getcwd(), tempfile.mkdtemp(prefix="eqshard-readme-"))
-    os.chdir(namespace["__readme_dirs__"][1])
+    """A document's blocks run in a fresh temporary directory, as a reader's would."""
+    namespace["__document_dirs__"] = (os.getcwd(), tempfile.mkdtemp(prefix="eqshard-readme-"))
+    os.chdir(namespace["__document_dirs__"][1])
 
 
 def _teardown(namespace: dict[str, Any]) -> None:
-    cwd, directory = namespace["__readme_dirs__"]
+    cwd, directory = namespace["__document_dirs__"]
     os.chdir(cwd)
     shutil.rmtree(directory, ignore_errors=True)
 
@@ -133,7 +134,7 @@ pytest_collect_file = Sybil(
         _Unrun(),
         SkipParser(),
     ],
-    patterns=["README.md"],
+    patterns=["README.md", "docs/*.md", "docs/*/*.md"],
     excludes=["*/README.md"],  # the package's design notes are not this README
     setup=_setup,
     teardown=_teardown,

@@ -7,7 +7,7 @@ rather than devices, the same mesh is built abstractly (`abstract_mesh`): a
 layout, `PartitionSpec` and `shard_shape` is the same, and nothing is placed. Auto axes mean that
 arrays placed by eqshard work in `jax.jit` with no mesh set, and inside
 `jax.set_mesh(mesh)` when that mesh's axes are Auto too. A mesh with Explicit
-axes (the default of `jax.make_mesh` since JAX 0.10) is a different mode: see
+axes (the default of `jax.make_mesh` since JAX 0.9) is a different mode: see
 `eqshard.constrain`.
 """
 
