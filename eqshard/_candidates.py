@@ -607,7 +607,6 @@ def _candidate(setup: _Setup, strategy: str, data: int, model: int, draft: _Draf
     if dims:
         named = ", ".join(f"{n} over 'data'" if axis else f"{n} whole" for n, axis in dims.items())
         comment += f" The activations' axes: {named}."
-    comment += " Written by eqshard suggest."
     if draft.repairs:
         comment += f" {len(draft.repairs)} leaves did not divide and were replicated."
     optimizer = draft.optimizer
