@@ -348,9 +348,31 @@ def make_plan(
     return Planned(made, problems, warnings)
 
 
+HOST_MEMORY_JAX = (0, 10)
+"""The first JAX whose arrays keep a host memory kind on every backend eqshard is
+tested on: JAX 0.8.1's CPU backend places a `"pinned_host"` array in device memory,
+and its SPMD partitioner fails on steps that move one."""
+
+
+def _memory_supported(memory: Sequence[str | None]) -> None:
+    """Refuses host memory on a JAX that would place it silently in device memory."""
+    kind = next((k for k in memory if k not in (None, "device")), None)
+    if kind is not None and jax.__version_info__ < HOST_MEMORY_JAX:
+        raise EqshardError(
+            f'a rule holds leaves in host memory ("memory": {kind!r}), and this is JAX '
+            f"{jax.__version__}, which does not keep arrays there on every backend (on "
+            "CPU it places them in device memory, silently) or compile steps that move "
+            'them; use JAX 0.10 or later, or leave "memory" out of the rule'
+        )
+
+
 def _shardings(part: _Laid, by_layout: dict[Layout, NamedSharding]) -> list[NamedSharding | None]:
-    """Each leaf's sharding, in the memory kind its rule names."""
+    """Each leaf's sharding, in the memory kind its rule names.
+
+    **Raises:** `EqshardError` for host memory on a JAX before `HOST_MEMORY_JAX`.
+    """
     memory = part.resolved.memory or [None] * len(part.layouts)
+    _memory_supported(memory)
     return [
         None
         if lay is None

@@ -52,8 +52,12 @@ def _constraints(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "sharding_constraint":
             found.append(eqn.params["sharding"])
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _constraints(sub)
+        for value in eqn.params.values():  # the sub-jaxprs: of pjit, scan, cond, ...
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _constraints(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _constraints(sub)
     return found
 
 

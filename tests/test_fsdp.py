@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 from jaxtyping import Array, Float
 
 import eqshard
@@ -118,7 +118,7 @@ def test_attention_on_a_declared_data_by_model_mesh(tmp_path):
 def test_conv_and_a_scalar_on_the_users_mesh_with_data_as_the_minor_axis():
     conv = eqx.nn.Conv2d(16, 3, kernel_size=3, key=jax.random.key(2))  # weight [3, 16, 3, 3]
     model = _numbered({"conv": conv, "scale": jnp.float32(2.0)})
-    mesh = jax.make_mesh((4, 2), ("model", "data"))
+    mesh = jax.make_mesh((4, 2), ("model", "data"), axis_types=(AxisType.Explicit,) * 2)
     plan = eqshard.plan(model, eqshard.FSDP, mesh=mesh)
     assert _layouts(plan) == {
         "conv.weight": ("... d _ __ -> 4 ... d2 _ __", "fsdp"),
@@ -134,7 +134,11 @@ def test_conv_and_a_scalar_on_the_users_mesh_with_data_as_the_minor_axis():
     _check_blocks(placed["conv"].bias, model["conv"].bias, mesh, None, data)
     _check_blocks(placed["scale"], model["scale"], mesh, None, data)
     # a mesh with no 'data' axis: its first axis
-    other = eqshard.plan(model, eqshard.FSDP, mesh=jax.make_mesh((2, 4), ("x", "y")))
+    other = eqshard.plan(
+        model,
+        eqshard.FSDP,
+        mesh=jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2),
+    )
     assert _layouts(other)["conv.weight"] == ("... d _ __ -> ... d2 _ __ 4", "fsdp")
 
 

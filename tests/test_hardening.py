@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 from jaxtyping import Array, Float
 
 import eqshard
@@ -48,7 +49,7 @@ def test_bad_arguments_are_eqshard_errors(call, message):
 
 
 def test_mesh_devices_are_accepted_in_row_major_order():
-    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
     s = eqshard.sharding("x -> x*", (8,), devices=mesh.devices)
     assert np.asarray(s.mesh.devices).ravel().tolist() == np.asarray(mesh.devices).ravel().tolist()
 

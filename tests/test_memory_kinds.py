@@ -15,7 +15,13 @@ import optax
 import pytest
 
 import eqshard
+import eqshard._plan
 from eqshard import _check
+
+needs_host_memory = pytest.mark.skipif(
+    jax.__version_info__ < eqshard._plan.HOST_MEMORY_JAX,
+    reason=f"host memory needs JAX 0.10; this is {jax.__version__} (test_old_jax_refuses_host_memory)",
+)
 
 OFFLOAD = {
     "eqshard": 1,
@@ -39,11 +45,13 @@ def _kinds(tree):
     ]
 
 
+@needs_host_memory
 def test_cpu_devices_offer_pinned_host_memory():
     kinds = {memory.kind for memory in jax.devices()[0].addressable_memories()}
     assert {"device", "pinned_host"} <= kinds
 
 
+@needs_host_memory
 def test_the_plans_shardings_carry_the_rules_memory_kind():
     model = _model()
     plan = eqshard.plan(model, eqshard.load(HOST_BIAS))
@@ -56,6 +64,7 @@ def test_the_plans_shardings_carry_the_rules_memory_kind():
     assert leaf.sharding.memory_kind == "pinned_host"
 
 
+@needs_host_memory
 def test_apply_init_and_restore_place_in_host_memory(tmp_path):
     rules = eqshard.load(HOST_BIAS)
     model = _model()
@@ -100,6 +109,7 @@ def _offload_step(optimizer, plan, traces):
     return step
 
 
+@needs_host_memory
 def test_the_host_offload_step_equals_the_on_device_one():
     model = _model()
     optimizer = optax.adamw(1e-2)
@@ -131,6 +141,7 @@ def _on_device(spec):
     return {**spec, "optimizer": section}
 
 
+@needs_host_memory
 def test_a_sharding_constraint_leaves_the_memory_kind_so_constrain_moves_it():
     host = eqshard.plan(
         {"w": jnp.ones(8)},
@@ -147,6 +158,7 @@ def test_a_sharding_constraint_leaves_the_memory_kind_so_constrain_moves_it():
     np.testing.assert_array_equal(np.asarray(moved["w"]), np.full(8, 2.0, np.float32))
 
 
+@needs_host_memory
 def test_jax_refuses_to_compute_on_host_and_device_values_together():
     plan = eqshard.plan(_model(), eqshard.load(HOST_BIAS))
     model = eqshard.apply(_model(), plan)
@@ -154,6 +166,7 @@ def test_jax_refuses_to_compute_on_host_and_device_values_together():
         eqx.filter_jit(_loss)(model, jnp.ones((8, 16)))
 
 
+@needs_host_memory
 def test_cost_report_and_check_tell_device_bytes_from_host_bytes():
     model = _model()
     optimizer = optax.adam(1e-2)
@@ -205,6 +218,7 @@ def test_cost_report_and_check_tell_device_bytes_from_host_bytes():
     assert "it does not fit" in does_not.problems[0].message
 
 
+@needs_host_memory
 def test_assert_equivalent_passes_on_host_offload():
     import harness_models as m
 
@@ -219,3 +233,14 @@ def test_assert_equivalent_passes_on_host_offload():
     assert_equivalent(
         m.build, eqshard.load(spec), m.loss, m.batch, devices=(2, 8), optimizer=m.optimizer
     )
+
+
+def test_old_jax_refuses_host_memory(monkeypatch):
+    monkeypatch.setattr(eqshard._plan, "HOST_MEMORY_JAX", (99, 0))
+    with pytest.raises(
+        eqshard.EqshardError,
+        match=r'^a rule holds leaves in host memory \("memory": \'pinned_host\'\), and this is '
+        r"JAX .*; use JAX 0\.10 or later, or leave \"memory\" out of the rule$",
+    ):
+        eqshard.plan(_model(), eqshard.load(HOST_BIAS))
+    assert eqshard.plan(_model(), eqshard.load({"eqshard": 1})).mesh is not None
