@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
@@ -51,6 +52,25 @@ GIVEN = "max_memory"  # where it comes from when the user gives one
 
 _ERROR_CHARACTERS = 300  # of a failure's message, in the table's caption
 WIDTH = 200  # characters of `str(ranked)`: the table's lines, as the command line prints them
+
+
+_OUT_OF_MEMORY = re.compile(
+    r"RESOURCE_EXHAUSTED: Ran out of memory .*?required for (?P<what>[\w ]+?) "
+    r"\((?P<needs>[0-9.]+\w?)\) exceeds available (?P<memory>\w+) \((?P<has>[0-9.]+\w?)\)"
+)
+
+
+def out_of_memory(error: str) -> str | None:
+    """`no: the compiler ran out of HBM: HLO temporaries need 154.09G of 95.74G` for a
+    candidate the target's compiler refused for its memory (XLA:TPU does), else
+    `None`."""
+    found = _OUT_OF_MEMORY.search(error)
+    if found is None:
+        return None
+    return (
+        f"no: the compiler ran out of {found['memory']}: {found['what']} need "
+        f"{found['needs']} of {found['has']}"
+    )
 
 
 def _name(candidate: Candidate) -> str:
@@ -261,7 +281,8 @@ class Ranked(Sequence[Suggestion]):
         for s in self.suggestions:
             repairs = str(len(s.candidate.repairs))
             if s.cost is None:
-                row = ["-", s.strategy, mesh_text(s.mesh), "-", "failed", "-", "-", repairs]
+                verdict = out_of_memory(s.error or "") or "failed"
+                row = ["-", s.strategy, mesh_text(s.mesh), "-", verdict, "-", "-", repairs]
             else:
                 place += 1
                 moved = communication(s.cost)

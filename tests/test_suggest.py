@@ -20,7 +20,7 @@ import eqshard
 import eqshard._candidates
 from eqshard._candidates import Candidate
 from eqshard._report import human_bytes
-from eqshard._suggest import Suggestion, communication, rank
+from eqshard._suggest import Suggestion, communication, rank, ranked
 
 TESTS = Path(__file__).parent
 DEMO = TESTS.parent / "examples" / "specs" / "demo"
@@ -416,3 +416,15 @@ def test_on_a_tpu_slice_the_limit_is_the_chip_s_hbm():
     assert "max memory: the chip's HBM, 16.0 GiB per device" in [
         line.rstrip() for line in text.splitlines()
     ]
+
+
+def test_a_candidate_the_compiler_refuses_for_its_memory_says_so():
+    error = (
+        "`eqshard.cost` cannot trace and compile the step: it raised JaxRuntimeError: "
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (154.09G) exceeds available HBM (95.74G)."
+    )
+    found = ranked([_demo_candidate("fsdp")], [error], 8, None, None, None)
+    assert found.best is None
+    assert found[0].error == error
+    assert "no: the compiler ran out of HBM: HLO temporaries need 154.09G of 95.74G" in str(found)
