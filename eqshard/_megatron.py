@@ -316,8 +316,7 @@ class _Walk:
 
     # ----------------------------------------------------------------- control flow
     def _scan(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        consts = eqn.params["num_consts"]
-        carries = eqn.params["num_carry"]
+        consts, carries = _scan_counts(eqn.params)
         body = eqn.params["jaxpr"]
         xs = [_sliced(v) for v in ins[consts + carries :]]
         carry = list(ins[consts : consts + carries])
@@ -438,6 +437,16 @@ def _sliced(value: _Value) -> _Value:
 
 
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+
+
+def _scan_counts(params: Any) -> tuple[int, int]:
+    """A scan's number of constants and of carries: its `num_consts` and `num_carry`
+    (JAX 0.10), or the sizes of the first two parts of its flat tree of inputs,
+    `ft_in` = (consts, carry, xs) (JAX 0.12)."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].elts
+    return len(list(consts.vals)), len(list(carry.vals))
 
 
 def _inner_jaxpr(eqn: Any) -> Any:
