@@ -94,8 +94,8 @@ def init(
     `factory` makes it. The array leaves are, bit for bit, what the usual recipe
     computes: `factory`'s arrays built by one `jax.jit` with the plan's shardings as
     `out_shardings` (building in groups, and the unrolled random-number hash, change
-    no bit; on JAX before 0.10, XLA may sum draws in another order with the hash
-    unrolled, so a sum of draws may differ in the last bits). `jax.random`'s bits are the same on every split and in an eager build
+    no bit on JAX 0.10; on JAX 0.8 and 0.12, XLA may sum draws in another order
+    there, so a sum of draws may differ in the last bits). `jax.random`'s bits are the same on every split and in an eager build
     (JAX's partitionable threefry). Float maths is compiled by XLA, so it may differ
     in the last bit from an eager `factory()`, which rounds each operation on its
     own (`jax.random.normal(key, shape) * 0.02` does, and so can the scaling inside

@@ -216,9 +216,9 @@ def test_counts_of_thousands_of_digits_are_expression_errors():
 def test_a_rule_needs_a_path_and_a_path_has_no_nul(tmp_path: Path):
     with pytest.raises(EqshardError, match=r"`Rule\.path` is a dotted glob"):
         eqshard.Rule(None, "a -> a*")  # type: ignore[arg-type]
-    with pytest.raises(UnreadableError, match="cannot read it: embedded null byte"):
+    with pytest.raises(UnreadableError, match=r"cannot read it: .*embedded null (byte|character)"):
         eqshard.load(str(tmp_path / "a\0b.json"))
-    with pytest.raises(EqshardError, match=r"cannot write .*embedded null byte"):
+    with pytest.raises(EqshardError, match=r"cannot write .*embedded null (byte|character)"):
         eqshard.dump(eqshard.load(RULES), str(tmp_path / "a\0b.json"))
 
 
