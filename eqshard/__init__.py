@@ -27,7 +27,7 @@ from ._errors import (
 from ._expression import Element as Element, Expression as Expression, parse as parse
 from ._fsdp import FSDP as FSDP
 from ._layout import Layout as Layout, layout as layout
-from ._resolver import Spec as Spec, SpecLeaf as SpecLeaf
+from ._resolver import SpecLeaf as SpecLeaf
 from ._specfile import (
     Rule as Rule,
     Rules as Rules,
@@ -54,9 +54,8 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
         Hardware as Hardware,
     )
     from ._init import init as init
-    from ._plan import Plan as Plan, plan as plan
+    from ._plan import Plan as Plan, Spec as Spec, plan as plan, spec as spec
     from ._report import Report as Report, report as report
-    from ._resolve import spec as spec
     from ._resolver import (
         Resolution as Resolution,
         Resolver as Resolver,
@@ -89,7 +88,8 @@ _LAZY = {
     "plan": "._plan",
     "Report": "._report",
     "report": "._report",
-    "spec": "._resolve",
+    "spec": "._plan",
+    "Spec": "._plan",
     "Resolution": "._resolver",
     "Resolver": "._resolver",
     "Target": "._resolver",

@@ -10,8 +10,7 @@ from jaxtyping import PyTree
 from ._derive import plan_for
 from ._errors import Problem, SpecError, warn
 from ._fields import FROM_FIELDS
-from ._plan import Planned, Unspecified
-from ._resolver import Spec
+from ._plan import Planned, Spec, Unspecified
 from ._sharding import AnyMesh, Devices, local_devices, on_devices
 from ._values import source_for, unplaceable
 

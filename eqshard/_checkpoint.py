@@ -24,8 +24,7 @@ from jaxtyping import PyTree
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, is_array_like
-from ._plan import Unspecified
-from ._resolver import Spec
+from ._plan import Spec, Unspecified
 from ._sharding import AnyMesh, Devices, local_devices, on_devices
 from ._values import narrowed
 

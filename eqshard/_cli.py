@@ -26,7 +26,9 @@ def _use_devices(count: int | None) -> None:
     """
     import jax
 
-    if _backends_started():
+    from ._sharding import backends_started
+
+    if backends_started():
         return
     try:
         if count is not None:
@@ -35,15 +37,6 @@ def _use_devices(count: int | None) -> None:
             jax.config.update("jax_num_cpu_devices", count or 8)
     except RuntimeError:  # started after all, in a JAX that cannot tell us beforehand
         pass
-
-
-def _backends_started() -> bool:
-    """Whether JAX has started its backends, after which the device count is fixed."""
-    try:
-        from jax._src.xla_bridge import backends_are_initialized
-    except ImportError:  # not in this JAX: `_use_devices` catches the config's refusal
-        return False
-    return backends_are_initialized()
 
 
 def _text(text: str, style: str):
@@ -259,7 +252,7 @@ def _check_command(args: argparse.Namespace) -> int:
         checks.append((name, rules, counts))
     results = []
     if _check_in_processes():
-        from ._check import check_in_processes
+        from ._check_workers import check_in_processes
 
         results = check_in_processes(
             [(name, counts) for name, _, counts in checks],
@@ -279,7 +272,8 @@ def _check_command(args: argparse.Namespace) -> int:
             _use_devices(most)
         import jax
 
-        from ._check import abstract_model, check, check_slices, step_inputs
+        from ._check import check, check_slices
+        from ._usercode import abstract_model, step_inputs
 
         if targets:
             check_slices(targets, args.devices)
@@ -305,10 +299,10 @@ def _check_command(args: argparse.Namespace) -> int:
                 batch=batch_spec,
             )
 
-    from ._check import (
+    from ._check import devices_text
+    from ._check_table import (
         compiler_line,
         cost_line,
-        devices_text,
         memory_line,
         result_table,
         summary_table,

@@ -1,6 +1,6 @@
 """`eqshard suggest` and `eqshard diff` from the command line: the user's model, step,
 optimizer and batch, named by `MODULE:CALLABLE`, built as `eqshard check` builds
-them (`_check.abstract_model`, `_check.step_inputs`: abstractly, no device memory).
+them (`_usercode.abstract_model`, `_usercode.step_inputs`: abstractly, no device memory).
 
 The command line's own process imports no JAX before the work is done: each command
 runs in one worker (`_workers.start_worker`), which starts JAX for its device count,
@@ -21,9 +21,9 @@ from ._errors import EqshardError, whole_number
 from ._workers import pickled, serve, start_worker, unpickled, without_device_count, worker_answer
 
 if TYPE_CHECKING:
-    from ._check import StepInputs
     from ._diff import Diff
     from ._suggest import Ranked
+    from ._usercode import StepInputs
 
 __all__ = ["diff_here", "diff_worker", "run", "step_arguments", "suggest_here", "suggest_worker"]
 
@@ -46,7 +46,7 @@ def step_arguments(request: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...
 
 def _built(request: Mapping[str, Any]) -> tuple[Any, StepInputs | None]:
     """The abstract model, and with a `"step"` the step and its other arguments."""
-    from ._check import abstract_model, step_inputs
+    from ._usercode import abstract_model, step_inputs
 
     modules: dict[str, Any] = {}  # each of the user's files imported once
     model = abstract_model(str(request["model"]), modules=modules)
@@ -73,9 +73,9 @@ def _start_jax(devices: int | None) -> None:
     holds); where it has (eqshard used as a library), its devices as they are."""
     import jax
 
-    from ._cli import _backends_started
+    from ._sharding import backends_started
 
-    if _backends_started():
+    if backends_started():
         return
     jax.config.update("jax_platforms", "cpu")
     if devices is not None:

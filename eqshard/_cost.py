@@ -30,9 +30,9 @@ from ._errors import EqshardError, SpecError, StepError
 from ._expression import Expression
 from ._fields import is_array_like, is_stateful_pair
 from ._hardware import HARDWARE, Estimate, Hardware, Moved, hardware_profile, roofline
-from ._plan import Plan, Planned, plan
+from ._plan import Plan, Planned, Spec, plan
 from ._report import LeafRow, leaf_rows, memory_kind
-from ._resolver import Spec, is_resolver
+from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device, device_count, mesh_devices, on_devices, sharding
 from ._specfile import Rules, batch_expression
 from ._targets import CompileTarget, compile_target

@@ -1,5 +1,6 @@
 """The demo's model and optimizer: a small GPT of `eqx.nn` modules, stacked and
-scanned, and a minimal AdamW.
+scanned, and a minimal AdamW. `examples/gpt_stacked.py` trains the same GPT, at
+smaller `Sizes` and with its activations named.
 
 The blocks are stacked with `eqx.filter_vmap` and run with `jax.lax.scan`; the model
 is trained on deterministic random tokens (next-token prediction). AdamW is written
@@ -17,10 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from ._shard import constrain
+
 __all__ = [
     "B1",
     "B2",
     "BATCH",
+    "DEMO",
     "DIM",
     "EPS",
     "GPT",
@@ -33,6 +37,7 @@ __all__ = [
     "WEIGHT_DECAY",
     "AdamState",
     "Block",
+    "Sizes",
     "adamw_init",
     "adamw_update",
     "build",
@@ -44,26 +49,48 @@ VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 128, 64, 8, 256, 2, 16, 16
 """The model's sizes: each divides by 8 (the Megatron split needs HEADS to), BATCH by 16."""
 
 
+class Sizes(NamedTuple):
+    """A GPT's sizes: the vocabulary, the embedding, the attention heads, the MLP's
+    hidden width, the stacked layers, and the longest sequence."""
+
+    vocab: int = VOCAB
+    dim: int = DIM
+    heads: int = HEADS
+    hidden: int = HIDDEN
+    layers: int = LAYERS
+    seq: int = SEQ
+
+
+DEMO = Sizes()
+"""The demo's sizes."""
+
+
 class Block(eqx.Module):
-    """One pre-norm transformer block: causal self-attention, then a GELU MLP."""
+    """One pre-norm transformer block: causal self-attention, then a GELU MLP. With
+    `names`, it names its residual stream `(..., "seq", "embed")`
+    (`eqshard.constrain`), which the active rules' `"dims"` lay out."""
 
     norm1: eqx.nn.LayerNorm
     attn: eqx.nn.MultiheadAttention
     norm2: eqx.nn.LayerNorm
     up: eqx.nn.Linear
     down: eqx.nn.Linear
+    names: bool = eqx.field(static=True)
 
-    def __init__(self, key: Array):
+    def __init__(self, key: Array, sizes: Sizes = DEMO, names: bool = False):
         k1, k2, k3 = jax.random.split(key, 3)
-        self.norm1 = eqx.nn.LayerNorm(DIM)
-        self.attn = eqx.nn.MultiheadAttention(HEADS, DIM, key=k1)
-        self.norm2 = eqx.nn.LayerNorm(DIM)
-        self.up = eqx.nn.Linear(DIM, HIDDEN, key=k2)
-        self.down = eqx.nn.Linear(HIDDEN, DIM, key=k3)
+        self.norm1 = eqx.nn.LayerNorm(sizes.dim)
+        self.attn = eqx.nn.MultiheadAttention(sizes.heads, sizes.dim, key=k1)
+        self.norm2 = eqx.nn.LayerNorm(sizes.dim)
+        self.up = eqx.nn.Linear(sizes.dim, sizes.hidden, key=k2)
+        self.down = eqx.nn.Linear(sizes.hidden, sizes.dim, key=k3)
+        self.names = names
 
     def __call__(
         self, x: Float[Array, "seq embed"], mask: Bool[Array, "seq seq"]
     ) -> Float[Array, "seq embed"]:
+        if self.names:
+            x = constrain(x, (..., "seq", "embed"))  # laid out by the active rules
         y = jax.vmap(self.norm1)(x)
         x = x + self.attn(y, y, y, mask=mask)
         y = jax.vmap(self.norm2)(x)
@@ -71,21 +98,23 @@ class Block(eqx.Module):
 
 
 class GPT(eqx.Module):
-    """Token and position embeddings, `LAYERS` stacked blocks, a LayerNorm, logits."""
+    """Token and position embeddings, `sizes.layers` stacked blocks, a LayerNorm,
+    logits."""
 
     embed: eqx.nn.Embedding
     pos: eqx.nn.Embedding
-    blocks: Block  # stacked: every array leaf has a leading axis of LAYERS
+    blocks: Block  # stacked: every array leaf has a leading axis of `sizes.layers`
     norm: eqx.nn.LayerNorm
     unembed: eqx.nn.Linear
 
-    def __init__(self, key: Array):
+    def __init__(self, key: Array, sizes: Sizes = DEMO, names: bool = False):
         k_embed, k_pos, k_blocks, k_unembed = jax.random.split(key, 4)
-        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k_embed)
-        self.pos = eqx.nn.Embedding(SEQ, DIM, key=k_pos)
-        self.blocks = eqx.filter_vmap(Block)(jax.random.split(k_blocks, LAYERS))
-        self.norm = eqx.nn.LayerNorm(DIM)
-        self.unembed = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k_unembed)
+        self.embed = eqx.nn.Embedding(sizes.vocab, sizes.dim, key=k_embed)
+        self.pos = eqx.nn.Embedding(sizes.seq, sizes.dim, key=k_pos)
+        keys = jax.random.split(k_blocks, sizes.layers)
+        self.blocks = eqx.filter_vmap(lambda k: Block(k, sizes, names))(keys)
+        self.norm = eqx.nn.LayerNorm(sizes.dim)
+        self.unembed = eqx.nn.Linear(sizes.dim, sizes.vocab, use_bias=False, key=k_unembed)
 
     def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
         n = tokens.shape[0]
@@ -101,7 +130,7 @@ class GPT(eqx.Module):
         return jax.vmap(lambda v: self.unembed(self.norm(v)))(x)
 
 
-def build(seed: int = 0) -> GPT:
+def build(seed: int = 0, sizes: Sizes = DEMO, names: bool = False) -> GPT:
     """The demo's model, with GPT-2's initialisation: weights N(0, 0.02), biases 0,
     LayerNorm scales 1.
 
@@ -119,6 +148,8 @@ def build(seed: int = 0) -> GPT:
     **Arguments:**
 
     - `seed`: the seed of the values.
+    - `sizes`: the model's sizes; by default the demo's.
+    - `names`: whether each block names its residual stream (`Block`).
 
     **Returns:**
 
@@ -138,7 +169,8 @@ def build(seed: int = 0) -> GPT:
             value = rng.normal(0.0, 0.02, leaf.shape)
         return jnp.asarray(value.astype(leaf.dtype))
 
-    return jax.tree_util.tree_map_with_path(init, eqx.filter_eval_shape(GPT, jax.random.key(seed)))
+    shapes = eqx.filter_eval_shape(GPT, jax.random.key(seed), sizes, names)
+    return jax.tree_util.tree_map_with_path(init, shapes)
 
 
 def tokens(seed: int = 1) -> Int[np.ndarray, "batch seq_plus_1"]:

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "EqshardWarning",
     "ExpressionError",
     "MeshWarning",
+    "ModelError",
     "PathError",
     "Problem",
     "SpecError",
@@ -32,6 +33,7 @@ __all__ = [
     "in_file",
     "named",
     "problem_lines",
+    "problem_of",
     "unused_message",
     "warn",
     "whole_number",
@@ -290,6 +292,11 @@ def problem_lines(
     return lines
 
 
+def problem_of(entry: Mapping[str, Any]) -> Problem:
+    """The problem a `Problem.to_json()` or `dataclasses.asdict(problem)` entry describes."""
+    return Problem(entry["where"], entry["message"], entry.get("detail") or "", entry.get("file"))
+
+
 class SpecError(EqshardError):
     """Every fault found in one spec, raised once.
 
@@ -335,6 +342,15 @@ class StepError(EqshardError):
     """The user's step cannot be traced or compiled under a spec: the user's code
     failed, not the spec, so the command line exits with 2, as for a model that
     cannot be built."""
+
+    exit_code = 2
+
+
+class ModelError(EqshardError):
+    """The user's code named `MODULE:CALLABLE` (the command line's `--model`,
+    `--step`, `--optimizer` or `--batch`, or a callable the harness sends to a
+    worker) cannot be imported, built or run, or a worker running it gave no answer
+    in time (exit code 2)."""
 
     exit_code = 2
 

@@ -26,8 +26,7 @@ import numpy as np
 from ._derive import plan_for
 from ._errors import EqshardError, Problem, SpecError
 from ._fields import FROM_FIELDS
-from ._plan import Plan, Unspecified
-from ._resolver import Spec
+from ._plan import Plan, Spec, Unspecified
 from ._rng_lowering import unrolled_threefry
 from ._sharding import AnyMesh, Devices, local_devices, on_devices
 from ._values import unplaceable

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Union
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -39,7 +39,7 @@ from ._fields import FROM_FIELDS, is_array_like, is_stateful_pair
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
 from ._resolve import Resolved, resolve
-from ._resolver import Spec, Target
+from ._resolver import Resolver, SpecLeaf, Target
 from ._sharding import (
     AnyMesh,
     Device,
@@ -53,9 +53,20 @@ from ._sharding import (
     user_mesh,
 )
 
-__all__ = ["Plan", "Planned", "Unspecified", "declared_mesh", "make_plan", "plan"]
+__all__ = ["Plan", "Planned", "Spec", "Unspecified", "declared_mesh", "make_plan", "plan", "spec"]
 
 Unspecified = Literal["replicate", "keep"]
+
+Spec = Union[str, Expression, Resolver, "Plan", "PyTree[SpecLeaf]", None]
+"""What every function that lays something out takes as its spec (`eqshard.plan`,
+`apply`, `constrain`, `init`, `restore`, `abstract`, `report`, `cost`, `suggest`):
+
+- an einshard expression (text or `Expression`), for every array leaf;
+- a resolver: `eqshard.FROM_FIELDS` (the model's `eqshard.field`s, the default),
+    the `Rules` of a spec file, `eqshard.FSDP`, or the user's own;
+- a `Plan`, made for the model (it lays out any tree built from it);
+- a spec tree: the model's structure with a `SpecLeaf` per leaf, or a prefix of it.
+"""
 
 
 @functools.lru_cache(maxsize=8192)
@@ -543,3 +554,46 @@ def plan(
         raise SpecError(planned.problems)
     warn(planned.warnings)
     return planned.plan
+
+
+def spec(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | None]:
+    """The spec tree of a model: its structure, with an expression per array leaf.
+
+    **Example:**
+
+    ```python
+    spec = eqshard.spec(model)   # from the eqshard.field annotations
+    spec = eqx.tree_at(lambda s: s.head.weight, spec, "v d -> v* d",
+                       is_leaf=lambda x: x is None)
+    model = eqshard.apply(model, spec)
+    ```
+
+    **Arguments:**
+
+    - `model`: an Equinox model or any pytree, concrete or abstract (from
+        `eqx.filter_eval_shape`, with `jax.ShapeDtypeStruct` leaves).
+    - `spec`: where the expressions come from, as for `eqshard.plan`: by default
+        the model's `eqshard.field`s; the `Rules` of a spec file (its `"devices"` is
+        checked against the devices JAX has), `eqshard.FSDP`, an expression for
+        every leaf, or a spec tree (its prefix, written out whole).
+
+    **Returns:**
+
+    A pytree with the model's structure. Each array leaf's place holds its complete
+    `Expression` (short forms get their left side from the annotation), or `None`
+    where no field gives one; every other leaf's place holds `None`. Since `None` is
+    an empty subtree to JAX, pass `is_leaf=lambda x: x is None` to `eqx.tree_at`
+    when replacing one.
+
+    **Raises:**
+
+    `eqshard.SpecError` listing every faulty leaf by dotted path and `Class.field`.
+    """
+    from ._sharding import device_tuple
+
+    source = FROM_FIELDS if spec is None else spec
+    resolved, problems, found = resolve(model, source, Target(len(device_tuple(None))))
+    if problems:
+        raise SpecError(problems)
+    warn(found)
+    return jax.tree_util.tree_unflatten(resolved.treedef, resolved.exprs)

@@ -14,8 +14,7 @@ from rich.text import Text
 from ._derive import plan_for
 from ._errors import SpecError
 from ._fields import FROM_FIELDS, is_array_like
-from ._plan import Plan, Unspecified
-from ._resolver import Spec
+from ._plan import Plan, Spec, Unspecified
 from ._sharding import AnyMesh, Devices
 
 __all__ = [

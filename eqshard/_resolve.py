@@ -14,17 +14,16 @@ from typing import Any
 import jax
 import jax.core
 import numpy as np
-from jaxtyping import PyTree
 
 from ._annotation import complete, for_rank
-from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem, SpecError, warn
+from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem
 from ._expression import Expression, parse
-from ._fields import FROM_FIELDS, LeafInfo, is_array_like, leaf_name, walk_fields
+from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
 from ._fsdp import FSDP_WORD
-from ._resolver import Resolver, Spec, Target, is_resolver
+from ._resolver import Resolver, Target, is_resolver
 from ._spectree import SpecTree, not_a_spec_leaf
 
-__all__ = ["Resolved", "abstract_leaves", "resolve", "spec"]
+__all__ = ["Resolved", "abstract_leaves", "resolve"]
 
 
 def _abstract(x: Any) -> Any:
@@ -190,46 +189,3 @@ def resolve(
         resolved.exprs[i] = expr
     resolved.forget_values()
     return resolved, problems, list(resolution.warnings)
-
-
-def spec(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | None]:
-    """The spec tree of a model: its structure, with an expression per array leaf.
-
-    **Example:**
-
-    ```python
-    spec = eqshard.spec(model)   # from the eqshard.field annotations
-    spec = eqx.tree_at(lambda s: s.head.weight, spec, "v d -> v* d",
-                       is_leaf=lambda x: x is None)
-    model = eqshard.apply(model, spec)
-    ```
-
-    **Arguments:**
-
-    - `model`: an Equinox model or any pytree, concrete or abstract (from
-        `eqx.filter_eval_shape`, with `jax.ShapeDtypeStruct` leaves).
-    - `spec`: where the expressions come from, as for `eqshard.plan`: by default
-        the model's `eqshard.field`s; the `Rules` of a spec file (its `"devices"` is
-        checked against the devices JAX has), `eqshard.FSDP`, an expression for
-        every leaf, or a spec tree (its prefix, written out whole).
-
-    **Returns:**
-
-    A pytree with the model's structure. Each array leaf's place holds its complete
-    `Expression` (short forms get their left side from the annotation), or `None`
-    where no field gives one; every other leaf's place holds `None`. Since `None` is
-    an empty subtree to JAX, pass `is_leaf=lambda x: x is None` to `eqx.tree_at`
-    when replacing one.
-
-    **Raises:**
-
-    `eqshard.SpecError` listing every faulty leaf by dotted path and `Class.field`.
-    """
-    from ._sharding import device_tuple
-
-    source = FROM_FIELDS if spec is None else spec
-    resolved, problems, found = resolve(model, source, Target(len(device_tuple(None))))
-    if problems:
-        raise SpecError(problems)
-    warn(found)
-    return jax.tree_util.tree_unflatten(resolved.treedef, resolved.exprs)

@@ -20,14 +20,11 @@ from ._expression import Expression
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh, Mesh
-    from jaxtyping import PyTree
 
-    from ._plan import Plan
 
 __all__ = [
     "Resolution",
     "Resolver",
-    "Spec",
     "SpecLeaf",
     "Target",
     "is_resolver",
@@ -123,15 +120,3 @@ class Resolver(Protocol):
 def is_resolver(spec: object) -> bool:
     """Whether `spec` is a resolver (judged by its type, as dunder methods are)."""
     return hasattr(type(spec), "__eqshard_resolve__")
-
-
-Spec = Union[str, Expression, Resolver, "Plan", "PyTree[SpecLeaf]", None]
-"""What every function that lays something out takes as its spec (`eqshard.plan`,
-`apply`, `constrain`, `init`, `restore`, `abstract`, `report`, `cost`, `suggest`):
-
-- an einshard expression (text or `Expression`), for every array leaf;
-- a resolver: `eqshard.FROM_FIELDS` (the model's `eqshard.field`s, the default),
-    the `Rules` of a spec file, `eqshard.FSDP`, or the user's own;
-- a `Plan`, made for the model (it lays out any tree built from it);
-- a spec tree: the model's structure with a `SpecLeaf` per leaf, or a prefix of it.
-"""

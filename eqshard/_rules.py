@@ -14,6 +14,10 @@ How a leaf gets its expression, in order:
 A rule's `"expr": "fsdp"` and `"default": "fsdp"` give each leaf its own FSDP
 expression (`_fsdp.py`), over the target's mesh; its origin says so:
 `"$.rules[3] (fsdp)"`, `"default (fsdp: replicated, no dim of [3] is a multiple of 8)"`.
+
+The rules themselves are data of the spec-file layer (`_specfile.Rules`, which
+imports no JAX); this module knows them only by their shape (`RuleSet`) and imports
+nothing of that layer. `Rules.match` and `Rules.__eqshard_resolve__` call in here.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Literal
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import equinox as eqx
 import jax
@@ -31,7 +36,6 @@ from ._annotation import Annotation, complete, for_rank
 from ._errors import (
     ExpressionError,
     Problem,
-    SpecError,
     UnusedRule,
     UnusedRuleWarning,
     named,
@@ -48,21 +52,54 @@ from ._fields import (
     walk_fields,
 )
 from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
-from ._paths import Guesses, PathIndex, match, name, segments
+from ._paths import Guesses, PathIndex, match, segments
 from ._resolver import Resolution, Target
 from ._sharding import device_tuple
-from ._specfile import PARAMETER, Rule, Rules
 
 __all__ = [
     "Match",
+    "PathRule",
+    "RuleSet",
     "dims_expression",
     "is_axis",
     "match_rules",
     "resolve_rules",
-    "rules_of_spec_tree",
 ]
 
 _REPLICATE = parse("... -> * ...")
+
+
+class PathRule(Protocol):
+    """What the matcher reads of a path rule (`_specfile.Rule`)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def expr(self) -> Expression | str: ...  # or "fsdp"
+    @property
+    def index(self) -> int: ...
+    @property
+    def memory(self) -> str | None: ...
+
+
+class RuleSet(Protocol):
+    """What the matcher reads of a spec file's rules (`_specfile.Rules`, or its
+    optimizer section)."""
+
+    @property
+    def rules(self) -> Sequence[PathRule]: ...
+    @property
+    def default(self) -> str: ...  # "replicate", "error", "fsdp" or "parameter"
+    @property
+    def devices(self) -> int | None: ...
+    @property
+    def dims(self) -> Mapping[str, str | None]: ...
+    @property
+    def source(self) -> str: ...
+    @property
+    def section(self) -> str: ...
+    def where(self, json_path: str) -> str: ...
+    def at(self, json_path: str) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,14 +150,14 @@ class Match:
 
 
 @functools.lru_cache(maxsize=64)
-def _index(rules: Rules) -> PathIndex:
+def _index(rules: RuleSet) -> PathIndex:
     return PathIndex([rule.path for rule in rules.rules])
 
 
 _AXIS_NAME = re.compile(r"[^\W\d]+")
 
 
-def _from_dims(rules: Rules, item: LeafInfo | None, mesh: Any) -> Expression | Problem | None:
+def _from_dims(rules: RuleSet, item: LeafInfo | None, mesh: Any) -> Expression | Problem | None:
     """The expression `dims` give a leaf, from its annotation (see `dims_expression`)."""
     if item is None or item.annotation is None:
         return None
@@ -135,7 +172,7 @@ def is_axis(mapped: str | None) -> bool:
 
 
 def dims_expression(
-    rules: Rules, annotation: Annotation, label: str, mesh: Any, noun: str = "leaf"
+    rules: RuleSet, annotation: Annotation, label: str, mesh: Any, noun: str = "leaf"
 ) -> Expression | Problem | None:
     """The expression `dims` give the array `label` whose dims `annotation` names:
     modifiers in the annotation's order, or logical axes laid out in the order of
@@ -164,7 +201,7 @@ def dims_expression(
 
 
 def _logical(
-    rules: Rules, label: str, logical: dict[str, str], alone: bool, mesh: Any, noun: str
+    rules: RuleSet, label: str, logical: dict[str, str], alone: bool, mesh: Any, noun: str
 ) -> str | Problem:
     """The short form that splits each dim over its mesh axis, in the mesh's order,
     and replicates over the other axes."""
@@ -205,7 +242,7 @@ def _logical(
 
 
 def match_rules(
-    rules: Rules, model: Any, target: Target | None = None
+    rules: RuleSet, model: Any, target: Target | None = None
 ) -> tuple[list[Match], list[Problem]]:
     """How each leaf of `model` gets its expression under `rules`, and what went wrong.
 
@@ -346,7 +383,7 @@ def _twins(flat: list[tuple[Any, Any]], kinds: dict[tuple[Any, ...], type]) -> s
     return None
 
 
-def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
+def resolve_rules(rules: RuleSet, model: Any, target: Target) -> Resolution:
     """The `Resolution` of `rules` for `model` on `target`: the expression of each
     leaf, problems (unmatched leaves under `"default": "error"`, dims that do not
     fit, a device count other than the file's), and a warning for each rule that
@@ -366,7 +403,7 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
     unused = [rule for rule in rules.rules if rule.index not in used]
     if unused:
         unused = _not_for_the_state(unused, model)
-    follows = rules.default == PARAMETER  # a leaf the default gives nothing follows
+    follows = rules.default == "parameter"  # a leaf the default gives nothing follows
     return Resolution(
         [m.expr for m in matches],
         problems,
@@ -381,7 +418,7 @@ def resolve_rules(rules: Rules, model: Any, target: Target) -> Resolution:
     )
 
 
-def _not_for_the_state(unused: list[Rule], model: Any) -> list[Rule]:
+def _not_for_the_state(unused: list[PathRule], model: Any) -> list[PathRule]:
     """The rules of `unused` that no leaf of the model's `eqx.nn.State` will match
     either. A plan made from the model alone meets its state only later, so a rule
     written for the state (`bn.ema_state_index.*`) is not unused here: it is checked
@@ -401,7 +438,7 @@ leaves, and a message shows a few rules, not thousands."""
 
 
 def _unused_warning(
-    rules: Rules, unused: list[Rule], model: Any, matches: list[Match]
+    rules: RuleSet, unused: list[PathRule], model: Any, matches: list[Match]
 ) -> UnusedRuleWarning:
     """The warning for the rules that gave no leaf its expression: each rule's
     closest rule path that matches leaves (a typo's fix), or the earlier rule that
@@ -451,29 +488,3 @@ def _unused_warning(
         suggestions = tuple(text for text, _ in close)
         found.append(UnusedRule(rule.index, rule.path, message, suggestions, leaves))
     return UnusedRuleWarning(rules.source, found, state or "", tree, rules.section)
-
-
-def rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:
-    """A spec tree as path rules: each expression becomes `<its path>.**` (keys
-    quoted where they must be, as `leaf_name` writes them).
-
-    **Raises:** `SpecError` naming each leaf that holds something other than an
-    expression.
-    """
-    found: list[Rule] = []
-    problems: list[Problem] = []
-    # `None`s are empty subtrees: no leaves. Paths as eqshard names them (a state's
-    # leaves by their layers, a `(model, state)` pair as one model).
-    for key_path, leaf in zip(key_paths(tree), jax.tree_util.tree_leaves(tree)):
-        if not isinstance(leaf, (str, Expression)):
-            problems.append(
-                Problem(leaf_name(key_path), f"{type(leaf).__name__} is not an expression")
-            )
-            continue
-        # `**` also matches no segment: the rule covers the leaf, or the whole
-        # subtree that a prefix spec gives one expression.
-        path = f"{name(segments(key_path))}.**" if key_path else "**"
-        found.append(Rule(path, parse(leaf), None, len(found)))
-    if problems:
-        raise SpecError(problems, "cannot write this spec as a spec file")
-    return Rules(tuple(found), devices=devices)

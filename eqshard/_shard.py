@@ -16,8 +16,7 @@ from ._derive import plan_for
 from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
-from ._plan import Plan, Unspecified
-from ._resolver import Spec
+from ._plan import Plan, Spec, Unspecified
 from ._sharding import AnyMesh, Devices, local_devices, on_devices, sharding
 from ._specfile import Rules
 from ._values import source_for, unplaceable

@@ -5,7 +5,10 @@ module or runs code. The schema (`schemas/eqshard.schema.json`, also shipped in
 the package) is checked with jsonschema first; then every expression is parsed,
 so each fault is reported as `<file>::<JSON path>: <message>`, all at once.
 Because nothing here imports JAX, `eqshard validate` in a pre-commit hook starts
-in a fraction of a second. How rules resolve against a model is `_rules.py`.
+in a fraction of a second. How rules resolve against a model is `_rules.py`, which
+knows them by their shape and imports nothing from here: `Rules.match` and
+`Rules.__eqshard_resolve__` import it when called, and `dump` imports JAX only for
+a spec tree.
 """
 
 from __future__ import annotations
@@ -713,9 +716,7 @@ def dump(
         if devices is not None:
             rules = dataclasses.replace(rules, devices=devices)
     else:
-        from ._rules import rules_of_spec_tree  # a spec tree is a pytree: this needs JAX
-
-        rules = rules_of_spec_tree(spec_or_rules, devices)
+        rules = _rules_of_spec_tree(spec_or_rules, devices)
     target = os.fspath(path)
     document = rules.to_json()
     problems = document_problems(document, target)
@@ -730,6 +731,37 @@ def dump(
             "or expression"
         ) from None
     write_atomically(Path(target), data)
+
+
+def _rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:
+    """A spec tree as path rules: each expression becomes `<its path>.**` (keys
+    quoted where they must be, as `leaf_name` writes them).
+
+    **Raises:** `SpecError` naming each leaf that holds something other than an
+    expression.
+    """
+    import jax  # a spec tree is a pytree: this needs JAX
+
+    from ._fields import key_paths, leaf_name
+    from ._paths import name, segments
+
+    found: list[Rule] = []
+    problems: list[Problem] = []
+    # `None`s are empty subtrees: no leaves. Paths as eqshard names them (a state's
+    # leaves by their layers, a `(model, state)` pair as one model).
+    for key_path, leaf in zip(key_paths(tree), jax.tree_util.tree_leaves(tree)):
+        if not isinstance(leaf, (str, Expression)):
+            problems.append(
+                Problem(leaf_name(key_path), f"{type(leaf).__name__} is not an expression")
+            )
+            continue
+        # `**` also matches no segment: the rule covers the leaf, or the whole
+        # subtree that a prefix spec gives one expression.
+        path = f"{name(segments(key_path))}.**" if key_path else "**"
+        found.append(Rule(path, parse(leaf), None, len(found)))
+    if problems:
+        raise SpecError(problems, "cannot write this spec as a spec file")
+    return Rules(tuple(found), devices=devices)
 
 
 def write_atomically(path: Path, data: bytes) -> None:

@@ -1,16 +1,17 @@
-"""Worker processes and the user's code: what `eqshard check`, `eqshard.testing`
-and `eqshard.cost` share.
+"""Worker processes: the one way to another process that `eqshard check`,
+`eqshard.testing`, `eqshard.cost` and `eqshard suggest` share.
 
-- `user_callable` imports the callable a `MODULE:CALLABLE` names (a dotted module
-    or a `.py` file), and `call` runs the user's code with what it raises turned
-    into a `ModelError` and what it prints sent to stderr;
 - `start_worker` starts a fresh Python process with this one's `sys.path`, which
-    reads one JSON request and answers one JSON document (`serve`), and dies when
-    this process dies (`Worker`); `worker_answer` reads the answer, raising the
-    worker's error here as the same class (`error_entry` writes it,
-    `rebuilt_error` reads it) and a timeout as a `ModelError`;
+    runs the entry point its caller names (`module:function`), reads one JSON
+    request and answers one JSON document (`serve`), and dies when this process
+    dies (`Worker`); `worker_answer` reads the answer, raising the worker's error
+    here as the same class (`error_entry` writes it, `rebuilt_error` reads it) and
+    a timeout as a `ModelError`;
 - `pickled` and `unpickled` carry what JSON cannot (a step, abstract arguments, a
     spec) inside the request or the answer, as base64 text.
+
+This module names no caller: each passes its own entry point. The user's code,
+named `MODULE:CALLABLE`, is imported by `_usercode.py`.
 """
 
 from __future__ import annotations
@@ -30,128 +31,21 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-from ._errors import EqshardError, Problem, SpecError, UnreadableError
+from ._errors import EqshardError, ModelError, SpecError, UnreadableError, problem_of
 
 __all__ = [
-    "ModelError",
     "Worker",
-    "call",
     "error_entry",
     "pickled",
-    "problem_of",
     "rebuilt_error",
     "serve",
     "start_worker",
     "unpickled",
-    "user_callable",
     "without_device_count",
     "worker_answer",
 ]
-
-
-def problem_of(entry: Mapping[str, Any]) -> Problem:
-    """The problem a `Problem.to_json()` or `dataclasses.asdict(problem)` entry describes."""
-    return Problem(entry["where"], entry["message"], entry.get("detail") or "", entry.get("file"))
-
-
-class ModelError(EqshardError):
-    """The model named by `--model` (or the step, optimizer or batch named by
-    `--step`, `--optimizer`, `--batch`) cannot be imported, built or compiled (exit
-    code 2)."""
-
-    exit_code = 2
-
-
-def _import_user_module(
-    target: str, module_name: str, option: str = "--model", modules: dict[str, Any] | None = None
-) -> Any:
-    """Imports the user's module: a dotted name, or a `.py` file whose folder is
-    appended to `sys.path` (so its sibling modules import, and never shadow the
-    standard library). A file already in `modules` is not run again."""
-    try:
-        if not (module_name.endswith(".py") or "/" in module_name or os.sep in module_name):
-            return importlib.import_module(module_name)
-        path = Path(module_name)
-        if not path.is_file():
-            raise ModelError(f"{option} {target!r}: there is no file {module_name!r}")
-        if path.suffix != ".py":
-            raise ModelError(
-                f"{option} {target!r}: {module_name!r} is not a Python file; name a .py "
-                "file or a dotted module"
-            )
-        key = str(path.resolve())
-        if modules is not None and key in modules:
-            return modules[key]
-        folder = str(path.resolve().parent)
-        if folder not in sys.path:
-            sys.path.append(folder)
-        name = f"_eqshard_model_{path.stem}"  # never shadows a module such as `json`
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ModelError(f"--model {target!r}: cannot load {module_name!r}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        if modules is not None:
-            modules[key] = module
-        return module
-    except EqshardError:
-        raise
-    except KeyboardInterrupt:
-        raise
-    except ImportError as error:
-        raise ModelError(f"{option} {target!r}: cannot import {module_name!r}: {error}") from None
-    except BaseException as error:  # the user's module failed: report, don't crash
-        raise ModelError(
-            f"{option} {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
-        ) from None
-
-
-def user_callable(
-    target: str, option: str, example: str, returns: str, modules: dict[str, Any] | None
-) -> tuple[str, Callable[..., Any]]:
-    """The callable `MODULE:CALLABLE` names, with its name; its module imported
-    with stdout sent to stderr."""
-    module_name, sep, attribute = target.rpartition(":")
-    if not sep or not module_name or not attribute:
-        raise ModelError(
-            f"{option} {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:{example}' or "
-            f"'model.py:{example}', where {returns}"
-        )
-    # The user's code may print: keep stdout for eqshard's own output (JSON, tables).
-    with contextlib.redirect_stdout(sys.stderr):
-        module = _import_user_module(target, module_name, option, modules)
-    factory: Any = module
-    for name in attribute.split("."):  # a qualname: `Factory.build` names a method
-        factory = getattr(factory, name, None)
-    if not callable(factory):
-        raise ModelError(f"{option} {target!r}: {module_name} has no callable {attribute!r}")
-    return attribute, factory
-
-
-def call(
-    option: str,
-    target: str,
-    what: str,
-    fn: Callable[[], Any],
-    keep: tuple[type[BaseException], ...] = (),
-) -> Any:
-    """`fn()`, with what the user's code raises (but `keep`) as a `ModelError`, and
-    what it prints on stderr."""
-    with contextlib.redirect_stdout(sys.stderr):
-        try:
-            return fn()
-        except KeyboardInterrupt:
-            raise
-        except keep:
-            raise
-        except BaseException as error:  # the user's code failed: report, don't crash
-            raise ModelError(
-                f"{option} {target!r}: {what} raised {type(error).__name__}: {error}"
-            ) from None
 
 
 _LIFELINES: set[int] = set()  # this process's ends of its workers' lifelines

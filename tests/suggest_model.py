@@ -3,7 +3,7 @@
 `rank` sends the step to its workers with cloudpickle, which sends a module's
 functions by name: this module is `suggest_model` there too (the workers have the
 suite's `sys.path`, `tests/` among it). The stacked GPT is examples/gpt_stacked.py,
-run in this module's name, so its classes and functions are found here by name.
+run in this module's name, so its functions are found here by name.
 """
 
 import os
@@ -17,11 +17,11 @@ import optax
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt_stacked.py"
 _GPT = runpy.run_path(str(EXAMPLE), run_name=__name__)
-# every class and function by name here (Block too: a class a worker cannot find
-# by name is sent by value, and Equinox's fields do not survive that)
+# every function by name here (the model's classes live in eqshard._demo_model, which
+# workers import by name: a class a worker cannot find by name is sent by value, and
+# Equinox's fields do not survive that)
 globals().update({name: value for name, value in _GPT.items() if not name.startswith("__")})
 GPT = _GPT["GPT"]
-Block = _GPT["Block"]
 build = _GPT["build"]
 step = _GPT["step"]
 optimizer = _GPT["optimizer"]

@@ -8,8 +8,9 @@ Each test runs `python -m eqshard check` in a subprocess (about 2 s);
 import json
 from pathlib import Path
 
-from eqshard._check import CheckResult, abstract_model, check
+from eqshard._check import CheckResult, check
 from eqshard._specfile import load
+from eqshard._usercode import abstract_model
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "specs" / "transformer.eqshard.json"

@@ -28,33 +28,6 @@ def test_gpt_stacked_trains_sharded_as_unsharded(gpt_stacked):
     assert tuple(result["plan"].mesh.axis_names) == ("data", "model")
 
 
-def test_count_collectives_counts_async_starts_once_and_finds_loop_bodies(gpt_stacked):
-    hlo = """\
-%body.1 (p: (s32[], f32[4])) -> (s32[], f32[4]) {
-  %ar = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups=[2,4]<=[8], to_apply=%add
-  ROOT %t = (s32[], f32[4]) tuple(%i, %ar)
-}
-
-ENTRY %main (a: f32[4]) -> f32[4] {
-  %w = (s32[], f32[4]) while(%init), condition=%cond.1, body=%body.1
-  %all-reduce-start.2 = f32[4]{0} all-reduce-start(f32[4]{0} %a), to_apply=%add
-  %all-reduce-done.2 = f32[4]{0} all-reduce-done(f32[4]{0} %all-reduce-start.2)
-  %ag = (f32[8]{0}, f32[8]{0}) all-gather(f32[4]{0} %a, f32[4]{0} %b), dimensions={0}
-  ROOT %cp = f32[4]{0} collective-permute(f32[4]{0} %all-reduce-done.2), source_target_pairs={{0,1}}
-}
-"""
-    count = gpt_stacked["count_collectives"]
-    assert count(hlo) == {
-        "all-reduce": 2,
-        "all-gather": 1,
-        "reduce-scatter": 0,
-        "collective-permute": 1,
-        "all-to-all": 0,
-    }
-    assert count(hlo, in_loops=True)["all-reduce"] == 1
-    assert sum(count(hlo, in_loops=True).values()) == 1
-
-
 def test_gpt_spec_file_is_valid(run_cli):
     result = run_cli("validate", EXAMPLES / "specs" / "gpt.eqshard.json")
     assert result.code == 0, result.out + result.err

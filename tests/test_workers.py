@@ -18,7 +18,7 @@ import pytest
 
 import eqshard
 from eqshard import _cost
-from eqshard._check import check_in_processes
+from eqshard._check_workers import check_in_processes
 from eqshard.testing import assert_layouts
 
 # A user's own module, importable only through a folder the test puts on `sys.path`.

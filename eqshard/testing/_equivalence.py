@@ -7,7 +7,7 @@ from typing import Any
 
 from .._errors import EqshardError, whole_number
 from .._hlo import KINDS
-from .._resolver import Spec
+from .._plan import Spec
 from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
 from ._references import callable_reference, spec_reference
 from ._tolerances import Needed

@@ -7,8 +7,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._errors import EqshardError, whole_number
-from .._workers import ModelError, Worker, start_worker, without_device_count, worker_answer
+from .._errors import EqshardError, ModelError, whole_number
+from .._workers import Worker, start_worker, without_device_count, worker_answer
 
 __all__ = [
     "TIMEOUT_SECONDS",

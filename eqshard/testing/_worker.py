@@ -23,7 +23,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import EqshardError, whole_number
-from .._workers import call, serve, unpickled, user_callable
+from .._usercode import call, user_callable
+from .._workers import serve, unpickled
 from ._tolerances import Needed
 
 __all__ = ["main"]

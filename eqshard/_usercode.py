@@ -1,0 +1,245 @@
+"""The user's code, named `MODULE:CALLABLE`: imported, called, and built abstractly.
+
+The command line's `--model`, `--step`, `--batch` and `--optimizer`, `eqshard
+suggest`'s and `diff`'s, and the harness's callables sent to its workers by name
+all come here. This is the one place where eqshard imports user code, and only
+because the user named it; a spec file never does. What the user's code raises is a
+`ModelError` (exit code 2) naming the option and the callable, and what it prints
+goes to stderr, so eqshard's own output (JSON, tables) stays clean.
+
+- `user_callable` imports the callable a `MODULE:CALLABLE` names (a dotted module
+    or a `.py` file, each file imported once per `modules`), and `call` runs the
+    user's code;
+- `abstract_model` builds the model with `eqx.filter_eval_shape` (no device
+    memory), and `step_inputs` the step's other arguments (`StepInputs`: the
+    optimizer's state and the batch, abstract).
+
+It imports JAX only when a model or a step is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ._errors import EqshardError, ModelError
+
+__all__ = ["StepInputs", "abstract_model", "call", "step_inputs", "user_callable"]
+
+
+def _import_user_module(
+    target: str, module_name: str, option: str = "--model", modules: dict[str, Any] | None = None
+) -> Any:
+    """Imports the user's module: a dotted name, or a `.py` file whose folder is
+    appended to `sys.path` (so its sibling modules import, and never shadow the
+    standard library). A file already in `modules` is not run again."""
+    try:
+        if not (module_name.endswith(".py") or "/" in module_name or os.sep in module_name):
+            return importlib.import_module(module_name)
+        path = Path(module_name)
+        if not path.is_file():
+            raise ModelError(f"{option} {target!r}: there is no file {module_name!r}")
+        if path.suffix != ".py":
+            raise ModelError(
+                f"{option} {target!r}: {module_name!r} is not a Python file; name a .py "
+                "file or a dotted module"
+            )
+        key = str(path.resolve())
+        if modules is not None and key in modules:
+            return modules[key]
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.append(folder)
+        name = f"_eqshard_model_{path.stem}"  # never shadows a module such as `json`
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ModelError(f"{option} {target!r}: cannot load {module_name!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        if modules is not None:
+            modules[key] = module
+        return module
+    except EqshardError:
+        raise
+    except KeyboardInterrupt:
+        raise
+    except ImportError as error:
+        raise ModelError(f"{option} {target!r}: cannot import {module_name!r}: {error}") from None
+    except BaseException as error:  # the user's module failed: report, don't crash
+        raise ModelError(
+            f"{option} {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
+        ) from None
+
+
+def user_callable(
+    target: str, option: str, example: str, returns: str, modules: dict[str, Any] | None
+) -> tuple[str, Callable[..., Any]]:
+    """The callable `MODULE:CALLABLE` names, with its name; its module imported
+    with stdout sent to stderr."""
+    module_name, sep, attribute = target.rpartition(":")
+    if not sep or not module_name or not attribute:
+        raise ModelError(
+            f"{option} {target!r}: write MODULE:CALLABLE, e.g. 'mypkg.model:{example}' or "
+            f"'model.py:{example}', where {returns}"
+        )
+    # The user's code may print: keep stdout for eqshard's own output (JSON, tables).
+    with contextlib.redirect_stdout(sys.stderr):
+        module = _import_user_module(target, module_name, option, modules)
+    factory: Any = module
+    for name in attribute.split("."):  # a qualname: `Factory.build` names a method
+        factory = getattr(factory, name, None)
+    if not callable(factory):
+        raise ModelError(f"{option} {target!r}: {module_name} has no callable {attribute!r}")
+    return attribute, factory
+
+
+def call(
+    option: str,
+    target: str,
+    what: str,
+    fn: Callable[[], Any],
+    keep: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """`fn()`, with what the user's code raises (but `keep`) as a `ModelError`, and
+    what it prints on stderr."""
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            return fn()
+        except KeyboardInterrupt:
+            raise
+        except keep:
+            raise
+        except BaseException as error:  # the user's code failed: report, don't crash
+            raise ModelError(
+                f"{option} {target!r}: {what} raised {type(error).__name__}: {error}"
+            ) from None
+
+
+def abstract_model(target: str, *, modules: dict[str, Any] | None = None) -> Any:
+    """Builds `MODULE:CALLABLE` abstractly. MODULE is a dotted module name or a `.py` file.
+
+    With `step_inputs`, this is the one place where eqshard imports user code, and
+    only because the user named it on the command line; a spec file never does. A
+    `.py` file in
+    `modules` (imported by an earlier call given the same dictionary) is not run again.
+    """
+    attribute, factory = user_callable(
+        target, "--model", "build", "CALLABLE() returns the model", modules
+    )
+    import equinox as eqx
+    import jax
+
+    model = call("--model", target, f"{attribute}()", lambda: eqx.filter_eval_shape(factory))
+    if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(model)):
+        raise ModelError(
+            f"--model {target!r}: {attribute}() returned {type(model).__name__}, which holds "
+            "no arrays; name a callable that builds the model"
+        )
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    """The user's training step and the arguments after the model, abstract:
+    `(opt_state, batch)` with an optimizer, else `(batch,)`; for a stateful model
+    (`--model` builds `(model, state)`), `(state, opt_state, batch)` or
+    `(state, batch)`. `target` is the `--step` text, for messages."""
+
+    step: Callable[..., Any]
+    args: tuple[Any, ...]
+    target: str
+
+
+def step_inputs(
+    model: Any,
+    step: str,
+    batch: str,
+    optimizer: str | None = None,
+    *,
+    modules: dict[str, Any] | None = None,
+) -> StepInputs:
+    """Imports `--step`, `--batch` and `--optimizer` (each `MODULE:CALLABLE`, as
+    for `abstract_model`) and builds the batch and the optimizer's state of the
+    abstract `model` abstractly (no device memory). A `batch()` that needs concrete
+    values (`np.asarray` of a JAX array) is run once on the host instead. For a
+    stateful model, `(model, state)`, the optimizer's state is built from the
+    model's parameters, and the step takes the state after the model."""
+    import equinox as eqx
+    import jax
+
+    from ._fields import is_stateful_pair
+
+    _, fn = user_callable(
+        step,
+        "--step",
+        "step",
+        "CALLABLE is the training step, step(model, opt_state, batch)",
+        modules,
+    )
+    name, make_batch = user_callable(
+        batch, "--batch", "batch", "CALLABLE() returns the step's batch", modules
+    )
+    batch_value = _abstract_batch(batch, name, make_batch)
+    stateful = is_stateful_pair(model)
+    states: tuple[Any, ...] = (model[1],) if stateful else ()
+    args: tuple[Any, ...] = (*states, batch_value)
+    if optimizer is not None:
+        name, make = user_callable(
+            optimizer, "--optimizer", "optimizer", "CALLABLE() returns an optax optimizer", modules
+        )
+        opt = call("--optimizer", optimizer, f"{name}()", make)
+        init = getattr(opt, "init", None)
+        if not callable(init):
+            raise ModelError(
+                f"--optimizer {optimizer!r}: {name}() returned {type(opt).__name__}, which has "
+                "no init; name a callable that returns an optax optimizer"
+            )
+        parameters = model[0] if stateful else model
+        params = eqx.filter(parameters, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+        state = call(
+            "--optimizer", optimizer, f"{name}().init(params)", lambda: jax.eval_shape(init, params)
+        )
+        args = (*states, state, batch_value)
+    return StepInputs(fn, args, step)
+
+
+def _abstract_batch(target: str, name: str, make_batch: Callable[[], Any]) -> Any:
+    """`make_batch()`, abstract: traced with `eqx.filter_eval_shape` (no memory), or,
+    where it needs concrete values (`np.asarray` of a JAX array, a Python `if` on
+    one), run once on the host and its arrays made abstract."""
+    import equinox as eqx
+    import jax
+
+    needs_values = (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.TracerArrayConversionError,
+        jax.errors.TracerIntegerConversionError,
+        jax.errors.NonConcreteBooleanIndexError,
+    )
+    try:
+        return call(
+            "--batch", target, f"{name}()", lambda: eqx.filter_eval_shape(make_batch), needs_values
+        )
+    except needs_values:
+        pass
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX started without its CPU backend: its default device
+        host = jax.devices()[0]
+    with jax.default_device(host):
+        value = call(
+            "--batch",
+            target,
+            f"{name}() (run on the host, as it needs concrete values: it calls NumPy on a "
+            "JAX array, or branches on one)",
+            make_batch,
+        )
+    return eqx.filter_eval_shape(lambda value: value, value)

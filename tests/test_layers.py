@@ -1,0 +1,112 @@
+"""The package's rooms: imports point down the module map (eqshard/README.md), with
+no cycle, counting every import: at module level, inside functions, and under
+`TYPE_CHECKING`."""
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent.parent / "eqshard"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(name: str) -> set[str]:
+    """The eqshard modules `name` imports anywhere in its text."""
+    path = MODULES[name]
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + [base] * bool(base))
+            for alias in node.names:  # `from . import _report` names a module
+                whole = f"{base}.{alias.name}"
+                found.add(whole if whole in MODULES else base)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {module for module in found if module in MODULES and module != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _cycle() -> list[str] | None:
+    """One import cycle, as the modules around it, or `None`."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for other in sorted(GRAPH[name]):
+            if state.get(other) == 1:
+                return [*path[path.index(other) :], other]
+            if other not in state and (found := visit(other)) is not None:
+                return found
+        path.pop()
+        state[name] = 2
+        return None
+
+    for name in sorted(GRAPH):
+        if name not in state and (found := visit(name)) is not None:
+            return found
+    return None
+
+
+def test_the_imports_have_no_cycle():
+    assert _cycle() is None, " -> ".join(_cycle() or [])
+
+
+def test_the_rules_matcher_and_the_spec_file_layer_import_one_way():
+    assert "eqshard._specfile" not in GRAPH["eqshard._rules"]
+
+
+def test_worker_processes_name_no_caller():
+    callers = {name for name in GRAPH["eqshard._workers"] if name.startswith("eqshard._check")}
+    assert not callers
+    assert "_check" not in (PACKAGE / "_workers.py").read_text().replace("_checks", "")
+
+
+def test_nothing_imports_the_command_line_but_main():
+    importers = {name for name, imported in GRAPH.items() if "eqshard._cli" in imported}
+    assert importers == {"eqshard.__main__"}
+
+
+def _floors() -> dict[str, int]:
+    """Each module's row in the module map's table (the package `testing/`, every
+    module in it)."""
+    floors: dict[str, int] = {}
+    text = (PACKAGE / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") >= 4]
+    for floor, row in enumerate(rows):
+        cell = row.split("|")[2]
+        for file in re.findall(r"`([\w/]+?)(?:\.py)?`", cell):
+            if file.endswith("/"):
+                for name in MODULES:
+                    if name.startswith(f"eqshard.{file[:-1]}"):
+                        floors[name] = floor
+            else:
+                floors[f"eqshard.{file}"] = floor
+    return floors
+
+
+def test_the_module_map_names_every_module_and_imports_point_down_it():
+    floors = _floors()
+    faces = {"eqshard", "eqshard.__main__"}  # the package's face, and `python -m eqshard`
+    assert set(MODULES) - faces - set(floors) == set(), "modules the map does not name"
+    upward = sorted(
+        f"{name} -> {other}"
+        for name, imported in GRAPH.items()
+        if name not in faces
+        for other in imported
+        if other not in faces and floors[other] > floors[name]
+    )
+    assert upward == []
