@@ -370,7 +370,7 @@ def _step_request(args: argparse.Namespace) -> dict[str, object]:
 
 def _suggest_command(args: argparse.Namespace) -> int:
     _step_options("suggest", args)
-    from ._compare import run
+    from ._cli_suggest_diff import run
 
     request = {**_step_request(args), "max_memory": args.max_memory, "workers": args.workers}
     ranked = run("suggest", request, here=not _check_in_processes())
@@ -411,7 +411,7 @@ def _diff_command(args: argparse.Namespace) -> int:
                 f"{count} devices: --step compiles the step on simulated devices, up to "
                 f"{MAX_SIMULATED}, or with --target on a TPU slice's, any number"
             )
-    from ._compare import run
+    from ._cli_suggest_diff import run
 
     found = run(
         "diff", {**_step_request(args), "a": args.a, "b": args.b}, here=not _check_in_processes()

@@ -380,3 +380,11 @@ def test_devices_is_a_count_or_a_list_everywhere():
         r"`eqshard.plan\(model, spec, devices=16\)`",
     ):
         eqshard.apply(model, "a b -> a* b", devices=16)
+
+
+def test_the_spec_tree_of_a_plan_is_that_of_its_spec():
+    model = eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0))
+    rules = eqshard.load({"eqshard": 1, "rules": [{"path": "**.weight", "expr": "o i -> o* i"}]})
+    plan = eqshard.plan(model, rules)
+    assert eqshard.spec(model, plan) == eqshard.spec(model, rules)
+    assert str(eqshard.spec(model, plan).layers[0].weight) == "o i -> o* i"

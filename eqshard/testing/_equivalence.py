@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import EqshardError, whole_number
 from .._hlo import KINDS
-from .._plan import Spec
 from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
 from ._references import callable_reference, spec_reference
 from ._tolerances import Needed
+
+if TYPE_CHECKING:  # JAX only for the type: the harness starts none
+    from .._plan import Spec
 
 __all__ = ["COLLECTIVE_KINDS", "assert_equivalent"]
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import EqshardError
-from .._plan import Spec
 from .._specfile import write_atomically
 from ._plugin import update_requested
 from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_in_one_process
 from ._references import callable_reference, spec_reference
+
+if TYPE_CHECKING:  # JAX only for the type: the harness starts none
+    from .._plan import Spec
 
 __all__ = ["GOLDEN_VERSION", "assert_layouts"]
 

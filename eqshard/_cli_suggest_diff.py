@@ -98,7 +98,7 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
 
     kept, dropped = candidates(step, model, *args, devices=n)
     limit, limit_from = memory_limit(request.get("max_memory"), on)
-    inputs = {"build": "eqshard._compare:step_arguments", "request": _names(request)}
+    inputs = {"build": "eqshard._cli_suggest_diff:step_arguments", "request": _names(request)}
     workers = request.get("workers")
     results = compile_in_workers(
         kept, inputs, n, target, None if workers is None else whole_number(workers, "workers")
@@ -156,11 +156,15 @@ def _portable(found: Diff) -> Diff:
 
 _COMMANDS = {  # each command's worker, what it answers, and what to try when it dies
     "suggest": (
-        "eqshard._compare:suggest_worker",
+        "eqshard._cli_suggest_diff:suggest_worker",
         "the ranking",
         "Run `eqshard check --step` on one spec file to see why",
     ),
-    "diff": ("eqshard._compare:diff_worker", "the diff", "Run `eqshard check` on each file"),
+    "diff": (
+        "eqshard._cli_suggest_diff:diff_worker",
+        "the diff",
+        "Run `eqshard check` on each file",
+    ),
 }
 
 
