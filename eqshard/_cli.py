@@ -431,6 +431,28 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_code_options(
+    parser: argparse.ArgumentParser, *, step: str, batch: str, required: bool = False
+) -> None:
+    """`--model`, `--step`, `--optimizer` and `--batch`: the user's code, named
+    `MODULE:CALLABLE`, as `check`, `suggest` and `diff` take it; `required` makes
+    the step and its batch so."""
+    code = "MODULE:CALLABLE"
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar=code,
+        help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
+    )
+    parser.add_argument("--step", required=required, metavar=code, help=step)
+    parser.add_argument(
+        "--optimizer",
+        metavar=code,
+        help="what returns the optax optimizer whose state the step takes",
+    )
+    parser.add_argument("--batch", required=required, metavar=code, help=batch)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="eqshard",
@@ -530,29 +552,13 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     check.add_argument("files", nargs="+", metavar="FILE")
-    check.add_argument(
-        "--model",
-        required=True,
-        metavar="MODULE:CALLABLE",
-        help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
-    )
-    check.add_argument(
-        "--step",
-        metavar="MODULE:CALLABLE",
-        help="the training step, called step(model, opt_state, batch) with --optimizer, "
+    _user_code_options(
+        check,
+        step="the training step, called step(model, opt_state, batch) with --optimizer, "
         "else step(model, batch); when --model builds (model, state), as "
         "eqx.nn.make_with_state does, step(model, state, opt_state, batch) or "
         "step(model, state, batch); compiled (never run) to find its cost",
-    )
-    check.add_argument(
-        "--optimizer",
-        metavar="MODULE:CALLABLE",
-        help="what returns the optax optimizer whose state the step takes",
-    )
-    check.add_argument(
-        "--batch",
-        metavar="MODULE:CALLABLE",
-        help="what returns the step's batch (needed with --step); traced abstractly, "
+        batch="what returns the step's batch (needed with --step); traced abstractly, "
         "or, if it needs concrete values (np.asarray of a JAX array), run once on the "
         "host, which holds one batch in memory",
     )
@@ -614,29 +620,12 @@ def _parser() -> argparse.ArgumentParser:
             "batch that cannot be built, or a step that no candidate can compile)."
         ),
     )
-    suggest.add_argument(
-        "--model",
-        required=True,
-        metavar="MODULE:CALLABLE",
-        help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
-    )
-    suggest.add_argument(
-        "--step",
-        required=True,
-        metavar="MODULE:CALLABLE",
-        help="the training step, as for check: step(model, opt_state, batch) with "
+    _user_code_options(
+        suggest,
+        step="the training step, as for check: step(model, opt_state, batch) with "
         "--optimizer, else step(model, batch)",
-    )
-    suggest.add_argument(
-        "--batch",
+        batch="what returns the step's batch",
         required=True,
-        metavar="MODULE:CALLABLE",
-        help="what returns the step's batch",
-    )
-    suggest.add_argument(
-        "--optimizer",
-        metavar="MODULE:CALLABLE",
-        help="what returns the optax optimizer whose state the step takes",
     )
     where = suggest.add_mutually_exclusive_group(required=True)
     where.add_argument(
@@ -689,24 +678,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     diff.add_argument("a", metavar="A", help="the spec file before")
     diff.add_argument("b", metavar="B", help="the spec file after")
-    diff.add_argument(
-        "--model",
-        required=True,
-        metavar="MODULE:CALLABLE",
-        help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
-    )
-    diff.add_argument(
-        "--step",
-        metavar="MODULE:CALLABLE",
-        help="the training step, as for check: compiled under both specs",
-    )
-    diff.add_argument(
-        "--batch", metavar="MODULE:CALLABLE", help="what returns the step's batch (with --step)"
-    )
-    diff.add_argument(
-        "--optimizer",
-        metavar="MODULE:CALLABLE",
-        help="what returns the optax optimizer whose state the step takes",
+    _user_code_options(
+        diff,
+        step="the training step, as for check: compiled under both specs",
+        batch="what returns the step's batch (with --step)",
     )
     on = diff.add_mutually_exclusive_group()
     on.add_argument(
