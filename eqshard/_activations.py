@@ -99,12 +99,17 @@ def recording() -> Iterator[Recorded]:
     """Records the names a model gives its activations while no rules are active:
     each `constrain` call's names, one per axis (a leading `...` spelled out), with
     the array's shape. `eqshard suggest` traces the step under it to learn the names
-    its candidates' `"dims"` must map."""
+    its candidates' `"dims"` must map. Rules made active outside are not active
+    inside, and `jit` functions traced before trace again (where JAX keys `jit` by
+    a user context)."""
     found: Recorded = []
-    token = _RECORDING.set(found)
+    token, rules = _RECORDING.set(found), _ACTIVE.set(None)
+    key = object()  # a `jit` traced before, with no rules or other rules, traces again
     try:
-        yield found
+        with contextlib.nullcontext() if _JIT_KEY is None else _JIT_KEY(key):
+            yield found
     finally:
+        _ACTIVE.reset(rules)
         _RECORDING.reset(token)
 
 

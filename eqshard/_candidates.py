@@ -509,6 +509,17 @@ def _normal(sharding: Any) -> tuple[Any, ...]:
 def _checked(setup: _Setup, candidate: Candidate, splits_batch: bool) -> tuple[Any, str | None]:
     """The candidate's layouts as the devices see them (a key that two candidates
     share when they lay everything out alike), or why its rules do not plan."""
+    matches, _ = match_rules(candidate.rules, setup.planned_for)
+    by_dims = [setup.names.get(i, f"leaf {i}") for i, m in enumerate(matches) if m.source == "dims"]
+    if by_dims:  # the activations' names are the annotations' too: not what was meant
+        named = ", ".join(by_dims[:5]) + (
+            f" and {len(by_dims) - 5} more" if len(by_dims) > 5 else ""
+        )
+        return None, (
+            f'its "dims", which map the names the step gives its activations, would lay '
+            f"out {named} too, whose annotations name the same dims; name the "
+            "activations' axes apart from the parameters' dims to have it generated"
+        )
     planned = make_plan(setup.planned_for, candidate.rules, devices=setup.devices)
     if planned.problems or planned.warnings:
         faults = problem_lines(planned.problems) if planned.problems else []

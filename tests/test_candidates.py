@@ -729,3 +729,69 @@ def test_rules_that_would_lay_out_wrongly_are_never_handed_out(gpt, monkeypatch)
         "(Linear.weight): float32[64, 32] 'v d -> v4 d 2' does not fit the mesh "
         "('data': 2, 'model': 4)"
     )
+
+
+class _Named(eqx.Module):
+    """Its weights' annotations and its activations share the dim name `embed`."""
+
+    w1: Float[Array, "hidden embed"]
+    w2: Float[Array, "embed hidden"]
+
+    def __init__(self):
+        self.w1, self.w2 = jnp.zeros((64, 32)), jnp.zeros((32, 64))
+
+    def __call__(self, x):
+        x = _named_input(x)
+        return jnp.tanh(x @ self.w1.T) @ self.w2.T
+
+
+class _Unannotated(eqx.Module):
+    """The same, with no dim names on its weights."""
+
+    w1: jax.Array
+    w2: jax.Array
+
+    __init__ = _Named.__init__
+    __call__ = _Named.__call__
+
+
+@jax.jit  # traced once, then cached: suggest must still see the names it gives
+def _named_input(x):
+    return eqshard.constrain(x, ("batch", "embed"))
+
+
+_NAMED_OPTIMIZER = optax.adam(1e-3)
+
+
+def _named_step(model, opt_state, x):
+    grads = eqx.filter_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    updates, opt_state = _NAMED_OPTIMIZER.update(grads, opt_state, model)
+    return eqx.apply_updates(model, updates), opt_state
+
+
+def _named_candidates(cls: type[eqx.Module] = _Named):
+    model = eqx.filter_eval_shape(cls)
+    opt_state = jax.eval_shape(_NAMED_OPTIMIZER.init, model)
+    x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
+    return candidates(_named_step, model, opt_state, x, devices=8)
+
+
+def test_activation_names_are_found_however_the_step_was_traced_before():
+    _named_input(jnp.zeros((8, 32)))  # cached with no rules active
+    first, _ = _named_candidates(_Unannotated)
+    with eqshard.use(eqshard.load({"eqshard": 1, "dims": {"batch": None, "embed": None}})):
+        again, _ = _named_candidates(_Unannotated)  # rules active outside are not inside
+    for kept in (first, again):
+        assert kept[0].name == "data parallel on data=8, model=1"
+        assert kept[0].rules.dims == {"batch": "data", "embed": None}
+
+
+def test_dims_that_would_lay_out_parameters_drop_the_candidate_saying_why():
+    kept, dropped = _named_candidates()
+    assert "fsdp on data=8, model=1" not in _names(kept)  # never kept with w1, w2 whole
+    reasons = dict(dropped)
+    assert reasons["fsdp on data=8, model=1"] == (
+        'its "dims", which map the names the step gives its activations, would lay out '
+        "w1, w2 too, whose annotations name the same dims; name the activations' axes "
+        "apart from the parameters' dims to have it generated"
+    )
