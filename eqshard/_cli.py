@@ -396,6 +396,10 @@ def _suggest_command(args: argparse.Namespace) -> int:
             + (ranked.suggestions[0].error or "")
         )
         return 2
+    if not ranked.suggestions:  # every candidate dropped: the model, step or batch's doing
+        reason = ranked.dropped[0][1] if ranked.dropped else "the generator made none"
+        _err(f"eqshard suggest: error: every candidate was dropped; the first: {reason}")
+        return 2
     return 0 if best is not None else 1
 
 

@@ -101,7 +101,7 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
     inputs = {"build": "eqshard._cli_suggest_diff:step_arguments", "request": _names(request)}
     workers = request.get("workers")
     results = compile_in_workers(
-        kept, inputs, n, target, None if workers is None else whole_number(workers, "workers")
+        kept, inputs, n, target, None if workers is None else whole_number(workers, "`--workers`")
     )
     return ranked(kept, results, n, on, limit, limit_from, dropped)
 

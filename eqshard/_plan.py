@@ -575,8 +575,8 @@ def spec(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | No
     - `spec`: where the expressions come from, as for `eqshard.plan`: by default
         the model's `eqshard.field`s; the `Rules` of a spec file (its `"devices"` is
         checked against the devices JAX has), `eqshard.FSDP`, an expression for
-        every leaf, a spec tree (its prefix, written out whole), or a `Plan` (the
-        spec it was made from).
+        every leaf, a spec tree (its prefix, written out whole), or a `Plan` (its
+        `expressions`, as laid out for its devices).
 
     **Returns:**
 
@@ -592,9 +592,9 @@ def spec(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | No
     """
     from ._sharding import device_tuple
 
+    if isinstance(spec, Plan):
+        return spec.expressions
     source = FROM_FIELDS if spec is None else spec
-    if isinstance(source, Plan):
-        source = source.spec
     resolved, problems, found = resolve(model, source, Target(len(device_tuple(None))))
     if problems:
         raise SpecError(problems)

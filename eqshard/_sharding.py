@@ -98,6 +98,13 @@ def local_devices(devices: Devices, what: str) -> Sequence[Device] | None:
             f"and there are {len(here)}; pass at most {len(here)}, or lay out without "
             f"devices with `eqshard.plan(model, spec, devices={count})`"
         )
+    if jax.process_count() > 1 and count != len(here):
+        raise EqshardError(
+            f"{what} places arrays on `devices={count}`, and this is one of "
+            f"{jax.process_count()} processes, which hold {len(here)} devices together: "
+            "every process places onto the same devices, so pass them all "
+            f"(`devices={len(here)}`), a list of devices, or a `jax.sharding.Mesh`"
+        )
     return tuple(here[:count])
 
 

@@ -388,3 +388,16 @@ def test_the_spec_tree_of_a_plan_is_that_of_its_spec():
     plan = eqshard.plan(model, rules)
     assert eqshard.spec(model, plan) == eqshard.spec(model, rules)
     assert str(eqshard.spec(model, plan).layers[0].weight) == "o i -> o* i"
+    abstract = eqshard.plan(model, eqshard.FSDP, devices=64)  # laid out for 64, not 8
+    assert eqshard.spec(model, abstract) == abstract.expressions
+
+
+def test_a_count_across_processes_is_every_device(monkeypatch):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # as under jax.distributed
+    with pytest.raises(
+        eqshard.EqshardError,
+        match=r"^`eqshard.apply` places arrays on `devices=4`, and this is one of 2 processes, "
+        r"which hold 8 devices together: every process places onto the same devices, so "
+        r"pass them all \(`devices=8`\), a list of devices, or a `jax.sharding.Mesh`$",
+    ):
+        eqshard.apply({"w": jnp.ones((8, 4))}, "a b -> a* b", devices=4)

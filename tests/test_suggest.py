@@ -339,6 +339,16 @@ def test_cli_exits_2_when_no_candidate_compiles(run_cli, monkeypatch):
     assert "it raised ValueError: no step here" in done.err
 
 
+def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
+    monkeypatch.setattr(eqshard._candidates, "candidates", _generate([]), False)
+    done = _suggest(run_cli, "--workers", 1)
+    assert done.code == 2
+    assert done.err.strip() == (
+        "eqshard suggest: error: every candidate was dropped; the first: made up: it does "
+        "not divide"
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
