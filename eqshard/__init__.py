@@ -10,6 +10,7 @@ everything else is imported on first use.
 
 import importlib
 import importlib.metadata
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
@@ -35,6 +36,11 @@ from ._specfile import (
     load as load,
     schema as schema,
 )
+
+if (
+    sys.modules.get("jax") is not None
+):  # JAX's user context that keys `jit` by eqshard.use: see _jit_key
+    from . import _jit_key  # noqa: F401
 
 if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazily
     from ._activations import use as use
@@ -64,6 +70,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._rules import Match as Match
     from ._shard import constrain as constrain, shard as shard
     from ._sharding import Devices as Devices, sharding as sharding
+    from ._step import Step as Step, jit as jit
     from ._suggest import Ranked as Ranked, Suggestion as Suggestion, suggest as suggest
 
 _LAZY = {
@@ -98,6 +105,8 @@ _LAZY = {
     "shard": "._shard",
     "sharding": "._sharding",
     "Devices": "._sharding",
+    "Step": "._step",
+    "jit": "._step",
     "Ranked": "._suggest",
     "Suggestion": "._suggest",
     "suggest": "._suggest",
@@ -136,6 +145,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "Spec",
     "SpecError",
     "SpecLeaf",
+    "Step",
     "Suggestion",
     "Target",
     "UnreadableError",
@@ -149,6 +159,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "dump",
     "field",
     "init",
+    "jit",
     "layout",
     "load",
     "parse",

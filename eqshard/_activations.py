@@ -37,6 +37,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from ._annotation import Annotation
 from ._errors import EqshardError, ExpressionError, Problem, SpecError
 from ._expression import Expression
+from ._jit_key import JIT_KEY
 from ._plan import Plan, declared_mesh
 from ._rules import dims_expression, is_axis
 from ._sharding import (
@@ -68,20 +69,26 @@ Names = Sequence[Name]
 
 @dataclasses.dataclass(frozen=True)
 class Active:
-    """The rules `eqshard.use` made active, with where a plan placed its model.
+    """What `eqshard.use` made active: a plan, or a spec file's rules, or both.
 
-    - `rules`: the spec file's rules (compared by identity, as `Rules` are).
+    - `rules`: the spec file's rules that lay out named activations (compared by
+        identity, as `Rules` are); `None` for a plan made from another spec, whose
+        names then mean nothing, as with no rules.
     - `mesh`: the plan's mesh, where it is the user's or the spec file's; else
         `None` (the mesh is chosen when an activation is constrained).
     - `devices`: the plan's devices (or device count), for a declared mesh; else
         `None` (`jax.devices()`).
+    - `plan`: the plan given to `use`, which `eqshard.jit` pins on a step's inputs
+        and outputs and `eqshard.constrain(tree)` lays a tree out by; `None` for
+        rules alone.
 
     It is hashable: it is the value of the JAX user context that keys `jit`'s cache.
     """
 
-    rules: Rules
+    rules: Rules | None
     mesh: AnyMesh | None = None
     devices: Placement | None = None
+    plan: Plan | None = None
 
 
 _ACTIVE: contextvars.ContextVar[Active | None] = contextvars.ContextVar(
@@ -106,22 +113,29 @@ def recording() -> Iterator[Recorded]:
     token, rules = _RECORDING.set(found), _ACTIVE.set(None)
     key = object()  # a `jit` traced before, with no rules or other rules, traces again
     try:
-        with contextlib.nullcontext() if _JIT_KEY is None else _JIT_KEY(key):
+        with contextlib.nullcontext() if JIT_KEY is None else JIT_KEY(key):
             yield found
     finally:
         _ACTIVE.reset(rules)
         _RECORDING.reset(token)
 
 
-_make_user_context = getattr(jax, "make_user_context", None)
-_JIT_KEY = None if _make_user_context is None else _make_user_context(None)
-"""The active rules as part of `jit`'s cache key (JAX's `make_user_context`, made
-once: making one is not thread-safe, using it is); `None` on a JAX without it."""
-
-
 def active() -> Active | None:
     """The rules `eqshard.use` made active in this thread or task, if any."""
     return _ACTIVE.get()
+
+
+def active_rules(rules: Rules | Plan | None) -> Active | None:
+    """What lays out named activations: `rules` where given, else the active
+    rules; `None` where neither holds a spec file's rules."""
+    found = _of(rules) if rules is not None else _ACTIVE.get()
+    return None if found is None or found.rules is None else found
+
+
+def using(value: Active | None) -> contextlib.AbstractContextManager[Rules | None]:
+    """`value` made active, as `eqshard.use` makes it (for `eqshard.jit`, which
+    holds an `Active` already)."""
+    return _using(value)
 
 
 def _of(rules: Rules | Plan | None) -> Active | None:
@@ -130,18 +144,12 @@ def _of(rules: Rules | Plan | None) -> Active | None:
     if isinstance(rules, Rules):
         return Active(rules)
     if isinstance(rules, Plan):
-        if not isinstance(rules.spec, Rules):
-            raise EqshardError(
-                "`eqshard.use` (and `constrain`'s `rules=`) take a plan made from a spec "
-                "file's rules, and this plan "
-                f"was made from {type(rules.spec).__name__}; activations are named through "
-                'a spec file\'s "dims": pass `eqshard.load(path)`, or a plan made from it'
-            )
-        return Active(rules.spec, rules.mesh if rules.mesh_is_given else None, rules.devices)
+        named = rules.spec if isinstance(rules.spec, Rules) else None
+        return Active(named, rules.mesh if rules.mesh_is_given else None, rules.devices, rules)
     raise EqshardError(
-        "`eqshard.use` (and `constrain`'s `rules=`) take the `eqshard.Rules` of a spec "
-        "file (`eqshard.load(path)`), "
-        f"a `Plan` made from them, or None (no rules), not {type(rules).__name__}"
+        "`eqshard.use` (and `constrain`'s `rules=`) take an `eqshard.Plan`, the "
+        "`eqshard.Rules` of a spec file (`eqshard.load(path)`), or None (no rules), not "
+        f"{type(rules).__name__}"
     )
 
 
@@ -189,7 +197,7 @@ def use(rules: Rules | Plan | None) -> contextlib.AbstractContextManager[Rules |
 def _using(value: Active | None) -> Iterator[Rules | None]:
     token = _ACTIVE.set(value)
     try:
-        with contextlib.nullcontext() if _JIT_KEY is None else _JIT_KEY(value):
+        with contextlib.nullcontext() if JIT_KEY is None else JIT_KEY(value):
             yield None if value is None else value.rules
     finally:
         _ACTIVE.reset(token)
@@ -242,7 +250,7 @@ def _mesh(
     on = user_mesh(mesh, devices) if mesh is not None else found.mesh
     if on is None and devices is None:
         on = user_mesh(None, None)  # the mesh of `jax.set_mesh`
-    if on is not None:
+    if on is not None or found.rules is None:
         return on, placed
     declared, problems = declared_mesh(found.rules, device_count(placed))
     if problems:
@@ -272,14 +280,15 @@ def activation_sharding(
     """
     shape, dtype = tuple(x.shape), x.dtype
     items = _checked(names, shape, dtype)
-    found = _of(rules) if rules is not None else active()
-    if found is None:
+    found = active_rules(rules)
+    if found is None or found.rules is None:
         record = _RECORDING.get()
         if record is not None:
             record.append((items, shape))
         return None
-    dims = found.rules.dims
-    source = found.rules.source
+    named = found.rules
+    dims = named.dims
+    source = named.source
     label = f"{_text(names)} of {dtype}{list(shape)}"
     headline = f"`eqshard.constrain` cannot lay out {_text(names)} by {source}"
     given = [n for n in items if isinstance(n, str)]
@@ -316,7 +325,7 @@ def activation_sharding(
         return None
     on, placed = _mesh(found, mesh, devices)
     annotation = Annotation(_text(names), " ".join(map(str, given)), _items(items))
-    expr = dims_expression(found.rules, annotation, label, on, noun="array")
+    expr = dims_expression(named, annotation, label, on, noun="array")
     if isinstance(expr, Problem):
         raise SpecError([expr], headline)
     if expr is None:  # not reached: every name given is mapped

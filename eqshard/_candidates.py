@@ -43,7 +43,6 @@ import equinox as eqx
 import jax
 
 from ._activations import recording
-from ._cost import _built_from_the_model  # a batch is what `cost` takes for one
 from ._derive import plan_for
 from ._errors import EqshardError, problem_lines, whole_number
 from ._expression import parse
@@ -55,6 +54,7 @@ from ._paths import name, segments
 from ._plan import make_plan
 from ._rules import match_rules
 from ._specfile import Rule, Rules
+from ._step import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
 
 __all__ = ["STRATEGIES", "Candidate", "candidates"]
 
@@ -153,7 +153,7 @@ def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: i
     whole = make_plan(planned_for, "... -> * ...", devices=devices).plan
     batch: list[tuple[str, tuple[int, ...]]] = []
     for k, arg in enumerate(args):
-        if isinstance(arg, eqx.nn.State) or _built_from_the_model(plan_for(arg, whole)):
+        if isinstance(arg, eqx.nn.State) or is_built(plan_for(arg, whole)):
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
             if is_array_like(leaf):

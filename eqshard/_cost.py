@@ -13,7 +13,6 @@ bound.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -21,20 +20,18 @@ from typing import Any
 import equinox as eqx
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from . import _hlo
-from ._activations import use
-from ._derive import plan_for
-from ._errors import EqshardError, SpecError, StepError
+from ._errors import EqshardError, StepError
 from ._expression import Expression
-from ._fields import is_array_like, is_stateful_pair
+from ._fields import is_array_like
 from ._hardware import HARDWARE, Estimate, Hardware, Moved, hardware_profile, roofline
-from ._plan import Plan, Planned, Spec, plan
+from ._plan import Plan, Spec, plan
 from ._report import LeafRow, leaf_rows, memory_kind
-from ._resolver import is_resolver
-from ._sharding import AnyMesh, Device, device_count, mesh_devices, on_devices, sharding
+from ._sharding import AnyMesh, Device, device_count, on_devices
 from ._specfile import Rules, batch_expression
+from ._step import Donate, Lowered, Step, planned_for
 from ._targets import CompileTarget, compile_target
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
@@ -300,17 +297,16 @@ class _Compiled:
     host_outputs: int = 0
 
 
-def _compile(lowered: Any, arguments: Any = ()) -> _Compiled:
-    """Compiles a lowered step for the devices its arguments are laid out on (the
-    target: XLA:CPU for simulated devices, an accelerator's compiler for its own),
-    and keeps what `cost` reads. `arguments` are the abstract arguments it was
-    lowered with."""
+def _compile(lowered: Lowered) -> _Compiled:
+    """Compiles a step lowered by `eqshard.jit` for the devices its arguments are laid
+    out on (the target: XLA:CPU for simulated devices, an accelerator's compiler for
+    its own), and keeps what `cost` reads."""
     compiled = lowered.compile()
     return _Compiled(
         compiled.as_text() or "",
         compiled.memory_analysis(),
         _first(compiled.cost_analysis()),
-        _host_bytes(arguments),
+        _host_bytes(lowered.abstract),
         _host_bytes(getattr(compiled, "out_info", ())),
     )
 
@@ -470,38 +466,15 @@ def cost(
     if isinstance(spec, Plan):
         p = spec
     else:  # with the model's eqx.nn.State, one mesh fits both
-        planned_for = _stateful(abstract_model, abstract_args, spec)
-        p = plan(planned_for, spec, mesh=mesh, devices=devices)
+        p = plan(planned_for(abstract_model, abstract_args, spec), spec, mesh=mesh, devices=devices)
     on_devices(p.mesh, "`eqshard.cost`", p.devices)
-    batches = _Batches(batch, p)
-    model_plan = _laid_out(abstract_model, p)  # a plan of `(model, state)` lays out the model
-    held = _Held()
-    held.count(model_plan, "parameters")
-    laid_out = [model_plan.abstract]
-    for arg in abstract_args:
-        state = plan_for(arg, p)
-        if isinstance(arg, eqx.nn.State) and state.problems:
-            raise SpecError(state.problems)
-        if isinstance(arg, eqx.nn.State) or _built_from_the_model(state):  # or an optimizer state
-            held.count(state.plan, "optimizer")
-            laid_out.append(state.plan.abstract)
-        else:  # nothing of the model's in it: a batch
-            laid_out.append(jax.tree_util.tree_map(batches.lay_out, arg))
     fn = getattr(step, "__wrapped__", step)
-    donate_first = bool(getattr(step, "donate_first", False))
-    donate_rest = bool(getattr(step, "donate_rest", False))
-    dynamic, static = eqx.partition(laid_out, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-
-    def run(first: Any, rest: Any) -> Any:
-        everything = eqx.combine([first, *rest], static)
-        return eqx.filter(fn(*everything), eqx.is_array)
-
-    donate = tuple(i for i, on in enumerate((donate_first, donate_rest)) if on)
     n = device_count(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
+    # The program `eqshard.jit` runs under this plan: the same input and output layouts.
+    program = Step(fn, donate=_donation(step), plan=p, batch=batch)
     try:
-        with use(p) if isinstance(p.spec, Rules) else contextlib.nullcontext():
-            lowered = jax.jit(run, donate_argnums=donate).lower(dynamic[0], dynamic[1:])
-        compiled = _compile(lowered, dynamic)
+        lowered = program.lower(abstract_model, *abstract_args)
+        compiled = _compile(lowered)
     except EqshardError:
         raise
     except Exception as error:  # the user's step: named, with its error as the cause
@@ -510,6 +483,10 @@ def cost(
             f"`eqshard.cost` cannot trace and compile the step {name} on {n} devices under "
             f"{_spec_name(spec)}: it raised {type(error).__name__}: {error}"
         ) from error
+    held = _Held()
+    for i, argument in enumerate(lowered.arguments):
+        if argument.plan is not None:  # the model, its state, an optimizer state
+            held.count(argument.plan, "parameters" if i == 0 else "optimizer")
     module = _parse(compiled.text, p.mesh)
     dtypes = [row.dtype for row in held.parameters]
     return Cost(
@@ -524,7 +501,7 @@ def cost(
         target=None if on is None else on.name,
         hardware=None if on is None else on.hardware,
         memory_per_device=None if on is None else on.memory_per_device,
-        batch=batches.used,
+        batch=lowered.batch,
     )
 
 
@@ -556,33 +533,6 @@ def _on_target(
     grid = np.empty(len(on.devices), dtype=object)
     grid[:] = on.devices
     return on, Mesh(grid.reshape(mesh.axis_sizes), mesh.axis_names, mesh.axis_types), None
-
-
-def _built_from_the_model(planned: Planned) -> bool:
-    """Whether some leaf of a step's argument took a parameter's or the state's
-    layout by structure (at its place in a subtree shaped like the model, with its
-    shape): an optimizer state, not a batch."""
-    return not planned.problems and planned.matched > 0
-
-
-def _stateful(model: Any, args: Sequence[Any], spec: Any) -> Any:
-    """What a spec is planned for: `(model, state)` where the step takes the model
-    and then its `eqx.nn.State`, so that one mesh fits both; else the model. A spec
-    tree, which has a place for the model's leaves only, is planned for the model
-    (the plan then replicates the state)."""
-    if is_stateful_pair(model) or not (is_resolver(spec) or isinstance(spec, (str, Expression))):
-        return model
-    state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
-    return model if state is None else (model, state)
-
-
-def _laid_out(model: Any, p: Plan) -> Plan:
-    """The plan of the step's first argument: `p` itself when it was made for the
-    model, the model's part of it when it was made for `(model, state)`."""
-    planned = plan_for(model, p)
-    if planned.problems:
-        raise SpecError(planned.problems)
-    return planned.plan
 
 
 class _Held:
@@ -725,48 +675,6 @@ def portable(found: Cost) -> Cost:
     return dataclasses.replace(found, mesh=found.mesh.abstract_mesh)
 
 
-def _data_parallel(p: Plan) -> str:
-    """The default batch layout: the leading dim over the first axis of the user's
-    (or the spec file's) mesh, replicated over the others; else over every device."""
-    if p.mesh is None or not p.mesh_is_given:
-        return "b ... -> b* ..."
-    first, rest = p.mesh.axis_sizes[0], p.mesh.size // p.mesh.axis_sizes[0]
-    return f"b ... -> b{first} ..." + (f" {rest}" if rest > 1 else "")
-
-
-class _Batches:
-    """Lays out the batch's leaves for `cost`: by `batch=` where it is given; else a
-    leaf already placed on the plan's devices keeps its sharding, and the others
-    follow the spec file's `"batch"`, else `_data_parallel`. `used` is the
-    expression that laid out a leaf, if any did."""
-
-    def __init__(self, batch: str | None, p: Plan) -> None:
-        self.given = batch is not None
-        if batch is None:  # a plan made from `Rules` (or `cost`'s spec, planned here)
-            declared = p.spec.batch if isinstance(p.spec, Rules) else None
-            batch = _data_parallel(p) if declared is None else str(declared)
-        self.expr = str(batch)
-        self.plan = p
-        self.devices = mesh_devices(p.mesh) if p.mesh is not None else p.devices
-        self.used: str | None = None
-
-    def lay_out(self, x: Any) -> Any:
-        if not (isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)):
-            return x
-        if not self.given and self._placed(getattr(x, "sharding", None)):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        if x.shape:  # a scalar is whole on every device, whatever the expression
-            self.used = self.expr
-        return _batch(x, self.expr, self.plan)
-
-    def _placed(self, placed: Any) -> bool:
-        """Whether `placed` (a leaf's sharding) lays it out on the plan's devices,
-        in the plan's order, as one compiled program can take it with the plan's."""
-        if not isinstance(placed, NamedSharding) or not isinstance(placed.mesh, Mesh):
-            return False
-        return isinstance(self.devices, tuple) and tuple(placed.mesh.devices.flat) == self.devices
-
-
 def _first(costs: Any) -> dict[str, Any]:
     """A cost analysis as one dict (some JAX releases give a list of them)."""
     if isinstance(costs, list):
@@ -774,19 +682,11 @@ def _first(costs: Any) -> dict[str, Any]:
     return dict(costs or {})
 
 
-def _batch(x: Any, expr: str | None, p: Plan) -> Any:
-    """A batch leaf, abstract and laid out by `expr`: on the plan's mesh where it
-    fits, else on its own mesh over the same devices."""
-    if not (isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x)):
-        return x
-    if expr is None or not x.shape:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.replicated())
-    target = None
-    if p.mesh is not None:
-        try:
-            target = sharding(expr, x.shape, mesh=p.mesh)
-        except EqshardError:
-            target = None
-    if target is None:
-        target = sharding(expr, x.shape, devices=p.devices)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=target)
+def _donation(step: Any) -> Donate:
+    """The donation of a step as given to `cost`: an `eqshard.jit` step's own, an
+    `eqx.filter_jit` step's (its donation flags), none for a plain function."""
+    if isinstance(step, Step):
+        return step.donate
+    first = bool(getattr(step, "donate_first", False))
+    rest = bool(getattr(step, "donate_rest", False))
+    return "all" if first and rest else "all-except-first" if rest else "none"

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+from ._activations import use
 from ._apply import apply
-from ._cost import Cost, _batch, _data_parallel, cost
+from ._cost import Cost, cost
 from ._demo_model import (
     BATCH,
     GPT,
@@ -46,8 +47,8 @@ from ._errors import EqshardError, Problem, UnreadableError
 from ._fit import mesh_text
 from ._plan import Plan, plan
 from ._report import human_bytes
-from ._shard import constrain
 from ._specfile import Rules, load
+from ._step import batch_sharding, data_parallel, jit
 
 __all__ = [
     "SPECS",
@@ -88,35 +89,29 @@ misplaced shard) does to a loss: 1e-2 or more.
 """
 
 
-def make_step(keep: Plan | None = None) -> Callable[..., Any]:
+def make_step() -> Callable[..., Any]:
     """The training step, `step(model, state, batch) -> (loss, model, state)`, under
-    `eqx.filter_jit`.
+    `eqshard.jit`: it names no plan, and under `eqshard.use(plan)` every leaf leaves
+    it laid out as it came in, the program `eqshard.cost` compiles for that plan.
 
     **Example:**
 
     ```python
-    step = make_step(p)
-    value, model, state = step(model, state, batch)
+    step = make_step()
+    with eqshard.use(p):
+        value, model, state = step(model, state, batch)
     ```
-
-    **Arguments:**
-
-    - `keep`: a plan of the model: the step constrains the updated model and
-        optimizer state to it, so every leaf leaves the step laid out as it came in.
 
     **Returns:**
 
     The step.
     """
 
-    @eqx.filter_jit
+    @jit
     def step(model: GPT, state: AdamState, batch: Int[Array, "batch seq_plus_1"]):
         value, grads = eqx.filter_value_and_grad(loss)(model, batch)
         updates, state = adamw_update(grads, state, eqx.filter(model, eqx.is_array))
         model = eqx.apply_updates(model, updates)
-        if keep is not None:
-            model = constrain(model, keep)
-            state = constrain(state, keep)
         return value, model, state
 
     return step
@@ -166,7 +161,7 @@ def batch_expression(p: Plan) -> str:
     if isinstance(p.spec, Rules) and p.spec.batch is not None:
         return str(p.spec.batch)
     if p.mesh is not None and p.mesh_is_given and p.mesh.axis_names[0] == "data":
-        return _data_parallel(p)
+        return data_parallel(p)
     return "... -> * ..."
 
 
@@ -320,13 +315,14 @@ def run(
         p = plan(model, rules, devices=devices)
         expr = batch_expression(p)
         batch = tokens()
-        placed = jax.device_put(batch, _batch(batch, expr, p).sharding)
+        placed = jax.device_put(batch, batch_sharding(batch.shape, expr, p))
         model, state = apply(model, p), apply(state, p)
-        step = make_step(p)
+        step = make_step()
         summary = cost(step, model, state, placed, spec=p, batch=expr)
-        losses, model, state, seconds = _train(
-            label, step, model, state, placed, steps, progress, devices[0].platform != "cpu"
-        )
+        with use(p):  # the program `cost` compiled for this plan
+            losses, model, state, seconds = _train(
+                label, step, model, state, placed, steps, progress, devices[0].platform != "cpu"
+            )
     return Outcome(label, losses, model, state, p, expr, summary, seconds)
 
 
@@ -624,7 +620,7 @@ def fits(spec: str | Path, devices: Sequence[Any]) -> Plan:
     `eqshard.ExpressionError` when the batch does not split over the `data` axis.
     """
     p = plan(eqx.filter_eval_shape(GPT, jax.random.key(0)), load(spec), devices=devices)
-    _batch(jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32), batch_expression(p), p)
+    batch_sharding((BATCH, SEQ + 1), batch_expression(p), p)
     return p
 
 

@@ -10,7 +10,7 @@ import jax.core
 from jax.sharding import AxisType, NamedSharding
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._activations import activation_sharding, is_names
+from ._activations import activation_sharding, active, is_names
 from ._apply import place
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError
@@ -21,7 +21,7 @@ from ._sharding import AnyMesh, Devices, local_devices, on_devices, sharding
 from ._specfile import Rules
 from ._values import source_for, unplaceable
 
-__all__ = ["constrain", "shard"]
+__all__ = ["constrain", "constrained", "shard"]
 
 
 def shard(
@@ -87,9 +87,19 @@ def _put(x: ArrayLike, target: NamedSharding, what: str, devices: object) -> Arr
     return jax.device_put(source_for(x, target), target)
 
 
+class _ByTheActivePlan:
+    """`constrain`'s default spec: the plan of `eqshard.use(plan)`, else the fields."""
+
+    def __repr__(self) -> str:
+        return "the active plan, else FROM_FIELDS"
+
+
+BY_THE_ACTIVE_PLAN: Any = _ByTheActivePlan()
+
+
 def constrain(
     x: PyTree[Any],
-    spec: Spec = FROM_FIELDS,
+    spec: Spec = BY_THE_ACTIVE_PLAN,
     *,
     mesh: AnyMesh | None = None,
     devices: Devices = None,
@@ -120,7 +130,7 @@ def constrain(
         x = eqshard.constrain(x, "batch d -> batch* d")
         grads = eqx.filter_grad(loss)(model, x, y)
         model = eqx.apply_updates(model, update(grads))
-        return eqshard.constrain(model, spec)        # keep the parameters' layouts
+        return eqshard.constrain(model)              # the active plan's layouts
 
     class Block(eqx.Module):
         def __call__(self, x):                       # x: (batch, seq, embed)
@@ -135,8 +145,10 @@ def constrain(
         axis: a dim name of the rules' `"dims"`, `None` for an axis left free (the
         compiler chooses it inside `jit`; whole outside it), and a leading `...`
         for the axes in front, left free (under `jax.vmap` it stands for none). For
-        a pytree, anything `eqshard.apply` takes (by default the `eqshard.field`s),
-        or an `eqshard.Plan`: made for a model of the same structure, or applied to
+        a pytree, anything `eqshard.apply` takes, or an `eqshard.Plan`. By default,
+        the plan of `eqshard.use(plan)` (as `eqshard.jit` holds a step's outputs to
+        it, so a step that names no plan serves every spec), else the
+        `eqshard.field`s. A plan is made for a model of the same structure, or applied to
         a tree built from the model (an optimizer state takes the plan's optimizer
         section). `plan.optimizer` gives gradients the optimizer state's layouts
         (ZeRO-2: `constrain(grads, plan.optimizer)`).
@@ -166,6 +178,11 @@ def constrain(
     `x`'s rank.
     """
     devices = local_devices(devices, "`eqshard.constrain`")
+    if spec is BY_THE_ACTIVE_PLAN:
+        found = active()
+        spec = found.plan if found is not None and found.plan is not None else FROM_FIELDS
+        if isinstance(spec, Plan) and (mesh is not None or devices is not None):
+            spec = spec.spec  # laid out again, on the mesh or devices given
     if is_names(x, spec):
         return _named(x, spec, rules, mesh, devices)
     if rules is not None:
@@ -178,7 +195,7 @@ def constrain(
     if is_array_like(x) and isinstance(spec, (str, Expression)):
         if not traced:
             return shard(x, spec, mesh=mesh, devices=devices)
-        return _constrained([x], [sharding(spec, x.shape, mesh=mesh, devices=devices)])[0]
+        return constrained([x], [sharding(spec, x.shape, mesh=mesh, devices=devices)])[0]
     planned = plan_for(x, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if not traced:
         return place(x, planned, "`eqshard.constrain`")
@@ -187,10 +204,8 @@ def constrain(
     p = planned.plan
     leaves, treedef = jax.tree_util.tree_flatten(x)
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
-    constrained = _constrained(
-        [leaves[i] for i in indices], [s for s in p.flat_shardings if s is not None]
-    )
-    for i, value in zip(indices, constrained):
+    held = constrained([leaves[i] for i in indices], [s for s in p.flat_shardings if s is not None])
+    for i, value in zip(indices, held):
         leaves[i] = value
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -212,10 +227,10 @@ def _named(
         if why is not None:
             raise EqshardError(f"the array {why}")
         return _put(x, target, "`eqshard.constrain`", devices)
-    return _constrained([x], [target])[0]
+    return constrained([x], [target])[0]
 
 
-def _constrained(values: list[Any], shardings: list[NamedSharding]) -> list[Any]:
+def constrained(values: list[Any], shardings: list[NamedSharding]) -> list[Any]:
     """`values` held to `shardings` inside `jit`: a sharding constraint where the
     mesh's axes are Auto, `jax.sharding.reshard` where they are Explicit (the mesh
     of `jax.set_mesh`, in JAX's sharding-in-types mode); a sharding in host memory

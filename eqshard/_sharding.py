@@ -24,6 +24,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from ._errors import EqshardError, whole_number
 from ._expression import Expression, parse
 from ._fit import fit, mesh_shape_of, misfit
+from ._jit_key import JIT_KEY as JIT_KEY  # made before any step is traced: see _jit_key
 from ._layout import MAX_DEVICES, layout, shape_of
 
 if TYPE_CHECKING:

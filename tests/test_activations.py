@@ -315,17 +315,15 @@ def test_names_that_cannot_be_laid_out_say_why(names, dims, mesh, message):
         eqshard.constrain(_x(), names, rules=_rules(dims, mesh))
 
 
-def test_use_and_rules_take_only_rules():
+def test_use_takes_plans_and_rules_only():
     with pytest.raises(
         EqshardError,
-        match=r"^`eqshard.use` \(and `constrain`'s `rules=`\) take the `eqshard.Rules` of a spec file \(`eqshard.load\(path\)`\), a `Plan` made from them, or None \(no rules\), not str$",
+        match=r"^`eqshard.use` \(and `constrain`'s `rules=`\) take an `eqshard.Plan`, the `eqshard.Rules` of a spec file \(`eqshard.load\(path\)`\), or None \(no rules\), not str$",
     ):
         eqshard.use("model.eqshard.json")  # pyright: ignore[reportArgumentType]
-    with pytest.raises(
-        EqshardError,
-        match=r"take a plan made from a spec file's rules, and this plan was made from str;",
-    ):
-        eqshard.use(eqshard.plan(_x(), "a b c -> a* b c"))
+    x = _x()
+    with eqshard.use(eqshard.plan(x, "a b c -> a* b c")):  # no "dims": names mean nothing
+        assert eqshard.constrain(x, ("batch", None, None)) is x
     with pytest.raises(EqshardError, match=r"^`rules=` lays out an array whose axes are named"):
         eqshard.constrain(_x(), "a b c -> a* b c", rules=_rules())
 

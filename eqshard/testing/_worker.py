@@ -14,7 +14,6 @@ stdout (`{"result": ...}` or `{"error": ...}`, as `eqshard check`'s workers do):
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -152,7 +151,6 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
     from .._activations import use
     from .._apply import apply
     from .._fields import is_stateful_pair
-    from .._specfile import Rules
 
     modules: dict[str, Any] = {}
     build = _callable(request, "build", modules)
@@ -189,7 +187,8 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
     placed_opt_state = None if opt_state is None else apply(opt_state, p)
     placed_batch = _placed_batch(batch, batch_expr, p)
     # A spec file's rules lay out the activations the model names, as under `use`.
-    with use(p) if isinstance(p.spec, Rules) else contextlib.nullcontext():
+    # The programs `eqshard.jit` runs under the plan: its layouts in and out.
+    with use(p):
         got = gradient(placed, placed_batch)
         if optimizer is not None:  # from the same gradients: see `assert_equivalent`
             got += update(placed_model, placed_opt_state, apply(want[1], p))
@@ -320,18 +319,21 @@ def _on_device(tree: Any) -> Any:
 
 def _gradient(loss: Callable[..., Any], stateful: bool) -> Callable[..., Any]:
     """`(loss, gradients)` of `loss(model, batch)`, or `(loss, gradients, new
-    state)` of `loss(model, state, batch)` for a `(model, state)` pair, jitted."""
+    state)` of `loss(model, state, batch)` for a `(model, state)` pair, jitted by
+    `eqshard.jit`: `eqx.filter_jit` with no plan active, the plan's layouts under one."""
     import equinox as eqx
+
+    from .._step import jit
 
     if not stateful:
 
-        @eqx.filter_jit
+        @jit
         def gradient(model: Any, batch: Any) -> tuple[Any, ...]:
             return tuple(eqx.filter_value_and_grad(loss)(_on_device(model), batch))
 
         return gradient
 
-    @eqx.filter_jit
+    @jit
     def stateful_gradient(pair: Any, batch: Any) -> tuple[Any, ...]:
         model, state = _on_device(pair)
         (value, state), grads = eqx.filter_value_and_grad(loss, has_aux=True)(model, state, batch)
@@ -341,10 +343,13 @@ def _gradient(loss: Callable[..., Any], stateful: bool) -> Callable[..., Any]:
 
 
 def _update(optimizer: Any) -> Callable[..., Any]:
-    """`(parameters, state)` after one optimizer step from given gradients, jitted."""
+    """`(parameters, state)` after one optimizer step from given gradients, jitted
+    as `_gradient` is."""
     import equinox as eqx
 
-    @eqx.filter_jit
+    from .._step import jit
+
+    @jit
     def update(model: Any, state: Any, grads: Any) -> tuple[Any, ...]:
         model, state, grads = _on_device((model, state, grads))
         updates, state = optimizer.update(grads, state, eqx.filter(model, eqx.is_array))
@@ -388,16 +393,17 @@ def _step(loss: Callable[..., Any], optimizer: Any, stateful: bool) -> Callable[
 def _placed_batch(batch: Any, expr: str | None, p: Any) -> Any:
     """The batch laid out as `eqshard.cost` lays it out: by `expr`, else data
     parallel over the mesh's first axis (or every device)."""
+    import equinox as eqx
     import jax
 
-    from .._cost import _batch, _data_parallel
+    from .._step import batch_sharding, data_parallel
 
-    expr = _data_parallel(p) if expr is None else expr
+    expr = data_parallel(p) if expr is None else expr
 
     def place(x: Any) -> Any:
-        laid = _batch(x, expr, p)
-        sharding = getattr(laid, "sharding", None)
-        return x if sharding is None else jax.device_put(x, sharding)
+        if not eqx.is_array(x):
+            return x
+        return jax.device_put(x, batch_sharding(tuple(x.shape), expr, p))
 
     try:
         return jax.tree_util.tree_map(place, batch)

@@ -1,0 +1,117 @@
+"""`eqshard.jit` against the floor, `eqx.filter_jit`, on 8 CPU devices.
+
+Run: `python benchmarks/bench_jit.py`. Every number comes from this one run.
+
+For each model, three steps run the same AdamW update on the same placed model,
+optimizer state and batch, under an FSDP plan:
+
+- the floor: `eqx.filter_jit(step)`, the step as written for one device;
+- the old pattern: `eqx.filter_jit` of the step ending in
+  `eqshard.constrain(model, plan)` (and the optimizer state's), under `jax.set_mesh`;
+- `eqshard.jit(step)` under `eqshard.use(plan)`: the plan's layouts pinned on the
+  inputs and outputs.
+
+Each is called in rounds, the three interleaved, every call waited on; the table
+gives the median seconds per call, its ratio to the floor, and how many times each
+step was traced over all its calls (once is the aim).
+
+Models: (a) `eqx.nn.MLP(16, 16, 32, 2)`, 6 arrays, where a call is mostly dispatch;
+(b) the demo's GPT (`eqshard demo`), 4 stacked blocks of `eqx.nn` layers, a real step.
+"""
+
+import statistics
+import time
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqshard
+from eqshard._demo_model import build, loss as gpt_loss, tokens
+
+
+def mlp_case():
+    model = eqx.nn.MLP(16, 16, 32, 2, key=jax.random.key(0))
+    x = jnp.asarray(np.random.RandomState(0).randn(64, 16).astype(np.float32))
+
+    def loss(model, batch):
+        return jnp.mean((jax.vmap(model)(batch) - batch) ** 2)
+
+    return "eqx.nn.MLP(16, 16, 32, 2)", model, loss, x
+
+
+def gpt_case():
+    return "GPT of the demo", build(), gpt_loss, tokens()
+
+
+def steps(loss, plan):
+    optimizer = optax.adamw(1e-3)
+    traces = {"floor": 0, "old pattern": 0, "eqshard.jit": 0}
+
+    def body(model, opt_state, batch):
+        value, grads = eqx.filter_value_and_grad(loss)(model, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    @eqx.filter_jit
+    def floor(model, opt_state, batch):
+        traces["floor"] += 1
+        return body(model, opt_state, batch)
+
+    @eqx.filter_jit
+    def old(model, opt_state, batch):
+        traces["old pattern"] += 1
+        model, opt_state, value = body(model, opt_state, batch)
+        return eqshard.constrain(model, plan), eqshard.constrain(opt_state, plan), value
+
+    @eqshard.jit
+    def new(model, opt_state, batch):
+        traces["eqshard.jit"] += 1
+        return body(model, opt_state, batch)
+
+    return optimizer, {"floor": floor, "old pattern": old, "eqshard.jit": new}, traces
+
+
+def bench(name, model, loss, batch, rounds, calls):
+    spec = eqshard.load({"eqshard": 1, "mesh": [["data", "*"]], "default": "fsdp", "rules": []})
+    plan = eqshard.plan(model, spec)
+    optimizer, fns, traces = steps(loss, plan)
+    state = eqshard.apply(optimizer.init(eqx.filter(model, eqx.is_array)), plan)
+    model = eqshard.apply(model, plan)
+    batch = jax.device_put(batch, eqshard.sharding("b ... -> b* ...", batch.shape))
+    times = {label: [] for label in fns}
+    assert isinstance(plan.mesh, jax.sharding.Mesh)  # the spec file's, on these devices
+    with jax.set_mesh(plan.mesh), eqshard.use(plan):
+        for fn in fns.values():  # compile each once
+            jax.block_until_ready(fn(model, state, batch))
+        for _ in range(rounds):
+            for label, fn in fns.items():
+                start = time.perf_counter()
+                out = [fn(model, state, batch) for _ in range(calls)]
+                jax.block_until_ready(out)
+                times[label].append((time.perf_counter() - start) / calls)
+    floor = statistics.median(times["floor"])
+    arrays = len(jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)))
+    print(f"\n{name}: {arrays} arrays, {rounds} rounds of {calls} calls")
+    print(f"  {'step':<14} {'per call':>12} {'x floor':>8} {'traces':>7}")
+    for label in fns:
+        t = statistics.median(times[label])
+        print(f"  {label:<14} {t * 1e6:>10.1f}us {t / floor:>8.3f} {traces[label]:>7}")
+
+
+def main():
+    print(
+        f"eqshard.jit against eqx.filter_jit; JAX {jax.__version__}, {len(jax.devices())} CPU devices"
+    )
+    for case, rounds, calls in ((mlp_case, 15, 200), (gpt_case, 9, 5)):
+        bench(*case(), rounds=rounds, calls=calls)
+
+
+if __name__ == "__main__":
+    main()

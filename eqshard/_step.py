@@ -1,0 +1,785 @@
+"""The step as one object: `eqshard.jit`, a drop-in for `eqx.filter_jit` whose
+compiled program takes and gives the active plan's layouts.
+
+Under a plan (`eqshard.use(plan)`, or `plan=`), each of the step's arguments is
+laid out as `eqshard.apply(argument, plan)` lays out a tree built from the model
+(`_derive.plan_for`): the model takes the parameters' shardings, subtrees shaped
+like it take them too, in an optimizer state the optimizer section's, the model's
+`eqx.nn.State` its own layouts. An argument that holds nothing of the model's is
+the batch (`Batches`): a leaf the data loader already placed on the plan's devices
+keeps its sharding, the others take `batch=`, else the spec file's `"batch"`, else
+data parallel. These are the compiled program's input shardings (`jax.jit`'s
+`in_shardings`). The outputs are laid out the same way, by structure, anything that
+holds nothing of the model's replicated; they are held there by a constraint at the
+end of the traced step (their structure is known only once it is traced), the last
+word on an output's layout.
+
+One `jax.jit` is made per plan and per structure of the arguments (their tree, their
+non-array leaves, their shapes, and the shardings of batch leaves already placed), on
+the first call that needs it; `jax.jit` keeps its own cache beside it. So a step is
+traced once per plan, and called under another plan it is traced again, for that
+plan. With no plan it is `eqx.filter_jit` itself.
+
+On a mesh of Explicit axes (`jax.make_mesh`'s default since JAX 0.9), the step's body
+runs with those axes made Auto, as `jax.sharding.auto_axes` runs a function, so that
+plain `eqx.nn` layers split Megatron-style trace; its inputs and outputs keep the
+plan's shardings and axis types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.core
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from ._activations import Active, active, using
+from ._derive import plan_for
+from ._errors import EqshardError, ExpressionError, Problem, SpecError
+from ._expression import Expression
+from ._fields import is_array_like, is_stateful_pair
+from ._plan import Plan, Planned, plan as make_plan_or_raise
+from ._resolver import is_resolver
+from ._shard import constrained
+from ._sharding import AnyMesh, mesh_devices, sharding
+from ._specfile import Rules, batch_expression
+
+__all__ = [
+    "Argument",
+    "Batches",
+    "Donate",
+    "Step",
+    "batch_sharding",
+    "data_parallel",
+    "is_built",
+    "jit",
+    "lay_out_arguments",
+    "planned_for",
+]
+
+Donate = Literal["all", "all-except-first", "warn", "warn-except-first", "none"]
+
+_DONATE: dict[str, tuple[bool, bool, bool]] = {  # donate first, donate rest, quiet
+    "all": (True, True, True),
+    "all-except-first": (False, True, True),
+    "warn": (True, True, False),
+    "warn-except-first": (False, True, False),
+    "none": (False, False, False),
+}
+
+_ARRAYS = (jax.Array, np.ndarray, np.generic)  # what `eqx.is_array` holds an array
+
+
+def _is_traced(x: Any) -> bool:
+    """A leaf the step traces: an array, or an abstract one given to `lower`."""
+    return isinstance(x, (*_ARRAYS, jax.ShapeDtypeStruct))
+
+
+# -- the batch ---------------------------------------------------------------------
+
+
+def data_parallel(p: Plan) -> str:
+    """The default batch layout: the leading dim over the first axis of the user's
+    (or the spec file's) mesh, replicated over the others; else over every device."""
+    if p.mesh is None or not p.mesh_is_given:
+        return "b ... -> b* ..."
+    first, rest = p.mesh.axis_sizes[0], p.mesh.size // p.mesh.axis_sizes[0]
+    return f"b ... -> b{first} ..." + (f" {rest}" if rest > 1 else "")
+
+
+def batch_sharding(shape: tuple[int, ...], expr: str | None, p: Plan) -> NamedSharding:
+    """The sharding of a batch leaf of `shape` laid out by `expr`: on the plan's
+    mesh where it fits, else on its own mesh over the same devices; a scalar, or no
+    expression, whole on every device.
+
+    **Raises:** `ExpressionError` where `expr` does not lay out the leaf.
+    """
+    if expr is None or not shape:
+        return p.replicated()
+    if p.mesh is not None:
+        try:
+            return sharding(expr, shape, mesh=p.mesh)
+        except EqshardError:
+            pass
+    return sharding(expr, shape, devices=p.devices)
+
+
+class Batches:
+    """Lays out a step's batch: by `batch=` where it is given; else a leaf already
+    placed on the plan's devices keeps its sharding, and the others follow the spec
+    file's `"batch"`, else `data_parallel`. `used` is the expression that laid out a
+    leaf, if any did."""
+
+    def __init__(self, batch: str | None, p: Plan) -> None:
+        self.given = batch is not None
+        if batch is None:  # a plan made from `Rules` (or `cost`'s spec, planned here)
+            declared = p.spec.batch if isinstance(p.spec, Rules) else None
+            batch = data_parallel(p) if declared is None else str(declared)
+        self.expr = str(batch)
+        self.plan = p
+        self.devices = mesh_devices(p.mesh) if p.mesh is not None else p.devices
+        self.used: str | None = None
+
+    def sharding(self, x: Any) -> Any:
+        """The sharding of one batch leaf (`x` a concrete or abstract array)."""
+        placed = getattr(x, "sharding", None)
+        if not self.given and self.placed(placed):
+            return placed
+        if x.shape:  # a scalar is whole on every device, whatever the expression
+            self.used = self.expr
+        return batch_sharding(tuple(x.shape), self.expr, self.plan)
+
+    def placed(self, placed: Any) -> bool:
+        """Whether `placed` (a leaf's sharding) lays it out on the plan's devices,
+        in the plan's order, as one compiled program can take it with the plan's."""
+        if not isinstance(placed, NamedSharding) or not isinstance(placed.mesh, Mesh):
+            return False
+        return isinstance(self.devices, tuple) and tuple(placed.mesh.devices.flat) == self.devices
+
+
+# -- the arguments -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """How one argument of a step is laid out.
+
+    - `kind`: `"model"` (the plan's model, or part of a `(model, state)` plan's),
+        `"built"` (built from the model: an optimizer state, gradients, the model's
+        `eqx.nn.State`), or `"batch"`.
+    - `plan`: for the model and what is built from it, the argument's own plan
+        (`Plan.abstract` its laid-out leaves); `None` for the batch.
+    - `shardings`: one per leaf of the argument (`jax.tree_util.tree_leaves`),
+        `None` for a leaf that is not an array or that the plan keeps where it is.
+    """
+
+    kind: str
+    plan: Plan | None
+    shardings: list[Any]
+
+
+def is_built(planned: Planned) -> bool:
+    """Whether some leaf of a step's argument took a parameter's or the state's
+    layout by structure (at its place in a subtree shaped like the model, with its
+    shape): an optimizer state, not a batch."""
+    return not planned.problems and planned.matched > 0
+
+
+def _argument(
+    value: Any, name: str, p: Plan, batches: Batches, first: bool
+) -> tuple[Argument, list[Problem]]:
+    """How one argument is laid out, with the problems found (see `Argument`)."""
+    leaves = jax.tree_util.tree_leaves(value)
+    planned = plan_for(value, p)
+    is_state = isinstance(value, eqx.nn.State)
+    if (
+        is_state
+        or (planned.matched > 0 and not planned.problems)
+        or (first and _is_model(value, p))
+    ):
+        if planned.problems:
+            return Argument("built", None, [None] * len(leaves)), [
+                dataclasses.replace(problem, where=f"{name}: {problem.where}")
+                for problem in planned.problems
+            ]
+        kind = "model" if _is_model(value, p) else "built"
+        return Argument(kind, planned.plan, list(planned.plan.flat_shardings)), []
+    problems: list[Problem] = []
+    shardings: list[Any] = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if not is_array_like(leaf):
+            shardings.append(None)
+            continue
+        try:
+            shardings.append(batches.sharding(leaf))
+        except ExpressionError as error:
+            where = f"{name}{jax.tree_util.keystr(path)}"
+            context = (
+                f"the batch {np.dtype(leaf.dtype).name}{list(leaf.shape)} cannot be laid out "
+                f"by {batches.expr!r}; pass eqshard.jit(..., batch=...) an expression that "
+                "splits it, or place it first"
+            )
+            problems.append(Problem.from_error(where, error, context))
+            shardings.append(None)
+    return Argument("batch", None, shardings), problems
+
+
+def _is_model(value: Any, p: Plan) -> bool:
+    """Whether `value` is the plan's model, or the model of a `(model, state)` plan."""
+    model = p.resolved.model
+    treedef = jax.tree_util.tree_structure(value)
+    if treedef == p.resolved.treedef:
+        return True
+    return is_stateful_pair(model) and treedef == jax.tree_util.tree_structure(model[0])
+
+
+def lay_out_arguments(
+    p: Plan, arguments: Sequence[tuple[str, Any]], batch: str | None = None
+) -> tuple[list[Argument], Batches]:
+    """Each of a step's arguments laid out by the plan (see the module's notes), the
+    first as the model where it has the model's structure.
+
+    **Arguments:** `p`, the plan; `arguments`, `(name, value)` pairs in order;
+    `batch`, the batch's expression, if given.
+
+    **Returns:** an `Argument` for each, and the `Batches` that laid out the batch.
+
+    **Raises:** `SpecError` naming each argument that the plan cannot lay out: a
+    model or optimizer state whose shapes differ from the plan's, or a batch leaf
+    the batch's expression cannot split.
+    """
+    batches = Batches(batch, p)
+    laid: list[Argument] = []
+    problems: list[Problem] = []
+    for i, (name, value) in enumerate(arguments):
+        argument, found = _argument(value, name, p, batches, i == 0)
+        laid.append(argument)
+        problems += found
+    if not problems and all(a.kind == "batch" for a in laid) and arguments:
+        problems.append(
+            Problem(
+                "the step's arguments",
+                "none is the plan's model or built from it (no subtree has the model's "
+                "structure and shapes); lay the step out by the plan of the model it takes",
+            )
+        )
+    if problems:
+        raise SpecError(problems, "the step's arguments cannot be laid out by the plan")
+    return laid, batches
+
+
+def planned_for(model: Any, args: Sequence[Any], spec: Any) -> Any:
+    """What a spec is planned for, for a step called as `step(model, *args)`:
+    `(model, state)` where the model's `eqx.nn.State` is among `args`, so that one
+    mesh fits both; else the model. A spec tree, which has a place for the model's
+    leaves only, is planned for the model (the plan then replicates the state)."""
+    if is_stateful_pair(model) or not (is_resolver(spec) or isinstance(spec, (str, Expression))):
+        return model
+    state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
+    return model if state is None else (model, state)
+
+
+def _outputs(out: Any, p: Plan, name: str) -> list[Any]:
+    """The sharding of each leaf of a step's output, by structure (see the module's
+    notes): anything that holds nothing of the model's, replicated."""
+    planned = plan_for(out, p)
+    if planned.problems and planned.matched:
+        raise SpecError(
+            [dataclasses.replace(q, where=f"output {q.where}") for q in planned.problems],
+            f"the step {name} returns a tree built from the model that the plan cannot lay out",
+        )
+    return list(planned.plan.flat_shardings)
+
+
+# -- the step ----------------------------------------------------------------------
+
+
+@jax.tree_util.register_static
+class _Static:
+    """A step's non-array outputs, carried through `jax.jit` in the output's tree."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _auto(mesh: AnyMesh | None) -> Any:
+    """The abstract mesh with `mesh`'s Explicit axes made Auto, for the step's body;
+    `None` where it has none."""
+    if mesh is None:
+        return None
+    explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
+    if not explicit:
+        return None
+    return mesh.abstract_mesh.update_axis_types(dict.fromkeys(explicit, AxisType.Auto))
+
+
+@dataclasses.dataclass
+class _Program:
+    """One `jax.jit` of a step, for one plan and one structure of its arguments."""
+
+    jitted: Any
+    shardings: list[Any]  # one per traced leaf: the program's input shardings
+    donated: list[int]  # positions, among the traced leaves, of those donated
+    kept: list[int]
+    arguments: list[Argument]
+    batches: Batches
+
+
+@dataclasses.dataclass
+class _Layout:
+    """For one plan and one structure of the arguments: how they are laid out, and
+    the program for each placement of the batch leaves already placed."""
+
+    plan: Plan
+    active: Active
+    treedef: Any
+    static: tuple[Any, ...]
+    batch: list[int]  # positions, among the traced leaves, of the batch's
+    programs: dict[tuple[Any, ...], _Program]
+    arguments: list[Argument]  # as the first call's batch placed them
+    batches: Batches
+
+
+class Step:
+    """A step compiled by `eqshard.jit`: called as the function it wraps.
+
+    **Attributes:** `__wrapped__` (the function), `donate`, `plan` (the plan given
+    to `eqshard.jit`, or `None`: the active one), `batch` (the batch's expression,
+    or `None`).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        donate: Donate = "none",
+        plan: Plan | None = None,
+        batch: str | Expression | None = None,
+    ) -> None:
+        if not callable(fn):
+            raise EqshardError(f"`eqshard.jit` takes a function, not {type(fn).__name__}")
+        if donate not in _DONATE:
+            raise EqshardError(
+                f"`donate={donate!r}` is not one of eqx.filter_jit's: "
+                + ", ".join(map(repr, _DONATE))
+            )
+        if plan is not None and not isinstance(plan, Plan):
+            raise EqshardError(
+                f"`plan=` takes an `eqshard.Plan` (`eqshard.plan(model, spec)`), not "
+                f"{type(plan).__name__}; for a spec, make its plan first"
+            )
+        functools.update_wrapper(self, fn)
+        self.__wrapped__ = fn
+        self.donate: Donate = donate
+        self.donate_first, self.donate_rest, self._quiet = _DONATE[donate]
+        self.plan = plan
+        self.batch = None if batch is None else str(batch_expression(batch))
+        self._plain = eqx.filter_jit(fn, donate=donate)
+        try:
+            self._signature: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin, or a callable with no signature
+            self._signature = None
+        self._layouts: dict[Any, _Layout] = {}
+
+    def __repr__(self) -> str:
+        name = getattr(self.__wrapped__, "__qualname__", repr(self.__wrapped__))
+        return f"eqshard.jit({name}, donate={self.donate!r})"
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        return functools.partial(self, instance)
+
+    def __reduce__(self) -> Any:  # to a worker process: a plan holds this one's devices
+        return (_rebuilt, (self.__wrapped__, self.donate, self.batch))
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        spec = self.plan if self.plan is not None else _spec(active())
+        if spec is None:
+            return self._plain(*args, **kwargs)
+        program, layout, traced = self._program(spec, args, kwargs, lowering=False)
+        donated = [traced[i] for i in program.donated]
+        kept = [traced[i] for i in program.kept]
+        try:
+            if self._quiet:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings(
+                        "ignore", message="Some donated buffers were not usable"
+                    )
+                    out, static = program.jitted(donated, kept)
+            else:
+                out, static = program.jitted(donated, kept)
+        except ValueError as error:
+            if "does not match the sharding" not in str(error):
+                raise
+            raise self._misplaced(program, layout, args, kwargs, traced) from None
+        if out and isinstance(out[0], jax.Array) and not isinstance(out[0], jax.core.Tracer):
+            # As eqx.filter_jit waits for each call: runs that pile up can deadlock
+            # XLA:CPU's collectives across simulated devices.
+            out[0].block_until_ready()
+        return _combined(out, static)
+
+    def lower(self, /, *args: Any, **kwargs: Any) -> Lowered:
+        """The step lowered for the active plan (or `plan=`), over concrete or
+        abstract arguments (`jax.ShapeDtypeStruct`s, such as `eqx.filter_eval_shape`
+        gives), without running it: `.compile()` it, read its text, or its
+        `cost_analysis()` and `memory_analysis()`.
+
+        **Raises:** `eqshard.EqshardError` when no plan is active and none was given.
+        """
+        spec = self.plan if self.plan is not None else _spec(active())
+        if spec is None:
+            raise EqshardError(
+                "`lower` lays the step out by a plan, and none is active: call it inside "
+                "`with eqshard.use(plan):`, or make the step with `eqshard.jit(fn, plan=plan)`"
+            )
+        program, _, traced = self._program(spec, args, kwargs, lowering=True)
+        abstract = [_abstract(x, s) for x, s in zip(traced, program.shardings)]
+        donated = [abstract[i] for i in program.donated]
+        kept = [abstract[i] for i in program.kept]
+        return Lowered(program.jitted.lower(donated, kept), program, self, abstract)
+
+    # -- internals
+
+    def _bound(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        if kwargs and self._signature is not None:
+            bound = self._signature.bind(*args, **kwargs)
+            return bound.args, bound.kwargs
+        return args, kwargs
+
+    def _program(
+        self, spec: Plan | Active, args: tuple[Any, ...], kwargs: dict[str, Any], lowering: bool
+    ) -> tuple[_Program, _Layout, list[Any]]:
+        args, kwargs = self._bound(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        is_traced = _is_traced if lowering else (lambda x: isinstance(x, _ARRAYS))
+        traced = [x for x in leaves if is_traced(x)]
+        static = tuple(_TRACED if is_traced(x) else x for x in leaves)
+        key = (spec, treedef, static, tuple(np.shape(x) for x in traced))
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = self._layout(spec, args, kwargs, treedef, static)
+        placed = tuple(_placed(traced[i]) for i in layout.batch)
+        program = layout.programs.get(placed)
+        if program is None:
+            program = layout.programs[placed] = self._compile(layout, args, kwargs, traced)
+        return program, layout, traced
+
+    def _layout(
+        self, spec: Plan | Active, args: Any, kwargs: Any, treedef: Any, static: Any
+    ) -> _Layout:
+        if isinstance(spec, Plan):
+            p, on = spec, _active_of(spec)
+        elif spec.plan is not None:
+            p, on = spec.plan, spec
+        else:  # rules alone: planned for the step's first argument, the model
+            if not args:
+                raise EqshardError(
+                    "`eqshard.use(rules)` lays a step out by a plan of its first argument, the "
+                    "model, and this step was called with none; pass `eqshard.use(plan)`"
+                )
+            model = jax.tree_util.tree_map(_abstract_leaf, args[0])
+            rest = jax.tree_util.tree_map(_abstract_leaf, args[1:])
+            p = make_plan_or_raise(
+                planned_for(model, rest, spec.rules),
+                spec.rules,
+                mesh=spec.mesh,
+                devices=spec.devices,
+            )
+            on = dataclasses.replace(spec, plan=p)
+        arguments, batches = self._arguments(p, args, kwargs)
+        kinds = [a.kind for a in arguments for _ in a.shardings]  # per leaf of (args, kwargs)
+        traced_kinds = [kind for kind, x in zip(kinds, static) if x is _TRACED]
+        batch = [k for k, kind in enumerate(traced_kinds) if kind == "batch"]
+        return _Layout(p, on, treedef, static, batch, {}, arguments, batches)
+
+    def _arguments(self, p: Plan, args: Any, kwargs: Any) -> tuple[list[Argument], Batches]:
+        names = self._names(len(args))
+        pairs = [*zip(names, args), *((f"`{k}`", v) for k, v in kwargs.items())]
+        return lay_out_arguments(p, pairs, self.batch)
+
+    def _names(self, count: int) -> list[str]:
+        """The positional arguments' names, as messages give them."""
+        params = [] if self._signature is None else list(self._signature.parameters.values())
+        names = []
+        for i in range(count):
+            if i < len(params) and params[i].kind in (
+                inspect.Parameter.POSITIONAL_ONLY,
+                inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            ):
+                names.append(f"`{params[i].name}`")
+            else:
+                names.append(f"argument {i}")
+        return names
+
+    def _compile(self, layout: _Layout, args: Any, kwargs: Any, traced: list[Any]) -> _Program:
+        if layout.programs:  # the batch is placed otherwise than at the first call
+            arguments, batches = self._arguments(layout.plan, args, kwargs)
+        else:
+            arguments, batches = layout.arguments, layout.batches
+        flat = [s for argument in arguments for s in argument.shardings]
+        leaves = jax.tree_util.tree_leaves((args, kwargs))
+        assert len(flat) == len(leaves)
+        shardings = [s for s, x in zip(flat, layout.static) if x is _TRACED]
+        first = len(jax.tree_util.tree_leaves(args[0])) if args else 0
+        first_traced = sum(1 for x in layout.static[:first] if x is _TRACED)
+        donate = [
+            (self.donate_first if k < first_traced else self.donate_rest)
+            for k in range(len(traced))
+        ]
+        donated = [k for k, d in enumerate(donate) if d]
+        kept = [k for k, d in enumerate(donate) if not d]
+        run = _traced_body(self.__wrapped__, layout, donated, kept)
+        jitted = jax.jit(
+            run,
+            in_shardings=([shardings[k] for k in donated], [shardings[k] for k in kept]),
+            donate_argnums=(0,) if donated else (),
+        )
+        return _Program(jitted, shardings, donated, kept, arguments, batches)
+
+    def _misplaced(
+        self, program: _Program, layout: _Layout, args: Any, kwargs: Any, traced: list[Any]
+    ) -> EqshardError:
+        """The error for arguments placed otherwise than the plan lays them out."""
+        paths = [
+            path
+            for (path, leaf) in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+            if isinstance(leaf, _ARRAYS)
+        ]
+        problems = []
+        for path, x, want in zip(paths, traced, program.shardings):
+            have = getattr(x, "sharding", None)
+            if want is not None and have is not None and have != want:
+                problems.append(
+                    Problem(
+                        f"the step's {_argument_name(path, self._names(len(args)))}",
+                        f"is placed as {_brief(have)}, and the plan lays it out as "
+                        f"{_brief(want)}; place the tree with `eqshard.apply(tree, plan)` "
+                        "once, before the loop",
+                    )
+                )
+        if not problems:  # not reached: JAX named a mismatch
+            problems.append(Problem("the step's arguments", "placed otherwise than the plan"))
+        name = getattr(self.__wrapped__, "__qualname__", "the step")
+        return SpecError(problems, f"{name} is called with arrays placed otherwise than its plan")
+
+
+_TRACED = object()  # a traced leaf's place among the static ones
+
+
+def _rebuilt(fn: Any, donate: Donate, batch: str | None) -> Step:
+    return Step(fn, donate=donate, batch=batch)
+
+
+def _spec(found: Active | None) -> Plan | Active | None:
+    """What lays a step out: the active plan, else the active rules (`Active`)."""
+    if found is None:
+        return None
+    return found.plan if found.plan is not None else found
+
+
+def _active_of(p: Plan) -> Active:
+    rules = p.spec if isinstance(p.spec, Rules) else None
+    return Active(rules, p.mesh if p.mesh_is_given else None, p.devices, p)
+
+
+def _placed(x: Any) -> Any:
+    """A batch leaf's own sharding, where it is a `NamedSharding` (the data loader's
+    layout, which it may keep); else `None`."""
+    s = getattr(x, "sharding", None)
+    return s if isinstance(s, NamedSharding) else None
+
+
+def _abstract_leaf(x: Any) -> Any:
+    if isinstance(x, _ARRAYS):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+    return x
+
+
+def _abstract(x: Any, target: Any) -> Any:
+    """A traced leaf as `lower` hands it to `jax.jit`: abstract, with the program's
+    input sharding."""
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=target)
+
+
+def _brief(s: Any) -> str:
+    if isinstance(s, NamedSharding):
+        return f"{s.spec} on {dict(zip(s.mesh.axis_names, s.mesh.axis_sizes))}"
+    return type(s).__name__
+
+
+def _argument_name(path: Any, names: list[str]) -> str:
+    """`params` `.layers[0].weight` for a key path into `(args, kwargs)`."""
+    if len(path) >= 2 and getattr(path[0], "idx", None) == 0:
+        i = getattr(path[1], "idx", 0)
+        head = names[i] if i < len(names) else f"argument {i}"
+        return f"{head} {jax.tree_util.keystr(tuple(path[2:]))}".rstrip()
+    return jax.tree_util.keystr(tuple(path[1:]))
+
+
+def _traced_body(fn: Callable[..., Any], layout: _Layout, donated: list[int], kept: list[int]):
+    """The function `jax.jit` traces: the step over its arguments rebuilt, with the
+    plan active; its outputs held to the plan's layouts."""
+    p = layout.plan
+    auto = _auto(p.mesh)
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+
+    def run(donated_leaves: list[Any], kept_leaves: list[Any]) -> tuple[list[Any], _Static]:
+        traced: list[Any] = [None] * (len(donated) + len(kept))
+        for k, v in zip(donated, donated_leaves):
+            traced[k] = v
+        for k, v in zip(kept, kept_leaves):
+            traced[k] = v
+        values = iter(traced)
+        leaves = [next(values) if x is _TRACED else x for x in layout.static]
+        args, kwargs = jax.tree_util.tree_unflatten(layout.treedef, leaves)
+        with using(layout.active):
+            if auto is None:
+                out = fn(*args, **kwargs)
+            else:
+                with jax.sharding.use_abstract_mesh(auto):
+                    args, kwargs = _to_auto((args, kwargs))
+                    out = fn(*args, **kwargs)
+            targets = _outputs(out, p, name)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        arrays = [k for k, x in enumerate(out_leaves) if isinstance(x, jax.Array)]
+        held = [k for k in arrays if targets[k] is not None]
+        for k, value in zip(
+            held, constrained([out_leaves[k] for k in held], [targets[k] for k in held])
+        ):
+            out_leaves[k] = value
+        static = [None if isinstance(x, jax.Array) else x for x in out_leaves]
+        return [out_leaves[k] for k in arrays], _Static((out_tree, static, arrays))
+
+    run.__name__ = getattr(fn, "__name__", "step")
+    run.__qualname__ = name
+    return run
+
+
+def _to_auto(tree: Any) -> Any:
+    """`tree`'s arrays as values of the Auto abstract mesh in effect (as
+    `jax.sharding.auto_axes` converts its inputs): their layouts stay as they are."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.sharding.reshard(x, PartitionSpec()) if isinstance(x, jax.Array) else x,
+        tree,
+    )
+
+
+def _combined(out: list[Any], static: _Static) -> Any:
+    out_tree, leaves, arrays = static.value
+    leaves = list(leaves)
+    for k, value in zip(arrays, out):
+        leaves[k] = value
+    return jax.tree_util.tree_unflatten(out_tree, leaves)
+
+
+class Lowered:
+    """A step lowered by `Step.lower`: `jax.stages.Lowered`'s methods, and
+    `compile()`, which gives a `Compiled` called as the step is."""
+
+    def __init__(self, lowered: Any, program: _Program, step: Step, abstract: list[Any]) -> None:
+        self.lowered = lowered
+        self.program = program
+        self.abstract = abstract  # the traced leaves, abstract, with their input shardings
+        self._step = step
+
+    @property
+    def in_shardings(self) -> list[Any]:
+        """The program's input sharding for each traced leaf of the arguments."""
+        return list(self.program.shardings)
+
+    @property
+    def arguments(self) -> list[Argument]:
+        """How each argument is laid out (see `Argument`)."""
+        return list(self.program.arguments)
+
+    @property
+    def batch(self) -> str | None:
+        """The expression that laid out a batch leaf, if any did."""
+        return self.program.batches.used
+
+    def as_text(self) -> str:
+        return self.lowered.as_text()
+
+    def compile(self) -> Compiled:
+        return Compiled(self.lowered.compile(), self.program, self._step)
+
+
+class Compiled:
+    """A compiled step: called as the step is (its traced leaves in the same
+    structure), with `jax.stages.Compiled`'s `as_text()`, `cost_analysis()` and
+    `memory_analysis()`."""
+
+    def __init__(self, compiled: Any, program: _Program, step: Step) -> None:
+        self.compiled = compiled
+        self.program = program
+        self._step = step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._step._bound(args, kwargs)
+        traced = [x for x in jax.tree_util.tree_leaves((args, kwargs)) if isinstance(x, _ARRAYS)]
+        donated = [traced[i] for i in self.program.donated]
+        kept = [traced[i] for i in self.program.kept]
+        out, static = self.compiled(donated, kept)
+        return _combined(out, static)
+
+
+def jit(
+    fn: Callable[..., Any] | None = None,
+    *,
+    donate: Donate = "none",
+    plan: Plan | None = None,
+    batch: str | Expression | None = None,
+) -> Any:
+    """`eqx.filter_jit`, with the active plan's layouts pinned on the step's inputs
+    and outputs.
+
+    **Example:**
+
+    ```python
+    @eqshard.jit(donate="all")
+    def step(model, opt_state, batch):
+        grads = eqx.filter_grad(loss)(model, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state
+
+    with eqshard.use(plan):                 # any plan: fields, a spec tree, rules
+        model, opt_state = eqshard.apply((model, opt_state), plan)
+        for batch in batches:
+            model, opt_state = step(model, opt_state, batch)
+    ```
+
+    Under a plan, each array argument and each array output is laid out by
+    structure, as `eqshard.apply(tree, plan)` lays out a tree built from the model:
+    the model and subtrees shaped like it take the parameters' shardings, an
+    optimizer state the optimizer section's (ZeRO), the model's `eqx.nn.State` its
+    own; an argument that holds nothing of the model's is the batch (a leaf already
+    placed on the plan's devices keeps its sharding, the others take `batch`, else
+    the spec file's `"batch"`, else data parallel); any other output is replicated.
+    These are the compiled program's input and output shardings, so the
+    parameters leave the step as they came in (ZeRO-1 pays its all-gather, FSDP
+    stays split), and `eqshard.cost`, `eqshard check --step`, `suggest`, `diff` and
+    `eqshard.testing` compile this same program for each spec. The step is traced
+    once per plan; the plan is active while it is traced, so named activations and
+    `eqshard.constrain(tree)` follow it. On a mesh of Explicit axes the body runs
+    with them Auto, as under `jax.sharding.auto_axes`, and the outputs keep the
+    plan's axis types. With no plan active, it is `eqx.filter_jit`.
+
+    **Arguments:**
+
+    - `fn`: the step; as a decorator, leave it out.
+    - `donate`: as for `eqx.filter_jit`: `"all"`, `"all-except-first"`, `"warn"`,
+        `"warn-except-first"` or `"none"`.
+    - `plan`: the plan to lay the step out by, always; by default the plan of
+        `eqshard.use(plan)` where the step is called (or a plan of its first
+        argument by `eqshard.use(rules)`'s rules).
+    - `batch`: the batch's expression, a complete one such as `"b ... -> b* ..."`,
+        for every batch leaf, placed or not.
+
+    **Returns:**
+
+    The step (a `eqshard.Step`), called as `fn` is; `step.lower(*args)` lowers it
+    for the active plan over concrete or abstract arguments.
+
+    **Raises:**
+
+    `eqshard.EqshardError` for a `donate` eqx.filter_jit does not know, a `plan`
+    that is not a `Plan`, or a malformed `batch` (with a caret). When called:
+    `eqshard.SpecError` naming each argument the plan cannot lay out (shapes that
+    differ from the plan's model, a batch leaf the batch's expression cannot split),
+    and each argument already placed otherwise than the plan lays it out.
+    """
+    if fn is None:
+        return functools.partial(jit, donate=donate, plan=plan, batch=batch)
+    return Step(fn, donate=donate, plan=plan, batch=batch)

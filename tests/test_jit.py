@@ -1,0 +1,406 @@
+"""`eqshard.jit`: one plain step, laid out by whichever plan is active, trains equal
+to the unsharded run; every output leaf has exactly the plan's layout; each plan
+traces once; and `cost` compiles the same program."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+import eqshard
+
+OPTIMIZER = optax.adam(1e-2)
+
+# Each strategy as a real spec file for eqx.nn.MLP(16 -> 32 -> 32 -> 16):
+# layers.0 (32, 16), layers.1 (32, 32), layers.2 (16, 32).
+SPECS: dict[str, dict[str, Any]] = {
+    "data parallel": {"mesh": [["data", "*"]], "default": "replicate", "rules": []},
+    "zero-1": {
+        "mesh": [["data", "*"]],
+        "default": "replicate",
+        "rules": [],
+        "optimizer": {"default": "fsdp"},
+    },
+    "fsdp": {"mesh": [["data", "*"]], "default": "fsdp", "rules": []},
+    "megatron": {
+        "mesh": [["model", "*"]],
+        "batch": "... -> * ...",
+        "default": "replicate",
+        "rules": [
+            {"path": "layers.0.weight", "expr": "o i -> o* i"},
+            {"path": "layers.0.bias", "expr": "o -> o*"},
+            {"path": "layers.1.weight", "expr": "o i -> o i*"},
+        ],
+    },
+    "2d": {
+        "mesh": [["data", "*"], ["model", 2]],
+        "default": "replicate",
+        "rules": [
+            {"path": "layers.0.weight", "expr": "o i -> * o2 i"},
+            {"path": "layers.0.bias", "expr": "o -> * o2"},
+            {"path": "layers.1.weight", "expr": "o i -> * o i2"},
+        ],
+    },
+}
+
+
+def _rules(name: str, tmp_path: Path) -> eqshard.Rules:
+    path = tmp_path / f"{name.replace(' ', '-')}.eqshard.json"
+    path.write_text(json.dumps({"eqshard": 1, **SPECS[name]}))
+    return eqshard.load(path)
+
+
+def _model() -> eqx.nn.MLP:
+    return eqx.nn.MLP(16, 16, 32, 2, key=jax.random.key(0))
+
+
+def _batch() -> tuple[jax.Array, jax.Array]:
+    x = np.random.RandomState(0).randn(16, 16).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(np.tanh(x[:, ::-1]))
+
+
+def _loss(model: Any, x: Any, y: Any) -> Any:
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+TRACES: list[str] = []
+
+
+def plain_step(model: Any, opt_state: Any, x: Any, y: Any) -> Any:
+    """A training step as written for one device: it names no plan."""
+    TRACES.append("plain")
+    value, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, value
+
+
+def constrained_step(model: Any, opt_state: Any, x: Any, y: Any) -> Any:
+    """The same step, ending in `eqshard.constrain` with no spec: the active plan."""
+    model, opt_state, value = plain_step(model, opt_state, x, y)
+    return eqshard.constrain(model), eqshard.constrain(opt_state), value
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return jax.tree_util.tree_leaves(eqx.filter(tree, eqx.is_array))
+
+
+def _train(step: Any, model: Any, opt_state: Any, steps: int = 3) -> Any:
+    x, y = _batch()
+    value = None
+    for _ in range(steps):
+        model, opt_state, value = step(model, opt_state, x, y)
+    return model, opt_state, value
+
+
+def _same_blocks(value: jax.Array, target: Any) -> bool:
+    """Whether `value` is laid out as `target` says, device by device."""
+    shape = value.shape
+    return value.sharding.devices_indices_map(shape) == target.devices_indices_map(shape)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_one_plain_step_trains_equal_under_every_plan(name, tmp_path):
+    with jax.default_matmul_precision("highest"):
+        model = _model()
+        opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+        want = _train(eqx.filter_jit(plain_step), model, opt_state)
+
+        p = eqshard.plan(model, _rules(name, tmp_path))
+        step = eqshard.jit(plain_step)
+        placed = eqshard.apply((model, opt_state), p)
+        TRACES.clear()
+        with eqshard.use(p):
+            got = _train(step, *placed, steps=3)
+    assert TRACES == ["plain"], "the step was traced more than once for one plan"
+    for g, w in zip(_leaves(got), _leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
+    laid = eqshard.apply((got[0], got[1]), p)  # the plan's layouts of what came out
+    for g, target in zip(_leaves(got[:2]), _leaves(laid)):
+        assert _same_blocks(g, target.sharding), (name, g.sharding, target.sharding)
+    assert got[2].sharding.is_fully_replicated
+
+
+def test_each_plan_traces_the_step_once(tmp_path):
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    step = eqshard.jit(plain_step)
+    plans = [eqshard.plan(model, _rules(n, tmp_path)) for n in ("data parallel", "fsdp")]
+    TRACES.clear()
+    for _ in range(2):
+        for p in plans:
+            with eqshard.use(p):
+                _train(step, *eqshard.apply((model, opt_state), p), steps=2)
+    assert TRACES == ["plain", "plain"]
+    TRACES.clear()
+    _train(step, model, opt_state, steps=2)  # no plan: eqx.filter_jit's own cache
+    _train(step, model, opt_state, steps=1)
+    assert TRACES == ["plain"]
+
+
+def test_the_old_pattern_traces_once(tmp_path):
+    """A regression: `eqshard.constrain(model, plan)` at the end of an
+    `eqx.filter_jit` step under `jax.set_mesh` traced twice, as the user context
+    that keys `jit` by the active rules was made during the first trace. A fresh
+    interpreter, as a user's script starts."""
+    script = textwrap.dedent(
+        """
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 8)
+        import equinox as eqx, jax.numpy as jnp
+        from jax.sharding import AxisType
+        import eqshard
+
+        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+        jax.set_mesh(mesh)
+        model = eqx.nn.MLP(16, 16, 32, 2, key=jax.random.key(0))
+        rules = {"eqshard": 1, "rules": [{"path": "layers.*.weight", "expr": "o i -> o i*"}]}
+        plan = eqshard.plan(model, eqshard.load(rules))
+        model = eqshard.apply(model, plan)
+        traces = []
+
+        @eqx.filter_jit
+        def step(model, x):
+            traces.append(1)
+            g = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x)))(model)
+            model = eqx.apply_updates(model, jax.tree_util.tree_map(lambda b: -0.1 * b, g))
+            return eqshard.constrain(model, plan)
+
+        @eqshard.jit
+        def step2(model, x):
+            traces.append(2)
+            g = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x)))(model)
+            return eqx.apply_updates(model, jax.tree_util.tree_map(lambda b: -0.1 * b, g))
+
+        x = jnp.ones((8, 16))
+        for _ in range(3):
+            model = step(model, x)
+        with eqshard.use(plan):
+            for _ in range(3):
+                model = step2(model, x)
+        print(traces)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[1, 2]"
+
+
+def test_constrain_with_no_spec_follows_the_active_plan(tmp_path):
+    model = _model()
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+    with eqshard.use(p):
+        laid = eqx.filter_jit(lambda m: eqshard.constrain(m))(model)
+        placed = eqshard.constrain(model)  # outside jit: placed
+    for a, b, target in zip(_leaves(laid), _leaves(placed), jax.tree_util.tree_leaves(p.shardings)):
+        assert _same_blocks(a, target)
+        assert _same_blocks(b, target)
+    # with no plan active, the fields (none here: every leaf whole)
+    whole = eqshard.constrain(model)
+    assert all(leaf.sharding.is_fully_replicated for leaf in _leaves(whole))
+
+
+def _cost_figures(c: eqshard.Cost) -> tuple[Any, ...]:
+    m = c.memory
+    return (
+        sorted(c.bytes_by_axes().items()),
+        (m.arguments, m.outputs, m.parameters, m.optimizer),
+        c.flops,
+    )
+
+
+@pytest.mark.parametrize("name", ["zero-1", "fsdp", "megatron"])
+def test_cost_compiles_the_program_that_trains(name, tmp_path):
+    """A plain step, the same step ending in `constrain`, and the step under
+    `eqshard.jit` bound to another plan give the same figures under a spec."""
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    x, y = _batch()
+    rules = _rules(name, tmp_path)
+    other = eqshard.plan(model, _rules("data parallel", tmp_path))
+    figures = {
+        label: _cost_figures(eqshard.cost(step, model, opt_state, x, y, spec=rules))
+        for label, step in [
+            ("plain", plain_step),
+            ("constrained", constrained_step),
+            ("eqshard.jit", eqshard.jit(plain_step, plan=other)),
+            ("eqx.filter_jit", eqx.filter_jit(plain_step)),
+        ]
+    }
+    assert len(set(map(repr, figures.values()))) == 1, figures
+
+
+def test_zero1_pays_its_all_gather_of_the_updated_parameters(tmp_path):
+    """ZeRO-1 updates each parameter where its moments are split, then gathers it
+    whole, as the plan holds the parameters: a hand count of the bytes."""
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    x, y = _batch()
+    rules = _rules("zero-1", tmp_path)
+    c = eqshard.cost(plain_step, model, opt_state, x, y, spec=rules)
+    p = eqshard.plan(model, rules)
+    split = [
+        leaf.size * leaf.dtype.itemsize
+        for leaf, s in zip(_leaves(model), jax.tree_util.tree_leaves(p.optimizer.shardings))
+        if not s.is_fully_replicated
+    ]
+    assert split, "the optimizer section splits some moments"
+    gathered = sum(k.total_bytes for k in c.collectives if k.kind == "all-gather")
+    assert gathered == sum(split)
+    assert all(k.axes == ("data",) for k in c.collectives if k.kind == "all-gather")
+    dp = eqshard.cost(plain_step, model, opt_state, x, y, spec=_rules("data parallel", tmp_path))
+    assert not [k for k in dp.collectives if k.kind == "all-gather"]
+
+
+def test_a_megatron_mlp_trains_on_a_mesh_of_explicit_axes():
+    """`jax.make_mesh` gives Explicit axes: a row-parallel eqx.nn.Linear does not
+    trace there under plain `jit`; under `eqshard.jit` the body runs Auto and the
+    outputs keep the plan's layouts and axis types."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    model = _model()
+    spec = eqx.tree_at(
+        lambda m: (m.layers[0].weight, m.layers[0].bias, m.layers[1].weight),
+        jax.tree_util.tree_map(lambda _: None, model),
+        ("o i -> * o2 i", "o -> * o2", "o i -> * o i2"),
+        is_leaf=lambda x: x is None,
+    )
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    with jax.default_matmul_precision("highest"):
+        want = _train(eqx.filter_jit(plain_step), model, opt_state)
+        p = eqshard.plan(model, spec, mesh=mesh)
+        placed_model, placed_state = eqshard.apply((model, opt_state), p)
+        x, y = _batch()
+        with jax.set_mesh(mesh), pytest.raises(Exception, match="out_sharding"):
+            eqx.filter_jit(plain_step)(placed_model, placed_state, x, y)
+        with jax.set_mesh(mesh), eqshard.use(p):
+            got = _train(eqshard.jit(plain_step), placed_model, placed_state)
+    for g, w in zip(_leaves(got), _leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
+    w0 = got[0].layers[0].weight
+    assert w0.sharding.mesh.axis_types == (AxisType.Explicit,) * 2
+    assert w0.sharding.spec == PartitionSpec("model", None)
+    assert jax.typeof(w0).sharding.spec == PartitionSpec("model", None)
+
+
+def test_donate_all_donates_the_model_and_the_optimizer_state(tmp_path):
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+    placed_model, placed_state = eqshard.apply((model, opt_state), p)
+    x, y = _batch()
+    step = eqshard.jit(plain_step, donate="all")
+    with eqshard.use(p):
+        compiled = step.lower(placed_model, placed_state, x, y).compile()
+        new_model, new_state, _ = step(placed_model, placed_state, x, y)
+    assert all(leaf.is_deleted() for leaf in _leaves((placed_model, placed_state)))
+    assert not any(leaf.is_deleted() for leaf in _leaves((new_model, new_state)))
+    aliased = compiled.memory_analysis().alias_size_in_bytes
+    held = sum(leaf.addressable_shards[0].data.nbytes for leaf in _leaves((new_model, new_state)))
+    assert aliased == held  # every buffer of the model and the state reused in place
+
+
+def test_with_no_plan_it_is_eqx_filter_jit():
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    got = _train(eqshard.jit(plain_step), model, opt_state)
+    want = _train(eqx.filter_jit(plain_step), model, opt_state)
+    for g, w in zip(_leaves(got), _leaves(want)):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(eqshard.EqshardError, match=r"eqshard\.use\(plan\)"):
+        eqshard.jit(plain_step).lower(model, opt_state, *_batch())
+
+
+def test_rules_alone_plan_the_first_argument(tmp_path):
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    rules = _rules("fsdp", tmp_path)
+    p = eqshard.plan(model, rules)
+    with eqshard.use(rules):
+        got = _train(eqshard.jit(plain_step), *eqshard.apply((model, opt_state), p), steps=1)
+    for g, target in zip(_leaves(got[0]), jax.tree_util.tree_leaves(p.shardings)):
+        assert _same_blocks(g, target)
+
+
+def test_lower_compiles_over_abstract_arguments(tmp_path):
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+    abstract = eqx.filter_eval_shape(lambda: (model, opt_state, *_batch()))
+    with eqshard.use(p):
+        lowered = eqshard.jit(plain_step).lower(*abstract)
+    compiled = lowered.compile()
+    assert "all-gather" in compiled.as_text()
+    model_leaves = _leaves(model)
+    for s, target in zip(lowered.in_shardings, jax.tree_util.tree_leaves(p.shardings)):
+        assert s == target
+    assert len(lowered.in_shardings) == len(model_leaves) + len(_leaves(opt_state)) + 2
+    got = compiled(*eqshard.apply((model, opt_state), p), *_batch())
+    assert _same_blocks(got[0].layers[1].weight, p.shardings.layers[1].weight)
+
+
+# -- errors --------------------------------------------------------------------------
+
+
+def test_an_argument_placed_otherwise_is_named(tmp_path):
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+    other = eqshard.plan(model, _rules("megatron", tmp_path))
+    with eqshard.use(p), pytest.raises(eqshard.SpecError) as caught:
+        _train(eqshard.jit(plain_step), eqshard.apply(model, other), eqshard.apply(opt_state, p))
+    text = str(caught.value)
+    assert "plain_step is called with arrays placed otherwise than its plan" in text
+    assert "the step's `model` .layers[0].weight: is placed as" in text
+    assert "eqshard.apply(tree, plan)" in text
+
+
+def test_a_batch_the_layout_cannot_split_is_named_with_a_caret(tmp_path):
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    p = eqshard.plan(model, _rules("data parallel", tmp_path))
+    x = jnp.ones((6, 16))  # 6 rows do not split over 8 devices
+    with eqshard.use(p), pytest.raises(eqshard.SpecError) as caught:
+        eqshard.jit(plain_step)(model, opt_state, x, x)
+    text = str(caught.value)
+    assert "the step's arguments cannot be laid out by the plan" in text
+    assert "`x`, `y`: the batch float32[6, 16] cannot be laid out by 'b ... -> b8 ...'" in text
+    assert "^" in text
+
+
+def test_bad_arguments_to_jit():
+    with pytest.raises(eqshard.EqshardError, match="`donate='some'` is not one of"):
+        eqshard.jit(plain_step, donate="some")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(eqshard.EqshardError, match=r"`plan=` takes an `eqshard\.Plan`"):
+        eqshard.jit(plain_step, plan="x -> x*")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(eqshard.ExpressionError, match=r"\^"):
+        eqshard.jit(plain_step, batch="b ... -> b** ...")
+
+
+def test_a_step_given_no_model_is_refused(tmp_path):
+    model = _model()
+    p = eqshard.plan(model, _rules("data parallel", tmp_path))
+    with eqshard.use(p), pytest.raises(eqshard.SpecError, match="none is the plan's model"):
+        eqshard.jit(lambda x: x * 2)(jnp.ones((8, 3)))
+
+
+def test_outputs_that_hold_nothing_of_the_model_are_replicated(tmp_path):
+    model = _model()
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+    with eqshard.use(p):
+        out = eqshard.jit(lambda m, x: (m, jax.vmap(m)(x)))(eqshard.apply(model, p), _batch()[0])
+    assert out[1].sharding.is_fully_replicated
+    assert isinstance(out[1].sharding, NamedSharding)
