@@ -83,18 +83,15 @@ def decay_mask(params: GPT) -> GPT:
     return eqx.tree_at(lambda m: m.blocks, mask, stacked)
 
 
-def make_step(optimizer: optax.GradientTransformation, plan: Any = None):
-    """One training step; with a plan, it keeps every layout through the step."""
+def make_step(optimizer: optax.GradientTransformation):
+    """One training step. It names no plan: under `eqshard.use(plan)`, `eqshard.jit`
+    keeps every layout of that plan through it; under none, it is `eqx.filter_jit`."""
 
-    @eqx.filter_jit
+    @eqshard.jit
     def step(model: GPT, opt_state: Any, tokens: Int[Array, "batch seq"]):
         value, grads = eqx.filter_value_and_grad(loss)(model, tokens)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        model = eqx.apply_updates(model, updates)
-        if plan is not None:
-            model = eqshard.constrain(model, plan)
-            opt_state = eqshard.constrain(opt_state, plan)
-        return value, model, opt_state
+        return value, eqx.apply_updates(model, updates), opt_state
 
     return step
 
@@ -149,20 +146,20 @@ def main(steps: int = 3, spec: str | Path = SPEC) -> dict[str, Any]:
             reference.append(float(value))
 
         rules = eqshard.load(spec)
-        # the mesh set here lays out the parameters, and the rules the activations
-        with jax.set_mesh(mesh), eqshard.use(rules):
+        with jax.set_mesh(mesh):
             plan = eqshard.plan(model, rules)  # on the mesh set above
+        # the plan lays out the parameters, its rules' "dims" the activations
+        with jax.set_mesh(mesh), eqshard.use(plan):
             model = eqshard.apply(model, plan)
             opt_state = eqshard.apply(opt_state, plan)  # moments follow their parameters
             tokens_in_shards = eqshard.shard(
                 tokens, "b s -> b2 s 4"
             )  # over 'data', whole on 'model'
-            sharded_step = make_step(adamw, plan)
-            # what one step moves, read by eqshard.cost from the step XLA compiles
-            step_cost = eqshard.cost(sharded_step, model, opt_state, tokens_in_shards, spec=plan)
+            # what one step moves: the program eqshard.jit runs under this plan
+            step_cost = eqshard.cost(reference_step, model, opt_state, tokens_in_shards, spec=plan)
             losses = []
             for i in range(steps):
-                value, model, opt_state = sharded_step(model, opt_state, tokens_in_shards)
+                value, model, opt_state = reference_step(model, opt_state, tokens_in_shards)
                 losses.append(float(value))
                 print(f"step {i}: loss {losses[-1]:.6f} (unsharded {reference[i]:.6f})")
 

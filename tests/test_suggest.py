@@ -438,3 +438,23 @@ def test_a_candidate_the_compiler_refuses_for_its_memory_says_so():
     assert found.best is None
     assert found[0].error == error
     assert "no: the compiler ran out of HBM: HLO temporaries need 154.09G of 95.74G" in str(found)
+
+
+def test_zero1_is_ranked_by_the_program_that_trains(gpt, gpt_ranked):
+    """The stacked GPT's step names no plan; under ZeRO-1 the program that trains
+    (`eqshard.jit`'s) gathers every updated parameter whose moments are split:
+    its all-gathers over 'data' move exactly those parameters' bytes."""
+    zero1 = next(s for s in gpt_ranked if s.strategy == "zero-1")
+    model = gpt[0]
+    p = eqshard.plan(model, zero1.candidate.rules, devices=8)
+    params = jax.tree_util.tree_leaves(model)  # in the order of the plan's leaves
+    split = sum(
+        x.size * x.dtype.itemsize
+        for x, s in zip(params, p.optimizer.flat_shardings, strict=True)
+        if s is not None and not s.is_fully_replicated
+    )
+    gathered = _cost(zero1).bytes_by_axes().get(("all-gather", ("data",)), 0)
+    assert split > 0
+    assert gathered == split
+    data_parallel = next(s for s in gpt_ranked if s.strategy == "data parallel")
+    assert ("all-gather", ("data",)) not in _cost(data_parallel).bytes_by_axes()

@@ -118,3 +118,19 @@ def test_without_libtpu_the_error_says_how_to_install_it(monkeypatch):
             compile_target("v5e:2x2")
     finally:
         compile_target.cache_clear()
+
+
+def test_eqshard_jit_compiles_for_a_slice_before_any_tpu():
+    """The step as it trains, compiled for the slice from abstract arguments: a plan
+    on the slice's devices, `use(plan)`, `eqshard.jit(step).lower(...).compile()`;
+    its memory is what `cost(target=)` reports, which compiles the same program."""
+    model, opt_state, x = _arguments()
+    slice_ = compile_target("v5e:2x4")
+    p = eqshard.plan(model, FSDP, devices=slice_.devices)
+    with eqshard.use(p):
+        compiled = eqshard.jit(_step.__wrapped__).lower(model, opt_state, x).compile()
+    assert "all-gather" in compiled.as_text()
+    c = eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4")
+    analysis = compiled.memory_analysis()
+    assert analysis.argument_size_in_bytes == c.memory.arguments
+    assert analysis.temp_size_in_bytes == c.memory.temporaries
