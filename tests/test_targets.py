@@ -128,7 +128,7 @@ def test_eqshard_jit_compiles_for_a_slice_before_any_tpu():
     slice_ = compile_target("v5e:2x4")
     p = eqshard.plan(model, FSDP, devices=slice_.devices)
     with eqshard.use(p):
-        compiled = eqshard.jit(_step.__wrapped__).lower(model, opt_state, x).compile()
+        compiled = eqshard.jit(_step).lower(model, opt_state, x).compile()
     assert "all-gather" in compiled.as_text()
     c = eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4")
     analysis = compiled.memory_analysis()
