@@ -385,7 +385,7 @@ class Step:
         spec = self.plan if self.plan is not None else _spec(active())
         if spec is None:
             return self._plain(*args, **kwargs)
-        program, layout, traced = self._program(spec, args, kwargs, lowering=False)
+        program, _, traced = self._program(spec, args, kwargs, lowering=False)
         donated = [traced[i] for i in program.donated]
         kept = [traced[i] for i in program.kept]
         try:
@@ -400,7 +400,7 @@ class Step:
         except ValueError as error:
             if "does not match the sharding" not in str(error):
                 raise
-            raise self._misplaced(program, layout, args, kwargs, traced) from None
+            raise self._misplaced(program, args, kwargs, traced) from None
         if out and isinstance(out[0], jax.Array) and not isinstance(out[0], jax.core.Tracer):
             # As eqx.filter_jit waits for each call: runs that pile up can deadlock
             # XLA:CPU's collectives across simulated devices.
@@ -526,9 +526,10 @@ class Step:
         return _Program(jitted, shardings, donated, kept, arguments, batches)
 
     def _misplaced(
-        self, program: _Program, layout: _Layout, args: Any, kwargs: Any, traced: list[Any]
+        self, program: _Program, args: Any, kwargs: Any, traced: list[Any]
     ) -> EqshardError:
         """The error for arguments placed otherwise than the plan lays them out."""
+        args, kwargs = self._bound(args, kwargs)
         paths = [
             path
             for (path, leaf) in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
@@ -537,15 +538,16 @@ class Step:
         problems = []
         for path, x, want in zip(paths, traced, program.shardings):
             have = getattr(x, "sharding", None)
-            if want is not None and have is not None and have != want:
-                problems.append(
-                    Problem(
-                        f"the step's {_argument_name(path, self._names(len(args)))}",
-                        f"is placed as {_brief(have)}, and the plan lays it out as "
-                        f"{_brief(want)}; place the tree with `eqshard.apply(tree, plan)` "
-                        "once, before the loop",
-                    )
+            if want is None or have is None or have.is_equivalent_to(want, np.ndim(x)):
+                continue
+            problems.append(
+                Problem(
+                    f"the step's {_argument_name(path, self._names(len(args)))}",
+                    f"is placed as {_brief(have)}, and the plan lays it out as "
+                    f"{_brief(want)}; place the tree with `eqshard.apply(tree, plan)` "
+                    "once, before the loop",
                 )
+            )
         if not problems:  # not reached: JAX named a mismatch
             problems.append(Problem("the step's arguments", "placed otherwise than the plan"))
         name = getattr(self.__wrapped__, "__qualname__", "the step")
@@ -591,8 +593,9 @@ def _abstract(x: Any, target: Any) -> Any:
 
 
 def _brief(s: Any) -> str:
-    if isinstance(s, NamedSharding):
-        return f"{s.spec} on {dict(zip(s.mesh.axis_names, s.mesh.axis_sizes))}"
+    if isinstance(s, NamedSharding):  # written the same on every JAX
+        spec = ", ".join(map(repr, s.spec))
+        return f"P({spec}) on {dict(zip(s.mesh.axis_names, s.mesh.axis_sizes))}"
     return type(s).__name__
 
 

@@ -364,7 +364,8 @@ def test_an_argument_placed_otherwise_is_named(tmp_path):
         _train(eqshard.jit(plain_step), eqshard.apply(model, other), eqshard.apply(opt_state, p))
     text = str(caught.value)
     assert "plain_step is called with arrays placed otherwise than its plan" in text
-    assert "the step's `model` .layers[0].weight: is placed as" in text
+    assert "the step's `model` .layers[1].bias" in text  # layers[0].weight: the same blocks
+    assert "is placed as P(" in text
     assert "eqshard.apply(tree, plan)" in text
 
 
