@@ -14,10 +14,13 @@ on every backend) and whose memory is XLA:CPU's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import math
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from ._errors import EqshardError, UsageError
@@ -28,13 +31,21 @@ __all__ = ["CompileTarget", "compile_target"]
 # `jax.experimental.topologies` names a slice by its generation and its chips' grid.
 _TOPOLOGY = re.compile(r"(?P<generation>v\d+[a-z]*):(?P<grid>\d+(?:x\d+)*)")
 _PROFILES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e"}
+# Each generation's chips are a 2-D grid (v5e, v6e) or a 3-D torus (v4, v5p), and a
+# slice holds at most one pod's chips (Google Cloud's TPU pages). A grid outside
+# these is refused here: libtpu, handed one, may end the process (a zero dim made
+# libtpu 0.0.50 die with SIGFPE).
+_DIMS = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
+_POD_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256}
 _GPUS = ("h100", "h200", "a100", "b200", "gpu", "cuda")
 
 # libtpu looks for a TPU VM's metadata when it starts, and logs at length when it
 # finds none: tell it there is none to find (only where the user has not said). It
 # also takes a lock file, so that one process at a time drives a TPU; compiling for
 # a slice drives none, so a second process (`eqshard check`'s worker, another
-# check, a test run) may load it too.
+# check, a test run) may load it too. These are set only while libtpu starts
+# (`_starting_libtpu`): the user's environment is left as it was, with nothing that
+# libtpu or JAX set on starting it either.
 _QUIET = {
     "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
     "TPU_SKIP_MDS_QUERY": "1",
@@ -96,11 +107,12 @@ def compile_target(name: str) -> CompileTarget:
             f"`target={name!r}`: eqshard has no profile of TPU {generation}; the "
             f"generations it knows are {', '.join(_PROFILES)}"
         )
+    _check_grid(name, generation, found["grid"])
     topologies, version = _libtpu(name)
-    for key, value in _QUIET.items():
-        os.environ.setdefault(key, value)
     try:
-        devices = tuple(topologies.get_topology_desc(topology_name=name, platform="tpu").devices)
+        with _starting_libtpu():
+            desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        devices = tuple(desc.devices)
     except Exception as error:  # libtpu's own refusal: a grid the generation has not
         raise EqshardError(
             f"`target={name!r}`: libtpu refuses the slice: {error}".rstrip()
@@ -110,6 +122,46 @@ def compile_target(name: str) -> CompileTarget:
     assert hardware.memory is not None
     per_device = hardware.memory * chips // len(devices)
     return CompileTarget(name, devices, hardware, per_device, f"XLA:TPU (libtpu {version})")
+
+
+def _check_grid(name: str, generation: str, grid: str) -> None:
+    """Refuses a grid of chips that `generation` cannot have, before libtpu sees it:
+    a zero dim, the wrong number of dims, more chips than a pod holds."""
+    dims = [int(d) for d in grid.split("x")]
+    example = "x".join(["2"] * _DIMS[generation])
+    if len(dims) != _DIMS[generation]:
+        raise EqshardError(
+            f"`target={name!r}`: TPU {generation} chips form a grid of {_DIMS[generation]} "
+            f"dims, and {grid!r} has {len(dims)}; write one such as '{generation}:{example}'"
+        )
+    if min(dims) < 1:
+        raise EqshardError(
+            f"`target={name!r}`: each dim of the grid is a count of chips, at least 1, and "
+            f"{grid!r} has {min(dims)}; write one such as '{generation}:{example}'"
+        )
+    chips = math.prod(dims)
+    if chips > _POD_CHIPS[generation]:
+        raise EqshardError(
+            f"`target={name!r}` holds {chips} chips, and a TPU {generation} pod holds at most "
+            f"{_POD_CHIPS[generation]}; a slice is at most one pod"
+        )
+
+
+@contextlib.contextmanager
+def _starting_libtpu() -> Iterator[None]:
+    """`_QUIET` set (where the user has not set them) while libtpu starts; then the
+    environment exactly as it was, whatever libtpu and JAX set on starting it."""
+    saved = dict(os.environ)
+    for key, value in _QUIET.items():
+        os.environ.setdefault(key, value)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in saved]:
+            del os.environ[key]
+        for key, value in saved.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
 
 
 def _libtpu(name: str) -> tuple[Any, str]:

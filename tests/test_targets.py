@@ -1,5 +1,10 @@
 """`eqshard.cost` on a TPU slice, compiled by XLA:TPU on this CPU machine (libtpu)."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -134,3 +139,53 @@ def test_eqshard_jit_compiles_for_a_slice_before_any_tpu():
     analysis = compiled.memory_analysis()
     assert analysis.argument_size_in_bytes == c.memory.arguments
     assert analysis.temp_size_in_bytes == c.memory.temporaries
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("v5e:0x4", r"each dim of the grid is a count of chips, at least 1, and '0x4' has 0"),
+        (
+            "v5e:2x2x2",
+            r"TPU v5e chips form a grid of 2 dims, and '2x2x2' has 3; write one such as 'v5e:2x2'",
+        ),
+        ("v5p:4x4", r"TPU v5p chips form a grid of 3 dims"),
+        ("v5p:64x64x64", r"holds 262144 chips, and a TPU v5p pod holds at most 8960"),
+    ],
+)
+def test_a_grid_no_slice_has_is_refused_before_libtpu_sees_it(target, message, monkeypatch):
+    """libtpu 0.0.50 died with SIGFPE on `v5e:0x4`: such a grid never reaches it."""
+
+    def no_libtpu(name):
+        raise AssertionError(f"libtpu was handed {name!r}")
+
+    monkeypatch.setattr(eqshard._targets, "_libtpu", no_libtpu)
+    with pytest.raises(eqshard.EqshardError, match=message):
+        compile_target(target)
+
+
+def test_the_users_environment_is_left_as_it_was():
+    """`cost(target=)` sets libtpu's variables while libtpu starts, and leaves the
+    environment exactly as it found it: a fresh process, as libtpu starts once."""
+    script = textwrap.dedent(
+        """
+        import os
+        before = dict(os.environ)
+        import equinox as eqx, jax, jax.numpy as jnp
+        import eqshard
+
+        model = eqx.filter_eval_shape(lambda: eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0)))
+        step = lambda m, x: jnp.mean(jax.vmap(m)(x))
+        x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+        c = eqshard.cost(step, model, x, spec=eqshard.FSDP, target="v5e:2x4")
+        print(c.compiler.split(" (")[0])
+        after = dict(os.environ)
+        print(sorted(k for k in {*before, *after} if before.get(k) != after.get(k)))
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-2:] == ["XLA:TPU", "[]"]
