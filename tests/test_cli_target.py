@@ -149,6 +149,27 @@ def test_an_explicit_max_memory_wins_over_the_hbm(run_cli, files):
 
 
 @needs_libtpu
+def test_max_memory_holds_the_compilers_own_peak(run_cli, files):
+    """XLA:TPU's peak counts more than the arguments, outputs and temporaries it
+    allocates; a limit between the two does not fit (it passed on their sum)."""
+    spec, module, _ = files
+    _, (found,) = _check(run_cli, spec, *_step_args(module), "--target", "v5e:2x4")
+    cost = found["cost"]
+    allocated = cost["arguments"] + cost["outputs"] + cost["temporaries"]
+    assert cost["peak"] == cost["reported_peak"] > allocated
+    limit = (allocated + cost["peak"]) // 2
+    args = [spec, *_step_args(module), "--target", "v5e:2x4", "--max-memory", str(limit)]
+    result, (bounded,) = _check(run_cli, *args)
+    assert result.code == 1
+    assert bounded["max_memory"] == {
+        "bytes": limit,
+        "from": "--max-memory",
+        "needed": cost["peak"],
+        "fits": False,
+    }
+
+
+@needs_libtpu
 def test_layouts_on_a_slice_hold_the_parameters_against_the_hbm(run_cli, files):
     spec, module, _ = files
     result, checks = _check(run_cli, spec, "--model", f"{module}:build", "--target", "v5e:4x4")
