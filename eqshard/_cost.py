@@ -487,9 +487,9 @@ def cost(
     try:
         lowered = program.lower(abstract_model, *abstract_args)
         compiled = _compile(lowered)
-    except EqshardError:
+    except (EqshardError, KeyboardInterrupt):
         raise
-    except Exception as error:  # the user's step: named, with its error as the cause
+    except BaseException as error:  # the user's step (SystemExit too): named, with its cause
         name = getattr(fn, "__qualname__", type(fn).__name__)
         raise StepError(
             f"`eqshard.cost` cannot trace and compile the step {name} on {n} devices under "

@@ -507,7 +507,9 @@ def tensor_roles(step: Callable[..., Any], model: Any, *args: Any) -> dict[int, 
 
     try:
         closed = jax.make_jaxpr(run)(dynamic)
-    except Exception as error:  # the user's step: named, with its error as the cause
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # the user's step (SystemExit too): named, with its cause
         name = getattr(fn, "__qualname__", type(fn).__name__)
         raise StepError(
             f"cannot trace the step {name} to find its tensor-parallel pairs: it raised "

@@ -8,8 +8,12 @@ import contextlib
 import io
 import json
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import pytest
+
+import eqshard
 
 MODULE = """
 import equinox as eqx
@@ -44,6 +48,18 @@ def step(model, opt_state, x):
 
 def failing_step(model, opt_state, x):
     raise ValueError("no step here")
+
+
+def exiting_step(model, opt_state, x):
+    raise SystemExit(3)  # a user's script that exits where it should not
+
+
+class Stop(BaseException):
+    pass
+
+
+def stopping_step(model, opt_state, x):
+    raise Stop("a BaseException of the user's own")
 
 
 def numpy_batch():  # NumPy on a JAX array: it needs values, not a trace
@@ -198,6 +214,39 @@ def test_a_failing_step_and_a_missing_batch_exit_2(run_cli, files):
     result = run_cli("check", specs[0], "--model", f"{module}:build", "--step", f"{module}:step")
     assert result.code == 2
     assert "--step needs --batch" in result.err
+
+
+@pytest.mark.parametrize(
+    ("name", "raised"),
+    [("exiting_step", "raised SystemExit: 3"), ("stopping_step", "raised Stop: a BaseException")],
+)
+@pytest.mark.parametrize("command", ["check", "suggest"])
+def test_a_step_raising_a_base_exception_is_the_users_fault(run_cli, files, name, raised, command):
+    """A step that raises `SystemExit` or another `BaseException` is named as the
+    user's step, with exit 2: never an internal error of eqshard, nor an exit with
+    the step's own code; in `suggest`'s compile workers too."""
+    specs, module = files
+    where = [specs[0]] if command == "check" else ["--devices", "2", "--workers", "1"]
+    result = run_cli(command, *where, *_step_args(module, name))
+    assert result.code == 2, result.err
+    assert raised in result.err
+    assert "internal error" not in result.err
+    assert "bug in eqshard" not in result.err
+    assert "Traceback" not in result.err
+
+
+def test_cost_names_a_step_that_raises_a_base_exception():
+    model = eqx.filter_eval_shape(lambda: eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0)))
+
+    def exits(model, x):
+        raise SystemExit(3)
+
+    with pytest.raises(
+        eqshard.EqshardError,
+        match=r"cannot trace and compile the step .*exits .* it raised SystemExit: 3$",
+    ) as caught:
+        eqshard.cost(exits, model, jnp.zeros((8, 4)), spec="... -> * ...")
+    assert isinstance(caught.value.__cause__, SystemExit)
 
 
 def test_worker_processes_carry_the_cost(run_python, files, report):
