@@ -54,7 +54,7 @@ class CheckResult:
     `parameters`, `state` (the model's `eqx.nn.State`), `optimizer`, `gradients`,
     `host` (what of those is held in host memory), `host_arguments` and
     `host_outputs` (the step's, in host memory) and `peak` in bytes, device
-    memory only (`peak_lower_bound`, the same figure, a lower bound from XLA:CPU
+    memory only (`peak_lower_bound`, the same figure, kept for earlier readers: the compiler's own, XLA:CPU's
     and exact from XLA:TPU), `flops` and `bytes_accessed`, `communication`
     (a list of `{"kind", "axes", "bytes"}`, one per kind of collective and mesh
     axes), `estimate_h100_seconds` and `estimate` (`{"hardware", "seconds"}`, on
@@ -314,10 +314,10 @@ def devices_text(devices: int, target: str | None) -> str:
 
 
 def needed_text(cost: Mapping[str, Any] | None, state_leaves: int) -> str:
-    """What a check's memory is: the step's peak (a lower bound from XLA:CPU), else
-    what its parameters (and state) take."""
+    """What a check's memory is: the step's peak (the compiler's own: XLA:TPU's on a
+    slice, else XLA:CPU's), else what its parameters (and state) take."""
     if cost is not None:
-        return "the step needs" if cost.get("target") else "the step needs at least"
+        return "the step needs" if cost.get("target") else "the step needs, by XLA:CPU,"
     return "the parameters and state take" if state_leaves else "the parameters alone take"
 
 
@@ -334,10 +334,9 @@ def _memory_problem(
 ) -> Problem:
     from ._report import human_bytes
 
-    bound = " (a lower bound)" if what.endswith("at least") else ""
     return Problem(
         source,
-        f"{what} {human_bytes(needed)} per device on {where}{bound}, more than "
+        f"{what} {human_bytes(needed)} per device on {where}, more than "
         f"{limit_text(limit)}: it does not fit",
     )
 

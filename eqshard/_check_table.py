@@ -71,7 +71,7 @@ def cost_line(cost: Mapping[str, Any]) -> str:
     if cost.get("host"):
         memory += f" ({human_bytes(cost['host'])} of it in host memory)"
     moved = ", ".join(_communication(cost)) or "no communication"
-    peak = "peak" if cost.get("target") else "peak >="
+    peak = "peak" if cost.get("target") else "peak (XLA:CPU)"
     return (
         f"cost: {memory}, {peak} {human_bytes(cost['peak_lower_bound'])} per device; "
         f"{moved} per step; estimate on {_chip(cost)}: {seconds_text(_estimate(cost))}"
@@ -143,7 +143,7 @@ def summary_table(results: Sequence[CheckResult]) -> Table:
     table.add_column("fits")
     table.add_column(f"{_held_label(results)} / device", justify="right")
     on_slices = any(result.target for result in results)  # --target: every check is on one
-    table.add_column("peak / device" if on_slices else "peak >= / device", justify="right")
+    table.add_column("peak / device" if on_slices else "peak (XLA:CPU) / device", justify="right")
     table.add_column("communication / step")
     table.add_column("estimate (chip)" if on_slices else "estimate (H100)", justify="right")
     for result in results:

@@ -242,7 +242,8 @@ class Cost:
     @property
     def fits(self) -> bool | None:
         """Whether the step's peak fits each device's memory, on a target whose
-        memory is known; `None` without one (XLA:CPU's peak is a lower bound)."""
+        memory is known; `None` without one (XLA:CPU's peak is no bound on an
+        accelerator's)."""
         if self.memory_per_device is None:
             return None
         return self.memory.peak <= self.memory_per_device

@@ -197,7 +197,7 @@ def _cost_lines(a: Cost, b: Cost) -> list[str]:
     from ._report import human_bytes
     from ._suggest import communication
 
-    peak = "peak" if a.target else "peak >="
+    peak = "peak" if a.target else "peak (XLA:CPU)"
     memory = [f"{peak} {_change(a.memory.peak, b.memory.peak)}"]
     for part in ("parameters", "state", "optimizer"):
         x, y = getattr(a.memory, part), getattr(b.memory, part)

@@ -154,7 +154,6 @@ class Suggestion:
             return f"{self.name}: not costed: {self.error}"
         c = self.cost
         memory = c.memory
-        bound = "" if c.target else " at least"
         held = f"parameters {_bytes(memory.parameters)}"
         if memory.state:
             held += f", state {_bytes(memory.state)}"
@@ -165,7 +164,7 @@ class Suggestion:
         estimate = c.estimate()
         return (
             f"Suggested by eqshard suggest: {self.name} on {_where(c.devices, c.target)}, "
-            f"compiled by {c.compiler}: it needs{bound} {_bytes(memory.peak)} per device"
+            f"compiled by {c.compiler}: it needs {_bytes(memory.peak)} per device"
             f"{limit}, {held}; it moves {moved or 'nothing'} per step; estimate on "
             f"{estimate.hardware.name}: {seconds_text(estimate.seconds)} (a roofline, "
             f"never a measurement). Repaired leaves: {len(self.candidate.repairs)}."
@@ -262,8 +261,8 @@ class Ranked(Sequence[Suggestion]):
         from rich.table import Table
         from rich.text import Text
 
-        lower = self.target is None  # XLA:CPU's peak is a lower bound
-        peak = "peak >= / device" if lower else "peak / device"
+        on_cpu = self.target is None  # XLA:CPU's own peak, not an accelerator's
+        peak = "peak (XLA:CPU) / device" if on_cpu else "peak / device"
         if self.limit is not None:
             peak += f" (limit {_bytes(self.limit)})"
         chip = "H100" if self.target is None else self.hardware
@@ -317,13 +316,13 @@ class Ranked(Sequence[Suggestion]):
         ]
         if self.limit is None:
             notes.append(
-                "no memory limit: XLA:CPU's peak is a lower bound, so every candidate counts "
-                "as fitting; give max_memory (--max-memory) to rule some out"
+                "no memory limit: XLA:CPU's peak is XLA:CPU's, not an accelerator's, so every "
+                "candidate counts as fitting; give max_memory (--max-memory) to rule some out"
             )
         else:
             limit = _bytes(self.limit)
             source = f"{HBM}, {limit}" if self.limit_from == HBM else f"{limit} (given)"
-            bound = ", by XLA:CPU's peak, a lower bound" if self.target is None else ""
+            bound = ", by XLA:CPU's own peak" if self.target is None else ""
             notes.append(f"max memory: {source} per device{bound}")
         best = self.best
         fitting = sum(s.fits and s.cost is not None for s in self.suggestions)
@@ -434,7 +433,7 @@ def rank(
     - `step`, `model`, `*args`: as for `eqshard.cost`, concrete or abstract: they
         travel to the workers abstract, once per worker.
     - `devices`: compile each candidate on this many simulated CPU devices
-        (XLA:CPU, whose peak is a lower bound).
+        (XLA:CPU, whose peak is XLA:CPU's own).
     - `target`: or for this TPU slice (`"v5p:4x4x4"`), with XLA:TPU through libtpu.
     - `max_memory`: device memory per device: bytes, or a size such as `"80GB"` or
         `"75GiB"` (as `eqshard check --max-memory` reads it). By default the target
@@ -696,7 +695,8 @@ def suggest(
     - `*args`: the rest of the step's arguments (its `eqx.nn.State`, the optimizer
         state, the batch), concrete or abstract.
     - `devices`: the device count: each candidate is compiled on that many
-        simulated CPU devices by XLA:CPU (its peak is a lower bound).
+        simulated CPU devices by XLA:CPU (its peak is XLA:CPU's own, no bound on an
+        accelerator's).
     - `target`: instead, a TPU slice (`"v5p:4x4x4"`): each candidate is compiled
         for its devices by XLA:TPU, through libtpu (`pip install 'eqshard[tpu]'`).
     - `max_memory`: device memory per device, bytes or a size (`"80GB"`,

@@ -120,7 +120,7 @@ def test_with_a_step_it_shows_the_change_in_memory_and_communication(run_cli, tm
     assert found.costs[0].memory == cost_a.memory
     assert found.costs[0].bytes_by_axes() == cost_a.bytes_by_axes()
     memory, moved, estimate = found.lines()[-3:]
-    assert memory.startswith("memory per device: peak >= ")
+    assert memory.startswith("memory per device: peak (XLA:CPU) ")
     assert ", parameters 16.4 KiB -> 2.0 KiB (-88%), optimizer 32.8 KiB -> 4.1 KiB (-87%)" in memory
     assert moved.startswith("communication per step: data ")
     assert estimate.startswith("estimate on NVIDIA H100 SXM5: ")

@@ -123,7 +123,7 @@ def test_the_table_is_plain_text_with_every_column(gpt_ranked):
     lines = text.splitlines()
     assert lines[0].rstrip() == "eqshard suggest: 5 candidates on 8 devices"
     header = next(line for line in lines if "strategy" in line)
-    for column in ("#", "mesh", "peak >= / device (limit 640.0 KiB)", "fits"):
+    for column in ("#", "mesh", "peak (XLA:CPU) / device (limit 640.0 KiB)", "fits"):
         assert column in header
     for column in ("communication / step", "estimate (H100)", "repairs"):
         assert column in header
@@ -148,7 +148,7 @@ def test_the_table_is_plain_text_with_every_column(gpt_ranked):
             need = f"no: needs {human_bytes(_peak(s))} of 640.0 KiB: {_peak(s) / BUDGET:.2f}x"
             assert cells[4] == need
     notes = "\n".join(line.rstrip() for line in lines)
-    assert "max memory: 640.0 KiB (given) per device, by XLA:CPU's peak, a lower bound" in notes
+    assert "max memory: 640.0 KiB (given) per device, by XLA:CPU's own peak" in notes
     assert f"; the best: {gpt_ranked.best.name}" in notes
     assert "dropped: data parallel (no dims) (data=8): `eqshard.constrain` cannot lay" in notes
 
@@ -225,7 +225,7 @@ def test_workers_and_this_process_give_the_same_costs():
         assert (a.fits, b.fits) == (True, True)
     text = str(here)
     assert text.count("yes (no limit)") == 3
-    assert "no memory limit: XLA:CPU's peak is a lower bound, so every candidate counts" in text
+    assert "no memory limit: XLA:CPU's peak is XLA:CPU's, not an accelerator's, so every" in text
     assert "3 of 3 fit; the best:" in text
 
 
