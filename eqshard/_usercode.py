@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -172,9 +174,6 @@ def step_inputs(
     values (`np.asarray` of a JAX array) is run once on the host instead. For a
     stateful model, `(model, state)`, the optimizer's state is built from the
     model's parameters, and the step takes the state after the model."""
-    import equinox as eqx
-    import jax
-
     from ._fields import is_stateful_pair
 
     _, fn = user_callable(
@@ -203,12 +202,94 @@ def step_inputs(
                 "no init; name a callable that returns an optax optimizer"
             )
         parameters = model[0] if stateful else model
-        params = eqx.filter(parameters, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-        state = call(
-            "--optimizer", optimizer, f"{name}().init(params)", lambda: jax.eval_shape(init, params)
+        state = _optimizer_state(
+            StepInputs(fn, (*states, batch_value), step), parameters, optimizer, name, init
         )
         args = (*states, state, batch_value)
     return StepInputs(fn, args, step)
+
+
+# What JAX says of two trees whose structures differ (`jax.tree.map`, optax's updates).
+_STRUCTURE = re.compile(
+    r"pytree|tree structure|mismatch|is not a prefix|expected (none|list|tuple|dict), got", re.I
+)
+
+
+def _optimizer_state(
+    step: StepInputs, model: Any, optimizer: str, name: str, init: Callable[..., Any]
+) -> Any:
+    """The optimizer's state, abstract, as the step takes it: `init` of the model's
+    arrays (`eqx.filter(model, eqx.is_array)`, as Equinox's examples build it), or,
+    where the model holds arrays that are not inexact (an int counter, a bool mask:
+    `eqx.filter_grad` gives them no gradient, so an optax state built for them does
+    not fit the gradients), of its inexact arrays (`eqx.is_inexact_array`). There
+    the step is traced abstractly with each state, in that order, and the first it
+    does not refuse for a tree's structure is used; what else it raises, compiling
+    it says. `step.args` are the step's other arguments: the model's state, if any,
+    and the batch.
+
+    **Raises:** `ModelError` naming `--optimizer` where the step refuses both, or
+    `init` raises.
+    """
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    def abstract(x: Any) -> bool:
+        return isinstance(x, jax.ShapeDtypeStruct)
+
+    def inexact(x: Any) -> bool:
+        return abstract(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+    arrays = eqx.filter(model, abstract)
+    kinds = [("eqx.is_array", arrays)]
+    if not all(map(inexact, jax.tree_util.tree_leaves(arrays))):
+        kinds.append(("eqx.is_inexact_array", eqx.filter(model, inexact)))
+    *states, batch = step.args
+    made, refused = [], []
+    for kind, params in kinds:
+        made.append(f"`{name}().init(eqx.filter(model, {kind}))`")
+        state = call(
+            "--optimizer", optimizer, made[-1], functools.partial(jax.eval_shape, init, params)
+        )
+        if len(kinds) == 1:  # every array is inexact: one state
+            return state
+        error = _raised(step.step, model, *states, state, batch)
+        if error is None or not _STRUCTURE.search(str(error)):
+            return state
+        refused.append(f"{type(error).__name__}: {_brief(error)}")
+    raised = (
+        f"with each it raised {refused[0]}"
+        if refused[0] == refused[1]
+        else f"with the first it raised {refused[0]}; with the second, {refused[1]}"
+    )
+    raise ModelError(
+        f"--optimizer {optimizer!r}: the step {step.target!r} takes neither optimizer state "
+        f"eqshard builds, {made[0]} nor {made[1]}: {raised}\nwrite the step to update the "
+        "parameters of one of them, as `optimizer.update(grads, opt_state, eqx.filter(model, "
+        "eqx.is_inexact_array))` with `grads` from `eqx.filter_grad`"
+    )
+
+
+def _raised(fn: Callable[..., Any], *args: Any) -> BaseException | None:
+    """What `fn(*args)` raises when traced abstractly (nothing is compiled nor run),
+    if anything; what it prints goes to stderr."""
+    import equinox as eqx
+
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            eqx.filter_eval_shape(fn, *args)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # the user's code: said, never a crash
+            return error
+    return None
+
+
+def _brief(error: BaseException, limit: int = 400) -> str:
+    """An error's message on one line, cut at `limit` characters."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _abstract_batch(target: str, name: str, make_batch: Callable[[], Any]) -> Any:

@@ -420,3 +420,38 @@ def test_a_spec_files_rules_name_the_activations_in_the_workers(tmp_path):
             "harness_models:batch_named",
             devices=(8,),
         )
+
+
+def test_a_spec_files_batch_lays_out_the_batch_and_the_budgets_step(tmp_path):
+    import harness_models as m
+
+    spec = tmp_path / "whole.eqshard.json"  # replicated parameters, a whole batch on each device
+    spec.write_text(json.dumps({"eqshard": 1, "batch": "... -> * ..."}))
+    # with every device computing the whole step, nothing is reduced or gathered (split
+    # over 2 devices, the gradients would be all-reduced); and data parallel cannot
+    # split 8 rows over 3 devices, where the file's "batch" needs not
+    assert_equivalent(
+        m.build,
+        spec,
+        m.loss,
+        m.batch,
+        devices=(2, 3),
+        optimizer=m.optimizer,
+        max_communication={"all-reduce": 0, "all-gather": 0},
+    )
+    with pytest.raises(AssertionError) as caught:  # `batch_spec=` wins over the file's
+        assert_equivalent(
+            m.build,
+            spec,
+            m.loss,
+            m.batch,
+            devices=(2,),
+            batch_spec="b ... -> b* ...",
+            max_communication={"all-reduce": 0},
+        )
+    assert str(caught.value).startswith("on 2 devices, the step's all-reduces move ")
+    with pytest.raises(eqshard.EqshardError) as refused:
+        assert_equivalent(
+            m.build, spec, m.loss, m.batch, devices=(3,), batch_spec="b ... -> b* ..."
+        )
+    assert "the batch cannot be laid out by 'b ... -> b* ...' (`batch_spec=`)" in str(refused.value)

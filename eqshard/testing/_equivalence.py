@@ -53,11 +53,12 @@ def assert_equivalent(
     devices. It builds the model and the batch, runs one jitted step (loss and
     gradients with `eqx.filter_value_and_grad`, then the optimizer's update) on one
     device, then the same step with the model (and its state) and its optimizer
-    state placed by the spec and the batch split over the data axis, and compares
-    every leaf. The optimizer state follows the spec's optimizer section, where it
-    has one (ZeRO-1); leaves a spec holds in host memory (`"memory":
-    "pinned_host"`) are moved to the device inside each step, as a host-offload
-    step moves them.
+    state placed by the spec and the batch laid out as `eqshard.jit` lays it out
+    (`batch_spec=`, else the spec file's `"batch"`, else split over the data
+    axis), and compares every leaf. The optimizer state follows the spec's
+    optimizer section, where it has one (ZeRO-1); leaves a spec holds in host
+    memory (`"memory": "pinned_host"`) are moved to the device inside each step, as
+    a host-offload step moves them.
 
     A stateful model (BatchNorm's running statistics in an `eqx.nn.State`) is built
     as `eqx.nn.make_with_state` builds it, and its loss is written as in Equinox's
@@ -121,9 +122,10 @@ def assert_equivalent(
         and gradients are compared.
     - `mesh`: a mesh template for each count, `{"data": "*", "model": 4}` (`"*"`:
         the rest of the devices), instead of the spec's own mesh.
-    - `batch_spec`: the expression of every batch leaf. By default data parallel:
-        the leading dim split over the mesh's first axis (else over every device);
-        `"... -> * ..."` replicates the batch.
+    - `batch_spec`: the expression of every batch leaf. By default the spec file's
+        `"batch"` (`Rules.batch`), as `eqshard.cost` and `eqshard.jit` take it,
+        else data parallel: the leading dim split over the mesh's first axis (else
+        over every device); `"... -> * ..."` replicates the batch.
     - `rtol`, `atol`: the tolerance for every leaf; by default per dtype, from
         `eqshard.testing.TOLERANCES` (float32: 1e-5 and 1e-6). Integer leaves must be
         equal.
@@ -132,12 +134,13 @@ def assert_equivalent(
         `"ragged-all-to-all"`, `"collective-broadcast"`: `COLLECTIVE_KINDS`) that
         the compiled step may move on each device, summed over the step, as
         `eqshard.cost` counts them (a reduce-scatter by its operand, any other by
-        its result). `{"all-gather": 0}` asserts that no parameter is gathered. A
-        collective in a loop counts once per trip where XLA knows the trip count
-        (`jax.lax.scan`), else once; of a `cond`'s branches, the one that moves the
-        most of each kind. A step whose compiled program has a collective, a
-        device-group notation or a dtype eqshard cannot read fails with an
-        `EqshardError` naming it: a budget never passes on what was not read.
+        its result), with the batch laid out as above. `{"all-gather": 0}` asserts
+        that no parameter is gathered. A collective in a loop counts once per trip
+        where XLA knows the trip count (`jax.lax.scan`), else once; of a `cond`'s
+        branches, the one that moves the most of each kind. A step whose compiled
+        program has a collective, a device-group notation or a dtype eqshard cannot
+        read fails with an `EqshardError` naming it: a budget never passes on what
+        was not read.
     - `build`, `loss`, `batch` and `optimizer` are imported again in each process:
         pass them as top-level functions of an importable module (or as
         `"mypkg.model:build"`, `"path/to/file.py:build"`).

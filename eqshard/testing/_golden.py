@@ -18,9 +18,26 @@ if TYPE_CHECKING:  # JAX only for the type: the harness starts none
 
 __all__ = ["GOLDEN_VERSION", "assert_layouts"]
 
-GOLDEN_VERSION = 1
-_FIELDS = ("expression", "partition_spec", "shape", "dtype", "bytes_per_device", "origin")
-"""What a golden file records of each leaf; `origin` only where FSDP replicated it."""
+GOLDEN_VERSION = 2
+"""The version written. Version 1 files are still read: they record no memory kind
+and no optimizer state's layout, so a spec that now has one fails against them,
+with the fix (`_unrecorded`)."""
+_READ = (1, GOLDEN_VERSION)
+_FIELDS = (
+    "expression",
+    "partition_spec",
+    "shape",
+    "dtype",
+    "bytes_per_device",
+    "memory",
+    "origin",
+)
+"""What a golden file records of each leaf: `memory` only where it is not the
+device's (`"pinned_host"`), `origin` only where FSDP replicated it; and
+`"optimizer"`, the optimizer state's layout, only where it is not the leaf's own."""
+_OPTIMIZER_FIELDS = ("expression", "partition_spec", "bytes_per_device", "memory", "origin")
+"""What a golden file records of a leaf's optimizer state, where the spec's optimizer
+section lays it out otherwise than the leaf (its shape and dtype are the leaf's)."""
 _SHOWN = 20  # changed leaves shown per device count
 
 
@@ -60,16 +77,24 @@ def assert_layouts(
         their layers (`bn.batch_state_index.0`).
     - `spec`: as for `assert_equivalent`.
     - `golden`: the golden file (JSON): for each count, the mesh, and each leaf's
-        expression, `PartitionSpec`, shape, dtype and bytes per device (and, for
-        a leaf FSDP replicated, the origin that says why).
+        expression, `PartitionSpec`, shape, dtype and bytes per device; its memory
+        kind where it is not the device's (`"memory": "pinned_host"`); for a leaf
+        FSDP replicated, the origin that says why; and, where the spec's optimizer
+        section lays the leaf's optimizer state out otherwise than the leaf (ZeRO-1,
+        moments in host memory), that layout (`"optimizer"`: its expression,
+        `PartitionSpec`, bytes per device, memory kind). A state that follows its
+        parameter records nothing: the parameter's layout is its own.
     - `devices`, `mesh`, `timeout`: as for `assert_equivalent`.
 
     **Raises:**
 
     `AssertionError` listing, for each count, the leaves whose layout changed (each
-    field, golden -> now), the leaves added and the leaves gone; or saying that the
-    golden file is missing. `eqshard.EqshardError` when the golden file is not one,
-    and for bad arguments.
+    field, golden -> now: a weight moved into or out of host memory, an optimizer
+    state split where it followed its parameter), the leaves added and the leaves
+    gone; or saying that the golden file is missing, or that it was written before
+    golden files recorded memory kinds and optimizer states (version 1) while the
+    spec now has them. `eqshard.EqshardError` when the golden file is not one, and
+    for bad arguments.
     """
     template = mesh_template(mesh)
     counts = device_counts(devices, spec, template)
@@ -91,12 +116,24 @@ def assert_layouts(
             f"{path}: no golden layouts yet; run `pytest --eqshard-update` (or set "
             "EQSHARD_UPDATE=1) to write them, and commit the file"
         )
-    recorded = _read(path)
+    version, recorded = _read(path)
+    unrecorded = _unrecorded(now) if version < 2 else []
+    if unrecorded:  # compare what the file records; the rest it cannot tell
+        now = {count: _without_new_fields(layout) for count, layout in now.items()}
     lines = []
     for count, layouts in now.items():
         lines += _changes(count, recorded.get(count), layouts)
     for count in recorded.keys() - now.keys():
         lines.append(f"{count} devices: in the golden file, no longer tested")
+    if unrecorded:
+        also = ["and layouts differ from it (golden -> now):", *lines] if lines else []
+        raise AssertionError(
+            f"{path} is a golden file of version {version}, which records neither memory "
+            "kinds nor optimizer states' layouts, and the spec now has them, so the file "
+            "cannot tell whether they changed; if these layouts are intended, run "
+            "`pytest --eqshard-update` (or set EQSHARD_UPDATE=1) to record them, and commit "
+            "the file:\n" + "\n".join([*unrecorded, *also])
+        )
     if lines:
         raise AssertionError(
             f"layouts differ from {path} (golden -> now); if the change is intended, run "
@@ -120,21 +157,57 @@ def _golden_text(layouts: Mapping[str, Any]) -> str:
     return f'{{\n "eqshard_golden": {GOLDEN_VERSION},\n "layouts": {{\n{body}\n }}\n}}\n'
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path) -> tuple[int, dict[str, Any]]:
+    """The golden file's version and its layouts, per count."""
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise EqshardError(f"{path}: cannot read the golden layouts: {error}") from None
+    version = document.get("eqshard_golden") if isinstance(document, dict) else None
     if not (
         isinstance(document, dict)
-        and document.get("eqshard_golden") == GOLDEN_VERSION
+        and version in _READ
+        and not isinstance(version, bool)
         and isinstance(document.get("layouts"), dict)
     ):
         raise EqshardError(
-            f"{path}: not an eqshard golden file (version {GOLDEN_VERSION}); rewrite it with "
-            "`pytest --eqshard-update`"
+            f"{path}: not an eqshard golden file (version {' or '.join(map(str, _READ))}); "
+            "rewrite it with `pytest --eqshard-update`"
         )
-    return document["layouts"]
+    return version, document["layouts"]
+
+
+def _unrecorded(now: Mapping[str, Any]) -> list[str]:
+    """What a version 1 golden file cannot record of the layouts `now`: each leaf in
+    host memory, and each optimizer state laid out otherwise than its leaf, per count."""
+    lines = []
+    for count, layout in now.items():
+        found = []
+        for name, leaf in layout["leaves"].items():
+            if "memory" in leaf:
+                found.append(f"  {name}: in host memory ({leaf['memory']!r})")
+            state = leaf.get("optimizer")
+            if state is not None:
+                where = f", in host memory ({state['memory']!r})" if "memory" in state else ""
+                found.append(
+                    f"  {name}: its optimizer state {state['partition_spec']} "
+                    f"({state['expression']!r}{where}), not the leaf's {leaf['partition_spec']}"
+                )
+        if found:
+            lines.append(f"on {count} devices, mesh {layout['mesh']}:")
+            lines += found[:_SHOWN]
+            if len(found) > _SHOWN:
+                lines.append(f"  ... and {len(found) - _SHOWN} more")
+    return lines
+
+
+def _without_new_fields(layout: Mapping[str, Any]) -> dict[str, Any]:
+    """One count's layouts without what a version 1 golden file does not record."""
+    leaves = {
+        name: {key: value for key, value in leaf.items() if key not in ("memory", "optimizer")}
+        for name, leaf in layout["leaves"].items()
+    }
+    return {**layout, "leaves": leaves}
 
 
 def _changes(count: str, was: Any, now: Mapping[str, Any]) -> list[str]:
@@ -150,10 +223,12 @@ def _changes(count: str, was: Any, now: Mapping[str, Any]) -> list[str]:
             changed.append(f"  + {name}: {layout['expression']!r} (not in the golden file)")
             continue
         fields = [
-            f"      {field}: {before[name].get(field)!r} -> {layout.get(field)!r}"
+            f"      {field}: {_shown(field, before[name].get(field))} -> "
+            f"{_shown(field, layout.get(field))}"
             for field in _FIELDS
             if before[name].get(field) != layout.get(field)
         ]
+        fields += _optimizer_changes(before[name], layout)
         if fields:
             changed.append(f"  ~ {name}\n" + "\n".join(fields))
     changed += [f"  - {name} (no longer in the model)" for name in before if name not in after]
@@ -163,3 +238,38 @@ def _changes(count: str, was: Any, now: Mapping[str, Any]) -> list[str]:
     if not lines:
         return []
     return [f"on {count} devices, mesh {now['mesh']}:", *lines]
+
+
+def _shown(field: str, value: Any) -> str:
+    """A recorded value, as a change shows it: no memory kind is the device's."""
+    return repr("device" if field == "memory" and value is None else value)
+
+
+def _optimizer_changes(was: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """How a leaf's optimizer state's layout changed, field by field. Where a side
+    records none, the state follows its leaf: its fields are the leaf's on that side
+    (shown so: data parallel to ZeRO-1 reads `'P()' (the parameter's) -> "P('data')"`)."""
+    before, after = was.get("optimizer"), now.get("optimizer")
+    if before == after:
+        return []
+    lines = []
+    for field in _OPTIMIZER_FIELDS:
+        old, new = _state_field(was, before, field), _state_field(now, after, field)
+        if old != new:
+            lines.append(
+                f"      optimizer {field}: {_shown(field, old)}{_follows(before)} -> "
+                f"{_shown(field, new)}{_follows(after)}"
+            )
+    return lines
+
+
+def _state_field(leaf: Mapping[str, Any], state: Mapping[str, Any] | None, field: str) -> Any:
+    """A field of the leaf's optimizer state: its own, else the leaf's (no origin:
+    the state's layout says nothing of why its parameter has it)."""
+    if state is not None:
+        return state.get(field)
+    return None if field == "origin" else leaf.get(field)
+
+
+def _follows(state: Mapping[str, Any] | None) -> str:
+    return " (the parameter's)" if state is None else ""

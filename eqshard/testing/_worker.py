@@ -122,25 +122,47 @@ def _layouts(request: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _layout_entry(p: Any) -> dict[str, Any]:
-    """One count's entry in a golden file: its mesh, and each leaf's layout."""
-    from .._fsdp import is_fsdp_replicated
+    """One count's entry in a golden file: its mesh, and each leaf's layout.
+
+    A leaf records its memory kind where it is not the device's (`"memory":
+    "pinned_host"`), and, where the spec has an optimizer section that lays the
+    leaf's optimizer state out otherwise than the leaf itself (ZeRO-1's moments
+    split over 'data' beside replicated parameters, moments in host memory), that
+    layout as `"optimizer"`: where the state follows its parameter, nothing is
+    recorded, since the parameter's layout is the state's."""
     from .._report import leaf_rows
 
     mesh = dict(zip(p.mesh.axis_names, p.mesh.axis_sizes)) if p.mesh is not None else None
+    section = {} if p.section is None else {row.path: row for row in leaf_rows(p.section)}
+    leaves: dict[str, Any] = {}
+    for row in leaf_rows(p):
+        leaf = {"expression": row.expression, "partition_spec": row.partition_spec}
+        leaf |= {"shape": list(row.shape), "dtype": row.dtype, **_placement(row)}
+        state = section.get(row.path)
+        if state is not None:
+            own = {"expression": state.expression, "partition_spec": state.partition_spec}
+            own |= _placement(state)
+            if any(own.get(field) != leaf.get(field) for field in _OWN_LAYOUT):
+                leaf["optimizer"] = own
+        leaves[row.path] = leaf
+    return {"mesh": mesh, "leaves": leaves}
+
+
+_OWN_LAYOUT = ("expression", "partition_spec", "bytes_per_device", "memory")
+"""What makes an optimizer state's layout its own, not its parameter's: where one
+of these differs, the golden file records the state's layout."""
+
+
+def _placement(row: Any) -> dict[str, Any]:
+    """A leaf's bytes per device, its memory kind where it is not the device's, and,
+    where FSDP could split no dim, its origin, which says why (a replicated leaf is
+    then no surprise)."""
+    from .._fsdp import is_fsdp_replicated
+
     return {
-        "mesh": mesh,
-        "leaves": {
-            row.path: {
-                "expression": row.expression,
-                "partition_spec": row.partition_spec,
-                "shape": list(row.shape),
-                "dtype": row.dtype,
-                "bytes_per_device": row.bytes_per_device,
-                # where FSDP could split no dim, why: a replicated leaf is no surprise
-                **({"origin": row.origin} if is_fsdp_replicated(row.origin) else {}),
-            }
-            for row in leaf_rows(p)
-        },
+        "bytes_per_device": row.bytes_per_device,
+        **({"memory": row.memory_kind} if row.memory_kind is not None else {}),
+        **({"origin": row.origin} if is_fsdp_replicated(row.origin) else {}),
     }
 
 
@@ -181,11 +203,11 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
         want += update(model, opt_state, want[1])
 
     p = _plan(built, request, devices)  # a (model, state) plan lays out both
-    batch_expr = request.get("batch_spec")
+    batch_expr, batch_from = _batch_expression(request.get("batch_spec"), p)
     placed = apply(built, p)
     placed_model = placed[0] if stateful else placed
     placed_opt_state = None if opt_state is None else apply(opt_state, p)
-    placed_batch = _placed_batch(batch, batch_expr, p)
+    placed_batch = _placed_batch(batch, batch_expr, batch_from, p)
     # A spec file's rules lay out the activations the model names, as under `use`.
     # The programs `eqshard.jit` runs under the plan: its layouts in and out.
     with use(p):
@@ -390,15 +412,29 @@ def _step(loss: Callable[..., Any], optimizer: Any, stateful: bool) -> Callable[
     return step_with_optimizer
 
 
-def _placed_batch(batch: Any, expr: str | None, p: Any) -> Any:
-    """The batch laid out as `eqshard.cost` lays it out: by `expr`, else data
-    parallel over the mesh's first axis (or every device)."""
+def _batch_expression(given: str | None, p: Any) -> tuple[str, str]:
+    """The expression the batch is laid out by, as `eqshard.cost` and `eqshard.jit`
+    choose it (`eqshard._step.Batches`): `batch_spec=`, else the spec file's
+    `"batch"` (`Rules.batch`, the plan's spec), else data parallel over the mesh's
+    first axis (or every device); and where it came from, for messages."""
+    from .._specfile import Rules
+    from .._step import Batches
+
+    expr = Batches(given, p).expr
+    if given is not None:
+        return expr, "`batch_spec=`"
+    if isinstance(p.spec, Rules) and p.spec.batch is not None:
+        return expr, f'the "batch" of {p.spec.source}'
+    return expr, "data parallel, the default"
+
+
+def _placed_batch(batch: Any, expr: str, where: str, p: Any) -> Any:
+    """The batch laid out by `expr` (from `_batch_expression`; `where` says where it
+    came from), each array leaf as `eqshard.cost` lays it out."""
     import equinox as eqx
     import jax
 
-    from .._step import batch_sharding, data_parallel
-
-    expr = data_parallel(p) if expr is None else expr
+    from .._step import batch_sharding
 
     def place(x: Any) -> Any:
         if not eqx.is_array(x):
@@ -409,8 +445,9 @@ def _placed_batch(batch: Any, expr: str | None, p: Any) -> Any:
         return jax.tree_util.tree_map(place, batch)
     except EqshardError as error:
         raise EqshardError(
-            f"the batch cannot be laid out by {expr!r}: {error}\npass `batch_spec=` (an "
-            "expression for every batch leaf; '... -> * ...' replicates it)"
+            f"the batch cannot be laid out by {expr!r} ({where}): {error}\npass "
+            "`batch_spec=` (an expression for every batch leaf, which wins over a spec "
+            "file's \"batch\"; '... -> * ...' replicates it)"
         ) from None
 
 
