@@ -179,10 +179,7 @@ def constrain(
     """
     devices = local_devices(devices, "`eqshard.constrain`")
     if spec is BY_THE_ACTIVE_PLAN:
-        found = active()
-        spec = found.plan if found is not None and found.plan is not None else FROM_FIELDS
-        if isinstance(spec, Plan) and (mesh is not None or devices is not None):
-            spec = spec.spec  # laid out again, on the mesh or devices given
+        spec = _by_the_active_plan(x, mesh, devices)
     if is_names(x, spec):
         return _named(x, spec, rules, mesh, devices)
     if rules is not None:
@@ -208,6 +205,21 @@ def constrain(
     for i, value in zip(indices, held):
         leaves[i] = value
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _by_the_active_plan(x: Any, mesh: Any, devices: Any) -> Spec:
+    """`constrain`'s default spec: the active plan where `x` is its model or built
+    from it (on the mesh or devices given, its spec laid out again); else the
+    fields, as with no plan (a module that constrains itself or a submodule, a
+    plain array)."""
+    found = active()
+    p = None if found is None else found.plan
+    if p is None:
+        return FROM_FIELDS
+    planned = plan_for(x, p)
+    if not planned.matched:
+        return FROM_FIELDS
+    return p.spec if mesh is not None or devices is not None else p
 
 
 def _named(

@@ -385,7 +385,8 @@ class Step:
         spec = self.plan if self.plan is not None else _spec(active())
         if spec is None:
             return self._plain(*args, **kwargs)
-        program, _, traced = self._program(spec, args, kwargs, lowering=False)
+        program, layout, traced = self._program(spec, args, kwargs, lowering=False)
+        _move_batch(traced, layout.batch, program.shardings)
         donated = [traced[i] for i in program.donated]
         kept = [traced[i] for i in program.kept]
         try:
@@ -446,6 +447,8 @@ class Step:
         key = (spec, treedef, static, tuple(np.shape(x) for x in traced))
         layout = self._layouts.get(key)
         if layout is None:
+            if len(self._layouts) >= _CACHED:  # static arguments that change every call
+                self._layouts.pop(next(iter(self._layouts)))
             layout = self._layouts[key] = self._layout(spec, args, kwargs, treedef, static)
         placed = tuple(_placed(traced[i]) for i in layout.batch)
         program = layout.programs.get(placed)
@@ -483,7 +486,8 @@ class Step:
 
     def _arguments(self, p: Plan, args: Any, kwargs: Any) -> tuple[list[Argument], Batches]:
         names = self._names(len(args))
-        pairs = [*zip(names, args), *((f"`{k}`", v) for k, v in kwargs.items())]
+        # in the order `jax.tree_util.tree_flatten((args, kwargs))` visits them
+        pairs = [*zip(names, args), *((f"`{k}`", kwargs[k]) for k in sorted(kwargs))]
         return lay_out_arguments(p, pairs, self.batch)
 
     def _names(self, count: int) -> list[str]:
@@ -555,6 +559,7 @@ class Step:
 
 
 _TRACED = object()  # a traced leaf's place among the static ones
+_CACHED = 256  # layouts kept per step, the oldest dropped first
 
 
 def _rebuilt(fn: Any, donate: Donate, batch: str | None) -> Step:
@@ -571,6 +576,20 @@ def _spec(found: Active | None) -> Plan | Active | None:
 def _active_of(p: Plan) -> Active:
     rules = p.spec if isinstance(p.spec, Rules) else None
     return Active(rules, p.mesh if p.mesh_is_given else None, p.devices, p)
+
+
+def _move_batch(traced: list[Any], batch: list[int], shardings: list[Any]) -> None:
+    """Each batch leaf committed to other devices or another layout than the
+    program's (a loader's `jax.device_put(x, jax.devices()[0])`, or any layout under
+    `batch=`) moved into the program's, as `jax.jit` moves an uncommitted one: the
+    batch is new each step, so moving it is the step's own work."""
+    for i in batch:
+        x, target = traced[i], shardings[i]
+        have = getattr(x, "sharding", None)
+        if target is None or have is None or have is target or have == target:
+            continue
+        if not have.is_equivalent_to(target, np.ndim(x)):
+            traced[i] = jax.device_put(x, target)
 
 
 def _placed(x: Any) -> Any:
@@ -633,13 +652,13 @@ def _traced_body(fn: Callable[..., Any], layout: _Layout, donated: list[int], ke
                     out = fn(*args, **kwargs)
             targets = _outputs(out, p, name)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        arrays = [k for k, x in enumerate(out_leaves) if isinstance(x, jax.Array)]
+        arrays = [k for k, x in enumerate(out_leaves) if isinstance(x, _ARRAYS)]
         held = [k for k in arrays if targets[k] is not None]
         for k, value in zip(
             held, constrained([out_leaves[k] for k in held], [targets[k] for k in held])
         ):
             out_leaves[k] = value
-        static = [None if isinstance(x, jax.Array) else x for x in out_leaves]
+        static = [None if isinstance(x, _ARRAYS) else x for x in out_leaves]
         return [out_leaves[k] for k in arrays], _Static((out_tree, static, arrays))
 
     run.__name__ = getattr(fn, "__name__", "step")
@@ -689,16 +708,21 @@ class Lowered:
         """The expression that laid out a batch leaf, if any did."""
         return self.program.batches.used
 
-    def as_text(self) -> str:
-        return self.lowered.as_text()
+    def __getattr__(self, name: str) -> Any:  # `cost_analysis`, `compiler_ir`, ...
+        return getattr(self.lowered, name)
+
+    def as_text(self, *args: Any, **kwargs: Any) -> str:
+        return self.lowered.as_text(*args, **kwargs)
 
     def compile(self) -> Compiled:
         return Compiled(self.lowered.compile(), self.program, self._step)
 
 
 class Compiled:
-    """A compiled step: called as the step is (its traced leaves in the same
-    structure), with `jax.stages.Compiled`'s `as_text()`, `cost_analysis()` and
+    """A compiled step: called as the step is, with arrays of the shapes and
+    placements it was lowered for (its non-array arguments are those it was
+    lowered with, whatever a call passes, as for `eqx.filter_jit`'s compiled
+    steps), with `jax.stages.Compiled`'s `as_text()`, `cost_analysis()` and
     `memory_analysis()`."""
 
     def __init__(self, compiled: Any, program: _Program, step: Step) -> None:
@@ -714,7 +738,12 @@ class Compiled:
         traced = [x for x in jax.tree_util.tree_leaves((args, kwargs)) if isinstance(x, _ARRAYS)]
         donated = [traced[i] for i in self.program.donated]
         kept = [traced[i] for i in self.program.kept]
-        out, static = self.compiled(donated, kept)
+        try:
+            out, static = self.compiled(donated, kept)
+        except ValueError as error:  # JAX's words for arguments placed otherwise
+            if "disagree with the shardings of arguments" not in str(error):
+                raise
+            raise self._step._misplaced(self.program, args, kwargs, traced) from None
         return _combined(out, static)
 
 
@@ -749,7 +778,8 @@ def jit(
     optimizer state the optimizer section's (ZeRO), the model's `eqx.nn.State` its
     own; an argument that holds nothing of the model's is the batch (a leaf already
     placed on the plan's devices keeps its sharding, the others take `batch`, else
-    the spec file's `"batch"`, else data parallel); any other output is replicated.
+    the spec file's `"batch"`, else data parallel, and a batch committed elsewhere
+    is moved there); any other output is replicated.
     These are the compiled program's input and output shardings, so the
     parameters leave the step as they came in (ZeRO-1 pays its all-gather, FSDP
     stays split), and `eqshard.cost`, `eqshard check --step`, `suggest`, `diff` and

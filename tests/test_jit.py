@@ -405,3 +405,83 @@ def test_outputs_that_hold_nothing_of_the_model_are_replicated(tmp_path):
         out = eqshard.jit(lambda m, x: (m, jax.vmap(m)(x)))(eqshard.apply(model, p), _batch()[0])
     assert out[1].sharding.is_fully_replicated
     assert isinstance(out[1].sharding, NamedSharding)
+
+
+# -- what eqx.filter_jit does, eqshard.jit does too ------------------------------------
+
+
+def test_keyword_only_arguments_take_their_own_layouts(tmp_path):
+    """Keywords are laid out in the order `tree_flatten` visits them (sorted), not
+    in the signature's: `x` (a batch) and `mask` (a vector) keep their own."""
+    model = _model()
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+
+    def step(model, *, x, mask):
+        return (jax.vmap(model)(x) * mask).sum()
+
+    x, mask = _batch()[0], jnp.ones(16)
+    want = eqx.filter_jit(step)(model, x=x, mask=mask)
+    with eqshard.use(p):
+        got = eqshard.jit(step)(eqshard.apply(model, p), x=x, mask=mask)
+        lowered = eqshard.jit(step).lower(model, x=x, mask=mask)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    assert lowered.cost_analysis() is not None  # jax's Lowered, forwarded
+
+
+def test_a_module_that_constrains_itself_by_its_fields_runs_under_a_plan(tmp_path):
+    """`constrain(tree)` follows the active plan only for the plan's model and what
+    is built from it; a submodule (or a plain array) keeps its fields' meaning."""
+
+    class Block(eqx.Module):
+        w: jax.Array = eqshard.field("o i -> o* i")
+
+        def __call__(self, x):
+            return eqshard.constrain(self).w @ x
+
+    class Net(eqx.Module):
+        blocks: list
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x.sum()
+
+    net = Net([Block(jnp.eye(16)), Block(2 * jnp.eye(16))])
+    p = eqshard.plan(net, "... -> * ...")
+    with eqshard.use(p):
+        got = eqshard.jit(lambda n, x: n(x))(eqshard.apply(net, p), jnp.ones(16))
+    assert float(got) == 32.0
+
+
+def test_a_batch_committed_elsewhere_is_moved_as_jit_moves_an_uncommitted_one(tmp_path):
+    model = _model()
+    p = eqshard.plan(model, _rules("data parallel", tmp_path))
+    x = jax.device_put(_batch()[0], jax.devices()[0])  # a loader's: committed to one device
+    step = eqshard.jit(lambda m, x: jax.vmap(m)(x))
+    with eqshard.use(p):
+        got = step(eqshard.apply(model, p), x)
+        by = eqshard.jit(lambda m, x: jax.vmap(m)(x), batch="... -> * ...")
+        whole = by(eqshard.apply(model, p), eqshard.shard(x, "b ... -> b* ...", mesh=p.mesh))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(whole), rtol=1e-6)
+    assert not x.is_deleted()
+
+
+def test_numpy_outputs_come_back_as_arrays(tmp_path):
+    model = _model()
+    p = eqshard.plan(model, _rules("data parallel", tmp_path))
+    with eqshard.use(p):
+        out = eqshard.jit(lambda m: (m, np.arange(3)))(eqshard.apply(model, p))
+    assert isinstance(out[1], jax.Array)
+    assert out[1].tolist() == [0, 1, 2]
+
+
+def test_a_compiled_step_names_an_argument_placed_otherwise(tmp_path):
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+    other = eqshard.plan(model, _rules("megatron", tmp_path))
+    x, y = _batch()
+    with eqshard.use(p):
+        compiled = eqshard.jit(plain_step).lower(model, opt_state, x, y).compile()
+    with pytest.raises(eqshard.SpecError, match=r"the step's `model` \.layers\[1\]\.bias"):
+        compiled(eqshard.apply(model, other), eqshard.apply(opt_state, p), x, y)
