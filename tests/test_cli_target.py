@@ -150,22 +150,25 @@ def test_an_explicit_max_memory_wins_over_the_hbm(run_cli, files):
 
 @needs_libtpu
 def test_max_memory_holds_the_compilers_own_peak(run_cli, files):
-    """XLA:TPU's peak counts more than the arguments, outputs and temporaries it
-    allocates; a limit between the two does not fit (it passed on their sum)."""
+    """XLA:TPU's own peak is not the sum of the arguments, outputs and temporaries
+    it allocates (above it with JAX 0.10's libtpu, below it with JAX 0.12's); a
+    limit between the two is judged by the compiler's peak (it was by their sum)."""
     spec, module, _ = files
     _, (found,) = _check(run_cli, spec, *_step_args(module), "--target", "v5e:2x4")
     cost = found["cost"]
     allocated = cost["arguments"] + cost["outputs"] + cost["temporaries"]
-    assert cost["peak"] == cost["reported_peak"] > allocated
-    limit = (allocated + cost["peak"]) // 2
+    peak = cost["peak"]
+    assert peak == cost["reported_peak"] != allocated
+    limit = (allocated + peak) // 2
+    fits = peak <= limit  # the compiler's peak is the smaller of the two
     args = [spec, *_step_args(module), "--target", "v5e:2x4", "--max-memory", str(limit)]
     result, (bounded,) = _check(run_cli, *args)
-    assert result.code == 1
+    assert result.code == (0 if fits else 1)
     assert bounded["max_memory"] == {
         "bytes": limit,
         "from": "--max-memory",
-        "needed": cost["peak"],
-        "fits": False,
+        "needed": peak,
+        "fits": fits,
     }
 
 

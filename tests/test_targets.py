@@ -61,11 +61,11 @@ def test_a_step_compiled_for_a_tpu_slice_reports_the_tpu_compilers_figures():
     # ... gathers the weights over the data axis, and the TPU reduce-scatters gradients
     kinds = {kind for kind, _ in c.bytes_by_axes()}
     assert "all-gather" in kinds
-    # the peak is XLA:TPU's own, which counts more than arguments, outputs and
-    # temporaries (the sum was all `cost` reported: 32% short here)
+    # the peak is XLA:TPU's own, not the sum of arguments, outputs and temporaries
+    # (which was all `cost` reported): above it with JAX 0.10's libtpu, below with 0.12's
     allocated = c.memory.arguments + c.memory.outputs + c.memory.temporaries
     assert c.memory.reported_peak is not None
-    assert c.memory.peak == c.memory.reported_peak > allocated
+    assert c.memory.peak == c.memory.reported_peak != allocated
 
 
 def test_the_users_mesh_is_laid_over_the_slices_devices():
