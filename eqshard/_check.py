@@ -391,4 +391,5 @@ def _cost_entry(
         "memory_per_device": found.memory_per_device,
         "fits": found.fits,
         "batch": found.batch,
+        "unknown": found.unknown_text(),
     }

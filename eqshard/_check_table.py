@@ -72,9 +72,12 @@ def cost_line(cost: Mapping[str, Any]) -> str:
         memory += f" ({human_bytes(cost['host'])} of it in host memory)"
     moved = ", ".join(_communication(cost)) or "no communication"
     peak = "peak" if cost.get("target") else "peak (XLA:CPU)"
+    unknown = cost.get("unknown")
+    per = "per step" if not unknown else "per step and trip"
     return (
         f"cost: {memory}, {peak} {human_bytes(cost['peak_lower_bound'])} per device; "
-        f"{moved} per step; estimate on {_chip(cost)}: {seconds_text(_estimate(cost))}"
+        f"{moved} {per}; estimate on {_chip(cost)}: {seconds_text(_estimate(cost))}"
+        + ("" if not unknown else f" ({unknown})")
     )
 
 

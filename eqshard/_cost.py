@@ -73,13 +73,17 @@ class Collective:
         XLA names a combined collective by every op it combines, which can run to
         thousands of characters; tables show `brief_source`.
     - `count`: how many times one step runs it: more than once inside a loop whose
-        trip count XLA knows, such as `jax.lax.scan` over stacked layers; once in a
-        loop whose trip count depends on values (a lower bound there). Of the
+        trip count XLA knows, such as `jax.lax.scan` over stacked layers. In a loop
+        whose trip count depends on values (`loop`), how many times one trip of it
+        runs it: the runs per step are not known. Of the
         branches of a `cond` or `switch`, only the one that moves the most bytes of
         the collective's kind counts (so a budget per kind bounds every branch); a
         collective of the others is not listed.
     - `group_size`: how many devices each of its groups holds (a
         collective-permute's: 2, a source and a target).
+    - `loop`: the `while` loop whose trip count depends on values that it runs in
+        (`while.3 (jit(step)/while), line 120`), whose trips per step are not
+        known; `None` where its runs per step are known.
     """
 
     kind: str
@@ -88,10 +92,12 @@ class Collective:
     source: str
     count: int = 1
     group_size: int = 1
+    loop: str | None = None
 
     @property
     def total_bytes(self) -> int:
-        """`bytes` times `count`: what it moves on each device in one step."""
+        """`bytes` times `count`: what it moves on each device in one step; in a
+        loop whose trip count depends on values (`loop`), in one trip of it."""
         return self.bytes * self.count
 
     @property
@@ -224,7 +230,12 @@ class Cost:
     (the TPU slice, or `None`), `hardware` (its chip's profile),
     `memory_per_device` (its HBM per device; `fits` compares the peak with it) and
     `batch` (the expression the batch's array leaves were laid out by, `None` where
-    no leaf was: each kept its own placement, or the step takes no batch).
+    no leaf was: each kept its own placement, or the step takes no batch);
+    `loops`, the `while` loops whose trip count depends on values (an adaptive ODE
+    solver, a fixed-point iteration), and `loop_flops`, the FLOPs in them: what
+    runs in them is counted once per trip (`Collective.loop`), so where `loops` is
+    not empty the step's communication, FLOPs and estimate are unknown (`known` is
+    `False`): the figures are those of one trip, and a budget never passes on them.
     """
 
     memory: Memory
@@ -239,6 +250,25 @@ class Cost:
     hardware: Hardware | None = None
     memory_per_device: int | None = None
     batch: str | None = None
+    loops: tuple[str, ...] = ()
+    loop_flops: float = 0.0
+
+    @property
+    def known(self) -> bool:
+        """Whether every figure is known: no loop's trip count depends on values."""
+        return not self.loops
+
+    def unknown_text(self) -> str | None:
+        """What is not known, for tables and messages; `None` where all is."""
+        if not self.loops:
+            return None
+        inside = [c for c in self.collectives if c.loop is not None]
+        which = "; ".join(self.loops)
+        return (
+            f"unknown: the trips of {which}, whose trip count depends on values; its "
+            f"{len(inside)} collective{'s' * (len(inside) != 1)} and "
+            f"{self.loop_flops:,.0f} FLOPs are counted once, per trip"
+        )
 
     @property
     def fits(self) -> bool | None:
@@ -283,6 +313,7 @@ def _collectives(hlo: str | _hlo.Module, mesh: AnyMesh | None) -> list[Collectiv
             op.source,
             op.count,
             max((len(g) for g in op.groups), default=1),
+            op.loop,
         )
         for op in _hlo.collectives(module)
     ]
@@ -516,6 +547,8 @@ def cost(
         hardware=None if on is None else on.hardware,
         memory_per_device=None if on is None else on.memory_per_device,
         batch=lowered.batch,
+        loops=tuple(sorted(set(_hlo.value_dependent(module).values()))),
+        loop_flops=float(_hlo.value_dependent_flops(module)),
     )
 
 

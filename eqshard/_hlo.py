@@ -40,9 +40,12 @@ __all__ = [
     "Module",
     "collectives",
     "flops",
+    "loop_name",
     "parse",
     "runs",
     "trip_count",
+    "value_dependent",
+    "value_dependent_flops",
 ]
 
 # The collectives eqshard counts, by XLA's opcode.
@@ -662,6 +665,9 @@ class CollectiveOp:
     - `source`: where XLA records it comes from (the op's name), or "".
     - `count`: how many times one run of the program runs it.
     - `line`: its line in the text.
+    - `loop`: where it runs inside a `while` loop whose trip count depends on
+        values (`value_dependent`), that loop, as `loop_name` gives it; then `count`
+        is per trip of that loop, and the runs per step are not known. Else `None`.
     """
 
     kind: str
@@ -670,6 +676,7 @@ class CollectiveOp:
     source: str
     count: int
     line: int
+    loop: str | None = None
 
 
 _ASYNC_PARTS = ("-done", "-update")
@@ -804,11 +811,47 @@ def collectives(module: Module) -> list[CollectiveOp]:
                 weights[computation] = weights.get(computation, 0.0) + op.bytes
         counts[kind] = runs(module, lambda c, w=weights: w.get(c.name, 0.0))
     result = []
+    loops = value_dependent(module)
     for computation, op in found:
         count = counts[op.kind].get(computation, 0)
         if count:
-            result.append(dataclasses.replace(op, count=count))
+            result.append(dataclasses.replace(op, count=count, loop=loops.get(computation)))
     return result
+
+
+def value_dependent(module: Module) -> dict[str, str]:
+    """The computations that run inside a `while` loop whose trip count depends on
+    values (neither XLA nor the loop's own counter says it: an adaptive ODE
+    solver's steps, a fixed-point iteration), each with that loop (the outermost
+    such, as `loop_name` gives it). What they hold runs an unknown number of times
+    per step: `runs` counts it once per trip of that loop."""
+    calls = {
+        name: [(i, call) for i in c.instructions for call in _calls(module, i)]
+        for name, c in module.computations.items()
+    }
+    found: dict[str, str] = {}
+    stack: list[tuple[str, str | None]] = [(module.entry, None)]
+    seen: set[tuple[str, str | None]] = set()
+    while stack:
+        name, loop = stack.pop()
+        if (name, loop) in seen:
+            continue
+        seen.add((name, loop))
+        if loop is not None:
+            found.setdefault(name, loop)
+        for instruction, call in calls.get(name, []):
+            inner = loop
+            unknown = instruction.opcode == "while" and trip_count(module, instruction) is None
+            if inner is None and unknown:
+                inner = loop_name(instruction)
+            stack.append((call.callee, inner))
+    return found
+
+
+def loop_name(loop: Instruction) -> str:
+    """A `while` loop as messages name it: `while.3 (jit(step)/while), line 120`."""
+    source = f" ({loop.op_name})" if loop.op_name else ""
+    return f"{loop.name}{source}, line {loop.line}"
 
 
 def _chain(instruction: Instruction) -> str | None:
@@ -1139,3 +1182,16 @@ def flops(module: Module) -> int:
     }
     counts = runs(module, lambda c: own[c.name])
     return sum(own[name] * n for name, n in counts.items() if name in own)
+
+
+def value_dependent_flops(module: Module) -> int:
+    """Of `flops`, those that run inside a `while` loop whose trip count depends on
+    values (`value_dependent`), once per trip of it: how many times they run per
+    step is not known."""
+    own = {
+        name: sum(_flops(module, i) for i in c.instructions)
+        for name, c in module.computations.items()
+    }
+    counts = runs(module, lambda c: own[c.name])
+    loops = value_dependent(module)
+    return sum(own[name] * n for name, n in counts.items() if name in own and name in loops)

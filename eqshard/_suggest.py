@@ -324,6 +324,11 @@ class Ranked(Sequence[Suggestion]):
             source = f"{HBM}, {limit}" if self.limit_from == HBM else f"{limit} (given)"
             bound = ", by XLA:CPU's own peak" if self.target is None else ""
             notes.append(f"max memory: {source} per device{bound}")
+        unknown = next(
+            (s.cost.unknown_text() for s in self.suggestions if s.cost and not s.cost.known), None
+        )
+        if unknown is not None:  # the same loops in every candidate: it is the step's
+            notes.append(f"estimates are per trip of a loop, not per step: {unknown}")
         best = self.best
         fitting = sum(s.fits and s.cost is not None for s in self.suggestions)
         if best is None:

@@ -153,3 +153,23 @@ def loss_named(model: Named, batch: Array) -> Array:
 
 def batch_named() -> Array:
     return jnp.ones((8, 8))
+
+
+def looped_loss(model: eqx.nn.MLP, batch: tuple[Array, Array]) -> Float[Array, ""]:
+    """The model's output summed until it is large or three times: a loop whose trip
+    count depends on values, as an adaptive solver's."""
+    x, y = batch
+
+    def go_on(carry):
+        i, h = carry
+        return (i < 3) & (jnp.mean(h**2) < 1e6)
+
+    def once(carry):
+        i, h = carry
+        return i + 1, h + jax.vmap(model)(x)
+
+    # differentiable, as diffrax's adaptive solvers loop: checkpointed, at most 3 trips
+    _, h = eqx.internal.while_loop(
+        go_on, once, (0, jnp.zeros_like(y)), max_steps=3, kind="checkpointed"
+    )
+    return jnp.mean((h - y) ** 2)

@@ -264,6 +264,13 @@ def _smallest(needed: Needed, counts: list[int], rtol: float | None, atol: float
 def _over_budget(n: int, over: list[dict[str, Any]]) -> list[str]:
     lines = []
     for o in over:
+        if "unknown" in o:
+            lines.append(
+                f"on {n} devices, the step's {o['kind']}s run in {'; '.join(o['unknown'])}, "
+                "whose trip count depends on values: what they move per step is not known, "
+                f"so the budget of {o['limit']:,} bytes cannot be met"
+            )
+            continue
         lines.append(
             f"on {n} devices, the step's {o['kind']}s move {o['bytes']:,} bytes per device, "
             f"over the budget of {o['limit']:,} ({o['count']} operations; the largest:)"
