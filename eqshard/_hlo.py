@@ -1078,8 +1078,10 @@ def _flops(module: Module, instruction: Instruction) -> int:
             * math.prod(lhs.dims[d] for d in contracted)
         )
     if opcode == "convolution":
+        lhs = _array(module.shape(instruction.operands[0], instruction), instruction)
         kernel = _array(module.shape(instruction.operands[1], instruction), instruction)
-        return _convolution_flops(_array(instruction.shape, instruction), kernel, instruction)
+        out = _array(instruction.shape, instruction)
+        return _convolution_flops(out, kernel, instruction, lhs)
     if opcode != "custom-call":
         return 0
     target = instruction.attributes.get("custom_call_target", "").strip('"')
@@ -1125,15 +1127,92 @@ def _json(instruction: Instruction) -> object:
         return None
 
 
-def _convolution_flops(out: Array, kernel: Array, instruction: Instruction) -> int:
-    """2 x output elements x kernel elements / output features: each output element
-    sums its window over the kernel's input features (padding included)."""
+def _convolution_flops(
+    out: Array, kernel: Array, instruction: Instruction, lhs: Array | None = None
+) -> int:
+    """2 per multiply-add: each output element sums its window over the kernel's
+    input features, counting only the taps that land on the input itself, as XLA's
+    own cost analysis does: not those on padding, nor on the holes an `lhs_dilate`
+    puts between input elements (XLA:TPU writes a batched `dot` as a convolution
+    whose window of `size=8x4 lhs_dilate=8x4` meets one input element in 32 taps).
+    Without a `window` (a cuDNN call), every tap: 2 x output elements x kernel
+    elements / output features."""
     labels = instruction.attributes.get("dim_labels", "")
-    kernel_labels = labels.partition("_")[2].partition("->")[0]
+    lhs_labels, _, rest = labels.partition("_")
+    kernel_labels, _, out_labels = rest.partition("->")
     if "o" not in kernel_labels or len(kernel_labels) != len(kernel.dims):
         raise _unreadable(instruction, f"its dim_labels `{labels}` do not label its kernel")
     features = kernel.dims[kernel_labels.index("o")]
-    return 2 * math.prod(out.dims) * math.prod(kernel.dims) // max(features, 1)
+    every = 2 * math.prod(out.dims) * math.prod(kernel.dims) // max(features, 1)
+    window = instruction.attributes.get("window")
+    if lhs is None or window is None:
+        return every
+    spatial = sorted(c for c in kernel_labels if c.isdigit())
+    if len(lhs_labels) != len(lhs.dims) or len(out_labels) != len(out.dims):
+        raise _unreadable(instruction, f"its dim_labels `{labels}` do not label its operands")
+    fields = _window(window, len(spatial), instruction)
+    taps = 1
+    for k, label in enumerate(spatial):
+        taps *= _real_taps(
+            lhs.dims[lhs_labels.index(label)],
+            out.dims[out_labels.index(label)],
+            kernel.dims[kernel_labels.index(label)],
+            {name: values[k] for name, values in fields.items()},
+        )
+    inputs = kernel.dims[kernel_labels.index("i")] if "i" in kernel_labels else 1
+    positions = math.prod(out.dims[out_labels.index(label)] for label in spatial)
+    return 2 * (math.prod(out.dims) // max(positions, 1)) * taps * inputs
+
+
+def _window(text: str, rank: int, instruction: Instruction) -> dict[str, list[Any]]:
+    """A convolution's `window={size=3x3 stride=2x2 pad=1_1x0_1 lhs_dilate=2x2 ...}`,
+    one value per spatial dim of each field (defaults where it is not written)."""
+    fields: dict[str, list[Any]] = {
+        "stride": [1] * rank,
+        "pad": [(0, 0)] * rank,
+        "lhs_dilate": [1] * rank,
+        "rhs_dilate": [1] * rank,
+    }
+    for item in text.strip().strip("{}").split():
+        name, _, value = item.partition("=")
+        parts = value.split("x")
+        if len(parts) != rank:
+            raise _unreadable(instruction, f"its window's `{item}` has not {rank} dims")
+        if name == "pad":
+            pads = [tuple(int(v) for v in part.split("_")) for part in parts]
+            fields["pad"] = [(lo, hi) for lo, hi in pads]
+        elif name in fields or name == "size":
+            fields[name] = [int(v) for v in parts]
+        elif name != "rhs_reversal":
+            raise _unreadable(instruction, f"its window has `{item}`, which eqshard does not read")
+    return fields
+
+
+def _real_taps(size: int, outputs: int, window: int, at: Mapping[str, Any]) -> int:
+    """Along one spatial dim: the (output position, window tap) pairs whose tap
+    lands on an input element, neither on padding nor between dilated elements.
+    Tap `j` of output `o` is at `o * stride + j * rhs_dilate - pad_low` of the
+    dilated input, whose elements sit at the multiples of `lhs_dilate` below
+    `(size - 1) * lhs_dilate + 1`; counted per tap in O(lhs_dilate)."""
+    stride, (low, _), dilate, spread = at["stride"], at["pad"], at["lhs_dilate"], at["rhs_dilate"]
+    last = (size - 1) * dilate  # the dilated input's last element
+    period = dilate // math.gcd(stride, dilate)  # outputs between two that meet an element
+    count = 0
+    for j in range(window):
+        offset = j * spread - low
+        first = max(0, -(offset // stride))  # ceil(-offset / stride), at least 0
+        final = min(outputs - 1, (last - offset) // stride)
+        hit = next(
+            (
+                o
+                for o in range(first, min(first + period, final + 1))
+                if (o * stride + offset) % dilate == 0
+            ),
+            None,
+        )
+        if hit is not None:
+            count += (final - hit) // period + 1
+    return count
 
 
 def _array(shape: Shape, where: Instruction) -> Array:
@@ -1171,7 +1250,8 @@ def _find(config: object, key: str) -> Any:
 def flops(module: Module) -> int:
     """The FLOPs of the matrix products one run of the module does on each device:
     `dot` (2 x result elements x contracted elements), `convolution` (2 x output
-    elements x kernel elements / output features) and cuBLAS and cuDNN calls, each
+    elements x the window's taps that meet the input, neither padding nor the holes
+    of a dilated input, x input features) and cuBLAS and cuDNN calls, each
     as many times as `runs` says it runs when computations are weighed by these
     FLOPs (a loop by its trip count, a `cond` or `switch` by its heaviest branch).
     Elementwise work is not counted (XLA's own analysis counts a FLOP per element
