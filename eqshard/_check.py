@@ -392,4 +392,5 @@ def _cost_entry(
         "fits": found.fits,
         "batch": found.batch,
         "unknown": found.unknown_text(),
+        "promoted": found.promoted,
     }

@@ -78,6 +78,7 @@ def cost_line(cost: Mapping[str, Any]) -> str:
         f"cost: {memory}, {peak} {human_bytes(cost['peak_lower_bound'])} per device; "
         f"{moved} {per}; estimate on {_chip(cost)}: {seconds_text(_estimate(cost))}"
         + ("" if not unknown else f" ({unknown})")
+        + ("" if not cost.get("promoted") else f" ({cost['promoted']})")
     )
 
 

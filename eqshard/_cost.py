@@ -254,6 +254,19 @@ class Cost:
     loop_flops: float = 0.0
 
     @property
+    def promoted(self) -> str | None:
+        """Where the parameters are 16-bit floats and XLA:CPU compiled the step, what
+        that means for its collectives: XLA:CPU moves them as float32 copies, up to
+        twice the bytes an accelerator's compiler moves (a `target` shows XLA:TPU's
+        own); else `None`."""
+        if self.target is not None or self.dtype not in ("bfloat16", "float16"):
+            return None
+        return (
+            f"XLA:CPU moves {self.dtype} collectives as float32 copies: up to twice the "
+            "bytes an accelerator moves (a TPU target shows its own)"
+        )
+
+    @property
     def known(self) -> bool:
         """Whether every figure is known: no loop's trip count depends on values."""
         return not self.loops

@@ -329,6 +329,9 @@ class Ranked(Sequence[Suggestion]):
         )
         if unknown is not None:  # the same loops in every candidate: it is the step's
             notes.append(f"estimates are per trip of a loop, not per step: {unknown}")
+        promoted = next((s.cost.promoted for s in self.suggestions if s.cost), None)
+        if promoted is not None:
+            notes.append(promoted)
         best = self.best
         fitting = sum(s.fits and s.cost is not None for s in self.suggestions)
         if best is None:

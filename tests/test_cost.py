@@ -292,3 +292,28 @@ def test_a_short_or_malformed_batch_is_refused_with_a_caret():
         _megatron_cost(BATCH, batch="b ... -> b0 ...")
     with pytest.raises(eqshard.ExpressionError, match=r"a batch's arrays have no annotation"):
         eqshard.Rules(batch=eqshard.parse("b*"))
+
+
+def test_bfloat16_collectives_on_xla_cpu_are_named_as_its_float32_copies():
+    """XLA:CPU moves a bfloat16 step's collectives as float32: twice XLA:TPU's bytes
+    for a data-parallel MLP; `promoted` says so on XLA:CPU, and only there."""
+    model = eqx.filter_eval_shape(
+        lambda: eqx.nn.MLP(64, 64, 256, 1, key=jax.random.key(0), dtype=jnp.bfloat16)
+    )
+    x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+
+    def step(m, x):
+        return eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2))(m)
+
+    spec = eqshard.load({"eqshard": 1, "mesh": [["data", "*"]], "default": "replicate"})
+    cpu = eqshard.cost(step, model, x, spec=spec)
+    gradients = (64 * 256 + 256 + 256 * 64 + 64) * 2  # bfloat16
+    assert cpu.bytes_by_axes() == {("all-reduce", ("data",)): 2 * gradients}
+    assert cpu.promoted == (
+        "XLA:CPU moves bfloat16 collectives as float32 copies: up to twice the bytes an "
+        "accelerator moves (a TPU target shows its own)"
+    )
+    pytest.importorskip("libtpu", reason="the TPU compiler comes with libtpu")
+    tpu = eqshard.cost(step, model, x, spec=spec, target="v5e:2x4")
+    assert tpu.bytes_by_axes() == {("all-reduce", ("data",)): gradients}
+    assert tpu.promoted is None
