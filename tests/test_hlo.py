@@ -619,6 +619,7 @@ def test_tpu_convolutions_count_the_taps_that_meet_the_input(f, shapes, hand):
     compiled = jax.jit(f).lower(*args).compile()
     costs = compiled.cost_analysis()
     costs = costs[0] if isinstance(costs, list) else costs
+    assert costs is not None
     flops = _hlo.flops(_hlo.parse(compiled.as_text() or ""))
     if hand is not None:
         assert flops == hand
