@@ -1,0 +1,201 @@
+"""The differential corpus: eqshard's figures against the compiler's own and hand
+counts, for real `eqx.nn` models under each strategy, on XLA:CPU and on XLA:TPU
+(`v5e:2x4`, through libtpu).
+
+For every cell: the FLOPs eqshard reads from the compiled program against XLA's own
+`cost_analysis()` (which also counts elementwise work, so it may be larger, by the
+optimizer's and the activations' few FLOPs per element); the peak against XLA's own
+`memory_analysis()`; the data-parallel gradient all-reduce and ZeRO-1's all-gather
+against hand counts of the parameters' bytes. `python tests/test_differential.py`
+prints the table the cost page shows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import eqshard
+
+OPTIMIZER = optax.adam(1e-3)
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+COMPILERS = [
+    None,
+    pytest.param("v5e:2x4", marks=pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu")),
+]
+
+
+def _mlp() -> Any:
+    return eqx.nn.MLP(64, 64, 256, 1, key=jax.random.key(0))
+
+
+def _mlp_loss(model: Any, x: Any) -> Any:
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def _attention() -> Any:
+    return eqx.nn.MultiheadAttention(4, 64, key=jax.random.key(0))
+
+
+def _attention_loss(model: Any, x: Any) -> Any:
+    return jnp.mean(jax.vmap(lambda s: model(s, s, s))(x) ** 2)
+
+
+def _conv() -> Any:
+    return eqx.nn.Conv2d(8, 16, 3, padding=1, key=jax.random.key(0))
+
+
+def _conv_loss(model: Any, x: Any) -> Any:
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+MODELS = {  # build, loss, the batch's shape
+    "MLP": (_mlp, _mlp_loss, (64, 64)),
+    "attention": (_attention, _attention_loss, (8, 32, 64)),
+    "convolution": (_conv, _conv_loss, (8, 8, 16, 16)),
+}
+
+# The matrix products of one step by hand, on each of 8 devices (the batch split
+# over 'data' in every strategy): forward, the weights' gradients, and the
+# gradients of the activations the weights need (not of the batch).
+HAND_FLOPS = {
+    # 64 rows: 64 -> 256 -> 64, forward and weight gradients; the hidden layer's
+    # gradient once
+    "MLP": (2 * (2 * 64 * 64 * 256 + 2 * 64 * 256 * 64) + 2 * 64 * 64 * 256) // 8,
+    # 8 x 32 tokens of 64, 4 heads of 16: four projections forward and their weights'
+    # gradients; scores and mix forward, and their four gradients; the output
+    # projection's input gradient
+    "attention": (
+        2 * 4 * 2 * 256 * 64 * 64
+        + 2 * 2 * 8 * 4 * 32 * 32 * 16
+        + 4 * 2 * 8 * 4 * 32 * 32 * 16
+        + 2 * 256 * 64 * 64
+    )
+    // 8,
+    # 3x3 over 16x16 padded by 1: 46 taps meet the input along each dim (48 less the
+    # two on padding); forward and the kernel's gradient, 8 input channels to 16
+    "convolution": 2 * (2 * 8 * 16 * 46 * 46 * 8) // 8,
+}
+STRATEGIES = {
+    "data parallel": {"mesh": [["data", "*"]], "default": "replicate"},
+    "FSDP": {"mesh": [["data", "*"]], "default": "fsdp"},
+    "ZeRO-1": {"mesh": [["data", "*"]], "default": "replicate", "optimizer": {"default": "fsdp"}},
+}
+
+
+def _step(loss: Any) -> Any:
+    def step(model: Any, opt_state: Any, x: Any) -> Any:
+        value, grads = eqx.filter_value_and_grad(loss)(model, x)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    return step
+
+
+def _cell(model_name: str, strategy: str, target: str | None) -> dict[str, Any]:
+    """One cell: eqshard's figures and the compiler's, side by side."""
+    build, loss, shape = MODELS[model_name]
+    model = eqx.filter_eval_shape(build)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(OPTIMIZER.init, params)
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    rules = eqshard.load({"eqshard": 1, **STRATEGIES[strategy]})
+    step = _step(loss)
+    c = eqshard.cost(step, model, opt_state, x, spec=rules, target=target, devices=None)
+    # the same program, compiled here, for the compiler's own figures
+    if target is None:
+        p = eqshard.plan(model, rules)
+    else:
+        from eqshard._targets import compile_target
+
+        p = eqshard.plan(model, rules, devices=compile_target(target).devices)
+    with eqshard.use(p):
+        compiled = eqshard.jit(step).lower(model, opt_state, x).compile()
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, list) else costs
+    assert costs is not None
+    parameter_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    split = sum(
+        x.size * x.dtype.itemsize
+        for x, s in zip(jax.tree_util.tree_leaves(model), p.optimizer.flat_shardings)
+        if s is not None and not s.is_fully_replicated
+    )
+    matrices = sum(
+        x.size * x.dtype.itemsize
+        for x, s in zip(jax.tree_util.tree_leaves(model), p.optimizer.flat_shardings)
+        if s is not None and not s.is_fully_replicated and sum(d > 1 for d in x.shape) >= 2
+    )
+    return {
+        "split_matrices": matrices,
+        "cost": c,
+        "xla_flops": float(costs["flops"]),
+        "xla_peak": compiled.memory_analysis().peak_memory_in_bytes,
+        "parameter_bytes": parameter_bytes,
+        "split_bytes": split,
+    }
+
+
+@pytest.mark.parametrize("target", COMPILERS)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_each_cell_agrees_with_the_compiler_and_the_hand_count(model_name, strategy, target):
+    cell = _cell(model_name, strategy, target)
+    c = cell["cost"]
+    assert c.known
+    # FLOPs: the matrix products of the program, at most what XLA counts (it adds
+    # the elementwise work: Adam's update, the activations'); XLA:CPU runs the hand
+    # count, XLA:TPU may run more (a convolution of few channels on padding it
+    # writes out: 1.57x for this one)
+    assert 0 < c.flops <= cell["xla_flops"]
+    if target is None:
+        assert c.flops == HAND_FLOPS[model_name]
+    else:
+        assert HAND_FLOPS[model_name] <= c.flops <= 1.6 * HAND_FLOPS[model_name]
+    # memory: the compiler's own peak
+    assert c.memory.peak == cell["xla_peak"]
+    moved = c.bytes_by_axes()
+    if strategy == "data parallel":  # every gradient summed over 'data', and the loss
+        summed = sum(
+            n for (kind, _), n in moved.items() if kind in ("all-reduce", "reduce-scatter")
+        )
+        assert cell["parameter_bytes"] <= summed <= cell["parameter_bytes"] + 16
+        assert not [k for k in moved if k[0] == "all-gather"]
+    if strategy == "ZeRO-1":  # each updated parameter gathered whole from its parts
+        gathered = moved.get(("all-gather", ("data",)), 0)
+        if target is None:
+            assert gathered == cell["split_bytes"] > 0
+        else:  # XLA:TPU may update a small vector whole on every device instead
+            assert cell["split_matrices"] <= gathered <= cell["split_bytes"]
+
+
+def _table() -> str:
+    """The corpus as the cost page shows it, from one run."""
+    rows = [
+        "| model | strategy | compiler | FLOPs (eqshard) | FLOPs (XLA) | peak = XLA's | all-reduce | all-gather |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model_name in MODELS:
+        for strategy in STRATEGIES:
+            for target in (None, "v5e:2x4") if HAS_LIBTPU else (None,):
+                cell = _cell(model_name, strategy, target)
+                c = cell["cost"]
+                kinds = {}
+                for (kind, _), n in c.bytes_by_axes().items():
+                    kinds[kind] = kinds.get(kind, 0) + n
+                rows.append(
+                    f"| {model_name} | {strategy} | {'XLA:CPU' if target is None else 'XLA:TPU ' + target} "
+                    f"| {c.flops:,.0f} | {cell['xla_flops']:,.0f} | {c.memory.peak:,} "
+                    f"| {kinds.get('all-reduce', 0):,} | {kinds.get('all-gather', 0):,} |"
+                )
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
+    print(_table())
