@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._derive import plan_for
+from ._derive import plan_for, unmatched_copies
 from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, is_array_like
-from ._plan import Spec, Unspecified
+from ._init import traced_closures
+from ._plan import Plan, Spec, Unspecified
 from ._sharding import AnyMesh, Devices, local_devices, on_devices
 from ._values import narrowed
 
@@ -237,7 +238,8 @@ def restore(
 
     `eqshard.SpecError` when the spec does not lay out `like`; `eqshard.EqshardError`
     naming the leaf when the file does not match `like` (shape, dtype, or count of
-    leaves), when it holds a 64-bit array and JAX runs with 32-bit types, when a
+    leaves), when `like` holds a closure over a traced array (from
+    `eqx.filter_eval_shape`: restore into a concrete `like`), when it holds a 64-bit array and JAX runs with 32-bit types, when a
     leaf cannot be read (with the cause), when `like` holds typed PRNG keys, which
     Equinox cannot serialise, or when the mesh is a `jax.sharding.AbstractMesh`.
 
@@ -251,10 +253,20 @@ def restore(
         devices=local_devices(devices, "`eqshard.restore`"),
         unspecified=unspecified,
     )
-    if planned.problems:
-        raise SpecError(planned.problems)
+    # never a silent copy where the plan splits: a copy of another model is refused
+    unmatched = unmatched_copies(like, spec) if isinstance(spec, Plan) else []
+    if planned.problems or unmatched:
+        raise SpecError(planned.problems + unmatched)
     p = planned.plan
     on_devices(p.mesh, "`eqshard.restore`", p.devices)
+    dead = traced_closures(like)
+    if dead:
+        raise EqshardError(
+            f"{', '.join(dict.fromkeys(dead))}: `like` holds a closure over an array that "
+            "`eqx.filter_eval_shape` traced (a tracer, dead outside it), and the file does not "
+            "hold that array; restore into a concrete `like` (`eqshard.init(factory, plan)` "
+            "builds one in its shards), or keep the array in a field of the module"
+        )
     resolved = p.resolved
     specs, targets = [], []
     for i, (leaf, sharding) in enumerate(zip(resolved.leaves, p.flat_shardings)):

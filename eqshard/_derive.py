@@ -27,6 +27,15 @@ root itself, and one reached through tuples, lists, dicts, dataclasses and
 training state of one's own holds the model in anything but a `NamedTuple`.
 Gradients are model-shaped at the root: `constrain(grads, plan.optimizer)` gives
 them the optimizer state's layouts (ZeRO-2).
+
+**Builds of one model.** Structures are compared up to the markers of
+`eqx.nn.StateIndex`es: each index gets a new one whenever it is constructed (a KV
+cache built without `eqx.nn.make_with_state`), so two builds of one model (two calls
+of its constructor, or `eqx.filter_eval_shape` of it and a concrete call) differ in
+nothing else. Each index's marker is read as its place in the tree compared, and each
+`eqx.nn.State`'s keys as the places of their indexes; so a plan made from one build
+lays out every other, and the states that go with them, while trees whose indexes
+are shared differently, or whose states hold other indexes, still differ.
 """
 
 from __future__ import annotations
@@ -50,7 +59,13 @@ from ._errors import (
     unused_message,
 )
 from ._expression import Expression
-from ._fields import is_array_like, is_stateful_pair, state_leaf_names, state_markers
+from ._fields import (
+    is_array_like,
+    is_stateful_pair,
+    leaf_name,
+    state_leaf_names,
+    state_markers,
+)
 from ._paths import match
 from ._plan import Plan, Planned, Unspecified, make_plan
 from ._resolve import Resolved, abstract_leaves
@@ -58,12 +73,13 @@ from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device
 from ._specfile import Rules
 
-__all__ = ["REPLICATED", "plan_for"]
+__all__ = ["REPLICATED", "plan_for", "unmatched_copies"]
 
 REPLICATED = "replicated: no parameter here"
 """The origin of a leaf that sits in no subtree shaped like the plan's model."""
 
 _flatten_one = jax.tree_util.default_registry.flatten_one_level
+_flatten_with_keys = jax.tree_util.default_registry.flatten_one_level_with_keys
 
 
 def _masked_node_type() -> type | None:
@@ -77,10 +93,57 @@ def _is_hole(x: Any) -> bool:
     return x is None or type(x) is _masked_node_type()
 
 
+def _is_marked(x: Any) -> bool:
+    return isinstance(x, (eqx.nn.StateIndex, eqx.nn.State))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """A `StateIndex`'s marker as structures are compared: the key path, in the tree
+    compared, of the first index that holds it (see the module's notes)."""
+
+    path: tuple[Any, ...]
+
+
+def _unmarked(tree: Any) -> Any:
+    """`tree` with each `eqx.nn.StateIndex`'s marker replaced by its `_Place` in
+    `tree`, and each key of an `eqx.nn.State` that is the marker of an index in
+    `tree` by that index's `_Place` (a key of no index here is kept); `tree` itself
+    where it holds no index. Two builds of one model are equal in this form, and two
+    trees that differ in anything but markers are not."""
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_marked)[0]
+    places: dict[Any, _Place] = {}
+    for path, x in found:
+        if isinstance(x, eqx.nn.StateIndex):
+            places.setdefault(x.marker, _Place(tuple(path)))
+    if not places:
+        return tree
+
+    def rename(x: Any) -> Any:
+        if isinstance(x, eqx.nn.StateIndex):
+            renamed = object.__new__(eqx.nn.StateIndex)
+            object.__setattr__(renamed, "marker", places[x.marker])
+            object.__setattr__(renamed, "init", x.init)
+            return renamed
+        if isinstance(x, eqx.nn.State):
+            values, markers = x.tree_flatten()
+            keys = tuple(places.get(m, m) for m in markers)
+            return eqx.nn.State.tree_unflatten(keys, values)
+        return x
+
+    return jax.tree_util.tree_map(rename, tree, is_leaf=_is_marked)
+
+
+def _holds_markers(tree: Any) -> bool:
+    """Whether `tree` holds an `eqx.nn.StateIndex` or an `eqx.nn.State`."""
+    return any(_is_marked(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_marked))
+
+
 class _Model:
     """A part of the plan's model, as a template to match subtrees against: the
     whole model, or in a `(model, state)` plan each of the two; `offset` is the
-    index of its first leaf among the plan's."""
+    index of its first leaf among the plan's. Where it holds `StateIndex`es, a
+    subtree with other markers is matched in the `_unmarked` form of both."""
 
     def __init__(self, tree: Any, offset: int = 0) -> None:
         self.tree, self.offset = tree, offset
@@ -90,6 +153,10 @@ class _Model:
         flat, self.with_holes = jax.tree_util.tree_flatten(tree, is_leaf=_is_hole)
         count = iter(range(offset, offset + len(flat)))
         self.index_with_holes = [None if _is_hole(leaf) else next(count) for leaf in flat]
+        self.unmarked: Any = None
+        if self.root is not None and _holds_markers(tree):
+            self.unmarked = _unmarked(tree)
+            self.unmarked_with_holes = jax.tree_util.tree_structure(self.unmarked, is_leaf=_is_hole)
 
     def match(self, node: Any) -> list[int | None] | None:
         """The plan's index of each leaf of `node` (`None` where the model has no
@@ -101,9 +168,15 @@ class _Model:
         flat, structure = jax.tree_util.tree_flatten(node, is_leaf=_is_hole)
         if structure == self.with_holes:
             return [j for leaf, j in zip(flat, self.index_with_holes) if not _is_hole(leaf)]
+        model = self.tree
+        if self.unmarked is not None:  # another build of the model
+            node, model = _unmarked(node), self.unmarked
+            flat, structure = jax.tree_util.tree_flatten(node, is_leaf=_is_hole)
+            if structure == self.unmarked_with_holes:
+                return [j for leaf, j in zip(flat, self.index_with_holes) if not _is_hole(leaf)]
         out: list[int | None] = []
         indices = iter(range(self.offset, 1 << 62))
-        return out if _match(node, self.tree, indices, out) else None
+        return out if _match(node, model, indices, out) else None
 
 
 def _templates(given: Plan) -> list[_Model]:
@@ -193,6 +266,113 @@ def _correspondence(tree: Any, templates: list[_Model]) -> _Correspondence:
     return _Correspondence(out, inside, states)
 
 
+def unmatched_copies(tree: Any, given: Plan) -> list[Problem]:
+    """A problem for each subtree of `tree` that is an instance of the plan's model's
+    class, where that is a class of its own (not a tuple, list, dict or
+    `eqx.nn.State`), and does not have the model's structure: a copy of another
+    model, whose leaves the module's rule replicates, where the plan may split them.
+    Each names the subtree, the first place it differs from the model, and the fix.
+    `restore` refuses these rather than replicate an optimizer state in silence."""
+    templates = _templates(given)
+    roots = {
+        t.root
+        for t in templates
+        if t.root is not None
+        and not issubclass(t.root, (tuple, list, dict))
+        and t.root is not eqx.nn.State
+    }
+    if not roots:
+        return []
+    problems: list[Problem] = []
+
+    def visit(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, eqx.nn.State) or any(t.match(node) is not None for t in templates):
+            return
+        if type(node) in roots:
+            template = next(t for t in templates if t.root is type(node))
+            model = template.tree if template.unmarked is None else template.unmarked
+            where, why = _difference(_unmarked(node), model, ()) or ((), "its structure")
+            at = "" if not where else f" at {leaf_name(where)}"
+            problems.append(
+                Problem(
+                    leaf_name(path),
+                    f"a {type(node).__name__} that is not shaped like the plan's model "
+                    f"({why}{at}), so its leaves would be replicated where the plan splits "
+                    "the model's; build it as the model the plan was made from (any build "
+                    "of it will do), or make the plan from this model",
+                )
+            )
+            return
+        children = _flatten_with_keys(node)
+        if children is None:
+            return
+        names = getattr(type(node), "_fields", None) if isinstance(node, tuple) else None
+        for k, (key, child) in enumerate(children[0]):
+            # a NamedTuple's fields by their names (some JAX releases key them all alike)
+            visit(child, (*path, jax.tree_util.GetAttrKey(names[k]) if names else key))
+
+    visit(tree, ())
+    return problems
+
+
+def _difference(node: Any, model: Any, path: tuple[Any, ...]) -> tuple[tuple[Any, ...], str] | None:
+    """The first place where `node` does not have the structure of `model`, holes
+    allowed (as `_match` compares them), and what differs there; `None` where nothing
+    does."""
+    if _is_hole(node):
+        return None
+    below = _flatten_with_keys(model)
+    children = _flatten_with_keys(node)
+    if below is None:
+        if children is not None and children[0]:
+            return path, f"a {type(node).__name__} where the model has a leaf"
+        return None
+    if not jax.tree_util.tree_leaves(model):  # no leaf of the model here: anything goes
+        return None
+    if children is None:
+        return path, f"a leaf where the model has a {type(model).__name__}"
+    if type(node) is not type(model):
+        return path, f"a {type(node).__name__} where the model has a {type(model).__name__}"
+    keys = [key for key, _ in children[0]]
+    model_keys = [key for key, _ in below[0]]
+    if keys != model_keys:
+        return path, f"children {_keys(keys)} where the model has {_keys(model_keys)}"
+    if children[1] != below[1]:
+        return path, _static_difference(node, model)
+    for (key, child), (_, part) in zip(children[0], below[0]):
+        found = _difference(child, part, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+def _static_difference(node: Any, model: Any) -> str:
+    """What differs between two nodes of one class with the same children: a static
+    field of a dataclass (`eqx.Module`), named with both values, else the node's data."""
+    if isinstance(node, eqx.nn.StateIndex):  # markers compared as `_Place`s
+        return "a StateIndex shared with another place where the model's is not, or not shared"
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            ours, theirs = getattr(node, f.name, None), getattr(model, f.name, None)
+            try:
+                same = bool(ours == theirs)
+            except Exception:  # an array, or an `==` that will not say
+                same = ours is theirs
+            if f.metadata.get("static") and not same:
+                return f"its static field {f.name} is {_short(ours)}, the model's {_short(theirs)}"
+    return "node data other than the model's"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _keys(keys: list[Any]) -> str:
+    shown = ", ".join(leaf_name((key,)) for key in keys[:6])
+    return f"[{shown}{', ...' * (len(keys) > 6)}]"
+
+
 def _described(model: Any) -> str:
     """`a GPT of 42 leaves`, or `one array`, for messages."""
     if _flatten_one(model) is None:
@@ -204,11 +384,17 @@ def _described(model: Any) -> str:
 def _same_structure(tree: Any, given: Plan) -> Planned | None:
     """`None` when `tree` is not shaped like the plan's model. Else the plan, with a
     problem for each leaf whose shape differs from the model's; where dtypes differ
-    (the model cast to bfloat16 since), the plan's shardings with `tree`'s own dtypes,
-    so that `abstract` and `restore` target what the tree holds."""
+    (the model cast to bfloat16 since), or `tree` is another build of the model (its
+    `StateIndex` markers differ), the plan's shardings with `tree`'s own leaves and
+    structure, so that `abstract`, `init` and `restore` give back what the tree holds."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     resolved = given.resolved
-    if treedef != resolved.treedef:
+    rebuilt = treedef != resolved.treedef  # another build: other markers
+    if rebuilt and not (
+        _holds_markers(resolved.model)
+        and jax.tree_util.tree_structure(_unmarked(tree))
+        == jax.tree_util.tree_structure(_unmarked(resolved.model))
+    ):
         return None
     problems = []
     retyped = False
@@ -225,10 +411,15 @@ def _same_structure(tree: Any, given: Plan) -> Planned | None:
             )
         elif getattr(new, "dtype", None) != old.dtype or _weak(new) != _weak(old):
             retyped = True
-    if not retyped:
+    if not (rebuilt or retyped):
         return Planned(given, problems, [], len(leaves))
     own = dataclasses.replace(
-        resolved, model=tree, leaves=leaves, _fields=None, failed=set(resolved.failed)
+        resolved,
+        model=tree,
+        leaves=leaves,
+        treedef=treedef,
+        _fields=None,
+        failed=set(resolved.failed),
     )
     own.forget_values()
     return Planned(dataclasses.replace(given, resolved=own), problems, [], len(leaves))

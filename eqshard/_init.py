@@ -8,14 +8,22 @@ each device computes and holds only its shards, and XLA drops the rest of the
 factory as dead code. Each group is lowered with threefry unrolled on CPU
 (`_rng_lowering`), so its program holds no random-number temporaries: JAX's rolled
 CPU lowering keeps about 3x every random leaf's shard alive, and one `jit` for the
-whole model then peaks at about 2.3 times the model's bytes. Non-array leaves
-(functions, Python floats such as `Dropout.p`, static fields) never pass through
-`jit`, so they come back exactly as the factory makes them.
+whole model then peaks at about 2.3 times the model's bytes; a group whose leaves
+need a matrix product, a reduction or another op whose rounding depends on fusion
+is lowered as JAX lowers it, as the recipe is, so its values are the recipe's.
+Non-array leaves (functions, Python floats such as `Dropout.p`, static fields)
+never pass through `jit`, so they come back exactly as the factory makes them;
+the arrays that closures capture, which the abstract build leaves as dead tracers,
+are built by one more `jit` (replicated), or are the model's own leaves.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib
 import math
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -25,7 +33,7 @@ import numpy as np
 
 from ._derive import plan_for
 from ._errors import EqshardError, Problem, SpecError
-from ._fields import FROM_FIELDS
+from ._fields import FROM_FIELDS, leaf_name
 from ._plan import Plan, Spec, Unspecified
 from ._rng_lowering import unrolled_threefry
 from ._sharding import AnyMesh, Devices, local_devices, on_devices
@@ -90,11 +98,16 @@ def init(
     **Returns:**
 
     The model, its array leaves placed as the spec says, every other leaf exactly as
-    `factory` makes it. The array leaves are, bit for bit, what the usual recipe
+    `factory` makes it, except that an array a closure (or another non-array leaf)
+    captures is concrete: the model's own leaf where it is one, else built replicated.
+    The array leaves are, bit for bit, what the usual recipe
     computes: `factory`'s arrays built by one `jax.jit` with the plan's shardings as
     `out_shardings` (building in groups, and the unrolled random-number hash, change
-    no bit on JAX 0.10; on JAX 0.8 and 0.12, XLA may sum draws in another order
-    there, so a sum of draws may differ in the last bits). `jax.random`'s bits are the same on every split and in an eager build
+    no bit on JAX 0.10; a group whose leaves need a matrix product, a reduction, a
+    cumulative op, a sort or a linear solve, such as `eqx.nn.SpectralNorm`'s state,
+    is lowered as the recipe is; on JAX 0.8 and 0.12, XLA may sum draws in another
+    order in the others, so a sum of draws may differ in the last bits there).
+    `jax.random`'s bits are the same on every split and in an eager build
     (JAX's partitionable threefry). Float maths is compiled by XLA, so it may differ
     in the last bit from an eager `factory()`, which rounds each operation on its
     own (`jax.random.normal(key, shape) * 0.02` does, and so can the scaling inside
@@ -152,7 +165,177 @@ def init(
     for group in _groups(leaves):
         for i, array in zip(group, _compiled(factory, plan, group)()):
             leaves[i] = array
-    return jax.tree_util.tree_unflatten(plan.resolved.treedef, leaves)
+    model = jax.tree_util.tree_unflatten(plan.resolved.treedef, leaves)
+    holders = traced_closures(model)
+    if holders:
+        values = iter(_closed_over(factory, plan, leaves, holders))
+        _Captured(lambda _: next(values)).walk(model)
+    return model
+
+
+class _Captured:
+    """Walks a model's objects, its closures included, to the arrays they capture.
+
+    It goes into lists, tuples, dicts, `eqx.Module`s and other objects' attributes,
+    static fields included, and into functions (their closure cells and defaults),
+    `functools.partial`s and bound methods, and calls `visit` on every tracer it meets,
+    once each, in an order that depends only on the model's structure. Where `visit`
+    returns another value, it puts that value in the tracer's place (mutable holders
+    in place; tuples, partials and bound methods rebuilt). `where` names the leaf (its
+    key path) holding each tracer.
+    """
+
+    def __init__(self, visit: Callable[[Any], Any]) -> None:
+        self.visit = visit
+        self.where: list[str] = []
+        self._memo: dict[int, tuple[Any, Any]] = {}
+
+    def walk(self, tree: Any) -> Any:
+        return self._one(tree, (), True)
+
+    def _one(self, x: Any, path: tuple[Any, ...], named: bool) -> Any:
+        seen = self._memo.get(id(x))
+        if seen is not None:
+            return seen[1]
+        self._memo[id(x)] = (x, x)  # a cycle meets `x` as it is
+        new = self._into(x, path, named)
+        self._memo[id(x)] = (x, new)
+        return new
+
+    def _into(self, x: Any, path: tuple[Any, ...], named: bool) -> Any:
+        keys = jax.tree_util
+        if isinstance(x, _TRACER):
+            self.where.append(leaf_name(path))
+            return self.visit(x)
+        if x is None or isinstance(x, _ATOMIC):
+            return x
+        if isinstance(x, list):
+            for i, item in enumerate(x):
+                x[i] = self._one(item, (*path, keys.SequenceKey(i)) if named else path, named)
+            return x
+        if isinstance(x, tuple):
+            items = [
+                self._one(item, (*path, keys.SequenceKey(i)) if named else path, named)
+                for i, item in enumerate(x)
+            ]
+            if all(a is b for a, b in zip(items, x)):
+                return x
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        if isinstance(x, dict):
+            for k in list(x):
+                x[k] = self._one(x[k], (*path, keys.DictKey(k)) if named else path, named)
+            return x
+        if isinstance(x, types.FunctionType):
+            for cell in x.__closure__ or ():
+                try:
+                    held = cell.cell_contents
+                except ValueError:  # a cell not yet filled
+                    continue
+                new = self._one(held, path, False)
+                if new is not held:
+                    cell.cell_contents = new
+            if x.__defaults__:
+                x.__defaults__ = self._one(x.__defaults__, path, False)
+            if x.__kwdefaults__:
+                self._one(x.__kwdefaults__, path, False)
+            return x
+        if isinstance(x, functools.partial):
+            func = self._one(x.func, path, False)
+            args = self._one(x.args, path, False)
+            self._one(x.keywords, path, False)
+            if func is not x.func or args is not x.args:
+                x.__setstate__((func, args, x.keywords, vars(x) or None))  # pyright: ignore[reportAttributeAccessIssue]
+            return x
+        if isinstance(x, types.MethodType):
+            func, owner = self._one(x.__func__, path, False), self._one(x.__self__, path, False)
+            if func is x.__func__ and owner is x.__self__:
+                return x
+            return types.MethodType(func, owner)
+        attributes = getattr(x, "__dict__", None)
+        if isinstance(attributes, dict):
+            module = named and isinstance(x, eqx.Module)
+            names = [f.name for f in dataclasses.fields(x)] if module else list(attributes)
+            for k in names:
+                if k in attributes:
+                    held = attributes[k]
+                    where = (*path, keys.GetAttrKey(k)) if module else path
+                    new = self._one(held, where, module)
+                    if new is not held:
+                        attributes[k] = new
+        return x
+
+
+_TRACER = importlib.import_module("jax._src.core").Tracer
+_ATOMIC = (
+    jax.ShapeDtypeStruct,
+    jax.Array,
+    np.ndarray,
+    np.generic,
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    type,
+    types.ModuleType,
+    types.BuiltinFunctionType,
+    types.CodeType,
+)
+
+
+def traced_closures(tree: Any) -> list[str]:
+    """The leaves of `tree` (by key path) that hold a tracer: a closure, or another
+    non-array leaf, over an array that `eqx.filter_eval_shape` or `jit` traced, and
+    that is dead outside it. A leaf is named once for each tracer it holds."""
+    walk = _Captured(lambda tracer: tracer)
+    walk.walk(tree)
+    return walk.where
+
+
+def _closed_over(
+    factory: Callable[[], Any], plan: Plan, leaves: list[Any], holders: list[str]
+) -> list[Any]:
+    """The arrays the model's closures capture, concrete, in `_Captured`'s order.
+
+    `factory` is traced once more, by a `jit` whose outputs are the tracers its
+    closures hold, replicated: a closure over one of the model's own array leaves gets
+    that leaf, as `init` built it (the same array, as in an eager build), and
+    nothing is computed twice.
+    """
+    sources: list[tuple[bool, int]] = []
+
+    def captured() -> list[Any]:
+        model = factory()
+        index = {id(leaf): i for i, leaf in enumerate(jax.tree_util.tree_leaves(model))}
+        found: list[Any] = []
+        _Captured(lambda tracer: found.append(tracer) or tracer).walk(
+            eqx.filter(model, eqx.is_array, inverse=True)
+        )
+        sources.clear()
+        outputs = []
+        for tracer in found:
+            if id(tracer) in index:
+                sources.append((True, index[id(tracer)]))
+            else:
+                sources.append((False, len(outputs)))
+                outputs.append(tracer)
+        return outputs
+
+    try:
+        outputs = jax.jit(captured, out_shardings=plan.replicated())()
+    except Exception as error:
+        raise EqshardError(
+            f"{', '.join(dict.fromkeys(holders))}: `eqshard.init` builds the arrays this "
+            f"closure captures with `jit`, and that raised {type(error).__name__}: {error}; "
+            "keep the array in a field of the module instead of a closure"
+        ) from error
+    if len(sources) != len(holders):
+        raise EqshardError(
+            f"{', '.join(dict.fromkeys(holders))}: this closure captures {len(holders)} "
+            f"traced arrays when `factory` is traced abstractly, and {len(sources)} under "
+            "`jit`; `factory` must build the same model each time it is called"
+        )
+    return [leaves[i] if leaf else outputs[i] for leaf, i in sources]
 
 
 _GROUP_BYTES = 1 << 27
@@ -198,6 +381,59 @@ def _initializer(factory: Callable[[], Any], plan: Plan, group: list[int]) -> An
 
 
 def _compiled(factory: Callable[[], Any], plan: Plan, group: list[int]) -> Any:
-    """`_initializer` compiled, its random numbers lowered without temporaries."""
+    """`_initializer` compiled, its random numbers lowered without temporaries, unless
+    the group's leaves are computed with maths whose rounding depends on fusion.
+
+    A group whose leaves (the part of `factory` they need) hold a matrix product, a
+    convolution, a reduction, a cumulative op, a sort or a linear solve is lowered as
+    JAX lowers it, as the recipe is: with the hash unrolled, XLA fuses the draws into
+    such ops and may sum in another order (`eqx.nn.SpectralNorm`'s power iterations
+    over its weight's draw differ by 6e-8). Its random numbers keep their temporaries.
+    """
+    traced = _initializer(factory, plan, group).trace()
+    if _reorders(traced.jaxpr):
+        return traced.lower().compile()
     with unrolled_threefry():
-        return _initializer(factory, plan, group).lower().compile()
+        return traced.lower().compile()
+
+
+_REORDERING = {
+    "dot_general",
+    "conv_general_dilated",
+    "ragged_dot",
+    "ragged_dot_general",
+    "sort",
+    "fft",
+    "cholesky",
+    "lu",
+    "qr",
+    "svd",
+    "eig",
+    "eigh",
+    "triangular_solve",
+    "tridiagonal_solve",
+}
+
+
+def _reorders(closed: Any) -> bool:
+    """Whether the part of `closed` its outputs need holds an op whose float
+    arithmetic XLA may order otherwise when a draw is fused into it. Errs towards
+    yes: where JAX's private jaxpr tools are not there, every group is lowered as
+    JAX lowers it (more memory, the same values)."""
+    try:
+        pe = importlib.import_module("jax._src.interpreters.partial_eval")
+        core = importlib.import_module("jax._src.core")
+        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+        subjaxprs = core.subjaxprs
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return True
+
+    def any_in(jaxpr: Any) -> bool:
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            prefixed = name.startswith(("reduce_", "cum", "arg"))
+            if name in _REORDERING or (prefixed and name != "reduce_precision"):
+                return True
+        return any(any_in(sub) for sub in subjaxprs(jaxpr))
+
+    return any_in(jaxpr)

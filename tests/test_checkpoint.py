@@ -339,3 +339,55 @@ def test_a_model_cast_since_its_plan_keeps_its_own_dtypes(tmp_path):
     restored = eqshard.restore(tmp_path / "half.eqx", eqx.filter_eval_shape(lambda: half), plan)
     _assert_identical(restored, half)
     _assert_in_shards(restored, plan.abstract)
+
+
+class _Cached(eqx.Module):
+    """A KV cache made without `eqx.nn.make_with_state`: its marker is new at each build."""
+
+    mlp: eqx.nn.MLP
+    cache: eqx.nn.StateIndex
+
+    def __init__(self):
+        self.mlp = _build()
+        self.cache = eqx.nn.StateIndex(jnp.zeros((4, 16)))
+
+
+def _cached_state(build):
+    return build(), _optimizer().init(eqx.filter(build(), eqx.is_array))  # two builds
+
+
+@pytest.mark.parametrize("plan_from", ["like's model", "another build"])
+def test_restore_lays_out_the_moments_of_another_build(tmp_path, plan_from):
+    from state_oracle import blocks
+
+    model = _Cached()
+    plan = eqshard.plan(model, RULES)
+    model = eqshard.apply(model, plan)
+    opt_state = eqshard.apply(_optimizer().init(eqx.filter(model, eqx.is_array)), plan)
+    eqx.tree_serialise_leaves(tmp_path / "state.eqx", (model, opt_state))
+    like = eqx.filter_eval_shape(_cached_state, _Cached)
+    if plan_from == "like's model":
+        plan = eqshard.plan(like[0], RULES)
+    restored = eqshard.restore(tmp_path / "state.eqx", like, plan)
+    _assert_identical(restored, (model, opt_state))
+    planned = [s for s in plan.flat_shardings if s is not None]
+    assert sum(not s.is_fully_replicated for s in planned) == 3
+    for part in (restored[0], restored[1][0].mu, restored[1][0].nu):
+        arrays = [x for x in jax.tree_util.tree_leaves(part) if eqx.is_array(x)]
+        assert len(arrays) == len(planned)
+        for leaf, sharding in zip(arrays, planned):  # device by device, not a full copy
+            assert blocks(leaf.sharding, leaf.shape) == blocks(sharding, leaf.shape)
+
+
+def test_restore_refuses_the_optimizer_state_of_another_model(tmp_path):
+    deeper = lambda: eqx.nn.MLP(16, 16, 64, 2, key=jax.random.key(0))  # noqa: E731
+    saved = (_build(), _optimizer().init(eqx.filter(deeper(), eqx.is_array)))
+    eqx.tree_serialise_leaves(tmp_path / "state.eqx", saved)
+    like = eqx.filter_eval_shape(lambda: saved)
+    with pytest.raises(
+        eqshard.SpecError,
+        match=r"1\.0\.mu, 1\.0\.nu: a MLP that is not shaped like the plan's model \(its static "
+        r"field depth is 2, the model's 1\), so its leaves would be replicated where the plan "
+        r"splits the model's; build it as the model the plan was made from",
+    ):
+        eqshard.restore(tmp_path / "state.eqx", like, eqshard.plan(like[0], RULES))
