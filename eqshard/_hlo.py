@@ -1077,6 +1077,13 @@ def _flops(module: Module, instruction: Instruction) -> int:
             * math.prod(_array(instruction.shape, instruction).dims)
             * math.prod(lhs.dims[d] for d in contracted)
         )
+    if opcode == "reduce" and instruction.op_name.rsplit("/", 1)[-1] == "dot_general":
+        # a matrix product XLA rewrote as a multiply and a sum (XLA:TPU's
+        # `multiply_reduce_fusion` of a matrix-vector product): 2 per product summed
+        summed = module.shape(instruction.operands[0], instruction)
+        if isinstance(summed, Array):
+            return 2 * math.prod(summed.dims)
+        raise _unreadable(instruction, "a matrix product's sum over a tuple of arrays")
     if opcode == "convolution":
         lhs = _array(module.shape(instruction.operands[0], instruction), instruction)
         kernel = _array(module.shape(instruction.operands[1], instruction), instruction)
@@ -1249,7 +1256,9 @@ def _find(config: object, key: str) -> Any:
 
 def flops(module: Module) -> int:
     """The FLOPs of the matrix products one run of the module does on each device:
-    `dot` (2 x result elements x contracted elements), `convolution` (2 x output
+    `dot` (2 x result elements x contracted elements), a `reduce` of a matrix
+    product XLA rewrote as a multiply and a sum (XLA:TPU's matrix-vector products: 2
+    x the elements summed), `convolution` (2 x output
     elements x the window's taps that meet the input, neither padding nor the holes
     of a dilated input, x input features) and cuBLAS and cuDNN calls, each
     as many times as `runs` says it runs when computations are weighed by these
