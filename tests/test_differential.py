@@ -1,6 +1,6 @@
 """The differential corpus: eqshard's figures against the compiler's own and hand
 counts, for real `eqx.nn` models under each strategy, on XLA:CPU and on XLA:TPU
-(`v5e:2x4`, through libtpu).
+(`v5e:2x4` and `v5p:2x2x2`, through libtpu).
 
 For every cell: the FLOPs eqshard reads from the compiled program against XLA's own
 `cost_analysis()` (which also counts elementwise work, so it may be larger, by the
@@ -25,9 +25,10 @@ import eqshard
 
 OPTIMIZER = optax.adam(1e-3)
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+TARGETS = ("v5e:2x4", "v5p:2x2x2")  # XLA:TPU for 8 devices of two generations
 COMPILERS = [
     None,
-    pytest.param("v5e:2x4", marks=pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu")),
+    *(pytest.param(t, marks=pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu")) for t in TARGETS),
 ]
 
 
@@ -215,7 +216,7 @@ def _table() -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model_name, strategy in CELLS:
-        for target in (None, "v5e:2x4") if HAS_LIBTPU else (None,):
+        for target in (None, *TARGETS) if HAS_LIBTPU else (None,):
             cell = _cell(model_name, strategy, target)
             c = cell["cost"]
             kinds = {}
