@@ -233,3 +233,62 @@ def _table() -> str:
 if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 8)
     print(_table())
+
+
+# -- loops: a scan over stacked layers against the same layers unrolled ----------------
+
+LAYERS = 4
+
+
+def _stack() -> Any:
+    """`LAYERS` blocks of `eqx.nn.Linear(64, 64)`, stacked by `eqx.filter_vmap`."""
+    keys = jax.random.split(jax.random.key(0), LAYERS)
+    return eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 64, key=k))(keys)
+
+
+def _scanned(stack: Any, x: Any) -> Any:
+    params, static = eqx.partition(stack, eqx.is_array)
+
+    def layer(h, p):
+        return jax.nn.tanh(jax.vmap(eqx.combine(p, static))(h)), None
+
+    return jnp.mean(jax.lax.scan(layer, x, params)[0] ** 2)
+
+
+def _unrolled(stack: Any, x: Any) -> Any:
+    params, static = eqx.partition(stack, eqx.is_array)
+    for i in range(LAYERS):
+        p = jax.tree_util.tree_map(lambda a, i=i: a[i], params)
+        x = jax.nn.tanh(jax.vmap(eqx.combine(p, static))(x))
+    return jnp.mean(x**2)
+
+
+@pytest.mark.parametrize("target", COMPILERS)
+@pytest.mark.parametrize("strategy", ["data parallel", "FSDP"])
+def test_a_scan_counts_as_its_layers_unrolled(strategy, target):
+    """XLA counts a loop's body once: eqshard multiplies it by the trip count. The
+    scan's body is the same every trip, so it also takes the first layer's input
+    gradient, which the unrolled layers skip: one product more, by hand. Data
+    parallel, both move the same bytes; FSDP, the scan gathers each layer again in
+    its backward trip, where the unrolled program keeps what it gathered."""
+    model = eqx.filter_eval_shape(_stack)
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    rules = eqshard.load({"eqshard": 1, **STRATEGIES[strategy]})
+
+    def step(loss: Any) -> Any:
+        return lambda m, x: eqx.filter_value_and_grad(loss)(m, x)
+
+    scanned = eqshard.cost(step(_scanned), model, x, spec=rules, target=target)
+    unrolled = eqshard.cost(step(_unrolled), model, x, spec=rules, target=target)
+    product = 2 * 64 * 64 * 64 // 8  # one (64, 64) x (64, 64) product, on 8 devices
+    # forward, the weights' gradients and the hidden layers' gradients
+    assert unrolled.flops == (LAYERS * 2 + LAYERS - 1) * product
+    assert scanned.known
+    assert scanned.flops == LAYERS * 3 * product
+    assert any(k.count == LAYERS for k in scanned.collectives) or strategy == "data parallel"
+    if strategy == "data parallel":
+        assert scanned.bytes_by_axes() == unrolled.bytes_by_axes()
+    else:  # the scan gathers each layer again for its backward trip; unrolled, XLA keeps it
+        gather = ("all-gather", ("data",))
+        once = unrolled.bytes_by_axes()[gather]
+        assert once < scanned.bytes_by_axes()[gather] <= 2 * once
