@@ -56,10 +56,38 @@ def _conv_loss(model: Any, x: Any) -> Any:
     return jnp.mean(jax.vmap(model)(x) ** 2)
 
 
+class LlamaBlock(eqx.Module):
+    """A Llama-shaped block of `eqx.nn` parts: RMSNorm, attention, RMSNorm, SwiGLU."""
+
+    attn_norm: eqx.nn.RMSNorm
+    attn: eqx.nn.MultiheadAttention
+    mlp_norm: eqx.nn.RMSNorm
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key: Any) -> None:
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.attn_norm = eqx.nn.RMSNorm(64)
+        self.attn = eqx.nn.MultiheadAttention(4, 64, key=k1)
+        self.mlp_norm = eqx.nn.RMSNorm(64)
+        self.gate = eqx.nn.Linear(64, 128, use_bias=False, key=k2)
+        self.up = eqx.nn.Linear(64, 128, use_bias=False, key=k3)
+        self.down = eqx.nn.Linear(128, 64, use_bias=False, key=k4)
+
+    def __call__(self, x: Any) -> Any:  # x: (seq, 64)
+        h = jax.vmap(self.attn_norm)(x)
+        x = x + self.attn(h, h, h)
+        h = jax.vmap(self.mlp_norm)(x)
+        gated = jax.nn.silu(jax.vmap(self.gate)(h)) * jax.vmap(self.up)(h)
+        return x + jax.vmap(self.down)(gated)
+
+
 MODELS = {  # build, loss, the batch's shape
     "MLP": (_mlp, _mlp_loss, (64, 64)),
     "attention": (_attention, _attention_loss, (8, 32, 64)),
     "convolution": (_conv, _conv_loss, (8, 8, 16, 16)),
+    "Llama block": (lambda: LlamaBlock(jax.random.key(0)), _mlp_loss, (8, 32, 64)),
 }
 
 # The matrix products of one step by hand, on each of 8 devices (the batch split
@@ -82,6 +110,21 @@ HAND_FLOPS = {
     # 3x3 over 16x16 padded by 1: 46 taps meet the input along each dim (48 less the
     # two on padding); forward and the kernel's gradient, 8 input channels to 16
     "convolution": 2 * (2 * 8 * 16 * 46 * 46 * 8) // 8,
+    # the attention above, with the input gradients of its query, key and value
+    # projections too (the first RMSNorm's scale needs them); SwiGLU 64 -> 128 -> 64:
+    # three products forward and their weights' gradients, the gated hidden's
+    # gradient, and the two input gradients the second RMSNorm's scale needs
+    "Llama block": (
+        2 * 4 * 2 * 256 * 64 * 64
+        + 2 * 2 * 8 * 4 * 32 * 32 * 16
+        + 4 * 2 * 8 * 4 * 32 * 32 * 16
+        + 2 * 256 * 64 * 64
+        + 3 * 2 * 256 * 64 * 64
+        + 2 * 3 * 2 * 256 * 64 * 128
+        + 2 * 256 * 128 * 64
+        + 2 * 2 * 256 * 64 * 128
+    )
+    // 8,
 }
 STRATEGIES = {
     "data parallel": {"mesh": [["data", "*"]], "default": "replicate"},
