@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.core
 import numpy as np
 
 from ._derive import plan_for
@@ -265,7 +266,7 @@ class _Captured:
         return x
 
 
-_TRACER = importlib.import_module("jax._src.core").Tracer
+_TRACER = jax.core.Tracer
 _ATOMIC = (
     jax.ShapeDtypeStruct,
     jax.Array,
