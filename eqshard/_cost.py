@@ -31,7 +31,7 @@ from ._plan import Plan, Spec, plan
 from ._report import LeafRow, leaf_rows, memory_kind
 from ._sharding import AnyMesh, Device, device_count, on_devices
 from ._specfile import Rules, batch_expression
-from ._step import Donate, Lowered, Step, planned_for
+from ._step import Donate, Lowered, Step, abstract_array, planned_for
 from ._targets import CompileTarget, compile_target
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
@@ -413,12 +413,6 @@ def _memory(held: _Held, compiled: _Compiled) -> Memory:
     )
 
 
-def _abstract(x: Any) -> Any:
-    if isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-    return x
-
-
 def cost(
     step: Any,
     model: Any,
@@ -519,8 +513,8 @@ def cost(
         if devices > len(jax.devices()):
             return _in_a_process_of_its_own(step, model, args, spec, batch, devices)
         devices = jax.devices()[:devices]
-    abstract_model = jax.tree_util.tree_map(_abstract, model)
-    abstract_args = [jax.tree_util.tree_map(_abstract, arg) for arg in args]
+    abstract_model = jax.tree_util.tree_map(abstract_array, model)
+    abstract_args = [jax.tree_util.tree_map(abstract_array, arg) for arg in args]
     if isinstance(spec, Plan):
         p = spec
     else:  # with the model's eqx.nn.State, one mesh fits both

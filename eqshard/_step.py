@@ -57,6 +57,7 @@ __all__ = [
     "Batches",
     "Donate",
     "Step",
+    "abstract_array",
     "batch_sharding",
     "data_parallel",
     "is_built",
@@ -469,8 +470,8 @@ class Step:
                     "`eqshard.use(rules)` lays a step out by a plan of its first argument, the "
                     "model, and this step was called with none; pass `eqshard.use(plan)`"
                 )
-            model = jax.tree_util.tree_map(_abstract_leaf, args[0])
-            rest = jax.tree_util.tree_map(_abstract_leaf, args[1:])
+            model = jax.tree_util.tree_map(abstract_array, args[0])
+            rest = jax.tree_util.tree_map(abstract_array, args[1:])
             p = make_plan_or_raise(
                 planned_for(model, rest, spec.rules),
                 spec.rules,
@@ -599,8 +600,10 @@ def _placed(x: Any) -> Any:
     return s if isinstance(s, NamedSharding) else None
 
 
-def _abstract_leaf(x: Any) -> Any:
-    if isinstance(x, _ARRAYS):
+def abstract_array(x: Any) -> Any:
+    """An array leaf as a `jax.ShapeDtypeStruct`, keeping its sharding where it has
+    one; anything else as it is."""
+    if isinstance(x, (*_ARRAYS, jax.ShapeDtypeStruct)):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
     return x
 
