@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 import eqshard
-from eqshard._demo_model import build, loss as gpt_loss, tokens
+from eqshard._cli._demo_model import build, loss as gpt_loss, tokens
 
 
 def mlp_case():

@@ -9,7 +9,7 @@ leaf, of each of three forms, `**.nameN.**`, `nameN.*` and `**.x*_N`, and all
 case is timed as the best of several runs, and compared with the same rule
 alone (0 extra rules):
 
-(a) `eqshard._paths.PathIndex`: building it from the patterns, then `first()` on
+(a) `eqshard._paths._grammar.PathIndex`: building it from the patterns, then `first()` on
     the 1,000 leaf paths. Building is linear in the rules; the look-ups should
     not grow with them.
 (b) `eqshard.plan(model, rules)` from a loaded spec file, the public path.
@@ -29,7 +29,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
 
 import eqshard
-from eqshard._paths import PathIndex, segments
+from eqshard._paths._grammar import PathIndex, segments
 
 BLOCKS = 100
 EXTRA = 5000

@@ -28,8 +28,8 @@ from ._errors import (
 from ._expression import Element as Element, Expression as Expression, parse as parse
 from ._fsdp import FSDP as FSDP
 from ._layout import Layout as Layout, layout as layout
-from ._resolver import SpecLeaf as SpecLeaf
-from ._specfile import (
+from ._protocol import SpecLeaf as SpecLeaf
+from ._specfile._file import (
     Rule as Rule,
     Rules as Rules,
     dump as dump,
@@ -46,47 +46,47 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._activations import use as use
     from ._apply import apply as apply
     from ._checkpoint import abstract as abstract, restore as restore
-    from ._cost import (
+    from ._constrain import constrain as constrain, shard as shard
+    from ._cost._driver import (
         Collective as Collective,
         Cost as Cost,
         Memory as Memory,
         cost as cost,
     )
-    from ._diff import Diff as Diff, LeafChange as LeafChange, diff as diff
-    from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
-    from ._hardware import (
+    from ._cost._hardware import (
         HARDWARE as HARDWARE,
         Estimate as Estimate,
         Hardware as Hardware,
     )
+    from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
     from ._init import init as init
     from ._plan import Plan as Plan, Spec as Spec, plan as plan, spec as spec
-    from ._report import Report as Report, report as report
-    from ._resolver import (
+    from ._protocol import (
         Resolution as Resolution,
         Resolver as Resolver,
         Target as Target,
     )
+    from ._report import Report as Report, report as report
     from ._rules import Match as Match
-    from ._shard import constrain as constrain, shard as shard
+    from ._search._diff import Diff as Diff, LeafChange as LeafChange, diff as diff
+    from ._search._suggest import Ranked as Ranked, Suggestion as Suggestion, suggest as suggest
     from ._sharding import Devices as Devices, sharding as sharding
     from ._step import Step as Step, jit as jit
-    from ._suggest import Ranked as Ranked, Suggestion as Suggestion, suggest as suggest
 
 _LAZY = {
     "use": "._activations",
     "apply": "._apply",
     "abstract": "._checkpoint",
-    "Collective": "._cost",
-    "Cost": "._cost",
-    "Memory": "._cost",
-    "cost": "._cost",
-    "Diff": "._diff",
-    "LeafChange": "._diff",
-    "diff": "._diff",
-    "Estimate": "._hardware",
-    "HARDWARE": "._hardware",
-    "Hardware": "._hardware",
+    "Collective": "._cost._driver",
+    "Cost": "._cost._driver",
+    "Memory": "._cost._driver",
+    "cost": "._cost._driver",
+    "Diff": "._search._diff",
+    "LeafChange": "._search._diff",
+    "diff": "._search._diff",
+    "Estimate": "._cost._hardware",
+    "HARDWARE": "._cost._hardware",
+    "Hardware": "._cost._hardware",
     "restore": "._checkpoint",
     "FROM_FIELDS": "._fields",
     "field": "._fields",
@@ -97,19 +97,19 @@ _LAZY = {
     "report": "._report",
     "spec": "._plan",
     "Spec": "._plan",
-    "Resolution": "._resolver",
-    "Resolver": "._resolver",
-    "Target": "._resolver",
+    "Resolution": "._protocol",
+    "Resolver": "._protocol",
+    "Target": "._protocol",
     "Match": "._rules",
-    "constrain": "._shard",
-    "shard": "._shard",
+    "constrain": "._constrain",
+    "shard": "._constrain",
     "sharding": "._sharding",
     "Devices": "._sharding",
     "Step": "._step",
     "jit": "._step",
-    "Ranked": "._suggest",
-    "Suggestion": "._suggest",
-    "suggest": "._suggest",
+    "Ranked": "._search._suggest",
+    "Suggestion": "._search._suggest",
+    "suggest": "._search._suggest",
 }
 
 

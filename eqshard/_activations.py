@@ -51,7 +51,7 @@ from ._sharding import (
     sharding_on,
     user_mesh,
 )
-from ._specfile import Rules
+from ._specfile._file import Rules
 
 __all__ = [
     "Active",

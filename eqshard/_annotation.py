@@ -26,7 +26,7 @@ from types import EllipsisType
 
 from jaxtyping import AbstractArray
 
-from ._expression import Element, Expression, LeftItem, _is_name_char
+from ._expression import Element, Expression, LeftItem, is_name_char
 
 __all__ = [
     "Annotation",
@@ -61,7 +61,7 @@ class Annotation:
 
 
 def _is_einshard_name(name: str) -> bool:
-    return bool(name) and all(_is_name_char(c) for c in name)
+    return bool(name) and all(is_name_char(c) for c in name)
 
 
 def _dim_item(index: int, dim: object, variadic: int | None) -> DimItem:

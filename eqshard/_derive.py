@@ -66,12 +66,12 @@ from ._fields import (
     state_leaf_names,
     state_markers,
 )
-from ._paths import match
+from ._paths._grammar import match
 from ._plan import Plan, Planned, Unspecified, make_plan
+from ._protocol import is_resolver
 from ._resolve import Resolved, abstract_leaves
-from ._resolver import is_resolver
 from ._sharding import AnyMesh, Device
-from ._specfile import Rules
+from ._specfile._file import Rules
 
 __all__ = ["REPLICATED", "plan_for", "unmatched_copies"]
 

@@ -205,7 +205,7 @@ class _Token(NamedTuple):
     end: int
 
 
-def _is_name_char(c: str) -> bool:
+def is_name_char(c: str) -> bool:
     return c == "_" or unicodedata.category(c)[0] == "L"
 
 
@@ -227,8 +227,8 @@ def _tokens(text: str) -> Iterator[_Token]:
         if c.isspace():
             j = _scan_run(text, i, str.isspace)
             yield _Token("space", text[i:j], i, j)
-        elif _is_name_char(c):
-            j = _scan_run(text, i, _is_name_char)
+        elif is_name_char(c):
+            j = _scan_run(text, i, is_name_char)
             yield _Token("name", text[i:j], i, j)
         elif _is_ascii_digit(c):
             j = _scan_run(text, i, _is_ascii_digit)

@@ -19,8 +19,8 @@ from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 from ._annotation import Annotation, StateValue, contradiction, field_annotations, state_value
 from ._errors import EqshardError, PathError, Problem
 from ._expression import Expression, parse
-from ._paths import name, quoted_key, segments
-from ._resolver import Resolution, Target
+from ._paths._grammar import name, quoted_key, segments
+from ._protocol import Resolution, Target
 
 __all__ = [
     "FROM_FIELDS",

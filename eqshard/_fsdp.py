@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._expression import Expression, parse
-from ._resolver import Resolution
+from ._protocol import Resolution
 
 if TYPE_CHECKING:
     from ._annotation import Annotation  # jaxtyping: not for the spec-file layer
-    from ._resolver import Target
+    from ._protocol import Target
 
 __all__ = ["FSDP", "FSDP_WORD", "Fsdp", "Over", "fsdp_leaf", "is_fsdp_replicated", "over"]
 

@@ -38,8 +38,8 @@ from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like, is_stateful_pair
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
+from ._protocol import Resolver, SpecLeaf, Target
 from ._resolve import Resolved, resolve
-from ._resolver import Resolver, SpecLeaf, Target
 from ._sharding import (
     AnyMesh,
     Device,
@@ -238,7 +238,7 @@ def optimizer_spec(spec: Any, optimizer: Any) -> Any:
     **Raises:** `EqshardError` when both are given, or when the parameters' rules
     say `"default": "parameter"`, which only an optimizer section may.
     """
-    from ._specfile import PARAMETER, Rules
+    from ._specfile._file import PARAMETER, Rules
 
     if isinstance(spec, Rules) and spec.default == PARAMETER:
         raise EqshardError(

@@ -20,7 +20,7 @@ from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem
 from ._expression import Expression, parse
 from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
 from ._fsdp import FSDP_WORD
-from ._resolver import Resolver, Target, is_resolver
+from ._protocol import Resolver, Target, is_resolver
 from ._spectree import SpecTree, not_a_spec_leaf
 
 __all__ = ["Resolved", "abstract_leaves", "resolve"]

@@ -52,8 +52,8 @@ from ._fields import (
     walk_fields,
 )
 from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
-from ._paths import Guesses, PathIndex, match, segments
-from ._resolver import Resolution, Target
+from ._paths._grammar import Guesses, PathIndex, match, segments
+from ._protocol import Resolution, Target
 from ._sharding import device_tuple
 
 __all__ = [

@@ -15,8 +15,8 @@ import jax
 
 from ._errors import Problem
 from ._fields import leaf_name
-from ._paths import segments
-from ._resolver import Resolution, SpecLeaf, Target, is_spec_leaf
+from ._paths._grammar import segments
+from ._protocol import Resolution, SpecLeaf, Target, is_spec_leaf
 
 __all__ = ["SpecTree", "not_a_spec_leaf"]
 

@@ -42,15 +42,15 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from ._activations import Active, active, using
+from ._constrain import constrained
 from ._derive import plan_for
 from ._errors import EqshardError, ExpressionError, Problem, SpecError
 from ._expression import Expression
 from ._fields import is_array_like, is_stateful_pair
 from ._plan import Plan, Planned, plan as make_plan_or_raise
-from ._resolver import is_resolver
-from ._shard import constrained
+from ._protocol import is_resolver
 from ._sharding import AnyMesh, mesh_devices, sharding
-from ._specfile import Rules, batch_expression
+from ._specfile._file import Rules, batch_expression
 
 __all__ = [
     "Argument",

@@ -109,7 +109,7 @@ def run_cli(capsys):
     eqshard's "internal error" message.
     """
 
-    from eqshard._cli import main
+    from eqshard._cli._main import main
 
     def run(*args: object) -> CliResult:
         capsys.readouterr()  # only this run's output

@@ -18,7 +18,7 @@ from llama_model import COLUMNS, DIM, HIDDEN, LAYERS, LLAMA_SPEC, ROWS, VOCAB, b
 
 import eqshard
 from eqshard import EqshardError
-from eqshard._demo_model import build as build_demo
+from eqshard._cli._demo_model import build as build_demo
 from eqshard._plan import make_plan
 from eqshard._report import leaf_rows
 
@@ -58,7 +58,10 @@ def _pairs(tmp_path):
     return [
         (SPECS / "transformer.eqshard.json", TRANSFORMER),
         (SPECS / "gpt.eqshard.json", GPT),
-        *((path, "eqshard._demo_model:build") for path in sorted((SPECS / "demo").glob("*.json"))),
+        *(
+            (path, "eqshard._cli._demo_model:build")
+            for path in sorted((SPECS / "demo").glob("*.json"))
+        ),
         *((path, TRANSFORMER) for path in sorted((ROOT / "tests/specs/valid").glob("*.json"))),
         (tmp_path / "faulty.eqshard.json", TRANSFORMER),
         (tmp_path / "disagreeing.eqshard.json", TRANSFORMER),

@@ -21,12 +21,12 @@ from jaxtyping import Array, Float
 from state_oracle import blocks
 
 import eqshard
-from eqshard import _demo, _demo_model
-from eqshard._candidates import Candidate, candidates
+from eqshard._cli import _demo, _demo_model
 from eqshard._fields import leaf_name
-from eqshard._globs import readable_rules
-from eqshard._megatron import tensor_roles
+from eqshard._paths._globs import readable_rules
 from eqshard._plan import make_plan
+from eqshard._search._candidates import Candidate, candidates
+from eqshard._search._megatron import tensor_roles
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -691,7 +691,7 @@ def test_rules_that_would_lay_out_wrongly_are_never_handed_out(gpt, monkeypatch)
     """The nets under the generator: rules whose globs would give a leaf another
     expression are replaced by one literal rule per leaf, and a candidate whose
     rules do not plan is dropped with the planner's own words."""
-    from eqshard import _candidates
+    from eqshard._search import _candidates
 
     args = (gpt["opt_state"], _tokens(8, 16))
 

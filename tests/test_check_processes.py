@@ -8,9 +8,9 @@ Each test runs `python -m eqshard check` in a subprocess (about 2 s);
 import json
 from pathlib import Path
 
-from eqshard._check import CheckResult, check
-from eqshard._specfile import load
-from eqshard._usercode import abstract_model
+from eqshard._cli._check import CheckResult, check
+from eqshard._process._usercode import abstract_model
+from eqshard._specfile._file import load
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "specs" / "transformer.eqshard.json"

@@ -118,7 +118,7 @@ def _step_args(module: str, step: str = "step") -> list[str]:
 def report(files):
     """Both specs, checked with the step on 8 devices, in this process, as JSON
     (once for the module: `run_cli` is a fixture of each test)."""
-    from eqshard._cli import main
+    from eqshard._cli._main import main
 
     specs, module = files
     out = io.StringIO()

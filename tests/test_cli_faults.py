@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eqshard._cli import main
+from eqshard._cli._main import main
 
 VALID = json.dumps({"eqshard": 1, "rules": [{"path": "**.w", "expr": "a -> a*"}]})
 INVALID = json.dumps({"eqshard": 1, "rules": [{"path": "**.w", "expr": "a -> b"}]})

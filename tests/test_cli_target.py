@@ -21,8 +21,8 @@ DEMO = """
 import jax
 import jax.numpy as jnp
 
-from eqshard._demo import make_step
-from eqshard._demo_model import GPT, adamw_init, tokens
+from eqshard._cli._demo import make_step
+from eqshard._cli._demo_model import GPT, adamw_init, tokens
 
 
 def build():
@@ -208,7 +208,7 @@ def test_devices_with_a_target_must_be_the_slices_count(run_cli, files):
 def test_a_target_without_libtpu_exits_2_with_the_install_hint(run_cli, files, monkeypatch):
     from importlib import metadata
 
-    from eqshard._targets import compile_target
+    from eqshard._cost._targets import compile_target
 
     real = metadata.version
 

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._cost import _collectives
+from eqshard._cost._driver import _collectives
 
 OPTIMIZER = optax.adam(1e-3)
 MODEL = eqx.filter_eval_shape(lambda: eqx.nn.MLP(256, 256, 1024, 1, key=jax.random.key(0)))

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 import eqshard
-from eqshard import _demo, _demo_model
+from eqshard._cli import _demo, _demo_model
 
 STEPS = 2  # the second step's loss shows the first update
 

@@ -156,7 +156,7 @@ def _cell(model_name: str, strategy: str, target: str | None) -> dict[str, Any]:
     if target is None:
         p = eqshard.plan(model, rules)
     else:
-        from eqshard._targets import compile_target
+        from eqshard._cost._targets import compile_target
 
         p = eqshard.plan(model, rules, devices=compile_target(target).devices)
     with eqshard.use(p):

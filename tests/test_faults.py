@@ -18,7 +18,7 @@ import pytest
 
 import eqshard
 from eqshard import EqshardError, ExpressionError, SpecError, UnreadableError
-from eqshard._usercode import abstract_model
+from eqshard._process._usercode import abstract_model
 
 BIG = 2**40 + 1
 

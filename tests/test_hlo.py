@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 import eqshard
-from eqshard import _hlo
-from eqshard._cost import _collectives, _Compiled
+from eqshard._cost import _hlo
+from eqshard._cost._driver import _collectives, _Compiled
 
 CORPUS = Path(__file__).parent / "hlo"
 EXPECTATIONS = sorted(CORPUS.glob("*/*.json"))
@@ -454,7 +454,7 @@ def test_a_piece_of_an_async_collective_fusion_without_its_start_is_an_error():
 def test_a_cost_and_so_a_budget_never_passes_on_what_it_could_not_read(monkeypatch):
     # `eqshard.testing`'s `max_communication` checks the collectives of `cost`:
     # a compiled step eqshard cannot read fails `cost` before any budget is met
-    from eqshard import _cost
+    from eqshard._cost import _driver as _cost
 
     unknown = _module(_ADD + "  ROOT %y = f32[8]{0} all-gather-scatter(%x), replica_groups={}")
     monkeypatch.setattr(_cost, "_compile", lambda lowered, *rest: _Compiled(unknown, None, {}))
@@ -614,7 +614,7 @@ def test_tpu_products_count_as_the_compiler_and_the_hand_count(f, shapes, hand):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from eqshard._targets import compile_target
+    from eqshard._cost._targets import compile_target
 
     device = compile_target("v5e:2x4").devices[:1]
     whole = NamedSharding(Mesh(np.array(device), ("d",)), PartitionSpec())

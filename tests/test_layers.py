@@ -4,6 +4,8 @@ no cycle, counting every import: at module level, inside functions, and under
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).parent.parent / "eqshard"
@@ -66,18 +68,100 @@ def test_the_imports_have_no_cycle():
 
 
 def test_the_rules_matcher_and_the_spec_file_layer_import_one_way():
-    assert "eqshard._specfile" not in GRAPH["eqshard._rules"]
+    assert not {name for name in GRAPH["eqshard._rules"] if name.startswith("eqshard._specfile")}
 
 
 def test_worker_processes_name_no_caller():
-    callers = {name for name in GRAPH["eqshard._workers"] if name.startswith("eqshard._check")}
+    folder = "eqshard._process."
+    callers = {
+        other
+        for name, imported in GRAPH.items()
+        if name.startswith(folder)
+        for other in imported
+        if not other.startswith(folder) and other.startswith(("eqshard._cli", "eqshard._search"))
+    }
     assert not callers
-    assert "_check" not in (PACKAGE / "_workers.py").read_text().replace("_checks", "")
+    assert "_check" not in (PACKAGE / "_process" / "_workers.py").read_text().replace("_checks", "")
 
 
 def test_nothing_imports_the_command_line_but_main():
-    importers = {name for name, imported in GRAPH.items() if "eqshard._cli" in imported}
+    importers = {
+        name
+        for name, imported in GRAPH.items()
+        if not name.startswith("eqshard._cli.")
+        and any(other.startswith("eqshard._cli.") for other in imported)
+    }
     assert importers == {"eqshard.__main__"}
+
+
+def _private_reaches() -> list[str]:
+    """Each place a module uses another module's private name: `from ._x import _y`
+    where `_y` is not a module, or `_x._y` on a module it imported."""
+    found = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        modules: set[str] = set()  # the local names bound to eqshard modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (
+                node.level or (node.module or "").startswith("eqshard")
+            ):
+                for alias in node.names:
+                    local = alias.asname or alias.name
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        is_module = any(module.endswith(f".{alias.name}") for module in GRAPH[name])
+                        if is_module:
+                            modules.add(local)
+                        else:
+                            found.append(
+                                f"{name}: from {'.' * node.level}{node.module or ''} import {alias.name}"
+                            )
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                found.append(f"{name}: {node.value.id}.{node.attr}")
+    return sorted(found)
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    assert _private_reaches() == []
+
+
+# What runs without JAX: `eqshard validate`, `eqshard.load`, the pytest plugin. A
+# folder here holds no module that imports JAX when it is imported.
+WITHOUT_JAX = (
+    "eqshard._errors",
+    "eqshard._expression",
+    "eqshard._layout",
+    "eqshard._fit",
+    "eqshard._fsdp",
+    "eqshard._paths.",
+    "eqshard._specfile.",
+    "eqshard._cost._hardware",
+    "eqshard._cost._hlo",
+    "eqshard.testing._plugin",
+)
+
+
+def test_what_runs_without_jax_imports_no_jax():
+    names = [
+        name
+        for name in MODULES
+        if any(name == m or (m.endswith(".") and name.startswith(m)) for m in WITHOUT_JAX)
+    ]
+    assert len(names) >= len(WITHOUT_JAX)
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "    assert 'jax' not in sys.modules, name\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
 
 
 def _floors() -> dict[str, int]:
@@ -90,8 +174,9 @@ def _floors() -> dict[str, int]:
         cell = row.split("|")[2]
         for file in re.findall(r"`([\w/]+?)(?:\.py)?`", cell):
             if file.endswith("/"):
+                folder = "eqshard." + file[:-1].replace("/", ".")
                 for name in MODULES:
-                    if name.startswith(f"eqshard.{file[:-1]}"):
+                    if name == folder or name.startswith(f"{folder}."):
                         floors[name] = floor
             else:
                 floors[f"eqshard.{file}"] = floor

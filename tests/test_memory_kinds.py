@@ -16,7 +16,7 @@ import pytest
 
 import eqshard
 import eqshard._plan
-from eqshard import _check
+from eqshard._cli import _check
 
 needs_host_memory = pytest.mark.skipif(
     jax.__version_info__ < eqshard._plan.HOST_MEMORY_JAX,

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from state_oracle import blocks, expected_shardings, parameters_of
 
 import eqshard
-from eqshard import _check
+from eqshard._cli import _check
 
 ZERO_1 = {
     "eqshard": 1,

@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator
 
 import eqshard
 from eqshard import PathError
-from eqshard._paths import DEEP, PathIndex, aligned, closest, match, parse
+from eqshard._paths._grammar import DEEP, PathIndex, aligned, closest, match, parse
 
 
 def _segs(path: str) -> tuple[str, ...]:

@@ -159,7 +159,7 @@ import sys
 for name in ("jax", "jaxlib", "equinox", "jaxtyping", "numpy"):
     sys.modules[name] = None   # importing any of them now fails
 import eqshard
-from eqshard._cli import main
+from eqshard._cli._main import main
 rules = eqshard.load({str(spec)!r})
 eqshard.dump(rules, {str(tmp_path / "out.json")!r})
 assert eqshard.load({str(tmp_path / "out.json")!r}).rules == rules.rules

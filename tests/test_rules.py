@@ -19,7 +19,7 @@ from jsonschema import Draft202012Validator
 
 import eqshard
 from eqshard import EqshardError, SpecError, UnreadableError, UnusedRuleWarning
-from eqshard._paths import match
+from eqshard._paths._grammar import match
 
 SPECS = Path(__file__).parent / "specs"
 ROOT = Path(__file__).parent.parent

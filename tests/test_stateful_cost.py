@@ -11,7 +11,7 @@ import pytest
 import stateful_cost_model as net
 
 import eqshard
-from eqshard._cost import brief_source
+from eqshard._cost._driver import brief_source
 
 MODULE = str(Path(__file__).parent / "stateful_cost_model.py")
 MODEL, STATE = eqx.filter_eval_shape(net.build)
@@ -152,7 +152,7 @@ def _cut(text: str, width: int) -> str:
 
 
 def test_the_harness_shows_the_cut_source_and_keeps_it_whole_in_json():
-    from eqshard._cost import Collective
+    from eqshard._cost._driver import Collective
     from eqshard.testing._equivalence import _over_budget as lines
     from eqshard.testing._worker import _over_budget as document
 

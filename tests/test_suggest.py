@@ -17,10 +17,10 @@ import pytest
 import suggest_model as models
 
 import eqshard
-import eqshard._candidates
-from eqshard._candidates import Candidate
+import eqshard._search._candidates
 from eqshard._report import human_bytes
-from eqshard._suggest import Suggestion, communication, rank, ranked
+from eqshard._search._candidates import Candidate
+from eqshard._search._suggest import Suggestion, communication, rank, ranked
 
 TESTS = Path(__file__).parent
 DEMO = TESTS.parent / "examples" / "specs" / "demo"
@@ -284,7 +284,9 @@ def _suggest(run_cli, *extra, step="mlp_step"):
 def test_cli_writes_the_best_and_check_on_it_reports_the_ranking_s_figures(
     run_cli, monkeypatch, tmp_path
 ):
-    monkeypatch.setattr(eqshard._candidates, "candidates", _generate(_mlp_candidates()), False)
+    monkeypatch.setattr(
+        eqshard._search._candidates, "candidates", _generate(_mlp_candidates()), False
+    )
     path = tmp_path / "best.eqshard.json"
     done = _suggest(run_cli, "--write", path, "--format", "json", "--max-memory", "16GiB")
     assert done.code == 0, done.err
@@ -319,7 +321,9 @@ def test_cli_writes_the_best_and_check_on_it_reports_the_ranking_s_figures(
 
 
 def test_cli_exits_1_when_nothing_fits_and_writes_nothing(run_cli, monkeypatch, tmp_path):
-    monkeypatch.setattr(eqshard._candidates, "candidates", _generate(_mlp_candidates()[:1]), False)
+    monkeypatch.setattr(
+        eqshard._search._candidates, "candidates", _generate(_mlp_candidates()[:1]), False
+    )
     path = tmp_path / "best.eqshard.json"
     done = _suggest(run_cli, "--max-memory", "1kB", "--write", path, "--workers", 1)
     assert done.code == 1, done.err
@@ -330,7 +334,9 @@ def test_cli_exits_1_when_nothing_fits_and_writes_nothing(run_cli, monkeypatch, 
 
 
 def test_cli_exits_2_when_no_candidate_compiles(run_cli, monkeypatch):
-    monkeypatch.setattr(eqshard._candidates, "candidates", _generate(_mlp_candidates()[:1]), False)
+    monkeypatch.setattr(
+        eqshard._search._candidates, "candidates", _generate(_mlp_candidates()[:1]), False
+    )
     done = _suggest(run_cli, "--workers", 1, step="failing_step")
     assert done.code == 2
     assert (
@@ -340,7 +346,7 @@ def test_cli_exits_2_when_no_candidate_compiles(run_cli, monkeypatch):
 
 
 def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
-    monkeypatch.setattr(eqshard._candidates, "candidates", _generate([]), False)
+    monkeypatch.setattr(eqshard._search._candidates, "candidates", _generate([]), False)
     done = _suggest(run_cli, "--workers", 1)
     assert done.code == 2
     assert done.err.strip() == (

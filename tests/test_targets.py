@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import eqshard
-from eqshard._targets import compile_target
+from eqshard._cost._targets import compile_target
 
 pytest.importorskip("libtpu", reason="the TPU compiler comes with libtpu (eqshard[tpu])")
 
@@ -164,7 +164,7 @@ def test_a_grid_no_slice_has_is_refused_before_libtpu_sees_it(target, message, m
     def no_libtpu(name):
         raise AssertionError(f"libtpu was handed {name!r}")
 
-    monkeypatch.setattr(eqshard._targets, "_libtpu", no_libtpu)
+    monkeypatch.setattr(eqshard._cost._targets, "_libtpu", no_libtpu)
     with pytest.raises(eqshard.EqshardError, match=message):
         compile_target(target)
 

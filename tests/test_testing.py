@@ -232,7 +232,7 @@ def test_counts_callables_and_methods_are_taken_as_written():
 
     import harness_models as m
 
-    from eqshard._usercode import user_callable
+    from eqshard._process._usercode import user_callable
     from eqshard.testing._processes import device_counts
     from eqshard.testing._references import callable_reference
 

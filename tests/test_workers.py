@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import pytest
 
 import eqshard
-from eqshard import _cost
-from eqshard._check_workers import check_in_processes
+from eqshard._cli._check_workers import check_in_processes
+from eqshard._cost import _driver as _cost
 from eqshard.testing import assert_layouts
 
 # A user's own module, importable only through a folder the test puts on `sys.path`.
@@ -170,7 +170,7 @@ def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
 PARENT = """
 import os, sys, time
 sys.path[:] = {path!r}
-from eqshard._workers import start_worker
+from eqshard._process._workers import start_worker
 
 worker = start_worker({{}}, "eqshard_user_steps:sleep")
 print(worker.pid, flush=True)

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import EqshardError, ModelError, whole_number
-from .._workers import Worker, start_worker, without_device_count, worker_answer
+from .._process._workers import Worker, start_worker, without_device_count, worker_answer
 
 __all__ = [
     "TIMEOUT_SECONDS",
@@ -86,7 +86,7 @@ def default_counts(spec: Any, template: Mapping[str, int | str] | None) -> tuple
 
 
 def _rules(spec: Any) -> Any:
-    from .._specfile import Rules, load
+    from .._specfile._file import Rules, load
 
     if isinstance(spec, Rules):
         return spec

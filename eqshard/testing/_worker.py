@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import EqshardError, whole_number
-from .._usercode import call, user_callable
-from .._workers import serve, unpickled
+from .._process._usercode import call, user_callable
+from .._process._workers import serve, unpickled
 from ._tolerances import Needed
 
 __all__ = ["main"]
@@ -34,7 +34,7 @@ def main() -> int:
 
     **Returns:**
 
-    The exit code, as `eqshard._workers.serve` gives it.
+    The exit code, as `eqshard._process._workers.serve` gives it.
     """
     return serve(lambda request: _TASKS[request["task"]](request))
 
@@ -65,7 +65,7 @@ def _callable(request: Mapping[str, Any], what: str, modules: dict[str, Any]) ->
 def _spec(request: Mapping[str, Any]) -> Any:
     entry = request["spec"]
     if "file" in entry:
-        from .._specfile import load
+        from .._specfile._file import load
 
         return load(entry["file"])
     return unpickled(entry["pickle"], "`spec`")
@@ -228,7 +228,7 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
     }
     budget = request.get("max_communication")
     if budget:
-        from .._cost import cost
+        from .._cost._driver import cost
 
         rest = (placed_batch,) if opt_state is None else (placed_opt_state, placed_batch)
         step = _step(loss, optimizer, stateful)
@@ -417,7 +417,7 @@ def _batch_expression(given: str | None, p: Any) -> tuple[str, str]:
     choose it (`eqshard._step.Batches`): `batch_spec=`, else the spec file's
     `"batch"` (`Rules.batch`, the plan's spec), else data parallel over the mesh's
     first axis (or every device); and where it came from, for messages."""
-    from .._specfile import Rules
+    from .._specfile._file import Rules
     from .._step import Batches
 
     expr = Batches(given, p).expr

@@ -28,9 +28,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from ._activations import use
-from ._apply import apply
-from ._cost import Cost, cost
+from .._activations import use
+from .._apply import apply
+from .._cost._driver import Cost, cost
+from .._errors import EqshardError, Problem, UnreadableError
+from .._fit import mesh_text
+from .._plan import Plan, plan
+from .._report import human_bytes
+from .._specfile._file import Rules, load
+from .._step import batch_sharding, data_parallel, jit
 from ._demo_model import (
     BATCH,
     GPT,
@@ -43,12 +49,6 @@ from ._demo_model import (
     loss,
     tokens,
 )
-from ._errors import EqshardError, Problem, UnreadableError
-from ._fit import mesh_text
-from ._plan import Plan, plan
-from ._report import human_bytes
-from ._specfile import Rules, load
-from ._step import batch_sharding, data_parallel, jit
 
 __all__ = [
     "SPECS",
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-SPECS = Path(__file__).parent / "demo_specs"
+SPECS = Path(__file__).parent.parent / "demo_specs"
 """The strategies' spec files: `eqshard/demo_specs`, a link to `examples/specs/demo`."""
 
 STRATEGIES = ("data-parallel", "zero-1", "fsdp", "megatron", "2d")

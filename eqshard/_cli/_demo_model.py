@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from ._shard import constrain
+from .._constrain import constrain
 
 __all__ = [
     "B1",

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._errors import EqshardError, ModelError, SpecError, UnreadableError, problem_of
+from .._errors import EqshardError, ModelError, SpecError, UnreadableError, problem_of
 
 __all__ = [
     "Worker",
@@ -95,7 +95,7 @@ class Worker:
 _PROGRAM = """\
 import sys
 sys.path[:] = {path!r}
-from eqshard._workers import _worker_main
+from eqshard._process._workers import _worker_main
 raise SystemExit(_worker_main({lifeline}, {entry!r}, {main_thread!r}))
 """
 
@@ -318,7 +318,7 @@ def rebuilt_error(entry: Mapping[str, Any]) -> BaseException:
 
 
 def error_entry(error: BaseException) -> dict[str, Any]:
-    """What the worker says of an error (the exit code as `eqshard._cli` chooses it)."""
+    """What the worker says of an error (the exit code as `eqshard._cli._main` chooses it)."""
     try:
         message = str(error)
     except Exception:  # a user's exception whose text cannot be had

@@ -17,13 +17,20 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._errors import EqshardError, whole_number
-from ._workers import pickled, serve, start_worker, unpickled, without_device_count, worker_answer
+from .._errors import EqshardError, whole_number
+from .._process._workers import (
+    pickled,
+    serve,
+    start_worker,
+    unpickled,
+    without_device_count,
+    worker_answer,
+)
 
 if TYPE_CHECKING:
-    from ._diff import Diff
-    from ._suggest import Ranked
-    from ._usercode import StepInputs
+    from .._process._usercode import StepInputs
+    from .._search._diff import Diff
+    from .._search._suggest import Ranked
 
 __all__ = ["diff_here", "diff_worker", "run", "step_arguments", "suggest_here", "suggest_worker"]
 
@@ -35,7 +42,7 @@ def step_arguments(request: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...
     and the step's other arguments (the state, the optimizer state, the batch),
     built from the request's `"model"`, `"step"`, `"batch"` and `"optimizer"`, as
     `eqshard check --step` builds them. A rank worker's `inputs` name it."""
-    from ._fields import is_stateful_pair
+    from .._fields import is_stateful_pair
 
     model, inputs = _built(request)
     if inputs is None:
@@ -46,7 +53,7 @@ def step_arguments(request: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...
 
 def _built(request: Mapping[str, Any]) -> tuple[Any, StepInputs | None]:
     """The abstract model, and with a `"step"` the step and its other arguments."""
-    from ._usercode import abstract_model, step_inputs
+    from .._process._usercode import abstract_model, step_inputs
 
     modules: dict[str, Any] = {}  # each of the user's files imported once
     model = abstract_model(str(request["model"]), modules=modules)
@@ -73,7 +80,7 @@ def _start_jax(devices: int | None) -> None:
     holds); where it has (eqshard used as a library), its devices as they are."""
     import jax
 
-    from ._sharding import backends_started
+    from .._sharding import backends_started
 
     if backends_started():
         return
@@ -88,17 +95,17 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
     the `"target"` slice's), and ranks them in compile workers that build the same
     inputs by name. `"max_memory"` is bytes or `None`, `"workers"` a count or
     `None`."""
-    from ._suggest import compile_in_workers, memory_limit, placement, ranked
+    from .._search._suggest import compile_in_workers, memory_limit, placement, ranked
 
     devices, target = request.get("devices"), request.get("target")
     n, on = placement(devices, target)
     _start_jax(None if target is not None else n)
     step, model, args = step_arguments(request)
-    from ._candidates import candidates  # pyright: ignore[reportAttributeAccessIssue]
+    from .._search._candidates import candidates  # pyright: ignore[reportAttributeAccessIssue]
 
     kept, dropped = candidates(step, model, *args, devices=n)
     limit, limit_from = memory_limit(request.get("max_memory"), on)
-    inputs = {"build": "eqshard._cli_suggest_diff:step_arguments", "request": _names(request)}
+    inputs = {"build": "eqshard._cli._suggest_diff:step_arguments", "request": _names(request)}
     workers = request.get("workers")
     results = compile_in_workers(
         kept, inputs, n, target, None if workers is None else whole_number(workers, "`--workers`")
@@ -115,8 +122,8 @@ def diff_here(request: Mapping[str, Any]) -> Diff:
     """`eqshard diff` in this process: the request's `"a"` and `"b"` (spec files),
     `"model"`, and with `"step"` its `"batch"` and `"optimizer"`, on `"devices"` or
     the `"target"` slice."""
-    from ._diff import diff
-    from ._specfile import load
+    from .._search._diff import diff
+    from .._specfile._file import load
 
     devices, target = request.get("devices"), request.get("target")
     a, b = load(str(request["a"])), load(str(request["b"]))
@@ -147,7 +154,7 @@ def _portable(found: Diff) -> Diff:
     """`found` with no device in it, to cross to another process."""
     import dataclasses
 
-    from ._cost import portable
+    from .._cost._driver import portable
 
     if found.costs is None:
         return found
@@ -156,12 +163,12 @@ def _portable(found: Diff) -> Diff:
 
 _COMMANDS = {  # each command's worker, what it answers, and what to try when it dies
     "suggest": (
-        "eqshard._cli_suggest_diff:suggest_worker",
+        "eqshard._cli._suggest_diff:suggest_worker",
         "the ranking",
         "Run `eqshard check --step` on one spec file to see why",
     ),
     "diff": (
-        "eqshard._cli_suggest_diff:diff_worker",
+        "eqshard._cli._suggest_diff:diff_worker",
         "the diff",
         "Run `eqshard check` on each file",
     ),

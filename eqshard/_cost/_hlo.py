@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Union
 
-from ._errors import EqshardError
+from .._errors import EqshardError
 
 __all__ = [
     "DTYPE_BITS",

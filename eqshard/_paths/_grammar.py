@@ -51,7 +51,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Union
 
-from ._errors import PathError
+from .._errors import PathError
 
 __all__ = [
     "DEEP",

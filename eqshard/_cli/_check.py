@@ -19,13 +19,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._errors import EqshardError, Problem, problem_of
-from ._specfile import Rules
-from ._usercode import StepInputs, call
+from .._errors import EqshardError, Problem, problem_of
+from .._process._usercode import StepInputs, call
+from .._specfile._file import Rules
 
 if TYPE_CHECKING:
-    from ._report import LeafRow
-    from ._targets import CompileTarget
+    from .._cost._targets import CompileTarget
+    from .._report import LeafRow
 
 __all__ = [
     "HBM",
@@ -89,7 +89,7 @@ class CheckResult:
 
     @property
     def bytes_per_device(self) -> int | None:
-        from ._report import total_bytes_per_device
+        from .._report import total_bytes_per_device
 
         return total_bytes_per_device(self.rows)
 
@@ -156,7 +156,7 @@ class CheckResult:
 
 def _leaf_row(entry: Mapping[str, Any]) -> LeafRow:
     """The row a `dataclasses.asdict(row)` entry describes (JSON makes its shape a list)."""
-    from ._report import LeafRow
+    from .._report import LeafRow
 
     names = {field.name for field in dataclasses.fields(LeafRow)}
     values = {key: value for key, value in entry.items() if key in names}
@@ -207,9 +207,9 @@ def check(
     """
     import jax
 
-    from ._fields import is_array_like, is_stateful_pair
-    from ._plan import make_plan
-    from ._report import device_bytes_per_device, leaf_rows
+    from .._fields import is_array_like, is_stateful_pair
+    from .._plan import make_plan
+    from .._report import device_bytes_per_device, leaf_rows
 
     state_leaves = 0
     if is_stateful_pair(model):
@@ -271,7 +271,7 @@ HBM = "the chip's HBM"  # where a check on a TPU slice takes its memory limit fr
 
 def _slice(name: str) -> CompileTarget:
     """The TPU slice `name`."""
-    from ._targets import compile_target
+    from .._cost._targets import compile_target
 
     return compile_target(name)
 
@@ -286,7 +286,7 @@ def check_slices(names: Sequence[str], devices: Sequence[int] | None = None) -> 
     `UsageError` (exit code 2) where libtpu is not installed, or where `devices`
     holds another count than a slice's.
     """
-    from ._errors import UsageError
+    from .._errors import UsageError
 
     for name in names:
         on = _slice(name)
@@ -323,7 +323,7 @@ def needed_text(cost: Mapping[str, Any] | None, state_leaves: int) -> str:
 
 def limit_text(limit: Mapping[str, Any]) -> str:
     """`--max-memory 74.5 GiB`, or `the chip's HBM, 16 GiB`."""
-    from ._report import human_bytes
+    from .._report import human_bytes
 
     size = human_bytes(int(limit["bytes"])).replace(".0 ", " ")
     return f"{HBM}, {size}" if limit["from"] == HBM else f"--max-memory {size}"
@@ -332,7 +332,7 @@ def limit_text(limit: Mapping[str, Any]) -> str:
 def _memory_problem(
     source: str, where: str, needed: int, what: str, limit: Mapping[str, Any]
 ) -> Problem:
-    from ._report import human_bytes
+    from .._report import human_bytes
 
     return Problem(
         source,
@@ -348,8 +348,8 @@ def _cost_entry(
     on a TPU `target` the rules), as `CheckResult.cost` holds it. A stateful model's
     step takes the model alone, then the state (in `step.args`): the plan, made for
     `(model, state)`, lays out both."""
-    from ._cost import cost
-    from ._fields import is_stateful_pair
+    from .._cost._driver import cost
+    from .._fields import is_stateful_pair
 
     first = model[0] if is_stateful_pair(model) else model
     count = devices if target is None else None  # a slice has its devices

@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from ._errors import EqshardError, UsageError
+from .._errors import EqshardError, UsageError
 from ._hardware import HARDWARE, Hardware
 
 __all__ = ["CompileTarget", "compile_target"]

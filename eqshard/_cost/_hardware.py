@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from ._errors import EqshardError
+from .._errors import EqshardError
 
 __all__ = [
     "HARDWARE",

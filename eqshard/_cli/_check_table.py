@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .._cost._hardware import seconds_text
+from .._errors import problem_of
 from ._check import HBM, CheckResult, devices_text, limit_text, needed_text
-from ._errors import problem_of
-from ._hardware import seconds_text
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -27,7 +27,7 @@ def result_table(result: CheckResult) -> Table:
     """The per-leaf table of one check. A leaf that an unused rule was likely meant
     for (the one its "did you mean" matches, or one an earlier rule took from it)
     has the warning in its `from` cell: `default (warning: $.rules[4])`."""
-    from ._report import leaf_table
+    from .._report import leaf_table
 
     flags: dict[str, str] = {}
     for entry in result.warnings:
@@ -40,7 +40,7 @@ def result_table(result: CheckResult) -> Table:
 def warning_lines(result: CheckResult, limit: int = 12) -> list[str]:
     """The warnings of one check, for right under its table: `warning: ` and each,
     grouped by message (`problem_lines`), in at most `limit` lines."""
-    from ._errors import problem_lines
+    from .._errors import problem_lines
 
     problems = [problem_of(entry) for entry in result.warnings]
     more = "--format json lists every one"
@@ -49,7 +49,7 @@ def warning_lines(result: CheckResult, limit: int = 12) -> list[str]:
 
 def _communication(cost: Mapping[str, Any]) -> list[str]:
     """`all-reduce over data 514.0 KiB`, one per kind of collective and mesh axes."""
-    from ._report import human_bytes
+    from .._report import human_bytes
 
     return [
         f"{entry['kind']}{' over ' + '+'.join(entry['axes']) if entry['axes'] else ''} "
@@ -61,7 +61,7 @@ def _communication(cost: Mapping[str, Any]) -> list[str]:
 def cost_line(cost: Mapping[str, Any]) -> str:
     """One line of what a step costs: memory per device, communication per step,
     and the estimate on the target's chip, else an H100 (a `CheckResult.cost`)."""
-    from ._report import human_bytes
+    from .._report import human_bytes
 
     memory = f"parameters {human_bytes(cost['parameters'])}"
     if cost.get("state"):
@@ -111,7 +111,7 @@ def memory_line(result: CheckResult) -> str | None:
     """The memory limit of one check, where it has one, and whether it holds:
     `max memory: the chip's HBM, 16 GiB per device (no --max-memory given); the step
     needs 1.1 MiB: it fits`."""
-    from ._report import human_bytes
+    from .._report import human_bytes
 
     limit = result.max_memory
     if limit is None or limit.get("needed") is None:
@@ -139,7 +139,7 @@ def summary_table(results: Sequence[CheckResult]) -> Table:
     from rich.table import Table
     from rich.text import Text
 
-    from ._report import human_bytes
+    from .._report import human_bytes
 
     table = Table(title=Text("the checks side by side"), title_justify="left")
     table.add_column("spec")

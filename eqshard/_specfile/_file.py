@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
-from ._errors import (
+from .._errors import (
     EqshardError,
     ExpressionError,
     PathError,
@@ -41,14 +41,14 @@ from ._errors import (
     in_file,
     whole_number,
 )
-from ._expression import Expression, parse
-from ._fit import MeshShape
-from ._fsdp import FSDP, FSDP_WORD
-from ._paths import parse as parse_path
+from .._expression import Expression, parse
+from .._fit import MeshShape
+from .._fsdp import FSDP, FSDP_WORD
+from .._paths._grammar import parse as parse_path
 
 if TYPE_CHECKING:
-    from ._resolver import Resolution, Target
-    from ._rules import Match
+    from .._protocol import Resolution, Target
+    from .._rules import Match
 
 __all__ = [
     "MAX_BYTES",
@@ -215,12 +215,12 @@ class Rules:
         and dims-derived expressions that do not fit their annotation (or, for
         logical axes, `target`'s mesh).
         """
-        from ._rules import match_rules
+        from .._rules import match_rules
 
         return match_rules(self, model, target)
 
     def __eqshard_resolve__(self, model: Any, target: Target) -> Resolution:
-        from ._rules import resolve_rules
+        from .._rules import resolve_rules
 
         return resolve_rules(self, model, target)
 
@@ -742,8 +742,8 @@ def _rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:
     """
     import jax  # a spec tree is a pytree: this needs JAX
 
-    from ._fields import key_paths, leaf_name
-    from ._paths import name, segments
+    from .._fields import key_paths, leaf_name
+    from .._paths._grammar import name, segments
 
     found: list[Rule] = []
     problems: list[Problem] = []

@@ -44,7 +44,7 @@ import equinox as eqx
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxprLiteral
 
-from ._errors import StepError
+from .._errors import StepError
 
 __all__ = ["Role", "abstract_leaf", "tensor_roles"]
 

@@ -22,16 +22,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .._errors import EqshardError, StepError
+from .._expression import Expression
+from .._fields import is_array_like
+from .._plan import Plan, Spec, plan
+from .._report import LeafRow, leaf_rows, memory_kind
+from .._sharding import AnyMesh, Device, device_count, on_devices
+from .._specfile._file import Rules, batch_expression
+from .._step import Donate, Lowered, Step, abstract_array, planned_for
 from . import _hlo
-from ._errors import EqshardError, StepError
-from ._expression import Expression
-from ._fields import is_array_like
 from ._hardware import HARDWARE, Estimate, Hardware, Moved, hardware_profile, roofline
-from ._plan import Plan, Spec, plan
-from ._report import LeafRow, leaf_rows, memory_kind
-from ._sharding import AnyMesh, Device, device_count, on_devices
-from ._specfile import Rules, batch_expression
-from ._step import Donate, Lowered, Step, abstract_array, planned_for
 from ._targets import CompileTarget, compile_target
 
 __all__ = ["HARDWARE", "Collective", "Cost", "Estimate", "Hardware", "Memory", "cost"]
@@ -635,7 +635,7 @@ def _spec_name(spec: Any) -> str:
     return f"a spec of type {type(spec).__name__}"
 
 
-def _bare(tree: Any) -> Any:
+def unplaced(tree: Any) -> Any:
     """`tree` with every array abstract and without a sharding: nothing in it holds
     this process's devices, so it can cross to another process."""
     return jax.tree_util.tree_map(
@@ -655,12 +655,18 @@ def _in_a_process_of_its_own(
     step: Any, model: Any, args: tuple[Any, ...], spec: Any, batch: str | None, devices: int
 ) -> Cost:
     """`cost` on `devices` simulated CPU devices, in a worker process that has them
-    (`eqshard._workers.start_worker`: this process's `sys.path`, errors raised here
+    (`eqshard._process._workers.start_worker`: this process's `sys.path`, errors raised here
     as the same class); the step, the abstract arguments and the spec travel in the
     request with cloudpickle, the `Cost` in the answer."""
     import os
 
-    from ._workers import pickled, start_worker, unpickled, without_device_count, worker_answer
+    from .._process._workers import (
+        pickled,
+        start_worker,
+        unpickled,
+        without_device_count,
+        worker_answer,
+    )
 
     try:
         import cloudpickle  # noqa: F401
@@ -677,12 +683,14 @@ def _in_a_process_of_its_own(
             "pass the spec it was made from"
         )
     work = pickled(
-        (step, _bare(model), _bare(args), spec),
+        (step, unplaced(model), unplaced(args), spec),
         "the step, its arguments or the spec",
         "define the step at the top level of a module, or in the script being run",
     )
     request = {"devices": devices, "batch": batch, "work": work}
-    worker = start_worker(request, "eqshard._cost:_worker", without_device_count(os.environ))
+    worker = start_worker(
+        request, "eqshard._cost._driver:_worker", without_device_count(os.environ)
+    )
     document = worker_answer(
         worker,
         _TIMEOUT_SECONDS,
@@ -694,17 +702,17 @@ def _in_a_process_of_its_own(
 
 def _worker() -> int:
     """The other side of `_in_a_process_of_its_own` (a worker's entry): `cost` on
-    the request's device count, answered as `eqshard._workers.serve` answers: the
+    the request's device count, answered as `eqshard._process._workers.serve` answers: the
     `Cost`, pickled, or the error."""
-    from ._workers import serve
+    from .._process._workers import serve
 
     return serve(_cost_here)
 
 
 def _cost_here(request: Any) -> str:
     """The worker's `cost`, JAX not yet started."""
-    from ._errors import whole_number
-    from ._workers import pickled, unpickled
+    from .._errors import whole_number
+    from .._process._workers import pickled, unpickled
 
     devices = whole_number(request["devices"], "devices")
     jax.config.update("jax_platforms", "cpu")

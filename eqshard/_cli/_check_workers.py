@@ -18,16 +18,16 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .._errors import EqshardError, whole_number
+from .._process._usercode import abstract_model, step_inputs
+from .._process._workers import Worker, serve, start_worker, worker_answer
 from ._check import CheckResult, check, check_slices
-from ._errors import EqshardError, whole_number
-from ._usercode import abstract_model, step_inputs
-from ._workers import Worker, serve, start_worker, worker_answer
 
 __all__ = ["WORKERS", "WORKER_TIMEOUT_SECONDS", "check_in_processes", "main_worker"]
 
 WORKER_TIMEOUT_SECONDS = 1800.0  # one device count: import, build abstractly, lay out
 WORKERS = 4  # device counts checked at once, at most one per CPU core
-_ENTRY = "eqshard._check_workers:main_worker"  # what each worker runs
+_ENTRY = "eqshard._cli._check_workers:main_worker"  # what each worker runs
 
 
 def check_in_processes(
@@ -122,7 +122,7 @@ def _in_one_process(
         wanted.setdefault(source, []).append(n)
     checks = [{"spec": source, "devices": counts} for source, counts in wanted.items()]
     worker = start_worker({**request, "checks": checks}, _ENTRY)
-    from . import _report  # noqa: F401  (JAX, for the results' rows, while it runs)
+    from .. import _report  # noqa: F401  (JAX, for the results' rows, while it runs)
 
     counts = ", ".join(map(str, dict.fromkeys(n for _, n in each)))
     found = _answer(f"checking on {counts}{' devices' * _all_counts(each)}", worker, timeout)
@@ -149,7 +149,7 @@ def _steps_in_processes(
         ]
         try:
             if not results:  # JAX, for the results' rows, imported while the workers run
-                from . import _report  # noqa: F401
+                from .. import _report  # noqa: F401
             for key, worker in running:
                 (results[key],) = _answer(f"checking on {key[1]} devices", worker, timeout)
         finally:
@@ -172,7 +172,7 @@ def main_worker() -> int:
     """Checks in this fresh process, for `check_in_processes`.
 
     `check_in_processes` runs it with `python -c`, after setting `sys.path` to its
-    own; by hand, run `python -m eqshard._check_workers`. It reads one JSON request from
+    own; by hand, run `python -m eqshard._cli._check_workers`. It reads one JSON request from
     stdin, `{"checks": [{"spec": PATH, "devices": [N, ...]}, ...], "model":
     "MODULE:CALLABLE", "strict": BOOL}` (a TPU slice's name, `"v5e:4x4"`, may stand
     for a count N), with optionally `"step"`, `"optimizer"`, `"batch"`
@@ -214,7 +214,7 @@ def _check_all(request: Mapping[str, Any]) -> list[CheckResult]:
     """The worker's checks, JAX not yet started."""
     import jax
 
-    from ._specfile import load
+    from .._specfile._file import load
 
     checks = [
         (str(entry["spec"]), [_count_or_slice(n) for n in entry["devices"]])
@@ -270,5 +270,5 @@ def _count_or_slice(entry: Any) -> int | str:
     return entry if isinstance(entry, str) else whole_number(entry, "devices")
 
 
-if __name__ == "__main__":  # `python -m eqshard._check_workers`: one worker
+if __name__ == "__main__":  # `python -m eqshard._cli._check_workers`: one worker
     raise SystemExit(main_worker())

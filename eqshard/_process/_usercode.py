@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._errors import EqshardError, ModelError
+from .._errors import EqshardError, ModelError
 
 __all__ = ["StepInputs", "abstract_model", "call", "step_inputs", "user_callable"]
 
@@ -174,7 +174,7 @@ def step_inputs(
     values (`np.asarray` of a JAX array) is run once on the host instead. For a
     stateful model, `(model, state)`, the optimizer's state is built from the
     model's parameters, and the step takes the state after the model."""
-    from ._fields import is_stateful_pair
+    from .._fields import is_stateful_pair
 
     _, fn = user_callable(
         step,

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ._errors import EqshardError, SpecError, UnreadableError, whole_number
+from .._errors import EqshardError, SpecError, UnreadableError, whole_number
 
 __all__ = ["main"]
 
@@ -26,7 +26,7 @@ def _use_devices(count: int | None) -> None:
     """
     import jax
 
-    from ._sharding import backends_started
+    from .._sharding import backends_started
 
     if backends_started():
         return
@@ -110,14 +110,14 @@ _device_count = _at_most(MAX_SIMULATED, "simulated devices")
 
 def _layout_count(text: str) -> int:
     """An argparse type: a device count to lay out on, abstractly."""
-    from ._layout import MAX_DEVICES  # no JAX
+    from .._layout import MAX_DEVICES  # no JAX
 
     return _at_most(MAX_DEVICES, "devices, the most a JAX sharding can describe")(text)
 
 
 def _memory_size(text: str) -> int:
     """An argparse type: bytes, as `80GB`, `16GiB`, `1.5TB` or a plain byte count."""
-    from ._hardware import memory_size  # no JAX
+    from .._cost._hardware import memory_size  # no JAX
 
     try:
         return memory_size(text)
@@ -134,9 +134,9 @@ def _show(args: argparse.Namespace) -> int:
     _use_devices(args.devices)
     import jax
 
-    from ._expression import parse
-    from ._picture import describe
-    from ._sharding import sharding
+    from .._expression import parse
+    from .._picture import describe
+    from .._sharding import sharding
 
     expr = parse(args.expression)
     devices = jax.devices()
@@ -171,8 +171,8 @@ def _emit_json(payload: object) -> None:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from ._errors import problem_lines
-    from ._specfile import load
+    from .._errors import problem_lines
+    from .._specfile._file import load
 
     code, report = 0, []
     for name in args.files:
@@ -207,8 +207,8 @@ def _check_in_processes() -> bool:
 
 def _batch_spec(text: str | None) -> str | None:
     """`--batch-spec`, checked (a complete expression) before any worker starts."""
-    from ._errors import ExpressionError
-    from ._specfile import batch_expression  # no JAX
+    from .._errors import ExpressionError
+    from .._specfile._file import batch_expression  # no JAX
 
     if text is None:
         return None
@@ -219,7 +219,7 @@ def _batch_spec(text: str | None) -> str | None:
 
 
 def _check_command(args: argparse.Namespace) -> int:
-    from ._specfile import load
+    from .._specfile._file import load
 
     for option, value in (
         ("--batch", args.batch),
@@ -272,8 +272,8 @@ def _check_command(args: argparse.Namespace) -> int:
             _use_devices(most)
         import jax
 
+        from .._process._usercode import abstract_model, step_inputs
         from ._check import check, check_slices
-        from ._usercode import abstract_model, step_inputs
 
         if targets:
             check_slices(targets, args.devices)
@@ -299,6 +299,9 @@ def _check_command(args: argparse.Namespace) -> int:
                 batch=batch_spec,
             )
 
+    from .._errors import problem_lines
+    from .._fsdp import is_fsdp_replicated
+    from .._report import human_bytes
     from ._check import devices_text
     from ._check_table import (
         compiler_line,
@@ -308,9 +311,6 @@ def _check_command(args: argparse.Namespace) -> int:
         summary_table,
         warning_lines,
     )
-    from ._errors import problem_lines
-    from ._fsdp import is_fsdp_replicated
-    from ._report import human_bytes
 
     if args.format == "json":
         _emit_json({"ok": all(r.ok for r in results), "checks": [r.to_json() for r in results]})
@@ -370,14 +370,14 @@ def _step_request(args: argparse.Namespace) -> dict[str, object]:
 
 def _suggest_command(args: argparse.Namespace) -> int:
     _step_options("suggest", args)
-    from ._cli_suggest_diff import run
+    from ._suggest_diff import run
 
     request = {**_step_request(args), "max_memory": args.max_memory, "workers": args.workers}
     ranked = run("suggest", request, here=not _check_in_processes())
     best = ranked.best
     written = None
     if args.write is not None and best is not None:
-        from ._specfile import dump
+        from .._specfile._file import dump
 
         dump(best.rules, args.write)
         written = args.write
@@ -404,7 +404,7 @@ def _suggest_command(args: argparse.Namespace) -> int:
 
 
 def _diff_command(args: argparse.Namespace) -> int:
-    from ._specfile import load  # no JAX: a file that does not load is said at once
+    from .._specfile._file import load  # no JAX: a file that does not load is said at once
 
     _step_options("diff", args)
     a, b = load(args.a), load(args.b)
@@ -415,7 +415,7 @@ def _diff_command(args: argparse.Namespace) -> int:
                 f"{count} devices: --step compiles the step on simulated devices, up to "
                 f"{MAX_SIMULATED}, or with --target on a TPU slice's, any number"
             )
-    from ._cli_suggest_diff import run
+    from ._suggest_diff import run
 
     found = run(
         "diff", {**_step_request(args), "a": args.a, "b": args.b}, here=not _check_in_processes()
@@ -429,7 +429,7 @@ def _diff_command(args: argparse.Namespace) -> int:
 
 
 def _schema(args: argparse.Namespace) -> int:
-    from ._specfile import schema
+    from .._specfile._file import schema
 
     _emit_json(schema())
     return 0

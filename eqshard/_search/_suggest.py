@@ -4,7 +4,7 @@
 mesh of the device count, then `rank` costs each candidate with `eqshard.cost`: its
 `Rules` as the spec, compiled by XLA:CPU on simulated devices, or for a TPU slice by
 XLA:TPU through libtpu. Compiling is the slow part, so candidates are compiled in
-worker processes (`_workers.py`, the one protocol), up to one per core. Each worker
+worker processes (`_process/_workers.py`, the one protocol), up to one per core. Each worker
 starts JAX once (or loads libtpu once), receives the step and the abstract model and
 arguments once, and costs its share of the candidates in turn; a candidate that fails
 to compile is listed with its error, and the others are ranked.
@@ -23,17 +23,17 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
+from .._cost._hardware import HARDWARE, memory_size, seconds_text
+from .._errors import EqshardError, whole_number
+from .._fit import mesh_text
+from .._specfile._file import Rules
 from ._candidates import Candidate
-from ._errors import EqshardError, whole_number
-from ._fit import mesh_text
-from ._hardware import HARDWARE, memory_size, seconds_text
-from ._specfile import Rules
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from ._cost import Cost
-    from ._targets import CompileTarget
+    from .._cost._driver import Cost
+    from .._cost._targets import CompileTarget
 
 __all__ = [
     "Ranked",
@@ -89,7 +89,7 @@ def communication(found: Cost) -> dict[str, int]:
 
 
 def _bytes(n: int) -> str:
-    from ._report import human_bytes
+    from .._report import human_bytes
 
     return human_bytes(n)
 
@@ -382,7 +382,7 @@ def placement(devices: int | None, target: str | None) -> tuple[int, CompileTarg
                 f"`devices={devices!r}` and `target={target!r}` are both given; the slice has "
                 "its devices: give one of them"
             )
-        from ._targets import compile_target
+        from .._cost._targets import compile_target
 
         on = compile_target(target)
         return len(on.devices), on
@@ -471,12 +471,12 @@ def rank(
     if workers == 0:
         results = [_cost_one(step, model, args, c.rules, n, target) for c in candidates]
     else:
-        from ._cost import _bare
-        from ._workers import pickled
+        from .._cost._driver import unplaced
+        from .._process._workers import pickled
 
         inputs = {
             "pickle": pickled(
-                (step, _bare(model), _bare(args)),
+                (step, unplaced(model), unplaced(args)),
                 "the step or its arguments",
                 "define the step at the top level of a module, or in the script being run "
                 "(cloudpickle, `pip install 'eqshard[cost]'`, sends the script's by value)",
@@ -490,7 +490,7 @@ def _cost_one(
     step: Any, model: Any, args: Sequence[Any], rules: Rules, devices: int, target: str | None
 ) -> Cost | str:
     """`eqshard.cost` of one candidate, or why it failed."""
-    from ._cost import cost
+    from .._cost._driver import cost
 
     try:
         return cost(
@@ -574,7 +574,13 @@ def compile_in_workers(
     fails its share, each with that message; an error it answers (its inputs cannot
     be read or built) is raised here.
     """
-    from ._workers import pickled, start_worker, unpickled, without_device_count, worker_answer
+    from .._process._workers import (
+        pickled,
+        start_worker,
+        unpickled,
+        without_device_count,
+        worker_answer,
+    )
 
     if not candidates:
         return []
@@ -595,7 +601,7 @@ def compile_in_workers(
                     "report it as a bug in eqshard",
                 ),
             }
-            running.append((share, start_worker(request, "eqshard._suggest:_worker", env)))
+            running.append((share, start_worker(request, "eqshard._search._suggest:_worker", env)))
         for share, worker in running:
             doing = f"costing {len(share)} candidates on {_where(devices, target)}"
             try:
@@ -622,7 +628,7 @@ def compile_in_workers(
 
 def _worker() -> int:
     """A worker's entry (`compile_in_workers`): costs its share of the candidates."""
-    from ._workers import serve
+    from .._process._workers import serve
 
     return serve(_costs_here)
 
@@ -632,8 +638,8 @@ def _costs_here(request: Mapping[str, Any]) -> list[dict[str, str]]:
     pickled Cost}` or `{"error": why}`."""
     import jax
 
-    from ._cost import portable
-    from ._workers import pickled, unpickled
+    from .._cost._driver import portable
+    from .._process._workers import pickled, unpickled
 
     target = request.get("target")
     devices = whole_number(request["devices"], "devices")
@@ -663,7 +669,7 @@ def _inputs(entry: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...]]:
     pickled, or built by the function it names."""
     import importlib
 
-    from ._workers import unpickled
+    from .._process._workers import unpickled
 
     if "pickle" in entry:
         step, model, args = unpickled(entry["pickle"], "the step or its arguments")

@@ -37,7 +37,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._paths import DEEP, match, render
+from ._grammar import DEEP, match, render
 
 __all__ = ["readable_rules"]
 

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import EqshardError, SpecError
-from ._fit import mesh_text
-from ._hardware import seconds_text
+from .._cost._hardware import seconds_text
+from .._errors import EqshardError, SpecError
+from .._fit import mesh_text
 
 if TYPE_CHECKING:
-    from ._cost import Cost
-    from ._plan import Plan
-    from ._report import LeafRow
+    from .._cost._driver import Cost
+    from .._plan import Plan
+    from .._report import LeafRow
 
 __all__ = ["Diff", "LeafChange", "diff"]
 
@@ -51,7 +51,7 @@ class LeafChange:
     def line(self) -> str:
         """`blocks.up.weight: '... o i -> ... o i' P() -> '... o i -> ... o* i'
         P(None, 'model', None) (128.0 KiB -> 16.0 KiB per device)`."""
-        from ._report import human_bytes
+        from .._report import human_bytes
 
         def side(row: LeafRow) -> str:
             expression = "(no expression)" if row.expression is None else repr(row.expression)
@@ -184,7 +184,7 @@ def _cost_json(c: Cost) -> dict[str, Any]:
 
 def _change(a: int, b: int) -> str:
     """`1.2 MiB -> 600.0 KiB (-50%)`."""
-    from ._report import human_bytes
+    from .._report import human_bytes
 
     text = f"{human_bytes(a)} -> {human_bytes(b)}"
     if a and a != b:
@@ -194,7 +194,7 @@ def _change(a: int, b: int) -> str:
 
 def _cost_lines(a: Cost, b: Cost) -> list[str]:
     """The change in memory per device, communication per mesh axis, and estimate."""
-    from ._report import human_bytes
+    from .._report import human_bytes
     from ._suggest import communication
 
     peak = "peak" if a.target else "peak (XLA:CPU)"
@@ -246,7 +246,7 @@ def _layout_key(sharding: Any, shape: tuple[int, ...]) -> Any:
     leaf with no sharding."""
     if sharding is None:
         return None
-    from ._report import memory_kind
+    from .._report import memory_kind
 
     mesh = sharding.mesh
     sizes, names = tuple(int(s) for s in mesh.axis_sizes), tuple(mesh.axis_names)
@@ -259,8 +259,8 @@ def _layout_key(sharding: Any, shape: tuple[int, ...]) -> Any:
 
 def _laid_out(p: Plan) -> dict[str, tuple[LeafRow, Any]]:
     """Each array leaf's row and layout key, by path."""
-    from ._fields import is_array_like
-    from ._report import leaf_rows
+    from .._fields import is_array_like
+    from .._report import leaf_rows
 
     shardings = [s for leaf, s in zip(p.resolved.leaves, p.flat_shardings) if is_array_like(leaf)]
     return {row.path: (row, _layout_key(s, row.shape)) for row, s in zip(leaf_rows(p), shardings)}
@@ -282,7 +282,7 @@ def _plan_mesh(p: Plan) -> str:
 
 
 def _spec_name(spec: Any) -> str:
-    from ._specfile import Rules
+    from .._specfile._file import Rules
 
     if isinstance(spec, Rules):
         return spec.source
@@ -339,9 +339,9 @@ def diff(
     `EqshardError` when `args` are given without a step, `devices` and `target` are
     both given, or as `eqshard.cost` raises.
     """
-    from ._fields import is_stateful_pair
-    from ._plan import Plan, plan
-    from ._specfile import Rules, load
+    from .._fields import is_stateful_pair
+    from .._plan import Plan, plan
+    from .._specfile._file import Rules, load
 
     if args and step is None:
         raise EqshardError(
@@ -373,7 +373,7 @@ def diff(
     )
     costs = None
     if step is not None:
-        from ._cost import cost
+        from .._cost._driver import cost
 
         first = model[0] if is_stateful_pair(model) else model
         count = None if target is not None else n
