@@ -6,7 +6,7 @@ groups, one `jax.jit` each with `out_shardings`: XLA's SPMD partitioner splits t
 computation, random-number generation included (JAX's partitionable threefry), so
 each device computes and holds only its shards, and XLA drops the rest of the
 factory as dead code. Each group is lowered with threefry unrolled on CPU
-(`_rng_lowering`), so its program holds no random-number temporaries: JAX's rolled
+(`_compat.unrolled_threefry`), so its program holds no random-number temporaries: JAX's rolled
 CPU lowering keeps about 3x every random leaf's shard alive, and one `jit` for the
 whole model then peaks at about 2.3 times the model's bytes; a group whose leaves
 need a matrix product, a reduction or another op whose rounding depends on fusion
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 import types
 from collections.abc import Callable
@@ -32,11 +31,11 @@ import jax
 import jax.core
 import numpy as np
 
+from ._compat import dce_jaxpr, subjaxprs, unrolled_threefry, warn_once
 from ._derive import plan_for
 from ._errors import EqshardError, Problem, SpecError
 from ._fields import FROM_FIELDS, leaf_name
 from ._plan import Plan, Spec, Unspecified
-from ._rng_lowering import unrolled_threefry
 from ._sharding import AnyMesh, Devices, local_devices, on_devices
 from ._values import unplaceable
 
@@ -394,7 +393,12 @@ def _compiled(factory: Callable[[], Any], plan: Plan, group: list[int]) -> Any:
     traced = _initializer(factory, plan, group).trace()
     if _reorders(traced.jaxpr):
         return traced.lower().compile()
-    with unrolled_threefry():
+    try:
+        unrolled = unrolled_threefry()
+    except EqshardError as error:
+        warn_once(error, "lowers init's random numbers as JAX does, with their temporaries")
+        return traced.lower().compile()
+    with unrolled:
         return traced.lower().compile()
 
 
@@ -419,22 +423,20 @@ _REORDERING = {
 def _reorders(closed: Any) -> bool:
     """Whether the part of `closed` its outputs need holds an op whose float
     arithmetic XLA may order otherwise when a draw is fused into it. Errs towards
-    yes: where JAX's private jaxpr tools are not there, every group is lowered as
-    JAX lowers it (more memory, the same values)."""
+    yes: where this JAX keeps its jaxpr tools elsewhere, every group is lowered as
+    JAX lowers it (more memory, the same values), with a `VersionWarning`."""
     try:
-        pe = importlib.import_module("jax._src.interpreters.partial_eval")
-        core = importlib.import_module("jax._src.core")
-        jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-        subjaxprs = core.subjaxprs
-    except (ImportError, AttributeError, TypeError, ValueError):
+        jaxpr = dce_jaxpr(closed.jaxpr)
+
+        def any_in(jaxpr: Any) -> bool:
+            for eqn in jaxpr.eqns:
+                name = eqn.primitive.name
+                prefixed = name.startswith(("reduce_", "cum", "arg"))
+                if name in _REORDERING or (prefixed and name != "reduce_precision"):
+                    return True
+            return any(any_in(sub) for sub in subjaxprs(jaxpr))
+
+        return any_in(jaxpr)
+    except EqshardError as error:
+        warn_once(error, "lowers init's random numbers as JAX does, with their temporaries")
         return True
-
-    def any_in(jaxpr: Any) -> bool:
-        for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            prefixed = name.startswith(("reduce_", "cum", "arg"))
-            if name in _REORDERING or (prefixed and name != "reduce_precision"):
-                return True
-        return any(any_in(sub) for sub in subjaxprs(jaxpr))
-
-    return any_in(jaxpr)

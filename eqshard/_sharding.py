@@ -38,7 +38,6 @@ __all__ = [
     "Devices",
     "Placement",
     "abstract_mesh",
-    "backends_started",
     "cached_sharding",
     "context_mesh",
     "device_count",
@@ -346,12 +345,3 @@ def sharding(
     if on is not None:
         return sharding_on(expr, shape_of(shape), on)
     return cached_sharding(expr, shape_of(shape), placement(devices))
-
-
-def backends_started() -> bool:
-    """Whether JAX has started its backends, after which the device count is fixed."""
-    try:
-        from jax._src.xla_bridge import backends_are_initialized
-    except ImportError:  # not in this JAX: the caller's `jax.config.update` raises
-        return False
-    return backends_are_initialized()

@@ -13,7 +13,6 @@ import pytest
 
 import eqshard
 from eqshard._init import _compiled, _groups
-from eqshard._rng_lowering import unrolled_threefry
 
 
 class Block(eqx.Module):
@@ -188,25 +187,6 @@ def test_no_device_holds_more_of_a_leaf_than_its_shard():
         ]
         assert max(sizes) <= max(shards)
     assert max(int(np.prod(shard[i])) for i in arrays) < 512**2  # every weight is split
-
-
-def test_unrolled_threefry_is_scoped_and_changes_no_value():
-    def uniform(n):
-        return jax.random.uniform(jax.random.key(3), (256, 256), maxval=n)
-
-    def temp(compiled):
-        analysis = compiled.memory_analysis()
-        assert analysis is not None
-        return analysis.temp_size_in_bytes
-
-    with unrolled_threefry() as took_effect:
-        assert took_effect  # JAX still keeps its rules where `_rng_lowering` looks
-        unrolled = jax.jit(functools.partial(uniform, 1.0)).lower().compile()
-    assert temp(unrolled) < 1024
-    # outside the block, the user's programs lower as JAX lowers them (rolled on CPU)
-    rolled = jax.jit(functools.partial(uniform, 1.0)).lower().compile()
-    assert temp(rolled) >= 2 * 256 * 256 * 4
-    assert np.array_equal(np.asarray(unrolled()), np.asarray(rolled()))
 
 
 def test_init_names_a_factory_that_cannot_be_traced():

@@ -195,3 +195,13 @@ def test_the_module_map_names_every_module_and_imports_point_down_it():
         if other not in faces and floors[other] > floors[name]
     )
     assert upward == []
+
+
+def test_only_compat_reads_jax_or_equinox_internals():
+    readers = sorted(
+        name
+        for name, path in MODULES.items()
+        if name != "eqshard._compat"
+        and re.search(r"jax\._src|equinox\._|eqx\._|[.\"]\w+_size_in_bytes\b", path.read_text())
+    )
+    assert readers == []

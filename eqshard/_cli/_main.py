@@ -26,7 +26,7 @@ def _use_devices(count: int | None) -> None:
     """
     import jax
 
-    from .._sharding import backends_started
+    from .._compat import backends_started
 
     if backends_started():
         return

@@ -80,7 +80,7 @@ def _start_jax(devices: int | None) -> None:
     holds); where it has (eqshard used as a library), its devices as they are."""
     import jax
 
-    from .._sharding import backends_started
+    from .._compat import backends_started
 
     if backends_started():
         return

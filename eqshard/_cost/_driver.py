@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .._compat import filter_jit_donation, memory_stats
 from .._errors import EqshardError, StepError
 from .._expression import Expression
 from .._fields import is_array_like
@@ -380,16 +381,12 @@ def _host_bytes(tree: Any) -> int:
 def _memory(held: _Held, compiled: _Compiled) -> Memory:
     """The step's memory per device: the layouts' bytes by part, and XLA's memory
     analysis split into device and host memory (see `Memory`)."""
-    analysis = compiled.memory
-    arguments = getattr(analysis, "argument_size_in_bytes", 0)
-    outputs = getattr(analysis, "output_size_in_bytes", 0) - getattr(
-        analysis, "alias_size_in_bytes", 0
-    )
-    host_arguments = getattr(analysis, "host_argument_size_in_bytes", 0) or 0
-    host_outputs = (getattr(analysis, "host_output_size_in_bytes", 0) or 0) - (
-        getattr(analysis, "host_alias_size_in_bytes", 0) or 0
-    )
-    reported = getattr(analysis, "peak_memory_in_bytes", None)
+    stats = memory_stats(compiled.memory)
+    arguments = stats.arguments
+    outputs = stats.outputs - stats.aliased
+    host_arguments = stats.host_arguments
+    host_outputs = stats.host_outputs - stats.host_aliased
+    reported = stats.peak
     if not (host_arguments or host_outputs):  # counted with the device's: take them out
         host_arguments, host_outputs = compiled.host_arguments, compiled.host_outputs
         arguments, outputs = arguments - host_arguments, outputs - host_outputs
@@ -405,7 +402,7 @@ def _memory(held: _Held, compiled: _Compiled) -> Memory:
         ),
         arguments=max(arguments, 0),
         outputs=max(outputs, 0),
-        temporaries=getattr(analysis, "temp_size_in_bytes", 0),
+        temporaries=stats.temporaries,
         host=_bytes(row for row in every if row.on_host),
         host_arguments=max(host_arguments, 0),
         host_outputs=max(host_outputs, 0),
@@ -749,6 +746,5 @@ def _donation(step: Any) -> Donate:
     `eqx.filter_jit` step's (its donation flags), none for a plain function."""
     if isinstance(step, Step):
         return step.donate
-    first = bool(getattr(step, "donate_first", False))
-    rest = bool(getattr(step, "donate_rest", False))
+    first, rest = filter_jit_donation(step) or (False, False)
     return "all" if first and rest else "all-except-first" if rest else "none"

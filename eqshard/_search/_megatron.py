@@ -44,6 +44,7 @@ import equinox as eqx
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxprLiteral
 
+from .._compat import is_transposed, missing, param
 from .._errors import StepError
 
 __all__ = ["Role", "abstract_leaf", "tensor_roles"]
@@ -127,9 +128,8 @@ def _merged(values: Sequence[_Value]) -> _Value:
 
 
 def _is_backward(eqn: Any) -> bool:
-    """Whether `eqn` belongs to a gradient's transposed computation (JAX names those
-    `transpose(...)` in their name stack)."""
-    return "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
+    """Whether `eqn` belongs to a gradient's transposed computation."""
+    return is_transposed(eqn)
 
 
 @dataclasses.dataclass
@@ -213,7 +213,7 @@ class _Walk:
         view = lhs.view or rhs.view
         if view is None or (lhs.view is not None and rhs.view is not None):
             return [_merged(ins)]  # two activations, or two leaves
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        (lc, rc), (lb, rb) = param(eqn, "dimension_numbers")
         is_lhs = lhs.view is not None
         activation = rhs if is_lhs else lhs
         contracting, batch = (lc, lb) if is_lhs else (rc, rb)
@@ -243,8 +243,8 @@ class _Walk:
         if operand.view is None or indices.view is not None:
             return [out]
         leaf, axes = operand.view
-        numbers = eqn.params["dimension_numbers"]
-        sizes = eqn.params["slice_sizes"]
+        numbers = param(eqn, "dimension_numbers")
+        sizes = param(eqn, "slice_sizes")
         shape = eqn.invars[0].aval.shape
         looked = [a for a in numbers.start_index_map if sizes[a] < shape[a]]
         along = axes[looked[0]] if len(looked) == 1 else None
@@ -255,15 +255,15 @@ class _Walk:
 
     def _transpose(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         (x,) = ins
-        perm = eqn.params["permutation"]
+        perm = param(eqn, "permutation")
         view = None if x.view is None else (x.view[0], tuple(x.view[1][p] for p in perm))
         features = tuple((w, perm.index(a)) for w, a in x.features)
         return [_Value(view, x.sources, features, x.data)]
 
     def _broadcast_in_dim(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         x = ins[0]
-        dims = eqn.params["broadcast_dimensions"]
-        rank = len(eqn.params["shape"])
+        dims = param(eqn, "broadcast_dimensions")
+        rank = len(param(eqn, "shape"))
         out = _merged(ins)
         if x.view is not None:
             axes: list[int | None] = [None] * rank
@@ -294,7 +294,7 @@ class _Walk:
 
     def _squeeze(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         x = ins[0]
-        dropped = {int(d) for d in eqn.params["dimensions"]}
+        dropped = {int(d) for d in param(eqn, "dimensions")}
         kept = [i for i in range(len(eqn.invars[0].aval.shape)) if i not in dropped]
         out = _merged(ins)
         if x.view is not None:
@@ -316,8 +316,8 @@ class _Walk:
 
     # ----------------------------------------------------------------- control flow
     def _scan(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        consts, carries = _scan_counts(eqn.params)
-        body = eqn.params["jaxpr"]
+        consts, carries = _scan_counts(eqn)
+        body = param(eqn, "jaxpr")
         xs = [_sliced(v) for v in ins[consts + carries :]]
         carry = list(ins[consts : consts + carries])
         outs = self._fixed_point(
@@ -326,17 +326,17 @@ class _Walk:
         return [*outs[:carries], *(_merged([v]) for v in outs[carries:])]
 
     def _while(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        cond_n = eqn.params["cond_nconsts"]
-        body_n = eqn.params["body_nconsts"]
+        cond_n = param(eqn, "cond_nconsts")
+        body_n = param(eqn, "body_nconsts")
         body_consts = ins[cond_n : cond_n + body_n]
         carry = list(ins[cond_n + body_n :])
         return self._fixed_point(
-            lambda c: self.closed(eqn.params["body_jaxpr"], [*body_consts, *c]), carry, len(carry)
+            lambda c: self.closed(param(eqn, "body_jaxpr"), [*body_consts, *c]), carry, len(carry)
         )
 
     def _cond(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         found: list[_Value] | None = None
-        for branch in eqn.params["branches"]:
+        for branch in param(eqn, "branches"):
             outs = self.closed(branch, ins[1:])
             found = outs if found is None else [_join(a, b) for a, b in zip(found, outs)]
         index = ins[0]
@@ -439,14 +439,17 @@ def _sliced(value: _Value) -> _Value:
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 
 
-def _scan_counts(params: Any) -> tuple[int, int]:
+def _scan_counts(eqn: Any) -> tuple[int, int]:
     """A scan's number of constants and of carries: its `num_consts` and `num_carry`
     (JAX 0.10), or the sizes of the first two parts of its flat tree of inputs,
     `ft_in` = (consts, carry, xs) (JAX 0.12)."""
-    if "num_consts" in params:
-        return int(params["num_consts"]), int(params["num_carry"])
-    consts, carry, _ = params["ft_in"].elts
-    return len(list(consts.vals)), len(list(carry.vals))
+    if "num_consts" in eqn.params:
+        return int(param(eqn, "num_consts")), int(param(eqn, "num_carry"))
+    try:
+        consts, carry, _ = param(eqn, "ft_in").elts
+        return len(list(consts.vals)), len(list(carry.vals))
+    except (AttributeError, TypeError, ValueError):
+        raise missing("a scan's constants and carries (`ft_in` as consts, carry, xs)") from None
 
 
 def _inner_jaxpr(eqn: Any) -> Any:

@@ -1,0 +1,303 @@
+"""The one place eqshard reads JAX's or Equinox's internals.
+
+Each accessor either returns what it was asked for or raises an `EqshardError`
+that names the JAX (or Equinox) version and what was not where eqshard looks for
+it: never a default that would make a figure or a layout silently wrong. Where a
+caller has a fallback that keeps every value right (the CPU random-number
+lowering, the jaxpr tools `init` uses to choose it), it catches the error and warns
+with a `VersionWarning`, once per process.
+
+`tests/test_compat.py` checks every accessor on the installed JAX, and
+`tests/test_layers.py` that no other module names `jax._src` or an Equinox private.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.metadata
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from ._errors import EqshardError, EqshardWarning, warn
+
+__all__ = [
+    "LARGE",
+    "MemoryStats",
+    "VersionWarning",
+    "backends_started",
+    "dce_jaxpr",
+    "exclude_from_tracebacks",
+    "filter_jit_donation",
+    "is_transposed",
+    "memory_stats",
+    "missing",
+    "param",
+    "subjaxprs",
+    "unrolled_threefry",
+    "version",
+]
+
+
+class VersionWarning(EqshardWarning):
+    """This JAX or Equinox keeps an internal elsewhere than eqshard knows: eqshard
+    falls back to what keeps every value right (more memory, or a slower path)."""
+
+
+def version(package: str = "jax") -> str:
+    """The installed version of `package`, as `importlib.metadata` has it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a checkout
+        module = importlib.import_module(package)
+        return str(getattr(module, "__version__", "unknown"))
+
+
+def missing(what: str, package: str = "jax") -> EqshardError:
+    return EqshardError(
+        f"eqshard cannot read {what} on {package} {version(package)}: it is not where "
+        f"eqshard looks for it. Install a {package} version eqshard supports "
+        "(pyproject.toml's bounds), or report this with the version."
+    )
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(error: EqshardError, fallback: str) -> None:
+    """Warns once per process that `error`'s internal is missing and what eqshard
+    does instead."""
+    text = f"{error} Meanwhile eqshard {fallback}."
+    if text not in _WARNED:
+        _WARNED.add(text)
+        warn([VersionWarning(f"jax {version()}", text)])
+
+
+# JAX's runtime ---------------------------------------------------------------------
+
+
+def backends_started() -> bool:
+    """Whether JAX has started its backends, after which the device count is fixed.
+
+    **Raises:** `EqshardError` where this JAX keeps no `backends_are_initialized`.
+    """
+    try:
+        bridge = importlib.import_module("jax._src.xla_bridge")
+        started = bridge.backends_are_initialized
+    except (ImportError, AttributeError):
+        raise missing("whether its backends have started (xla_bridge)") from None
+    return bool(started())
+
+
+def exclude_from_tracebacks(path: str) -> None:
+    """Hides the frames of the files under `path` from the tracebacks JAX filters,
+    as Equinox hides its own (`jax._src.traceback_util.register_exclusion`).
+
+    **Raises:** `EqshardError` where this JAX keeps no `register_exclusion`.
+    """
+    try:
+        util = importlib.import_module("jax._src.traceback_util")
+        register = util.register_exclusion
+    except (ImportError, AttributeError):
+        raise missing("its traceback filter (traceback_util.register_exclusion)") from None
+    register(path)
+
+
+# Equinox ---------------------------------------------------------------------------
+
+
+def filter_jit_donation(step: Any) -> tuple[bool, bool] | None:
+    """Whether an `eqx.filter_jit` step donates its first argument and the rest;
+    `None` for anything that is not one.
+
+    **Raises:** `EqshardError` for an `eqx.filter_jit` step whose donation is not
+    where this Equinox kept it.
+    """
+    import equinox as eqx
+
+    wrapper: Any = type(eqx.filter_jit(_identity))
+    if not isinstance(step, wrapper):
+        return None
+    try:
+        return bool(step.donate_first), bool(step.donate_rest)
+    except AttributeError:
+        raise missing("an eqx.filter_jit step's donation", "equinox") from None
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+# The compiler's memory analysis ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+    """A compiled program's memory analysis, in bytes per device. `peak` is `None`
+    where the compiler does not report one (XLA:CPU before JAX 0.9)."""
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    host_arguments: int
+    host_outputs: int
+    host_aliased: int
+    peak: int | None
+
+
+_REQUIRED = {
+    "arguments": "argument_size_in_bytes",
+    "outputs": "output_size_in_bytes",
+    "aliased": "alias_size_in_bytes",
+    "temporaries": "temp_size_in_bytes",
+    "host_arguments": "host_argument_size_in_bytes",
+    "host_outputs": "host_output_size_in_bytes",
+    "host_aliased": "host_alias_size_in_bytes",
+}
+
+
+def memory_stats(analysis: Any) -> MemoryStats:
+    """`compiled.memory_analysis()` as `MemoryStats`.
+
+    **Raises:** `EqshardError` where the compiler gave no analysis, or one without
+    a field eqshard reads (the peak may be missing: it is then unknown).
+    """
+    if analysis is None:
+        raise EqshardError(
+            f"the compiler gave no memory analysis (jax {version()}): eqshard cannot "
+            "know this program's memory."
+        )
+    values: dict[str, int] = {}
+    for name, field in _REQUIRED.items():
+        value = getattr(analysis, field, None)
+        if value is None:
+            raise missing(f"the compiler's memory analysis field `{field}`")
+        values[name] = int(value)
+    peak = getattr(analysis, "peak_memory_in_bytes", None)
+    return MemoryStats(**values, peak=None if peak is None else int(peak))
+
+
+# Jaxprs ----------------------------------------------------------------------------
+
+
+def param(eqn: Any, key: str) -> Any:
+    """The parameter `key` of a jaxpr equation.
+
+    **Raises:** `EqshardError` naming the primitive and this JAX where it has none.
+    """
+    params = getattr(eqn, "params", None)
+    if not isinstance(params, Mapping) or key not in params:
+        name = getattr(getattr(eqn, "primitive", None), "name", repr(eqn))
+        raise missing(f"the `{key}` parameter of a `{name}` equation")
+    return params[key]
+
+
+def is_transposed(eqn: Any) -> bool:
+    """Whether a jaxpr equation belongs to a gradient's transposed computation (JAX
+    writes `transpose(...)` into the name stack of those).
+
+    **Raises:** `EqshardError` where this JAX's equations carry no name stack.
+    """
+    try:
+        stack = eqn.source_info.name_stack
+    except AttributeError:
+        raise missing("a jaxpr equation's name stack") from None
+    return "transpose(" in str(stack)
+
+
+def dce_jaxpr(jaxpr: Any) -> Any:
+    """`jaxpr` without the equations its outputs do not need.
+
+    **Raises:** `EqshardError` where this JAX keeps no `dce_jaxpr`.
+    """
+    try:
+        pe = importlib.import_module("jax._src.interpreters.partial_eval")
+        dce: Callable[..., tuple[Any, Any]] = pe.dce_jaxpr
+    except (ImportError, AttributeError):
+        raise missing("its jaxpr dead-code eliminator (partial_eval.dce_jaxpr)") from None
+    pruned, _ = dce(jaxpr, [True] * len(jaxpr.outvars))
+    return pruned
+
+
+def subjaxprs(jaxpr: Any) -> Iterator[Any]:
+    """The jaxprs nested in `jaxpr`'s equations (a `scan`'s body, a `cond`'s branches).
+
+    **Raises:** `EqshardError` where this JAX keeps no `core.subjaxprs`.
+    """
+    try:
+        core = importlib.import_module("jax._src.core")
+        nested: Callable[[Any], Iterator[Any]] = core.subjaxprs
+    except (ImportError, AttributeError):
+        raise missing("the jaxprs nested in a jaxpr (core.subjaxprs)") from None
+    return nested(jaxpr)
+
+
+# Random numbers without temporaries on CPU -----------------------------------------
+#
+# JAX lowers its threefry hash as a rolled `while` loop on CPU (five iterations of
+# four rounds; it compiles faster) and unrolled everywhere else. The loop's state is
+# two `uint32` arrays the size of the output, double-buffered: about 3x the bytes of
+# every random array, alive at once (`temp_size_in_bytes`). Unrolled, XLA fuses the
+# hash into the elementwise loop that writes the output, and the temporaries vanish;
+# the values are the same bits, since both lowerings compute the same function.
+#
+# Random arrays of `LARGE` elements and more are lowered unrolled within
+# `unrolled_threefry()`. Smaller ones (the keys `jax.random.split` makes) keep the
+# rolled loop: they cost no memory to speak of, and XLA 0.12 compiles chains of
+# unrolled hashes (a key split, then a split of that) very slowly. The table is the
+# process's: while the block runs, another thread's CPU `jit` lowers large random
+# arrays unrolled too, which changes no value either.
+
+LARGE = 64  # elements; `split(key, n)` hashes 2n
+_THREEFRY = ("jax._src.random.threefry2x32", "jax._src.prng")  # where JAX has kept it
+_LOCK = threading.RLock()
+
+
+def _threefry_rules() -> tuple[dict[Any, Any], Any, Any]:
+    """JAX's CPU lowering table, the threefry primitive, and its unrolled rule."""
+    try:
+        mlir = importlib.import_module("jax._src.interpreters.mlir")
+        table = mlir._platform_specific_lowerings["cpu"]
+        default = mlir._lowerings
+    except (ImportError, AttributeError, KeyError, TypeError):
+        raise missing("its CPU lowering table (mlir._platform_specific_lowerings)") from None
+    for module in _THREEFRY:
+        try:
+            primitive = importlib.import_module(module).threefry2x32_p
+        except (ImportError, AttributeError):
+            continue
+        if primitive in table and primitive in default:
+            unrolled = getattr(default[primitive], "rule", None)
+            if callable(unrolled) and dataclasses.is_dataclass(table[primitive]):
+                return table, primitive, unrolled
+    raise missing("the threefry primitive's CPU lowering rules")
+
+
+def unrolled_threefry() -> contextlib.AbstractContextManager[None]:
+    """A context within which `jit` lowers threefry over `LARGE` elements or more
+    unrolled on CPU, as it does on GPU and TPU.
+
+    **Raises:** `EqshardError`, when called rather than when entered, where this JAX
+    keeps its lowering rules elsewhere.
+    """
+    return _swapped(*_threefry_rules())
+
+
+@contextlib.contextmanager
+def _swapped(table: dict[Any, Any], primitive: Any, unrolled: Any) -> Iterator[None]:
+    with _LOCK:
+        rolled = table[primitive]
+
+        def rule(ctx: Any, *args: Any, **params: Any) -> Any:
+            large = math.prod(ctx.avals_out[0].shape) >= LARGE
+            return (unrolled if large else rolled.rule)(ctx, *args, **params)
+
+        table[primitive] = dataclasses.replace(rolled, rule=rule)
+        try:
+            yield
+        finally:
+            table[primitive] = rolled
