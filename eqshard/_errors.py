@@ -3,39 +3,29 @@
 Every error eqshard raises on a user's input is an `EqshardError`, which is a
 `ValueError`. Errors about an expression are `ExpressionError`s: they quote the
 expression, put a caret under the fault, then state the rule and the fix. A rule
-path that cannot be read is a `PathError`, shown the same way.
+path that cannot be read is a `PathError`, shown the same way. A `SpecError`
+raises every `Problem` found in one spec at once. `StepError`, `ModelError` and
+`UsageError` are faults of the user's code or of how eqshard was asked, which the
+command line answers with exit code 2. Each class shows as `eqshard.<Name>` in a
+traceback, as `eqshard` exports it. `whole_number` is the one check of a count
+argument, raising an `EqshardError` that names it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import sys
-import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+
+from ._problems import MAX_LINES, Problem, problem_lines
 
 __all__ = [
-    "MAX_LINES",
     "EqshardError",
-    "EqshardWarning",
     "ExpressionError",
-    "MeshWarning",
     "ModelError",
     "PathError",
-    "Problem",
     "SpecError",
     "StepError",
     "UnreadableError",
-    "UnusedRule",
-    "UnusedRuleWarning",
     "UsageError",
-    "in_file",
-    "named",
-    "problem_lines",
-    "problem_of",
-    "unused_message",
-    "warn",
     "whole_number",
 ]
 
@@ -184,119 +174,6 @@ def _display_width(text: str, minimum: int = 0) -> int:
     return max(minimum, width)
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One fault, found while checking a spec against a model or a file.
-
-    - `where`: the leaf's key path (`.blocks[3].attn.query_proj.weight`), a class
-        field (`MLP.w1`), or a file and JSON path (`spec.json::$.rules[2].expr`).
-    - `message`: what is wrong, and how to fix it.
-    - `detail`: more lines to show under the message, such as a caret picture.
-    - `file`: the spec file, when `where` is `file::$.json.path` (a file name may
-        itself hold `::`).
-    """
-
-    where: str
-    message: str
-    detail: str = ""
-    file: str | None = None
-
-    def to_json(self) -> dict[str, str]:
-        """The problem for machines: `where` and `message`, and `file`, `path` (its
-        JSON path) and `detail` where it has them."""
-        entry = {"where": self.where}
-        path = self.json_path
-        if path is not None and self.file is not None:
-            entry.update(file=self.file, path=path)
-        entry["message"] = self.message
-        if self.detail:
-            entry["detail"] = self.detail
-        return entry
-
-    @property
-    def json_path(self) -> str | None:
-        """The `$.json.path` part of `where`, for a problem in a file."""
-        if self.file is None or not self.where.startswith(f"{self.file}::"):
-            return None
-        return self.where[len(self.file) + 2 :]
-
-    def __str__(self) -> str:
-        line = f"{self.where}: {self.message}"
-        return f"{line}\n{self.detail}" if self.detail else line
-
-    @classmethod
-    def from_error(
-        cls, where: str, error: ExpressionError | PathError, context: str = ""
-    ) -> Problem:
-        """The problem an `ExpressionError` (or a `PathError`) makes at `where`:
-        `context`, the rule that was broken, and the caret picture under it."""
-        message = f"{context}: {error.rule}" if context else error.rule
-        return cls(where, message, error.picture)
-
-
-def in_file(problem: Problem, file: str) -> Problem:
-    """`problem`, marked as being in `file` when its `where` is `file::...`."""
-    if problem.file is None and problem.where.startswith(f"{file}::"):
-        return dataclasses.replace(problem, file=file)
-    return problem
-
-
-MAX_LINES = 40
-"""The most lines a list of problems takes as text, whatever the model's size."""
-
-NAMED = 3
-"""How many places a group of problems with one message names; the rest are counted."""
-
-
-def named(places: Sequence[str], limit: int = NAMED) -> str:
-    """The first `limit` of `places`, and a count of the rest: `a, b, c and 5 more`."""
-    shown = ", ".join(places[:limit])
-    return f"{shown} and {len(places) - limit} more" if len(places) > limit else shown
-
-
-def problem_lines(
-    problems: Sequence[Problem],
-    *,
-    limit: int = MAX_LINES,
-    more: str = "`error.problems` lists every one",
-) -> list[str]:
-    """The problems as text, at most `limit` lines, however many there are.
-
-    Problems with the same message and detail are one group: its message is shown
-    once, after the first `NAMED` places it was found and a count of the others
-    (`layers.0.weight (Linear.weight), layers.1.weight (Linear.weight),
-    layers.2.weight (Linear.weight) and 157 more: float32[...] ...`). Groups come in
-    the order of their first problem. When they do not all fit, the last line says
-    how many problems (and distinct messages) are left out, then `more`: where to see
-    every one.
-    """
-    groups: dict[tuple[str, str], list[str]] = {}
-    for problem in problems:
-        groups.setdefault((problem.message, problem.detail), []).append(problem.where)
-    lines: list[str] = []
-    entries = list(groups.items())
-    for k, ((message, detail), places) in enumerate(entries):
-        text = f"{named(places)}: {message}".split("\n")
-        if detail:
-            text += detail.split("\n")
-        room = limit - len(lines) - (k + 1 < len(entries))
-        if len(text) > room and lines:
-            left = entries[k:]
-            count = sum(len(found) for _, found in left)
-            lines.append(
-                f"... and {count} more problem{'s' * (count != 1)} ({len(left)} different "
-                f"message{'s' * (len(left) != 1)}): {more}"
-            )
-            break
-        lines += text[: max(1, room)]
-    return lines
-
-
-def problem_of(entry: Mapping[str, Any]) -> Problem:
-    """The problem a `Problem.to_json()` or `dataclasses.asdict(problem)` entry describes."""
-    return Problem(entry["where"], entry["message"], entry.get("detail") or "", entry.get("file"))
-
-
 class SpecError(EqshardError):
     """Every fault found in one spec, raised once.
 
@@ -346,6 +223,9 @@ class StepError(EqshardError):
     exit_code = 2
 
 
+StepError.__module__ = "eqshard"
+
+
 class ModelError(EqshardError):
     """The user's code named `MODULE:CALLABLE` (the command line's `--model`,
     `--step`, `--optimizer` or `--batch`, or a callable the harness sends to a
@@ -353,6 +233,9 @@ class ModelError(EqshardError):
     in time (exit code 2)."""
 
     exit_code = 2
+
+
+ModelError.__module__ = "eqshard"
 
 
 class UsageError(EqshardError):
@@ -364,175 +247,7 @@ class UsageError(EqshardError):
     exit_code = 2
 
 
-class EqshardWarning(UserWarning):
-    """Base class of eqshard's warnings: a fault that does not stop the work.
-
-    **Attributes:**
-
-    - `where`: the leaf's dotted path or `file::$.json.path`, as in a `Problem`.
-    - `message`: what is wrong, and how to fix it.
-    """
-
-    where: str
-    message: str
-
-    def __init__(self, where: str, message: str):
-        self.where = where
-        self.message = message
-        super().__init__(f"{where}: {message}")
-
-    @property
-    def problems(self) -> list[Problem]:
-        """The same faults as `Problem`s, one per place, for `check --strict`."""
-        return [Problem(self.where, self.message)]
-
-    def to_json(self) -> list[dict[str, Any]]:
-        """The warning for machines: one entry per place, as `Problem.to_json()`
-        writes it, with `kind`, the warning's class name."""
-        return [{"kind": type(self).__name__, **p.to_json()} for p in self.problems]
-
-    def __reduce__(self) -> Any:
-        return (type(self), (self.where, self.message))
-
-
-EqshardWarning.__module__ = "eqshard"
-
-
-@dataclasses.dataclass(frozen=True)
-class UnusedRule:
-    """One rule of a spec file that gave no leaf its expression.
-
-    - `index`: its place in the file's `rules`.
-    - `path`: its path pattern.
-    - `message`: what happened to it, and how to fix it.
-    - `suggestions`: rule paths that match leaves and are close to `path`, closest
-        first (a typo's fix).
-    - `leaves`: the dotted paths of the leaves the first suggestion matches; for a
-        rule that earlier rules shadow, the leaves it matches.
-    """
-
-    index: int
-    path: str
-    message: str
-    suggestions: tuple[str, ...] = ()
-    leaves: tuple[str, ...] = ()
-
-
-UnusedRule.__module__ = "eqshard"
-
-
-class UnusedRuleWarning(EqshardWarning):
-    """Rules of a spec file that gave no leaf of the model its expression: one
-    warning per plan.
-
-    A rule whose path matches no leaf is most often a typo, and the leaves it was
-    written for fall to a broader rule, the dims or the default; its message names
-    the closest rule path that matches leaves, and those leaves.
-
-    **Attributes:** `source` (the file), `unused` (one `UnusedRule` per rule),
-    `hint` (what the tree looks like, when it looks like an optimizer state rather
-    than a model), `section` (where the rules sit in the file: `"$"`, or
-    `"$.optimizer"`), besides `where` and `message`.
-    """
-
-    source: str
-    unused: list[UnusedRule]
-    hint: str
-    section: str
-
-    def __init__(
-        self,
-        source: str,
-        unused: Sequence[UnusedRule | tuple[int, str]],
-        hint: str = "",
-        tree: str = "the model",
-        section: str = "$",
-    ):
-        self.source = source
-        self.section = section
-        self.unused = [
-            rule
-            if isinstance(rule, UnusedRule)
-            else UnusedRule(rule[0], rule[1], unused_message(rule[1]))
-            for rule in unused
-        ]
-        self.hint = hint
-        self.tree = tree
-        first, count = self.unused[0], len(self.unused)
-        if count == 1:
-            where = f"{source}::{section}.rules[{first.index}]"
-            super().__init__(where, self._with_hint(first.message))
-            return
-        lines = [f"{count} rules gave no leaf of {tree} its expression:"]
-        lines += [
-            f"  {section}.rules[{rule.index}]: {rule.message}" for rule in self.unused[:NAMED]
-        ]
-        if count > NAMED:
-            lines.append(f"  and {count - NAMED} more: `warning.problems` lists every one")
-        if hint:
-            lines.append(hint[0].upper() + hint[1:])
-        super().__init__(f"{source}::{section}.rules", "\n".join(lines))
-
-    def _with_hint(self, message: str) -> str:
-        return f"{message}; {self.hint}" if self.hint else message
-
-    @property
-    def problems(self) -> list[Problem]:
-        return [
-            Problem(
-                f"{self.source}::{self.section}.rules[{rule.index}]",
-                self._with_hint(rule.message),
-                file=self.source,
-            )
-            for rule in self.unused
-        ]
-
-    def to_json(self) -> list[dict[str, Any]]:
-        """Per rule, as `EqshardWarning.to_json`, with `rule` (its path pattern),
-        `did_you_mean` (close rule paths that match leaves) and `leaves` (those the
-        first one matches, or those earlier rules took from a shadowed rule)."""
-        return [
-            {
-                **entry,
-                "rule": rule.path,
-                "did_you_mean": list(rule.suggestions),
-                "leaves": list(rule.leaves),
-            }
-            for entry, rule in zip(super().to_json(), self.unused)
-        ]
-
-    def __reduce__(self) -> Any:
-        return (type(self), (self.source, self.unused, self.hint, self.tree, self.section))
-
-
-def unused_message(path: str, tree: str = "the model") -> str:
-    """The message of a rule whose path matched no leaf of `tree`."""
-    return f"rule {path!r} matched no leaf of {tree}"
-
-
-UnusedRuleWarning.__module__ = "eqshard"
-
-
-class MeshWarning(EqshardWarning):
-    """The layouts of a plan group the devices in ways that disagree, so they share
-    only a mesh with more axes than any one of them needs."""
-
-
-MeshWarning.__module__ = "eqshard"
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def warn(found: Iterable[EqshardWarning]) -> None:
-    """Issues each warning, pointed at the first caller outside eqshard."""
-    found = list(found)
-    if not found:
-        return
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    for warning in found:
-        warnings.warn(warning, stacklevel=level + 1)
+UsageError.__module__ = "eqshard"
 
 
 def whole_number(value: object, what: str, minimum: int = 1) -> int:

@@ -2,7 +2,10 @@
 lines, unused rules shown where the leaves are, and rules given for an optimizer
 state told to use the model's plan. Every text is pinned here."""
 
+import ast
+import importlib
 import json
+import pickle
 import re
 import warnings
 from pathlib import Path
@@ -15,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqshard
 from eqshard import Problem, SpecError, UnusedRuleWarning
-from eqshard._errors import MAX_LINES, problem_lines
+from eqshard._problems import MAX_LINES, problem_lines
 from eqshard._rules import looks_like_state
 
 ROOT = Path(__file__).parent.parent
@@ -340,3 +343,55 @@ def test_what_looks_like_an_optimizer_state():
     assert looks_like_state(state) == STATE_HINT.replace(
         "it holds optax's ScaleByAdamState", "its subtrees m and v have the same paths and shapes"
     )
+
+
+# --------------------------------------------------------------------------- #
+# Every error eqshard raises is public.
+# --------------------------------------------------------------------------- #
+
+PACKAGE = ROOT / "eqshard"
+
+
+def _modules_with_classes() -> list[str]:
+    """The eqshard modules that define a class (not `__main__`, which runs the
+    command line)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__main__.py":
+            continue
+        if any(isinstance(node, ast.ClassDef) for node in ast.walk(ast.parse(path.read_text()))):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
+
+
+def test_every_error_eqshard_defines_is_public():
+    errors = {
+        cls
+        for name in _modules_with_classes()
+        for cls in vars(importlib.import_module(name)).values()
+        if isinstance(cls, type) and issubclass(cls, eqshard.EqshardError)
+    }
+    assert {eqshard.StepError, eqshard.ModelError, eqshard.UsageError} <= errors
+    for cls in errors:
+        assert getattr(eqshard, cls.__name__) is cls, cls
+        assert cls.__name__ in eqshard.__all__, cls
+        assert cls.__module__ == "eqshard", cls  # tracebacks show `eqshard.StepError`
+        if issubclass(cls, SpecError):
+            error = cls([Problem("w", "a fault")])
+        elif issubclass(cls, (eqshard.ExpressionError, eqshard.PathError)):
+            error = cls("a b", 2, "a fault")
+        else:
+            error = cls("a fault")
+        again = pickle.loads(pickle.dumps(error))  # found again by its public name
+        assert (type(again), str(again)) == (cls, str(error))
+
+
+def test_every_error_and_warning_a_docstring_names_exists():
+    named = {
+        found
+        for path in PACKAGE.rglob("*.py")
+        for found in re.findall(r"\beqshard\.([A-Z]\w*(?:Error|Warning))\b", path.read_text())
+    }
+    assert {"StepError", "SpecError"} <= named
+    assert sorted(name for name in named if not hasattr(eqshard, name)) == []

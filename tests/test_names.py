@@ -24,7 +24,9 @@ from jsonschema import Draft202012Validator
 import eqshard
 from eqshard._cli._check import check
 from eqshard._fields import is_array_like, leaf_name, walk_fields
-from eqshard._paths._grammar import PathIndex, match, name, parse, segments
+from eqshard._paths._grammar import parse
+from eqshard._paths._match import PathIndex, match
+from eqshard._paths._names import name, segments
 
 # Characters a dict key may hold: what the path grammar reads specially, digits,
 # letters, a combining mark, emoji, right-to-left text and marks, control and

@@ -13,7 +13,9 @@ from jsonschema import Draft202012Validator
 
 import eqshard
 from eqshard import PathError
-from eqshard._paths._grammar import DEEP, PathIndex, aligned, closest, match, parse
+from eqshard._paths._closest import aligned, closest
+from eqshard._paths._grammar import DEEP, parse
+from eqshard._paths._match import PathIndex, match
 
 
 def _segs(path: str) -> tuple[str, ...]:

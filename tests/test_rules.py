@@ -1,8 +1,10 @@
 import json
 import os
 import re
+import socket
 import stat
 import threading
+import urllib.parse
 import warnings
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from jsonschema import Draft202012Validator
 
 import eqshard
 from eqshard import EqshardError, SpecError, UnreadableError, UnusedRuleWarning
-from eqshard._paths._grammar import match
+from eqshard._paths._match import match
 
 SPECS = Path(__file__).parent / "specs"
 ROOT = Path(__file__).parent.parent
@@ -77,7 +79,7 @@ def test_schema_is_draft_2020_12_and_ships_in_the_package():
     schema = eqshard.schema()
     Draft202012Validator.check_schema(schema)
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
-    assert schema["$id"] == "https://eqshard.dev/schemas/eqshard-1.schema.json"
+    assert schema["$id"] == "urn:eqshard:schema:1"  # a name, never fetched
     assert schema["properties"]["eqshard"] == {"description": "The format version.", "const": 1}
     assert schema == json.loads((ROOT / "schemas" / "eqshard.schema.json").read_text("utf-8"))
     schema["title"] = "changed"
@@ -427,14 +429,14 @@ def test_declared_device_count_is_checked():
 def test_rules_resolve_on_abstract_models():
     rules = eqshard.load(MEGATRON)
     abstract = eqx.filter_eval_shape(block)
-    spec = eqshard.spec(abstract, rules)
+    spec = eqshard.spec_tree(abstract, rules)
     assert spec["up"].weight == eqshard.parse("o i -> o* i")
     assert eqshard.plan(abstract, rules).partition_specs["down"].weight == P(None, "m0")
 
 
 def test_short_form_rules_take_the_annotation():
     rules = eqshard.load({"eqshard": 1, "rules": [{"path": "unembed.w", "expr": "vocab* embed"}]})
-    spec = eqshard.spec(block(), rules)
+    spec = eqshard.spec_tree(block(), rules)
     assert str(spec["unembed"].w) == "vocab embed -> vocab* embed"
 
 
@@ -445,11 +447,11 @@ def test_short_form_rules_take_the_annotation():
 
 def test_dump_a_spec_tree_and_load_it_back(tmp_path):
     model = block()
-    spec = eqshard.spec(model, eqshard.load(MEGATRON))
+    spec = eqshard.spec_tree(model, eqshard.load(MEGATRON))
     path = tmp_path / "block.eqshard.json"
     eqshard.dump(spec, path, devices=8)
     document = json.loads(path.read_text())
-    assert document["$schema"] == eqshard.schema()["$id"]
+    assert "$schema" not in document  # no copy of the schema in the project
     assert document["devices"] == 8
     assert {"path": "up.weight.**", "expr": "o i -> o* i"} in document["rules"]
     loaded = eqshard.load(path)
@@ -473,6 +475,88 @@ def test_dump_rules_round_trips(tmp_path):
     )
     assert rules.batch is not None
     assert json.loads(path.read_text("utf-8"))["batch"] == "b ... -> b* ..."
+
+
+def _project(root: Path) -> Path:
+    """A repository at `root` that keeps a copy of the schema, as `eqshard schema`
+    prints it, in `schemas/`."""
+    (root / ".git").mkdir(parents=True)
+    (root / "schemas").mkdir()
+    (root / "schemas" / "eqshard.schema.json").write_text(json.dumps(eqshard.schema()))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("folder", "reference"),
+    [
+        ("", "schemas/eqshard.schema.json"),
+        ("specs", "../schemas/eqshard.schema.json"),
+        ("specs/with space", "../../schemas/eqshard.schema.json"),
+    ],
+)
+def test_dump_points_schema_at_the_projects_copy(tmp_path, folder, reference):
+    project = _project(tmp_path / "project")
+    path = project / folder / "model.eqshard.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    eqshard.dump({"w": "a -> a*"}, path)
+    document = json.loads(path.read_text("utf-8"))
+    assert next(iter(document)) == "$schema"  # first, where editors look
+    assert document["$schema"] == reference
+    # it resolves against the file, as an editor resolves it: no network
+    found = path.parent / urllib.parse.unquote(document["$schema"])
+    assert found.resolve() == (project / "schemas" / "eqshard.schema.json").resolve()
+    assert list(Draft202012Validator(json.loads(found.read_text())).iter_errors(document)) == []
+    assert [rule.path for rule in eqshard.load(path).rules] == ["w.**"]
+
+
+def test_dump_looks_for_the_schema_no_further_than_the_repository(tmp_path):
+    (tmp_path / "schemas").mkdir()  # above the repository: not the project's copy
+    (tmp_path / "schemas" / "eqshard.schema.json").write_text("{}")
+    (tmp_path / "repo" / ".git").mkdir(parents=True)
+    inside = tmp_path / "repo" / "model.eqshard.json"
+    eqshard.dump({"w": "a -> a*"}, inside)
+    assert list(json.loads(inside.read_text("utf-8"))) == ["eqshard", "default", "rules"]
+    outside = tmp_path / "elsewhere" / "model.eqshard.json"  # in no repository
+    outside.parent.mkdir()
+    eqshard.dump({"w": "a -> a*"}, outside)
+    assert json.loads(outside.read_text("utf-8"))["$schema"] == "../schemas/eqshard.schema.json"
+    assert "$schema" not in eqshard.Rules().to_json()  # where a file lies is dump's to say
+
+
+@pytest.mark.parametrize(
+    "reference",
+    [
+        "https://eqshard.dev/schemas/eqshard-1.schema.json",  # the old `$id`: no such site
+        "urn:eqshard:schema:1",
+        "http://127.0.0.1:9/eqshard.schema.json",
+        "../no/such/file.json",
+        "",
+    ],
+)
+def test_any_schema_reference_is_read_and_never_followed(tmp_path, monkeypatch, reference):
+    def no_network(*args, **kwargs):
+        raise AssertionError("eqshard tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    path = tmp_path / "model.eqshard.json"
+    path.write_text(json.dumps({"$schema": reference, "eqshard": 1, "rules": []}))
+    assert eqshard.load(path).rules == ()
+
+
+def test_the_schema_refers_only_to_itself():
+    def refs(node):
+        if isinstance(node, dict):
+            yield from (v for k, v in node.items() if k == "$ref")
+            for value in node.values():
+                yield from refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from refs(value)
+
+    found = list(refs(eqshard.schema()))
+    assert found
+    assert all(ref.startswith("#/") for ref in found)  # nothing to fetch
 
 
 def test_dump_a_prefix_spec_and_load_it_back(tmp_path):

@@ -33,15 +33,14 @@ The caller checks the result with the rules' own matching.
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._grammar import DEEP, match, render
+from ._grammar import DEEP, render
+from ._match import match
+from ._names import is_plain
 
 __all__ = ["readable_rules"]
-
-_PLAIN = re.compile(r"[^.*\s\[\]'\"]+")  # a segment written without quotes
 
 Path = tuple[str, ...]
 Parts = tuple[Any, ...]  # a parsed pattern: literals, `None` (`*`), globs, `DEEP`
@@ -116,7 +115,7 @@ def _merge_siblings(paths: _Paths, patterns: list[Parts], forbidden: frozenset[i
         for at in range(max((len(p) for p in patterns), default=0)):
             buckets: dict[Parts, list[int]] = {}
             for k, parts in enumerate(patterns):
-                if at < len(parts) and isinstance(parts[at], str) and _PLAIN.fullmatch(parts[at]):
+                if at < len(parts) and isinstance(parts[at], str) and is_plain(parts[at]):
                     key = (*parts[:at], "\0", *parts[at + 1 :])
                     buckets.setdefault(key, []).append(k)
             for members in buckets.values():

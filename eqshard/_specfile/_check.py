@@ -1,0 +1,251 @@
+"""Checking a spec file's document: every fault, each at its JSON path.
+
+The schema is checked first, with jsonschema (`iter_errors`: each fault as
+`<file>::<JSON path>: <message>`, in words of the spec-file format rather than the
+schema's); then what the schema cannot say: every expression and rule path parses,
+no rule repeats a path, each dim's modifier reads, and the declared mesh agrees
+with the device count. `load` checks a file this way before it makes `Rules`, and
+`dump` checks what it would write, so it never writes a file that does not load.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jsonschema.exceptions import ValidationError
+
+from .._errors import ExpressionError, PathError
+from .._expression import parse
+from .._fsdp import FSDP_WORD
+from .._paths._grammar import parse as parse_path
+from .._problems import Problem, in_file
+from ._model import batch_expression
+from ._schema import VERSION, validator
+
+__all__ = ["document_problems"]
+
+
+def _schema_problem(name: str, error: ValidationError) -> Problem:
+    where = f"{name}::{error.json_path}"
+    instance, keyword = error.instance, error.validator
+    path = list(error.absolute_path)
+    if keyword == "anyOf" and path[-1:] == ["expr"]:
+        if not isinstance(instance, str):
+            return Problem(
+                where,
+                f"{instance!r} is not of type 'string'; write an einshard expression such "
+                f"as 'o i -> o* i', or {FSDP_WORD!r}",
+            )
+        try:
+            parse(instance)
+        except ExpressionError as bad:
+            return Problem.from_error(where, bad)
+        return Problem(where, f"{instance!r} is not an einshard expression, nor {FSDP_WORD!r}")
+    if keyword == "pattern" and path[-1:] == ["path"]:
+        if isinstance(instance, str):
+            try:
+                parse_path(instance)
+            except PathError as bad:
+                return Problem.from_error(where, bad)
+        return Problem(
+            where,
+            f"{instance!r} is not a path pattern: segments are separated by '.', and each "
+            "is a name, an index, a key, '*', '**', or a glob such as '*_proj' (a '*' "
+            "inside a segment matches any run of its characters); a key holding '.', "
+            "'*', white space, a bracket or a quote is written quoted, as eqshard names "
+            "it: params['a b'].w",
+        )
+    if path == ["batch"] and keyword in ("pattern", "type"):
+        return _batch_problem(where, instance)
+    if path[:1] == ["optimizer"]:  # the section's keys are checked as the file's are
+        path = path[1:]
+        if keyword == "enum" and path == ["default"]:
+            return Problem(
+                where,
+                f"{instance!r} is not a default of the optimizer section: 'parameter' (each "
+                "state leaf takes its parameter's layout), 'replicate' or 'fsdp'",
+            )
+    if keyword == "enum" and path[-1:] == ["memory"]:
+        return Problem(
+            where,
+            f"{instance!r} is not a memory kind: 'device' (the default) or 'pinned_host' "
+            "(host memory)",
+        )
+    if "propertyNames" in error.schema_path:
+        return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
+    if keyword == "anyOf" and path[:1] == ["dims"]:
+        return Problem(
+            where,
+            f"{instance!r} is neither a shard modifier ('2', '*', '2*'), the name of a "
+            "mesh axis, nor null (a whole dim)",
+        )
+    if keyword == "pattern" and path[:1] == ["dims"]:
+        return Problem(
+            where,
+            f"{instance!r} is not a shard modifier: write a count, a star or both ('2', '*', '2*')",
+        )
+    if keyword == "additionalProperties" and isinstance(instance, dict):
+        subschema = error.schema if isinstance(error.schema, dict) else {}
+        allowed = list(subschema.get("properties", {}))
+        extra = [k for k in instance if k not in allowed]
+        return Problem(
+            where,
+            f"unknown key{'s' * (len(extra) > 1)} {', '.join(map(repr, extra))}; the keys "
+            f"here are {', '.join(map(repr, allowed))}",
+        )
+    if keyword == "const" and path == ["eqshard"]:
+        return Problem(
+            where, f"unsupported version {instance!r}; this eqshard reads version {VERSION}"
+        )
+    if keyword == "required":
+        missing = str(error.message).split("'")[1] if "'" in error.message else error.message
+        hint = ' (the format version: "eqshard": 1)' if missing == "eqshard" else ""
+        return Problem(where, f"missing key {missing!r}{hint}")
+    return Problem(where, error.message)
+
+
+def _batch_problem(where: str, instance: Any) -> Problem:
+    """What is wrong with a file's `"batch"`: not text, or no complete expression
+    (with a caret under the fault)."""
+    if not isinstance(instance, str):
+        return Problem(
+            where,
+            f"{instance!r} is not of type 'string'; write an einshard expression such as "
+            "'b ... -> b* ...' or '... -> * ...'",
+        )
+    try:
+        batch_expression(instance)
+    except ExpressionError as bad:
+        return Problem.from_error(where, bad)
+    return Problem(where, f"{instance!r} is not an einshard expression")
+
+
+def _order(path: Sequence[Any]) -> list[tuple[int, int, str]]:
+    """Sorts JSON paths in document order: `$.rules[2]` before `$.rules[10]`."""
+    return [(1, c, "") if isinstance(c, int) else (0, 0, str(c)) for c in path]
+
+
+def document_problems(document: Any, name: str) -> list[Problem]:
+    """Every fault of a spec file's document, in document order: the schema's, then
+    what it cannot say. Each problem's `file` is `name`."""
+    orders: dict[Problem, list[tuple[int, int, str]]] = {}
+    for error in validator().iter_errors(document):  # once, where two schema rules say it
+        orders.setdefault(_schema_problem(name, error), _order(error.absolute_path))
+    found = [(order, problem) for problem, order in orders.items()]
+    if isinstance(document, dict):
+        found += _rule_problems(document, name, {p.where for _, p in found})
+    return [in_file(problem, name) for _, problem in sorted(found, key=lambda pair: pair[0])]
+
+
+def _rule_problems(
+    document: dict[str, Any], name: str, schema_paths: set[str]
+) -> list[tuple[list[tuple[int, int, str]], Problem]]:
+    """What the schema cannot say: each expression and path parses, and no path
+    repeats (`a.b` and `a['b']` are one path)."""
+    problems = _rules_problems(document, name, schema_paths, [])
+    section = document.get("optimizer")
+    if isinstance(section, dict):
+        problems += _rules_problems(section, name, schema_paths, ["optimizer"])
+    batch = document.get("batch")
+    where = f"{name}::$.batch"
+    if isinstance(batch, str) and where not in schema_paths:
+        try:
+            batch_expression(batch)
+        except ExpressionError as bad:
+            problems.append((_order(["batch"]), Problem.from_error(where, bad)))
+    problems += _mesh_problems(document, name)
+    return problems
+
+
+def _rules_problems(
+    document: Mapping[str, Any], name: str, schema_paths: set[str], at: list[str]
+) -> list[tuple[list[tuple[int, int, str]], Problem]]:
+    """What the schema cannot say of one list of rules and its dims (the file's, or
+    those of the section at `at`, `["optimizer"]`): each expression and path parses,
+    no path repeats (`a.b` and `a['b']` are one path), and each dim's modifier
+    parses."""
+    problems: list[tuple[list[tuple[int, int, str]], Problem]] = []
+    prefix = "".join(f".{key}" for key in at)
+    rules = document.get("rules")
+    seen: dict[Any, tuple[int, str]] = {}
+    for i, rule in enumerate(rules if isinstance(rules, list) else []):
+        if not isinstance(rule, dict):
+            continue
+        expr = rule.get("expr")
+        where = f"{name}::${prefix}.rules[{i}].expr"
+        order = _order([*at, "rules", i, "expr"])
+        if isinstance(expr, str) and where not in schema_paths and expr != FSDP_WORD:
+            if expr.strip().lower() == FSDP_WORD:  # a short form naming a dim 'FSDP'
+                message = f"{expr!r}: write {FSDP_WORD!r}, in lower case with no spaces, for FSDP"
+                problems.append((order, Problem(where, message)))
+            else:
+                try:
+                    parse(expr)
+                except ExpressionError as bad:
+                    problems.append((order, Problem.from_error(where, bad)))
+        path = rule.get("path")
+        where = f"{name}::${prefix}.rules[{i}].path"
+        order = _order([*at, "rules", i, "path"])
+        if isinstance(path, str) and where not in schema_paths:
+            try:
+                parsed = parse_path(path)
+            except PathError as bad:
+                problems.append((order, Problem.from_error(where, bad)))
+                continue
+            if parsed in seen:
+                j, text = seen[parsed]
+                same = f"the same path {path!r}" if text == path else f"{text!r}, the same path,"
+                problem = Problem(
+                    where,
+                    f"this rule can never match: ${prefix}.rules[{j}] has {same} and comes "
+                    "first; remove one",
+                )
+                problems.append((order, problem))
+            seen.setdefault(parsed, (i, path))
+    dims = document.get("dims")
+    for dim, modifier in dims.items() if isinstance(dims, dict) else ():
+        where = f"{name}::${prefix}.dims.{dim}"
+        if isinstance(modifier, str) and where not in schema_paths:
+            if _AXIS_NAME.fullmatch(modifier):
+                continue  # a logical axis: checked against the mesh it is laid out on
+            try:
+                parse(f"x{modifier}")
+            except ExpressionError as bad:
+                problem = Problem(where, f"{modifier[:24]!r}: {bad.rule}")
+                problems.append((_order([*at, "dims", dim]), problem))
+    return problems
+
+
+_AXIS_NAME = re.compile(r"[^\W\d]+")
+
+
+def _mesh_problems(document: dict[str, Any], name: str) -> list[tuple[list[Any], Problem]]:
+    """What the schema cannot say of `"mesh"`: names once, one `"*"` at most, and
+    sizes that agree with `"devices"`."""
+    mesh = document.get("mesh")
+    if not isinstance(mesh, list) or not all(
+        isinstance(axis, list) and len(axis) == 2 and isinstance(axis[0], str) for axis in mesh
+    ):
+        return []  # the schema has said what is wrong
+    found: list[tuple[list[Any], Problem]] = []
+    names = [axis[0] for axis in mesh]
+    for i, axis_name in enumerate(names):
+        if axis_name in names[:i]:
+            message = f"the axis {axis_name!r} is named twice; name each mesh axis once"
+            found.append((_order(["mesh", i]), Problem(f"{name}::$.mesh[{i}]", message)))
+    stars = [i for i, axis in enumerate(mesh) if axis[1] == "*"]
+    for i in stars[1:]:
+        message = "a second '*': at most one axis takes what the device count leaves"
+        found.append((_order(["mesh", i]), Problem(f"{name}::$.mesh[{i}][1]", message)))
+    sizes = [axis[1] for axis in mesh if isinstance(axis[1], int)]
+    devices = document.get("devices")
+    if isinstance(devices, int) and len(sizes) + len(stars) == len(mesh):
+        fixed = math.prod(sizes)
+        if (stars and devices % fixed) or (not stars and devices != fixed):
+            need = f"a multiple of {fixed}" if stars else str(fixed)
+            message = f'the mesh needs {need} devices, and "devices" is {devices}; make them agree'
+            found.append((_order(["mesh"]), Problem(f"{name}::$.mesh", message)))
+    return found

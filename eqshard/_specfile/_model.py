@@ -1,0 +1,254 @@
+"""The data of a spec file: `Rule` and `Rules`, and the batch's expression.
+
+`Rules` is what `load` gives and `dump` writes: path rules, a default, dims, a
+declared mesh, the batch's layout and an optimizer section, each checked when it is
+made. It is a resolver, ready for any model: how rules resolve against a model is
+`_rules.py`, which knows them by their shape and imports nothing from here;
+`Rules.match` and `Rules.__eqshard_resolve__` import it when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from .._errors import EqshardError, ExpressionError
+from .._expression import Expression, parse
+from .._fit import MeshShape
+from .._fsdp import FSDP, FSDP_WORD
+from .._paths._grammar import parse as parse_path
+from .._problems import Problem
+from ._schema import VERSION
+
+if TYPE_CHECKING:
+    from .._protocol import Resolution, Target
+    from .._rules import Match
+
+__all__ = [
+    "MEMORY_KINDS",
+    "PARAMETER",
+    "Rule",
+    "Rules",
+    "batch_expression",
+]
+
+PARAMETER = "parameter"
+"""The optimizer section's default: each state leaf takes its parameter's layout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One path rule of a spec file.
+
+    - `path`: a rule path (`blocks.*.attn.query_proj.weight`, `**.*_proj.weight`,
+        `_weights['w[0,0] 16x0e']`).
+    - `expr`: the expression a matching leaf gets, or `"fsdp"` (given as the word
+        or as `eqshard.FSDP`): each matching leaf's own FSDP expression.
+    - `comment`: the rule's comment, if any.
+    - `index`: its place in the file's `rules` list.
+    - `memory`: where the matching leaves are held: `"device"` (the devices' own
+        memory) or `"pinned_host"` (host memory, as a `NamedSharding`'s memory
+        kind); `None` for the default, the device.
+    """
+
+    path: str
+    expr: Expression | Literal["fsdp"]
+    comment: str | None = None
+    index: int = 0
+    memory: Literal["device", "pinned_host"] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str):
+            raise EqshardError(
+                f"`Rule.path` is a dotted glob such as 'blocks.*.weight', not {self.path!r}"
+            )
+        parse_path(self.path)
+        if self.memory is not None and self.memory not in MEMORY_KINDS:
+            raise EqshardError(
+                f"`Rule.memory` is one of {', '.join(map(repr, MEMORY_KINDS))}, not {self.memory!r}"
+            )
+        if self.expr is FSDP or (isinstance(self.expr, str) and self.expr == FSDP_WORD):
+            object.__setattr__(self, "expr", FSDP_WORD)
+        else:
+            object.__setattr__(self, "expr", parse(self.expr))
+
+
+_DEFAULTS = ("replicate", "error", FSDP_WORD)
+
+MEMORY_KINDS = ("device", "pinned_host")
+"""The memory kinds a rule may name: the devices' own memory, or pinned host memory."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rules:
+    """The rules of a spec file: a resolver, ready for any model.
+
+    Pass it wherever eqshard takes a spec: `eqshard.apply(model, rules)`,
+    `eqshard.plan(model, rules)`, `eqshard.spec_tree(model, rules)`.
+
+    **Fields:** `rules` (a tuple of `Rule`), `default` (`"replicate"`, `"error"`
+    or `"fsdp"`: what a leaf no rule or dim matches gets), `devices` (the device
+    count the file was written for, or `None`), `dims` (dim name to a modifier, a
+    mesh axis name, or `None` for a whole dim; for parameters by their annotations
+    and for activations by `eqshard.constrain`'s names), `source` (the file name, for messages), and `mesh` (the
+    declared mesh: each axis's name and size, `None` for the one `"*"` axis; or
+    `None`), and `batch` (the complete `Expression` that `eqshard.cost` and
+    `eqshard check --step` lay the step's batch out by, such as
+    `"... -> * ..."` for a whole batch on every device; `None` for their default,
+    the leading dim over the mesh's first axis), `optimizer` (the file's
+    `"optimizer"` section, itself a `Rules` whose `default` may be `"parameter"`:
+    how the optimizer state is laid out; `None` where the state follows the
+    parameters), `section` (where these rules sit in their file: `"$"`, or
+    `"$.optimizer"` for that section) and `comment` (the file's or the section's
+    `"comment"`, free text for the reader, or `None`).
+
+    As an optimizer spec (`eqshard.plan(model, spec, optimizer=rules)`), its paths
+    name parameters, and `default="parameter"` gives each state leaf no rule or dim
+    matches its parameter's layout.
+    """
+
+    rules: tuple[Rule, ...] = ()
+    default: Literal["replicate", "error", "fsdp", "parameter"] = "replicate"
+    devices: int | None = None
+    dims: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    source: str = "<rules>"
+    mesh: tuple[tuple[str, int | None], ...] | None = None
+    batch: Expression | None = None
+    optimizer: Rules | None = None
+    section: str = "$"
+    comment: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.comment is not None and not isinstance(self.comment, str):
+            raise EqshardError(f"`Rules.comment` is text for the reader, not {self.comment!r}")
+        if self.default not in (*_DEFAULTS, PARAMETER):
+            raise EqshardError(
+                "`Rules.default` is 'replicate', 'error' or 'fsdp' (or, for the optimizer "
+                "state, 'parameter'), not " + repr(self.default)
+            )
+        if self.batch is not None:
+            object.__setattr__(self, "batch", batch_expression(self.batch))
+        if self.optimizer is not None:
+            if not isinstance(self.optimizer, Rules) or self.optimizer.optimizer is not None:
+                raise EqshardError(
+                    "`Rules.optimizer` is the `Rules` of the optimizer state, with no "
+                    "optimizer section of its own"
+                )
+            if self.default == PARAMETER:
+                raise EqshardError(
+                    "`Rules.default` is 'parameter' in an optimizer section only; these rules "
+                    "lay out the parameters: 'replicate', 'error' or 'fsdp'"
+                )
+
+    def where(self, json_path: str) -> str:
+        """`file::$.json.path`: where a fault of this spec is, in messages (a path
+        under `$` is taken within `section`)."""
+        return f"{self.source}::{self.section}{json_path[1:]}"
+
+    def at(self, json_path: str) -> str:
+        """`json_path` (`"$.rules[2]"`) within the file: under `section`."""
+        return f"{self.section}{json_path[1:]}"
+
+    def match(self, model: Any, target: Target | None = None) -> tuple[list[Match], list[Problem]]:
+        """How each leaf of `model` gets its expression, and what went wrong.
+
+        The problems are: leaves no rule or dim matches under `"default": "error"`,
+        and dims-derived expressions that do not fit their annotation (or, for
+        logical axes, `target`'s mesh).
+        """
+        from .._rules import match_rules
+
+        return match_rules(self, model, target)
+
+    def __eqshard_resolve__(self, model: Any, target: Target) -> Resolution:
+        from .._rules import resolve_rules
+
+        return resolve_rules(self, model, target)
+
+    def __eqshard_mesh__(self, devices: int) -> tuple[MeshShape | None, list[Problem]]:
+        """The declared mesh on `devices` devices, or why there is none."""
+        if self.mesh is None:
+            return None, []
+        names = tuple(name for name, _ in self.mesh)
+        fixed = math.prod(size for _, size in self.mesh if size is not None)
+        star = any(size is None for _, size in self.mesh)
+        if devices % fixed if star else devices != fixed:
+            need = f"a multiple of {fixed}" if star else str(fixed)
+            return None, [
+                Problem(
+                    self.where("$.mesh"),
+                    f"the mesh {_mesh_text(self.mesh)} needs {need} devices, and the spec "
+                    f'is laid out on {devices}; use {need} devices, or change "mesh"',
+                    file=self.source,
+                )
+            ]
+        sizes = tuple(devices // fixed if size is None else size for _, size in self.mesh)
+        return MeshShape(names, sizes), []
+
+    def to_json(self) -> dict[str, Any]:
+        """The document of a spec file that loads back to these rules (without
+        `"$schema"`, which says where the file's schema is: `dump` adds it)."""
+        document: dict[str, Any] = {"eqshard": VERSION}
+        if self.comment is not None:
+            document["comment"] = self.comment
+        if self.devices is not None:
+            document["devices"] = self.devices
+        document["default"] = self.default
+        document["rules"] = _rules_json(self)
+        if self.dims:
+            document["dims"] = dict(self.dims)
+        if self.mesh is not None:
+            document["mesh"] = [[name, "*" if size is None else size] for name, size in self.mesh]
+        if self.batch is not None:
+            document["batch"] = str(self.batch)
+        if self.optimizer is not None:
+            section = self.optimizer
+            document["optimizer"] = {
+                **({"comment": section.comment} if section.comment is not None else {}),
+                "default": section.default,
+                "rules": _rules_json(section),
+            }
+            if section.dims:
+                document["optimizer"]["dims"] = dict(section.dims)
+        return document
+
+
+def _rules_json(rules: Rules) -> list[dict[str, Any]]:
+    """The `"rules"` of a spec file's document: each rule's path, expression, memory
+    kind and comment."""
+    return [
+        {
+            "path": r.path,
+            "expr": str(r.expr),
+            **({"memory": r.memory} if r.memory else {}),
+            **({"comment": r.comment} if r.comment else {}),
+        }
+        for r in rules.rules
+    ]
+
+
+def batch_expression(expr: str | Expression) -> Expression:
+    """`expr` parsed as a batch's expression: complete, since a batch's arrays have
+    no annotation to give a short form its left side.
+
+    **Raises:** `ExpressionError`, with a caret, when `expr` is malformed or short.
+    """
+    parsed = parse(expr)
+    if not parsed.is_complete:
+        text = parsed.text or str(parsed)
+        raise ExpressionError(
+            text,
+            0,
+            "a batch's arrays have no annotation to complete a short form: write both "
+            "sides, such as 'b ... -> b* ...' (the leading dim split over every device) "
+            "or '... -> * ...' (a whole copy on every device)",
+            length=len(text),
+        )
+    return parsed
+
+
+def _mesh_text(mesh: Sequence[tuple[str, int | None]]) -> str:
+    """A declared mesh as text: `('data': *, 'model': 2)`."""
+    return "(" + ", ".join(f"{n!r}: {'*' if s is None else s}" for n, s in mesh) + ")"
