@@ -11,7 +11,7 @@ import pytest
 import stateful_cost_model as net
 
 import eqshard
-from eqshard._cost._driver import brief_source
+from eqshard._cost._results import brief_source
 
 MODULE = str(Path(__file__).parent / "stateful_cost_model.py")
 MODEL, STATE = eqx.filter_eval_shape(net.build)
@@ -57,9 +57,9 @@ def test_the_state_is_laid_out_by_the_plan_and_counted_as_state():
         ("bn.ema_state_index.1", "P('m0')", 16 * 4 // 8),
     ]
     costs = [
-        eqshard.cost(step, MODEL, STATE, OPT_STATE, BATCH, spec=rules, devices=8),
-        eqshard.cost(step, MODEL, STATE, OPT_STATE, BATCH, spec=of_the_pair),
-        eqshard.cost(step, MODEL, STATE, OPT_STATE, BATCH, spec=eqshard.plan(MODEL, rules)),
+        eqshard.cost(MODEL, STATE, OPT_STATE, BATCH, step=step, spec=rules, devices=8),
+        eqshard.cost(MODEL, STATE, OPT_STATE, BATCH, step=step, spec=of_the_pair),
+        eqshard.cost(MODEL, STATE, OPT_STATE, BATCH, step=step, spec=eqshard.plan(MODEL, rules)),
     ]
     for c in costs:  # bytes per device, exactly as the layouts give them
         assert c.memory.state == sum(row.bytes_per_device or 0 for row in rows) == 17
@@ -85,7 +85,7 @@ def test_the_state_is_laid_out_by_the_plan_and_counted_as_state():
 )
 def test_a_pure_spec_gathers_no_state(spec, batch, gathered):
     plan = eqshard.plan((MODEL, STATE), eqshard.load(spec))  # as `check` makes it
-    c = eqshard.cost(step, MODEL, STATE, OPT_STATE, BATCH, spec=plan, batch=batch)
+    c = eqshard.cost(MODEL, STATE, OPT_STATE, BATCH, step=step, spec=plan, batch=batch)
     assert sorted(x.bytes for x in c.collectives if x.kind == "all-gather") == sorted(gathered)
     assert not [
         x.source for x in c.collectives if "BatchNorm" in x.source and x.kind != "all-reduce"
@@ -104,7 +104,7 @@ def test_a_step_that_takes_the_pair_counts_its_state_as_state():
         return (model, state), opt_state, value
 
     rules = eqshard.load(RULES)
-    c = eqshard.cost(pair_step, (MODEL, STATE), OPT_STATE, BATCH, spec=rules, devices=8)
+    c = eqshard.cost((MODEL, STATE), OPT_STATE, BATCH, step=pair_step, spec=rules, devices=8)
     plan = eqshard.plan((MODEL, STATE), rules)
     assert c.memory.state == 17
     assert c.memory.parameters == _per_device(MODEL, plan)
@@ -117,7 +117,7 @@ def test_a_state_the_spec_cannot_lay_out_is_a_spec_error():
     )
     plan = eqshard.plan(MODEL, rules)  # the model's leaves are fine
     with pytest.raises(eqshard.SpecError, match=r"bn\.ema_state_index\.0"):
-        eqshard.cost(step, MODEL, STATE, OPT_STATE, BATCH, spec=plan)
+        eqshard.cost(MODEL, STATE, OPT_STATE, BATCH, step=step, spec=plan)
 
 
 # A real name XLA gives an all-reduce it combined from the ops of a scanned GPT
@@ -152,7 +152,7 @@ def _cut(text: str, width: int) -> str:
 
 
 def test_the_harness_shows_the_cut_source_and_keeps_it_whole_in_json():
-    from eqshard._cost._driver import Collective
+    from eqshard._cost._results import Collective
     from eqshard.testing._equivalence import _over_budget as lines
     from eqshard.testing._worker import _over_budget as document
 

@@ -1,0 +1,187 @@
+"""The compiled step, and what `cost` reads of it.
+
+`compile_step` is the one place a lowered step is compiled (`Compiled`: its HLO text
+and XLA's analyses); `read_collectives` reads the HLO text's collectives (`_hlo/`)
+with the mesh axes their device groups run over; `read_memory` splits XLA's memory
+analysis into device and host memory beside the bytes the layouts hold (`Held`, by
+part: parameters, state, optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from .._compat import memory_stats
+from .._errors import EqshardError
+from .._fields import is_array_like
+from .._plan import Plan
+from .._report import LeafRow, leaf_rows, memory_kind
+from .._sharding import AnyMesh
+from .._step import Lowered
+from ._hlo._collectives import collectives
+from ._hlo._parse import Module, parse
+from ._results import Collective, Memory
+
+__all__ = ["Compiled", "Held", "compile_step", "parse_hlo", "read_collectives", "read_memory"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What `cost` reads of a compiled step: its HLO text, XLA's memory analysis
+    and its cost analysis (one dict); and the bytes per device of its arguments and
+    outputs in host memory, from their shardings."""
+
+    text: str
+    memory: Any
+    costs: dict[str, Any]
+    host_arguments: int = 0
+    host_outputs: int = 0
+
+
+def compile_step(lowered: Lowered) -> Compiled:
+    """Compiles a step lowered by `eqshard.jit` for the devices its arguments are laid
+    out on (the target: XLA:CPU for simulated devices, an accelerator's compiler for
+    its own), and keeps what `cost` reads."""
+    compiled = lowered.compile()
+    return Compiled(
+        compiled.as_text() or "",
+        compiled.memory_analysis(),
+        _first(compiled.cost_analysis()),
+        _host_bytes(lowered.abstract),
+        _host_bytes(getattr(compiled, "out_info", ())),
+    )
+
+
+def _host_bytes(tree: Any) -> int:
+    """The bytes per device of the arrays of `tree` (abstract, with shardings) held
+    in host memory."""
+    total = 0
+    for x in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        if memory_kind(sharding) is not None and hasattr(x, "shape"):
+            shard = sharding.shard_shape(tuple(x.shape))  # pyright: ignore[reportOptionalMemberAccess]
+            total += int(np.prod(shard, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def _first(costs: Any) -> dict[str, Any]:
+    """A cost analysis as one dict (some JAX releases give a list of them)."""
+    if isinstance(costs, list):
+        costs = costs[0] if costs else {}
+    return dict(costs or {})
+
+
+def parse_hlo(text: str, mesh: AnyMesh | None) -> Module:
+    """A compiled program's HLO text, parsed (`replica_groups={}`: the mesh's devices
+    where the text does not count them)."""
+    return parse(text, devices=mesh.size if mesh is not None else 0)
+
+
+def read_collectives(hlo: str | Module, mesh: AnyMesh | None) -> list[Collective]:
+    """The collectives of a compiled program (its HLO text, or the text parsed), as
+    `_hlo._collectives.collectives` reads them, each with the mesh axes its groups
+    run over."""
+    module = hlo if isinstance(hlo, Module) else parse_hlo(hlo, mesh)
+    return [
+        Collective(
+            op.kind,
+            op.bytes,
+            _axes(op.groups, mesh),
+            op.source,
+            op.count,
+            max((len(g) for g in op.groups), default=1),
+            op.loop,
+        )
+        for op in collectives(module)
+    ]
+
+
+def _axes(groups: tuple[tuple[int, ...], ...], mesh: AnyMesh | None) -> tuple[str, ...]:
+    """The mesh axes along which a collective's devices differ (its groups' ids are
+    positions in the mesh's devices, row-major)."""
+    if mesh is None or not groups:
+        return ()
+    shape = tuple(mesh.axis_sizes)
+    if any(not 0 <= i < mesh.size for group in groups for i in group):
+        raise EqshardError(
+            f"a collective of the compiled step runs over devices {list(groups)}, and the mesh "
+            f"has {mesh.size}; please report it to eqshard"
+        )
+    varying: set[int] = set()
+    for group in groups:
+        coords = np.array(np.unravel_index(np.array(group, dtype=int), shape)).T
+        varying |= {a for a in range(len(shape)) if len(set(coords[:, a].tolist())) > 1}
+    return tuple(name for a, name in enumerate(mesh.axis_names) if a in varying)
+
+
+class Held:
+    """The rows of what the step's arguments hold, by part: the model's parameters,
+    its `eqx.nn.State`, the optimizer state."""
+
+    def __init__(self) -> None:
+        self.parameters: list[LeafRow] = []
+        self.state: list[LeafRow] = []
+        self.optimizer: list[LeafRow] = []
+
+    def count(self, laid_out: Plan, part: str) -> None:
+        """Adds the rows of `laid_out` to `part`, and those in an `eqx.nn.State` to
+        `state`: a row per array leaf, in the order of `_in_state`'s flags."""
+        rows = leaf_rows(laid_out)
+        flags = _in_state(laid_out.resolved.model)
+        assert len(rows) == len(flags)
+        for row, in_state in zip(rows, flags):
+            getattr(self, "state" if in_state else part).append(row)
+
+
+def _in_state(tree: Any) -> list[bool]:
+    """For each array leaf of `tree`, in order, whether it is in an `eqx.nn.State`."""
+    flags = []
+    is_state = lambda x: isinstance(x, eqx.nn.State)  # noqa: E731
+    for part in jax.tree_util.tree_leaves(tree, is_leaf=is_state):
+        if is_state(part):
+            flags += [True] * sum(map(is_array_like, jax.tree_util.tree_leaves(part)))
+        elif is_array_like(part):
+            flags.append(False)
+    return flags
+
+
+def _bytes(rows: Any) -> int:
+    """What one device holds of `rows` (a leaf not laid out counts nothing)."""
+    return sum(row.bytes_per_device or 0 for row in rows)
+
+
+def read_memory(held: Held, compiled: Compiled) -> Memory:
+    """The step's memory per device: the layouts' bytes by part, and XLA's memory
+    analysis split into device and host memory (see `Memory`)."""
+    stats = memory_stats(compiled.memory)
+    arguments = stats.arguments
+    outputs = stats.outputs - stats.aliased
+    host_arguments = stats.host_arguments
+    host_outputs = stats.host_outputs - stats.host_aliased
+    reported = stats.peak
+    if not (host_arguments or host_outputs):  # counted with the device's: take them out
+        host_arguments, host_outputs = compiled.host_arguments, compiled.host_outputs
+        arguments, outputs = arguments - host_arguments, outputs - host_outputs
+        if reported is not None:
+            reported -= host_arguments + host_outputs
+    every = [*held.parameters, *held.state, *held.optimizer]
+    return Memory(
+        parameters=_bytes(held.parameters),
+        state=_bytes(held.state),
+        optimizer=_bytes(held.optimizer),
+        gradients=_bytes(
+            row for row in held.parameters if np.issubdtype(np.dtype(row.dtype), np.inexact)
+        ),
+        arguments=max(arguments, 0),
+        outputs=max(outputs, 0),
+        temporaries=stats.temporaries,
+        host=_bytes(row for row in every if row.on_host),
+        host_arguments=max(host_arguments, 0),
+        host_outputs=max(host_outputs, 0),
+        reported_peak=None if reported is None else max(int(reported), 0),
+    )

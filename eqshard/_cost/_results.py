@@ -1,0 +1,314 @@
+"""What `eqshard.cost` gives: `Cost`, what one step costs per device, holding its
+`Memory` and its `Collective`s; the text that tables and messages show of them
+(`brief_source`, `Cost.unknown_text`); and the roofline estimate on a hardware
+profile (`Cost.estimate`). No JAX is imported here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from ._hardware import Estimate, Hardware, Moved, hardware_profile, roofline
+
+if TYPE_CHECKING:
+    from .._sharding import AnyMesh
+
+__all__ = ["SOURCE_WIDTH", "Collective", "Cost", "Memory", "brief_source"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the compiled step: what it moves on each device, over which
+    mesh axes, and how many times one step runs it.
+
+    **Attributes:**
+
+    - `kind`: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"collective-permute"`,
+        `"all-to-all"`, `"ragged-all-to-all"` or `"collective-broadcast"`.
+    - `bytes`: what one run of it moves on each device (see "Bytes" below).
+    - `axes`: the mesh axes its device groups run over.
+    - `source`: where XLA records it comes from (the op's name in the step), whole.
+    - `count`: how many times one step runs it (see "Counts" below).
+    - `group_size`: how many devices each of its groups holds (a collective-permute's: 2,
+        a source and a target).
+    - `loop`: the `while` loop whose trip count depends on values that it runs in, else
+        `None`.
+
+    !!! info "Bytes"
+
+        A reduce-scatter moves its operand, which each device contributes to the sum
+        (its result is one device's part, n times smaller); an all-gather its result,
+        what each device ends up holding; an all-reduce, a collective-permute and an
+        all-to-all their result, the size of their operand (a tuple collective: all of
+        them). XLA's async `-start`/`-done` pairs count once.
+
+    !!! info "Counts"
+
+        `count` is more than one inside a loop whose trip count XLA knows, such as
+        `jax.lax.scan` over stacked layers. Inside a loop whose trip count depends on
+        values (`loop`, named as `while.3 (jit(step)/while), line 120`), it is how many
+        times one trip of that loop runs it: the loop's trips per step, and so the
+        collective's runs per step, are not known. Of the branches of a `cond` or
+        `switch`, only the one that moves the most bytes of the collective's kind counts
+        (so a budget per kind bounds every branch); a collective of the others is not
+        listed.
+
+    !!! info "Sources"
+
+        XLA names a combined collective by every op it combines, which can run to
+        thousands of characters; tables show `brief_source`.
+    """
+
+    kind: str
+    bytes: int
+    axes: tuple[str, ...]
+    source: str
+    count: int = 1
+    group_size: int = 1
+    loop: str | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        """`bytes` times `count`: what it moves on each device in one step; in a
+        loop whose trip count depends on values (`loop`), in one trip of it."""
+        return self.bytes * self.count
+
+    @property
+    def brief_source(self) -> str:
+        """`source`, cut to at most `SOURCE_WIDTH` characters for a table (see
+        `brief_source`)."""
+        return brief_source(self.source)
+
+
+SOURCE_WIDTH = 100  # characters of a collective's source that a table shows
+
+
+def brief_source(source: str, width: int = SOURCE_WIDTH) -> str:
+    """A collective's `source`, cut to at most `width` characters for a table.
+
+    A collective XLA combined from several ops is named
+    `jit(step)/while/body/(op1:op2:...)`; it is shown by the prefix they share, its
+    first op and how many more it combines (`jit(step)/while/body/(op1 +11 more)`).
+    What is still too long keeps its start (the transformations: `jit`, `jvp`,
+    `while`) and its end (the module and the primitive), with `…` between.
+
+    **Arguments:**
+
+    - `source`: the op name, as `Collective.source` holds it.
+    - `width`: the most characters to show (at least 3).
+
+    **Returns:**
+
+    `source` itself when it fits, else the cut text.
+    """
+    if len(source) <= width:
+        return source
+    prefix, ops = _combined(source)
+    if len(ops) > 1:
+        source = f"{prefix}({ops[0]} +{len(ops) - 1} more)"
+        if len(source) <= width:
+            return source
+    head = (width - 1) // 2
+    return f"{source[:head]}…{source[len(source) - (width - 1 - head) :]}"
+
+
+def _combined(source: str) -> tuple[str, list[str]]:
+    """`("jit(step)/", ["a/dot", "b/add"])` for `jit(step)/(a/dot:b/add)`, the name
+    XLA gives a collective combined from several ops; `("", [source])` for others."""
+    if not source.endswith(")"):
+        return "", [source]
+    depth, start = 0, len(source) - 1
+    while start >= 0:  # the parenthesis that the last one closes
+        depth += (source[start] == ")") - (source[start] == "(")
+        if depth == 0:
+            break
+        start -= 1
+    if start < 0 or (start > 0 and source[start - 1] != "/"):
+        return "", [source]  # unbalanced, or a call such as `vmap(...)`
+    ops, depth, begin = [], 0, start + 1
+    for j in range(start + 1, len(source) - 1):
+        depth += (source[j] == "(") - (source[j] == ")")
+        if source[j] == ":" and depth == 0:
+            ops.append(source[begin:j])
+            begin = j + 1
+    ops.append(source[begin:-1])
+    return source[:start], ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """What one step holds, in bytes per device: the layouts' own bytes by part, and the
+    compiler's memory analysis of the compiled step.
+
+    **Attributes:**
+
+    - `parameters`: the model's array leaves, as the plan lays them out.
+    - `state`: the leaves of its `eqx.nn.State` (BatchNorm's running statistics), as the
+        plan lays them out; 0 for a model without one.
+    - `optimizer`: the optimizer state's leaves, as the plan's optimizer section lays them
+        out (by default, each moment as its parameter).
+    - `gradients`: a gradient for each floating-point parameter, laid out as it is.
+    - `arguments`, `outputs`, `temporaries`: device memory, from XLA's memory analysis of
+        the compiled step (outputs less what is donated).
+    - `host`: of `parameters`, `state` and `optimizer`, the bytes held in host memory (a
+        rule's `"memory": "pinned_host"`), not in the device's.
+    - `host_arguments`, `host_outputs`: the step's arguments and outputs in host memory.
+    - `reported_peak`: the compiler's own peak of device memory (`peak_memory_in_bytes`
+        of its memory analysis), or `None` where the compiler does not report one.
+
+    !!! info "Whose peak"
+
+        `peak` is the compiler's own figure: XLA:TPU's for a TPU `target`, else
+        XLA:CPU's, which is XLA:CPU's and no bound on another backend's (an H100
+        measured 1.00x of it for three MLP steps). `reported_peak` is not the sum of
+        `arguments`, `outputs` and `temporaries`: XLA:TPU's was 46% above it for an FSDP
+        Adam step with JAX 0.10's libtpu, and below it with JAX 0.12's, which reuses
+        buffers.
+
+    !!! info "Device and host memory"
+
+        `parameters`, `state` and `optimizer` count every byte wherever it is held;
+        `peak`, and `eqshard check --max-memory`, count the device's memory only.
+        `arguments` and `outputs` leave out what is in host memory; `host_arguments` and
+        `host_outputs` hold it: the compiler's own figures where it reports them apart
+        (`host_argument_size_in_bytes`), else those of their shardings (XLA:CPU counts
+        them among its arguments and outputs, and they are taken out there).
+    """
+
+    parameters: int
+    state: int
+    optimizer: int
+    gradients: int
+    arguments: int
+    outputs: int
+    temporaries: int
+    host: int = 0
+    host_arguments: int = 0
+    host_outputs: int = 0
+    reported_peak: int | None = None
+
+    @property
+    def peak(self) -> int:
+        """The compiler's own peak of device memory where it reports one
+        (`reported_peak`); else arguments, outputs and temporaries in device memory,
+        as the compiled program allocates them."""
+        if self.reported_peak is not None:
+            return self.reported_peak
+        return self.arguments + self.outputs + self.temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What one step of the user's training step costs, per device, under a spec, as
+    `eqshard.cost` reads it from the compiled step.
+
+    **Attributes:**
+
+    - `memory`: a `Memory`, in bytes per device.
+    - `collectives`: a list of `Collective`, each with its mesh axes and its count.
+    - `flops`: the FLOPs of the matrix products one device runs per step (see "FLOPs").
+    - `bytes_accessed`: per device, from XLA's cost analysis, which counts a loop's body
+        once.
+    - `mesh`, `devices`: the plan's mesh and its device count.
+    - `dtype`: the parameters' dtype, for the estimate.
+    - `compiler`: whose figures these are (`"XLA:TPU (libtpu 0.0.42.1)"` for a `target`,
+        else `"XLA:CPU, 8 simulated devices"`).
+    - `target`: the TPU slice, or `None`.
+    - `hardware`: the target's chip's profile, or `None`.
+    - `memory_per_device`: the target's HBM per device (`fits` compares the peak with
+        it), or `None`.
+    - `batch`: the expression the batch's array leaves were laid out by, or `None` where
+        no leaf was (each kept its own placement, or the step takes no batch).
+    - `loops`: the `while` loops whose trip count depends on values (an adaptive ODE
+        solver, a fixed-point iteration).
+    - `loop_flops`: of `flops`, those in `loops`, per trip.
+
+    !!! info "FLOPs"
+
+        Read from the compiled program: `dot`, `convolution`, cuBLAS and cuDNN calls, a
+        loop's by its trip count, a `cond` or `switch` by its most expensive branch.
+        Elementwise work is not counted.
+
+    !!! warning "Loops whose trip count depends on values"
+
+        What runs in `loops` is counted once per trip (`Collective.loop`), so where
+        `loops` is not empty the step's communication, FLOPs and estimate are unknown
+        (`known` is `False`): the figures are those of one trip, and a budget never
+        passes on them.
+    """
+
+    memory: Memory
+    collectives: list[Collective]
+    flops: float
+    bytes_accessed: float
+    mesh: AnyMesh | None
+    devices: int
+    dtype: str
+    compiler: str = "XLA:CPU"
+    target: str | None = None
+    hardware: Hardware | None = None
+    memory_per_device: int | None = None
+    batch: str | None = None
+    loops: tuple[str, ...] = ()
+    loop_flops: float = 0.0
+
+    @property
+    def promoted(self) -> str | None:
+        """Where the parameters are 16-bit floats and XLA:CPU compiled the step, what
+        that means for its collectives: XLA:CPU moves them as float32 copies, up to
+        twice the bytes an accelerator's compiler moves (a `target` shows XLA:TPU's
+        own); else `None`."""
+        if self.target is not None or self.dtype not in ("bfloat16", "float16"):
+            return None
+        return (
+            f"XLA:CPU moves {self.dtype} collectives as float32 copies: up to twice the "
+            "bytes an accelerator moves (a TPU target shows its own)"
+        )
+
+    @property
+    def known(self) -> bool:
+        """Whether every figure is known: no loop's trip count depends on values."""
+        return not self.loops
+
+    def unknown_text(self) -> str | None:
+        """What is not known, for tables and messages; `None` where all is."""
+        if not self.loops:
+            return None
+        inside = [c for c in self.collectives if c.loop is not None]
+        which = "; ".join(self.loops)
+        return (
+            f"unknown: the trips of {which}, whose trip count depends on values; its "
+            f"{len(inside)} collective{'s' * (len(inside) != 1)} and "
+            f"{self.loop_flops:,.0f} FLOPs are counted once, per trip"
+        )
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step's peak fits each device's memory, on a target whose
+        memory is known; `None` without one (XLA:CPU's peak is no bound on an
+        accelerator's)."""
+        if self.memory_per_device is None:
+            return None
+        return self.memory.peak <= self.memory_per_device
+
+    def bytes_by_axes(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        """Bytes moved per step, by (kind, mesh axes): comparable across backends,
+        which combine collectives differently."""
+        totals: dict[tuple[str, tuple[str, ...]], int] = {}
+        for c in self.collectives:
+            totals[(c.kind, c.axes)] = totals.get((c.kind, c.axes), 0) + c.total_bytes
+        return totals
+
+    def estimate(self, hardware: str | Hardware | None = None) -> Estimate:
+        """A roofline estimate of one step on `hardware` (a name in `eqshard.HARDWARE`,
+        such as `"h100"` or `"tpu-v5p"`, or a `Hardware`; by default the target's
+        chip, else `"h100"`): FLOPs at peak, bytes at memory bandwidth, and each
+        collective over one link (a ring: an all-reduce moves 2 (n-1)/n of its
+        bytes)."""
+        if hardware is None:
+            hardware = self.hardware or "h100"
+        moved = [Moved(c.kind, c.total_bytes, c.group_size) for c in self.collectives]
+        return roofline(
+            hardware_profile(hardware), self.flops, self.bytes_accessed, self.dtype, moved
+        )
