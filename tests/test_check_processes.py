@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eqshard._cli._check import CheckResult, check
 from eqshard._process._usercode import abstract_model
-from eqshard._specfile._file import load
+from eqshard._specfile._read import load
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "specs" / "transformer.eqshard.json"

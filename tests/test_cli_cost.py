@@ -245,7 +245,7 @@ def test_cost_names_a_step_that_raises_a_base_exception():
         eqshard.EqshardError,
         match=r"cannot trace and compile the step .*exits .* it raised SystemExit: 3$",
     ) as caught:
-        eqshard.cost(exits, model, jnp.zeros((8, 4)), spec="... -> * ...")
+        eqshard.cost(model, jnp.zeros((8, 4)), step=exits, spec="... -> * ...")
     assert isinstance(caught.value.__cause__, SystemExit)
 
 
@@ -284,10 +284,14 @@ def test_a_batch_that_needs_values_runs_on_the_host(run_cli, files, report):
     args[args.index(f"{module}:numpy_batch")] = f"{module}:failing_numpy_batch"
     result = run_cli("check", specs[0], *args)
     assert result.code == 2
+    raises = MODULE.splitlines().index('    raise ValueError("no data here")') + 1
     assert result.err == (
         f"eqshard check: error: --batch '{module}:failing_numpy_batch': failing_numpy_batch() "
         "(run on the host, as it needs concrete values: it calls NumPy on a JAX array, or "
         "branches on one) raised ValueError: no data here\n"
+        "in the user's code (most recent call last):\n"  # where, in the user's file
+        f"  {module}:{raises}, in failing_numpy_batch\n"
+        '    raise ValueError("no data here")\n'
     )
 
 

@@ -100,7 +100,7 @@ def _arguments(module):
 
 def test_a_step_in_the_users_own_module_costs_on_more_devices(user_module):
     model, state, batch = _arguments(user_module)
-    c = eqshard.cost(user_module.step, model, state, batch, spec="... -> * ...", devices=16)
+    c = eqshard.cost(model, state, batch, step=user_module.step, spec="... -> * ...", devices=16)
     assert c.devices == 16
     assert c.mesh is not None
     assert c.mesh.size == 16
@@ -117,7 +117,7 @@ def test_the_cost_workers_errors_come_back_as_the_same_class(user_module):
         {"eqshard": 1, "rules": [{"path": "layers.0.weight", "expr": "o i -> o32 i"}]}
     )
     with pytest.raises(eqshard.SpecError) as raised:
-        eqshard.cost(user_module.step, model, state, batch, spec=spec, devices=16)
+        eqshard.cost(model, state, batch, step=user_module.step, spec=spec, devices=16)
     [problem] = raised.value.problems
     assert problem.where == "layers.0.weight (Linear.weight)"
     assert problem.message == (
@@ -129,9 +129,11 @@ def test_the_cost_workers_errors_come_back_as_the_same_class(user_module):
     with pytest.raises(
         eqshard.EqshardError,
         match=r"^`eqshard.cost` cannot trace and compile the step failing_step on 16 devices "
-        r"under the expression '\.\.\. -> \* \.\.\.': it raised StepError: no step here$",
+        r"under the expression '\.\.\. -> \* \.\.\.': it raised StepError: no step here\n",
     ):  # the user's own error, named
-        eqshard.cost(user_module.failing_step, model, state, batch, spec="... -> * ...", devices=16)
+        eqshard.cost(
+            model, state, batch, step=user_module.failing_step, spec="... -> * ...", devices=16
+        )
 
 
 @pytest.mark.parametrize("work", ["check", "harness", "cost"])
@@ -163,7 +165,7 @@ def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
             eqshard.EqshardError, match=r"^compiling the step on 16 devices took longer than 0.5 s"
         ):
             eqshard.cost(
-                user_module.slow_step, model, state, batch, spec="... -> * ...", devices=16
+                model, state, batch, step=user_module.slow_step, spec="... -> * ...", devices=16
             )
 
 

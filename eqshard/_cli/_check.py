@@ -19,9 +19,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._errors import EqshardError, Problem, problem_of
+from .._errors import EqshardError
+from .._problems import Problem, problem_of
 from .._process._usercode import StepInputs, call
-from .._specfile._file import Rules
+from .._specfile._model import Rules
 
 if TYPE_CHECKING:
     from .._cost._targets import CompileTarget
@@ -358,7 +359,7 @@ def _cost_entry(
         step.target,
         f"compiling the step on {devices_text(devices, target)}",
         lambda: cost(
-            step.step, first, *step.args, spec=spec, batch=batch, devices=count, target=target
+            first, *step.args, step=step.step, spec=spec, batch=batch, devices=count, target=target
         ),
         keep=(EqshardError,),  # the spec's faults (the optimizer state's layout), as they are
     )

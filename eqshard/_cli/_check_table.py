@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._cost._hardware import seconds_text
-from .._errors import problem_of
+from .._problems import problem_of
 from ._check import HBM, CheckResult, devices_text, limit_text, needed_text
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def result_table(result: CheckResult) -> Table:
 def warning_lines(result: CheckResult, limit: int = 12) -> list[str]:
     """The warnings of one check, for right under its table: `warning: ` and each,
     grouped by message (`problem_lines`), in at most `limit` lines."""
-    from .._errors import problem_lines
+    from .._problems import problem_lines
 
     problems = [problem_of(entry) for entry in result.warnings]
     more = "--format json lists every one"

@@ -191,9 +191,11 @@ def main_worker() -> int:
     - `{"result": [{...}, ...]}`: a `CheckResult` per spec and count, in order, as
         `to_json()` writes it but with each problem whole (`where`, `message`,
         `detail`, `file`), for `CheckResult.from_json`;
-    - `{"error": {"type", "message", "exit_code", "eqshard"}}`: what was raised
-        (its class name, its text, the command line's exit code for it, whether it
-        is an `EqshardError`), with `headline` and `problems` for a `SpecError`.
+    - `{"error": {"type", "message", "exit_code", "eqshard", "notes", "traceback"}}`:
+        what was raised (its class name, its text, the command line's exit code for
+        it, whether it is an `EqshardError`, its notes, the user's frames among
+        them, and its traceback as text), with `headline` and `problems` for a
+        `SpecError` (`_workers.error_entry`).
 
     **Returns:**
 
@@ -214,7 +216,7 @@ def _check_all(request: Mapping[str, Any]) -> list[CheckResult]:
     """The worker's checks, JAX not yet started."""
     import jax
 
-    from .._specfile._file import load
+    from .._specfile._read import load
 
     checks = [
         (str(entry["spec"]), [_count_or_slice(n) for n in entry["devices"]])

@@ -30,12 +30,15 @@ from jaxtyping import Array, Int
 
 from .._activations import use
 from .._apply import apply
-from .._cost._driver import Cost, cost
-from .._errors import EqshardError, Problem, UnreadableError
+from .._cost._driver import cost
+from .._cost._results import Cost
+from .._errors import EqshardError, UnreadableError
 from .._fit import mesh_text
 from .._plan import Plan, plan
+from .._problems import Problem
 from .._report import human_bytes
-from .._specfile._file import Rules, load
+from .._specfile._model import Rules
+from .._specfile._read import load
 from .._step import batch_sharding, data_parallel, jit
 from ._demo_model import (
     BATCH,
@@ -318,7 +321,7 @@ def run(
         placed = jax.device_put(batch, batch_sharding(batch.shape, expr, p))
         model, state = apply(model, p), apply(state, p)
         step = make_step()
-        summary = cost(step, model, state, placed, spec=p, batch=expr)
+        summary = cost(model, state, placed, step=step, spec=p, batch=expr)
         with use(p):  # the program `cost` compiled for this plan
             losses, model, state, seconds = _train(
                 label, step, model, state, placed, steps, progress, devices[0].platform != "cpu"

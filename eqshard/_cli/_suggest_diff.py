@@ -123,7 +123,7 @@ def diff_here(request: Mapping[str, Any]) -> Diff:
     `"model"`, and with `"step"` its `"batch"` and `"optimizer"`, on `"devices"` or
     the `"target"` slice."""
     from .._search._diff import diff
-    from .._specfile._file import load
+    from .._specfile._read import load
 
     devices, target = request.get("devices"), request.get("target")
     a, b = load(str(request["a"])), load(str(request["b"]))

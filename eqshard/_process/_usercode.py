@@ -7,12 +7,23 @@ because the user named it; a spec file never does. What the user's code raises i
 `ModelError` (exit code 2) naming the option and the callable, and what it prints
 goes to stderr, so eqshard's own output (JSON, tables) stays clean.
 
+The error the user's code raised stays the `ModelError`'s cause (`raise ... from
+error`), and a note (`add_note`) names where, in the user's code, it was raised:
+each of the user's frames as `file:line, in function` and its source line, with
+eqshard's, the standard library's and installed packages' (JAX's) frames left out
+(`user_frames`, `with_user_frames`). The note is text, so it survives a worker's
+answer (`_workers.error_entry`), and the command line prints it under the message.
+Where JAX is imported, eqshard's own frames are hidden from the tracebacks JAX
+filters, as Equinox hides its own (`_compat.exclude_from_tracebacks`).
+
 - `user_callable` imports the callable a `MODULE:CALLABLE` names (a dotted module
     or a `.py` file, each file imported once per `modules`), and `call` runs the
     user's code;
 - `abstract_model` builds the model with `eqx.filter_eval_shape` (no device
     memory), and `step_inputs` the step's other arguments (`StepInputs`: the
-    optimizer's state and the batch, abstract).
+    optimizer's state and the batch, abstract);
+- `user_frames` is the text of the user's frames in an error or its causes, and
+    `with_user_frames` adds it to an error as a note.
 
 It imports JAX only when a model or a step is built.
 """
@@ -26,14 +37,127 @@ import importlib
 import importlib.util
 import os
 import re
+import site
 import sys
-from collections.abc import Callable
+import sysconfig
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from .._compat import hide_eqshard_frames
 from .._errors import EqshardError, ModelError
 
-__all__ = ["StepInputs", "abstract_model", "call", "step_inputs", "user_callable"]
+__all__ = [
+    "MAX_FRAMES",
+    "StepInputs",
+    "abstract_model",
+    "call",
+    "step_inputs",
+    "user_callable",
+    "user_frames",
+    "with_user_frames",
+]
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # eqshard itself
+MAX_FRAMES = 10  # the user's frames a note shows, the innermost ones
+_HEADER = "in the user's code (most recent call last):"
+_Error = TypeVar("_Error", bound=BaseException)
+
+
+if "jax" in sys.modules:  # else when this module first imports JAX
+    hide_eqshard_frames()
+
+
+@functools.cache
+def _library_folders() -> tuple[str, ...]:
+    """The folders whose frames are not the user's: eqshard's, the standard
+    library's and every site-packages."""
+    paths = sysconfig.get_paths()
+    folders = {_PACKAGE, *(paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib"))}
+    with contextlib.suppress(AttributeError):  # an old virtualenv's `site` has neither
+        folders.update(site.getsitepackages())
+        folders.add(site.getusersitepackages())
+    return tuple(sorted({os.path.realpath(folder) for folder in folders if folder}))
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_users(filename: str) -> bool:
+    """Whether a frame's file is the user's: a real file (not `<frozen ...>` nor
+    code made by `exec`) outside eqshard, the standard library and installed
+    packages."""
+    if not filename or (filename.startswith("<") and filename.endswith(">")):
+        return False
+    path = os.path.realpath(filename)
+    if {"site-packages", "dist-packages"} & set(Path(path).parts):
+        return False
+    return not any(
+        path == folder or path.startswith(folder + os.sep) for folder in _library_folders()
+    )
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """`error`, then its cause, its cause's cause, and so on (`raise ... from`)."""
+    seen: set[int] = set()
+    each: BaseException | None = error
+    while each is not None and id(each) not in seen:
+        seen.add(id(each))
+        yield each
+        each = each.__cause__
+
+
+def _places(error: BaseException) -> list[traceback.FrameSummary]:
+    """The user's frames in `error`'s traceback below the first frame of a library
+    (eqshard, JAX): the user's code eqshard called, not the user's code that called
+    eqshard, outermost first; for a `SyntaxError` in the user's file, the line it
+    points at last."""
+    every = traceback.extract_tb(error.__traceback__)
+    called = next((i for i, f in enumerate(every) if not _is_users(f.filename)), len(every))
+    frames = [f for f in every[called:] if _is_users(f.filename)]
+    if isinstance(error, SyntaxError):  # raised by the compiler: no frame of the user's
+        filename, number = error.filename, error.lineno
+        if filename and number and _is_users(filename):
+            line = (error.text or "").strip("\n")
+            frames.append(traceback.FrameSummary(filename, number, "", line=line))
+    return frames
+
+
+def user_frames(error: BaseException) -> str | None:
+    """Where, in the user's code, `error` was raised, as a few lines of text: a
+    header, then each of the user's frames as `file:line, in function` above its
+    source line, innermost last (at most `MAX_FRAMES`, the innermost).
+
+    The frames are those of the first of `error` and its causes (`__cause__`) that
+    has any, below the first frame of eqshard or a library (the user's code they
+    called, not the code that called them); frames of eqshard, of the standard
+    library and of installed packages (JAX, Equinox) are left out. `None` where no
+    error of the chain passed through the user's code.
+    """
+    for each in _causes(error):
+        frames = _places(each)
+        if not frames:
+            continue
+        lines = [_HEADER]
+        if len(frames) > MAX_FRAMES:
+            lines.append(f"  ... {len(frames) - MAX_FRAMES} outer frames of the user's code")
+            frames = frames[-MAX_FRAMES:]
+        for frame in frames:
+            lines.append(
+                f"  {frame.filename}:{frame.lineno}" + f", in {frame.name}" * bool(frame.name)
+            )
+            if frame.line:
+                lines.append(f"    {frame.line.strip()}")
+        return "\n".join(lines)
+    return None
+
+
+def with_user_frames(error: _Error, cause: BaseException | None = None) -> _Error:
+    """`error`, with `user_frames` of `cause` (by default of `error` and its causes)
+    added as a note, unless there are none or it has that note already."""
+    text = user_frames(error if cause is None else cause)
+    if text is not None and text not in getattr(error, "__notes__", ()):
+        error.add_note(text)
+    return error
 
 
 def _import_user_module(
@@ -74,11 +198,13 @@ def _import_user_module(
     except KeyboardInterrupt:
         raise
     except ImportError as error:
-        raise ModelError(f"{option} {target!r}: cannot import {module_name!r}: {error}") from None
+        raised = ModelError(f"{option} {target!r}: cannot import {module_name!r}: {error}")
+        raise with_user_frames(raised, error) from error
     except BaseException as error:  # the user's module failed: report, don't crash
-        raise ModelError(
+        raised = ModelError(
             f"{option} {target!r}: importing {module_name!r} raised {type(error).__name__}: {error}"
-        ) from None
+        )
+        raise with_user_frames(raised, error) from error
 
 
 def user_callable(
@@ -111,7 +237,12 @@ def call(
     keep: tuple[type[BaseException], ...] = (),
 ) -> Any:
     """`fn()`, with what the user's code raises (but `keep`) as a `ModelError`, and
-    what it prints on stderr."""
+    what it prints on stderr.
+
+    **Raises:** `ModelError` naming `option`, `target` and `what` raised what,
+    caused by it (`__cause__`) and noting where in the user's code
+    (`with_user_frames`).
+    """
     with contextlib.redirect_stdout(sys.stderr):
         try:
             return fn()
@@ -120,9 +251,10 @@ def call(
         except keep:
             raise
         except BaseException as error:  # the user's code failed: report, don't crash
-            raise ModelError(
+            raised = ModelError(
                 f"{option} {target!r}: {what} raised {type(error).__name__}: {error}"
-            ) from None
+            )
+            raise with_user_frames(raised, error) from error
 
 
 def abstract_model(target: str, *, modules: dict[str, Any] | None = None) -> Any:
@@ -139,6 +271,7 @@ def abstract_model(target: str, *, modules: dict[str, Any] | None = None) -> Any
     import equinox as eqx
     import jax
 
+    hide_eqshard_frames()
     model = call("--model", target, f"{attribute}()", lambda: eqx.filter_eval_shape(factory))
     if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(model)):
         raise ModelError(
@@ -176,6 +309,7 @@ def step_inputs(
     model's parameters, and the step takes the state after the model."""
     from .._fields import is_stateful_pair
 
+    hide_eqshard_frames()
     _, fn = user_callable(
         step,
         "--step",

@@ -5,8 +5,10 @@
     runs the entry point its caller names (`module:function`), reads one JSON
     request and answers one JSON document (`serve`), and dies when this process
     dies (`Worker`); `worker_answer` reads the answer, raising the worker's error
-    here as the same class (`error_entry` writes it, `rebuilt_error` reads it) and
-    a timeout as a `ModelError`;
+    here as the same class (`error_entry` writes it, `rebuilt_error` reads it),
+    with its notes (where in the user's code it was raised: `_usercode.user_frames`)
+    and, as its cause, the worker's traceback as text (`WorkerTraceback`, as
+    `concurrent.futures` carries a process's), and a timeout as a `ModelError`;
 - `pickled` and `unpickled` carry what JSON cannot (a step, abstract arguments, a
     spec) inside the request or the answer, as base64 text.
 
@@ -30,13 +32,17 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._errors import EqshardError, ModelError, SpecError, UnreadableError, problem_of
+from .._errors import EqshardError, ModelError, SpecError, UnreadableError
+from .._problems import problem_of
+from ._usercode import with_user_frames
 
 __all__ = [
     "Worker",
+    "WorkerTraceback",
     "error_entry",
     "pickled",
     "rebuilt_error",
@@ -288,12 +294,34 @@ def without_device_count(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
+class WorkerTraceback(Exception):
+    """The traceback of an error raised in a worker process, as text: the cause
+    (`__cause__`) of the error `rebuilt_error` raises here, so that a traceback
+    printed here shows the worker's frames too."""
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.args[0] if self.args else ""}"""'
+
+
 def rebuilt_error(entry: Mapping[str, Any]) -> BaseException:
-    """A worker's error, as this process raises it: the error itself where it was
-    pickled and unpickles here (the user's own exception classes and JAX's
-    included); else eqshard's errors and Python's own as the same class (so the
-    command line prints the same message and picks the same exit code), anything
-    else as an exception of the same name."""
+    """A worker's error, as this process raises it (`_rebuilt`), with the worker's
+    notes (where in the user's code it was raised) and its traceback as its cause
+    (`WorkerTraceback`)."""
+    error = _rebuilt(entry)
+    notes = entry.get("notes")
+    for note in notes if isinstance(notes, list) else []:
+        if str(note) not in getattr(error, "__notes__", ()):
+            error.add_note(str(note))
+    if entry.get("traceback"):
+        error.__cause__ = WorkerTraceback(str(entry["traceback"]))
+    return error
+
+
+def _rebuilt(entry: Mapping[str, Any]) -> BaseException:
+    """The error itself where it was pickled and unpickles here (the user's own
+    exception classes and JAX's included); else eqshard's errors and Python's own
+    as the same class (so the command line prints the same message and picks the
+    same exit code), anything else as an exception of the same name."""
     if "pickle" in entry:
         with contextlib.suppress(Exception):
             error = unpickled(str(entry["pickle"]), "the error")
@@ -318,7 +346,11 @@ def rebuilt_error(entry: Mapping[str, Any]) -> BaseException:
 
 
 def error_entry(error: BaseException) -> dict[str, Any]:
-    """What the worker says of an error (the exit code as `eqshard._cli._main` chooses it)."""
+    """What the worker says of an error (the exit code as `eqshard._cli._main`
+    chooses it): its class, its message, its notes, where in the user's code it was
+    raised among them (`with_user_frames`), and its traceback as text."""
+    with contextlib.suppress(Exception):  # an error that takes no note
+        with_user_frames(error)
     try:
         message = str(error)
     except Exception:  # a user's exception whose text cannot be had
@@ -336,6 +368,10 @@ def error_entry(error: BaseException) -> dict[str, Any]:
     if isinstance(error, SpecError):
         entry["headline"] = error.headline
         entry["problems"] = [dataclasses.asdict(p) for p in error.problems]
+    with contextlib.suppress(Exception):  # a user's note that is not text is left out
+        entry["notes"] = [note for note in getattr(error, "__notes__", ()) if isinstance(note, str)]
+    with contextlib.suppress(Exception):  # a user's exception that cannot be formatted
+        entry["traceback"] = "".join(traceback.format_exception(error))
     with contextlib.suppress(Exception):  # what cannot be pickled is rebuilt by name
         entry["pickle"] = pickled(error, "the error", "")
     return entry

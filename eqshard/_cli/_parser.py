@@ -1,0 +1,417 @@
+"""The command line's arguments: `parser()` builds the argparse parser, one small
+function per command, with the options several commands share defined once
+(`--format`, `--traceback`, `--max-memory`, and the user's code: `--model`,
+`--step`, `--optimizer`, `--batch`). It imports no JAX and names no command's
+code: `_main.py` runs the command `args.command` names.
+
+Bad usage is raised as `BadUsage` (never printed here), so that `--format json`
+can answer it in JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from collections.abc import Callable
+
+from .._errors import EqshardError, whole_number
+
+__all__ = [
+    "MAX_DEMO_DEVICES",
+    "MAX_DEMO_STEPS",
+    "MAX_SIMULATED",
+    "BadUsage",
+    "parser",
+]
+
+MAX_SIMULATED = 4096  # simulated CPU devices to draw on, or compile a step on
+MAX_DEMO_DEVICES = 64  # the demo compiles and runs a step on each: XLA:CPU's limit on 2 cores
+MAX_DEMO_STEPS = 1000  # each strategy trains this many steps on one fixed batch
+
+
+class BadUsage(Exception):
+    """argparse's complaint, or options that do not go together, raised rather than
+    printed, so `--format json` can answer it in JSON. Its text is printed as it
+    is, and the command line exits with 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise BadUsage(f"{self.format_usage()}{self.prog}: error: {message}")
+
+
+# Argument types ----------------------------------------------------------------
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `minimum`."""
+
+    def convert(text: str) -> int:
+        if not (text.isascii() and text.isdigit()):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (digits 0-9)")
+        try:
+            return whole_number(int(text), repr(text), minimum)
+        except EqshardError:
+            raise argparse.ArgumentTypeError(f"{text!r} must be {minimum} or more") from None
+
+    return convert
+
+
+_positive, _size = _whole(1), _whole(0)
+
+
+def _at_most(limit: int, what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number from 1 to `limit`."""
+
+    def convert(text: str) -> int:
+        value = _positive(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{text!r} is more than {limit} {what}")
+        return value
+
+    return convert
+
+
+_device_count = _at_most(MAX_SIMULATED, "simulated devices")
+_demo_devices = _at_most(
+    MAX_DEMO_DEVICES, "simulated devices: the demo compiles and runs a training step on each"
+)
+
+
+def _layout_count(text: str) -> int:
+    """An argparse type: a device count to lay out on, abstractly."""
+    from .._layout import MAX_DEVICES  # no JAX
+
+    return _at_most(MAX_DEVICES, "devices, the most a JAX sharding can describe")(text)
+
+
+def _memory_size(text: str) -> int:
+    """An argparse type: bytes, as `80GB`, `16GiB`, `1.5TB` or a plain byte count."""
+    from .._cost._hardware import memory_size  # no JAX
+
+    try:
+        return memory_size(text)
+    except EqshardError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+# Options several commands share ------------------------------------------------
+
+_TRACEBACK_HELP = (
+    "on an error, print the whole Python traceback (eqshard's frames too, and a "
+    "worker's), not only the message and the user's frames; EQSHARD_TRACEBACK=1 in "
+    "the environment does the same (JAX's own frames stay hidden unless "
+    "JAX_TRACEBACK_FILTERING=off)"
+)
+
+
+def _common() -> _Parser:
+    """What every command takes, before its name or after: `--traceback`."""
+    common = _Parser(add_help=False)
+    # SUPPRESS: a command's parser must not reset what was given before its name
+    common.add_argument(
+        "--traceback", action="store_true", default=argparse.SUPPRESS, help=_TRACEBACK_HELP
+    )
+    return common
+
+
+def _format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=["text", "json"], default="text")
+
+
+def _max_memory_option(parser: argparse.ArgumentParser, text: str) -> None:
+    parser.add_argument("--max-memory", type=_memory_size, metavar="SIZE", help=text)
+
+
+def _user_code_options(
+    parser: argparse.ArgumentParser, *, step: str, batch: str, required: bool = False
+) -> None:
+    """`--model`, `--step`, `--optimizer` and `--batch`: the user's code, named
+    `MODULE:CALLABLE`, as `check`, `suggest` and `diff` take it; `required` makes
+    the step and its batch so."""
+    code = "MODULE:CALLABLE"
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar=code,
+        help="what builds the model, e.g. 'mypkg.model:build' or 'model.py:build'",
+    )
+    parser.add_argument("--step", required=required, metavar=code, help=step)
+    parser.add_argument(
+        "--optimizer",
+        metavar=code,
+        help="what returns the optax optimizer whose state the step takes",
+    )
+    parser.add_argument("--batch", required=required, metavar=code, help=batch)
+
+
+# One function per command ------------------------------------------------------
+
+_Add = Callable[..., argparse.ArgumentParser]  # a command's parser, made with `--traceback`
+
+
+def _show(add: _Add) -> None:
+    show = add(
+        "show",
+        help="draw which device holds which block of an array",
+        description=(
+            "Draw which device holds which block of an array of SHAPE under an einshard "
+            "expression. Without --devices it uses the accelerators present, or 8 "
+            "simulated CPU devices when there are none."
+        ),
+    )
+    show.add_argument("expression", metavar="EXPR", help="e.g. 'x y -> x y*'")
+    show.add_argument(
+        "--shape", type=_size, nargs="+", required=True, metavar="N", help="e.g. --shape 4 8"
+    )
+    show.add_argument(
+        "--devices",
+        type=_device_count,
+        metavar="N",
+        help="simulate N CPU devices (default: the devices present, or 8 CPU devices)",
+    )
+
+
+def _demo(add: _Add) -> None:
+    demo = add(
+        "demo",
+        help="train a small GPT under each parallelism strategy and compare them",
+        description=(
+            "Train a small GPT (eqx.nn modules, its layers stacked and scanned) with "
+            "AdamW for a few steps, unsharded and then under each spec file of "
+            "examples/specs/demo: data parallel, FSDP-style, Megatron tensor parallel "
+            "and 2D (data x model). Print, for each, the bytes per device of the "
+            "parameters and the optimizer state, the communication of one step (from "
+            "eqshard.cost), the final loss, and whether the losses equal the unsharded "
+            "ones. Without --devices it uses the accelerators present, or 8 simulated "
+            "CPU devices when there are fewer than two. Exit 1 when a strategy's "
+            "losses differ from the unsharded run's."
+        ),
+    )
+    demo.add_argument(
+        "--spec",
+        metavar="NAME_OR_PATH",
+        help="run one strategy: data-parallel, zero-1, fsdp, megatron or 2d, or a spec file of "
+        "your own for the demo's model (default: each strategy)",
+    )
+    demo.add_argument(
+        "--steps",
+        type=_at_most(MAX_DEMO_STEPS, "steps"),
+        default=8,
+        metavar="K",
+        help="AdamW steps per strategy (default: 8)",
+    )
+    demo.add_argument(
+        "--devices",
+        type=_demo_devices,
+        metavar="N",
+        help=f"simulate N CPU devices (at most {MAX_DEMO_DEVICES})",
+    )
+    _format_option(demo)
+
+
+def _validate(add: _Add) -> None:
+    validate = add(
+        "validate",
+        help="check spec files against the schema and the expression syntax",
+        description=(
+            "Check spec files against the eqshard schema and the einshard syntax. No "
+            "model is needed, and nothing is imported. Exit 0 when every file is "
+            "valid, 1 when any is invalid, 2 when one cannot be read."
+        ),
+    )
+    validate.add_argument("files", nargs="+", metavar="FILE")
+    _format_option(validate)
+
+
+def _check(add: _Add) -> None:
+    check = add(
+        "check",
+        help="resolve spec files against a model, abstractly, on N devices",
+        description=(
+            "Build the model abstractly (no device memory), resolve each spec file's "
+            "rules on N devices for each N given, abstractly (no devices either, so "
+            "65536 take seconds), and print a per-leaf table with the totals per "
+            "device. With --step, compile the training step on N simulated devices "
+            f"(at most {MAX_SIMULATED}) over the laid-out arguments and print what it "
+            "costs per device: memory, "
+            "communication per step and an estimate on an H100; with --target, "
+            "compile it for a TPU slice's devices with the TPU compiler (libtpu, on "
+            "this machine, no TPU needed), whose memory is exact and is held against "
+            "the chip's HBM. Several files, counts or slices are compared side by "
+            "side. Exit 1 when a leaf is unmatched under "
+            '"default": "error", a dim does not divide, the device count does not '
+            "fit, a check needs more than --max-memory (with --target, by default, "
+            "the chip's HBM), or (with --strict) a rule matched nothing."
+        ),
+    )
+    check.add_argument("files", nargs="+", metavar="FILE")
+    _user_code_options(
+        check,
+        step="the training step, called step(model, opt_state, batch) with --optimizer, "
+        "else step(model, batch); when --model builds (model, state), as "
+        "eqx.nn.make_with_state does, step(model, state, opt_state, batch) or "
+        "step(model, state, batch); compiled (never run) to find its cost",
+        batch="what returns the step's batch (needed with --step); traced abstractly, "
+        "or, if it needs concrete values (np.asarray of a JAX array), run once on the "
+        "host, which holds one batch in memory",
+    )
+    check.add_argument(
+        "--batch-spec",
+        metavar="EXPR",
+        help="the einshard expression that lays out the step's batch (each of its "
+        "arrays), both sides: 'b ... -> b* ...' splits the leading dim over every "
+        "device, '... -> * ...' gives each device a whole copy, as tensor parallelism "
+        'alone does (default: the spec file\'s "batch", else the leading dim over the '
+        "first axis of its mesh, else over every device)",
+    )
+    check.add_argument(
+        "--target",
+        nargs="+",
+        metavar="SLICE",
+        help="TPU slices to check on, as jax.experimental.topologies names them, e.g. "
+        "v5e:4x4 or v5p:8x8x16: each on its devices, the step (with --step) compiled "
+        "for them by XLA:TPU on this machine (libtpu: pip install 'eqshard[tpu]'), "
+        "--max-memory by default the chip's HBM; --devices, if given, must be the "
+        "slice's count",
+    )
+    _max_memory_option(
+        check,
+        "device memory per device, e.g. 80GB or 16GiB: a check that needs more (the "
+        "step's peak, or without --step the parameters; leaves held in host memory, "
+        '"memory": "pinned_host", are not counted) does not fit (default with --target: '
+        "the chip's HBM)",
+    )
+    check.add_argument(
+        "--devices",
+        type=_layout_count,
+        nargs="+",
+        metavar="N",
+        help='device counts to check (default: the file\'s "devices", or 8); any count '
+        f"for layouts, at most {MAX_SIMULATED} with --step",
+    )
+    check.add_argument(
+        "--strict", action="store_true", help="a rule that matches nothing is an error"
+    )
+    _format_option(check)
+
+
+def _suggest(add: _Add) -> None:
+    suggest = add(
+        "suggest",
+        help="find the fastest spec that fits, by compiling the step under each strategy",
+        description=(
+            "Build the model, the optimizer state and the batch abstractly, generate the "
+            "candidate specs (data parallel, FSDP, ZeRO-1, Megatron tensor parallel, "
+            "data x tensor and FSDP x tensor, on every mesh of the device count), compile "
+            "the training step under each in worker processes (on N simulated devices "
+            "with XLA:CPU, or for a TPU slice with XLA:TPU), and print them ranked: those "
+            "that fit --max-memory (by default, with --target, the chip's HBM; without "
+            "either, every one) fastest first by a roofline estimate, then the others, "
+            "with how far over they are. --write saves the best as a spec file. Exit 0 "
+            "when a candidate fits, 1 when none does, 2 for bad input (a model, step or "
+            "batch that cannot be built, or a step that no candidate can compile)."
+        ),
+    )
+    _user_code_options(
+        suggest,
+        step="the training step, as for check: step(model, opt_state, batch) with "
+        "--optimizer, else step(model, batch)",
+        batch="what returns the step's batch",
+        required=True,
+    )
+    where = suggest.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--devices",
+        type=_device_count,
+        metavar="N",
+        help=f"compile each candidate on N simulated CPU devices (at most {MAX_SIMULATED})",
+    )
+    where.add_argument(
+        "--target",
+        metavar="SLICE",
+        help="compile each candidate for a TPU slice, e.g. v5p:4x4x4, with XLA:TPU on this "
+        "machine (libtpu: pip install 'eqshard[tpu]')",
+    )
+    _max_memory_option(
+        suggest,
+        "device memory per device, e.g. 80GB or 75GiB (default with --target: the "
+        "chip's HBM; without it, no limit)",
+    )
+    suggest.add_argument(
+        "--write",
+        metavar="FILE",
+        help="write the best candidate that fits as a spec file, its comments naming the "
+        "strategy and its cost",
+    )
+    suggest.add_argument(
+        "--workers",
+        type=_positive,
+        metavar="N",
+        help="worker processes that compile at once (default: one per core)",
+    )
+    _format_option(suggest)
+
+
+def _diff(add: _Add) -> None:
+    diff = add(
+        "diff",
+        help="list the leaves two spec files lay out differently, and with a step the cost",
+        description=(
+            "Lay the model out under both spec files, abstractly (no devices), on N "
+            "devices or a TPU slice's, and print one line per leaf whose layout differs "
+            "(what a device holds of it), with both expressions and PartitionSpecs, and "
+            "the change of mesh and batch. With --step, compile the step under both and "
+            "print the change in memory per device, communication per mesh axis and "
+            "the estimate. Exit 0 when they lay everything out alike, 1 when they "
+            "differ, 2 for trouble (a file, model or step that cannot be read or built), "
+            "as diff(1) does."
+        ),
+    )
+    diff.add_argument("a", metavar="A", help="the spec file before")
+    diff.add_argument("b", metavar="B", help="the spec file after")
+    _user_code_options(
+        diff,
+        step="the training step, as for check: compiled under both specs",
+        batch="what returns the step's batch (with --step)",
+    )
+    on = diff.add_mutually_exclusive_group()
+    on.add_argument(
+        "--devices",
+        type=_layout_count,
+        metavar="N",
+        help="the device count (default: A's \"devices\", else B's, else 8); at most "
+        f"{MAX_SIMULATED} with --step",
+    )
+    on.add_argument("--target", metavar="SLICE", help="a TPU slice, e.g. v5e:4x4: its device count")
+    _format_option(diff)
+
+
+def _schema(add: _Add) -> None:
+    add("schema", help="print the JSON Schema of spec files")
+
+
+_COMMANDS = (_show, _demo, _validate, _check, _suggest, _diff, _schema)  # in --help's order
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `eqshard` command line's parser: `args.command` names the command,
+    and `--traceback`, where given, is `args.traceback`."""
+    common = _common()
+    parser = _Parser(
+        prog="eqshard",
+        parents=[common],
+        description="Declare, check and apply how an Equinox model is sharded.",
+        epilog=(
+            "Exit codes: 0 success; 1 a spec, expression or check is at fault; 2 bad "
+            "usage, an unreadable file, the user's code (a model, step or batch that "
+            "cannot be imported, built or compiled), or a bug in eqshard. An error in "
+            "the user's code is printed with the user's frames (file, line and source "
+            "line), eqshard's and JAX's left out; --traceback, or EQSHARD_TRACEBACK=1 "
+            "in the environment, prints the whole Python traceback of any error."
+        ),
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in _COMMANDS:
+        command(functools.partial(commands.add_parser, parents=[common]))
+    return parser
