@@ -1,6 +1,7 @@
 """`eqshard.apply` against the floor and against einshard, on 8 CPU devices.
 
-Run: `python benchmarks/bench_apply.py`. Every number comes from this one run.
+Run: `python benchmarks/bench_apply.py [--json PATH]`. Every number comes from this
+one run; `--json` also writes them to PATH, for `benchmarks/report.py`.
 
 - the floor: one `jax.device_put(leaves, shardings)` with the shardings already built;
 - the host-path floor: the same call on NumPy views of the leaves, which is the
@@ -19,6 +20,8 @@ Models: (a) 1,000 `eqx.nn.Linear(8, 8)`: 2,000 small leaves; (b) 100
 `eqx.nn.Linear(480, 512)`: 200 leaves, about 98 MB.
 """
 
+import argparse
+import json
 import statistics
 import sys
 import time
@@ -46,7 +49,7 @@ def model_of(count, n_in, n_out):
 
 
 def _linear_spec(layer):
-    spec = eqshard.spec(layer)
+    spec = eqshard.spec_tree(layer)
     return eqx.tree_at(
         lambda s: (s.weight, s.bias),
         spec,
@@ -108,7 +111,15 @@ def bench(name, model, spec, repeat):
     else:
         print("    einshard is not installed here (it needs Python >= 3.12)")
     print()
-    return ours_s / floor_s, (None if theirs_s is None else theirs_s / ours_s)
+    return {
+        "leaves": len(leaves),
+        "megabytes": n_bytes / 1e6,
+        "floor": floor_s,
+        "host_path": host_s,
+        "apply": ours_s,
+        "plan": plan_s,
+        "einshard": theirs_s,
+    }
 
 
 def bench_rules(model, spec, repeat):
@@ -135,6 +146,7 @@ def bench_rules(model, spec, repeat):
         f"    from 21 path rules (19 never match)         {rules_s * 1e3:9.2f} ms   {rules_s / tree_s:5.2f}x the spec tree"
     )
     print()
+    return {"leaves": leaves, "spec_tree": tree_s, "rules": rules_s}
 
 
 def bench_state(model, spec, repeat):
@@ -159,16 +171,23 @@ def bench_state(model, spec, repeat):
         f"    eqshard.apply(opt_state, plan)              {ours_s * 1e3:9.2f} ms   {ours_s / floor_s:5.2f}x the floor"
     )
     print()
+    return {"leaves": len(leaves), "floor": floor_s, "apply": ours_s}
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
+    args = parser.parse_args()
     print(f"jax {jax.__version__}, python {sys.version.split()[0]}\n")
     small = model_of(1000, 8, 8)
-    bench("a", small, [_linear_spec(layer) for layer in small], repeat=15)
-    bench_rules(small, [_linear_spec(layer) for layer in small], repeat=7)
-    bench_state(small, [_linear_spec(layer) for layer in small], repeat=7)
+    results = {"a": bench("a", small, [_linear_spec(layer) for layer in small], repeat=15)}
+    results["c"] = bench_rules(small, [_linear_spec(layer) for layer in small], repeat=7)
+    results["d"] = bench_state(small, [_linear_spec(layer) for layer in small], repeat=7)
     large = model_of(100, 480, 512)
-    bench("b", large, [_linear_spec(layer) for layer in large], repeat=9)
+    results["b"] = bench("b", large, [_linear_spec(layer) for layer in large], repeat=9)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`eqshard check` without `--step` on 16 to 65,536 devices, as a user runs it.
 
-Run: `python benchmarks/bench_check.py` (add `--quick` to skip the old way, which
-takes about a minute and a half). Every number comes from this one run.
+Run: `python benchmarks/bench_check.py [--quick] [--json PATH]` (`--quick` skips the
+old way, which takes about a minute and a half). Every number comes from this one
+run; `--json` also writes them to PATH, for `benchmarks/report.py`.
 
 The model: `tests/llama_model.py`, Llama-3-8B-shaped (real `eqx.nn` modules, 32
 stacked layers, 8 billion parameters, built with `eqx.filter_eval_shape`), under
@@ -20,6 +21,7 @@ its spec (FSDP over `data`, tensor parallel over `model` 16).
 Peak memory is the largest resident set of the process and its workers.
 """
 
+import argparse
 import json
 import runpy
 import subprocess
@@ -81,7 +83,11 @@ def measure(command: list[str], timeout: float = 600) -> dict:
 
 
 def main() -> None:
-    quick = "--quick" in sys.argv[1:]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="skip the old way")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
+    args = parser.parse_args()
+    quick = args.quick
     spec = runpy.run_path(str(MODEL))["LLAMA_SPEC"]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "llama.eqshard.json"
@@ -119,6 +125,16 @@ def main() -> None:
         print(f"| {n:,} | {a['seconds']:.2f} | {a['peak'] / 2**20:.0f} MB | {then} |")
     bytes_text = ", ".join(f"{n:,}: {now[n]['bytes']:,} B" for n in COUNTS)
     print(f"\nbytes per device ({bytes_text}); ok: {[now[n]['ok'] for n in COUNTS]}")
+    if args.json:
+        keep = ("seconds", "peak", "code", "bytes", "ok")
+        results = {
+            "now": {n: {k: run[k] for k in keep if k in run} for n, run in now.items()},
+            "old": {n: {k: run[k] for k in keep if k in run} for n, run in old.items()},
+            "old_timeout": OLD_TIMEOUT,
+            "old_counts": list(OLD_COUNTS) if not quick else [],
+        }
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

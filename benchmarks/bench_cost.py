@@ -1,7 +1,8 @@
 """`eqshard.cost` against a measured step, and on TPU slices against XLA:CPU.
 
-Run: `python benchmarks/bench_cost.py [--width 4096] [--depth 8] [--batch 8192]`, and
+Run: `python benchmarks/bench_cost.py [--width 4096] [--depth 4] [--batch 8192]`, and
 `python benchmarks/bench_cost.py --targets v5e:4x4,v5p:4x4x4` for the second part.
+`--json PATH` also writes the numbers to PATH, for `benchmarks/report.py`.
 
 First part:
 
@@ -20,6 +21,7 @@ fits), and the bytes moved per step by mesh axis.
 """
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -51,7 +53,7 @@ def _by_axis(c) -> str:
     return ", ".join(f"{key} {_gib(size)}" for key, size in sorted(totals.items()))
 
 
-def compare_targets(targets: list[str]) -> None:
+def compare_targets(targets: list[str]) -> list[dict]:
     """Each model on each slice, XLA:TPU beside XLA:CPU on as many devices."""
     from pathlib import Path
 
@@ -72,6 +74,7 @@ def compare_targets(targets: list[str]) -> None:
         ),
     }
     print(f"jax {jax.__version__}; XLA:TPU beside XLA:CPU, per device")
+    results = []
     for title, (ns, spec) in models.items():
         model = eqx.filter_eval_shape(ns["build"])
         params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
@@ -80,12 +83,17 @@ def compare_targets(targets: list[str]) -> None:
         for target in targets:
             start = time.perf_counter()
             tpu = eqshard.cost(
-                ns["step"], model, opt_state, _batch(ns, target), spec=spec, target=target
+                model, opt_state, _batch(ns, target), step=ns["step"], spec=spec, target=target
             )
             tpu_s = time.perf_counter() - start
             start = time.perf_counter()
             cpu = eqshard.cost(
-                ns["step"], model, opt_state, _batch(ns, target), spec=spec, devices=tpu.devices
+                model,
+                opt_state,
+                _batch(ns, target),
+                step=ns["step"],
+                spec=spec,
+                devices=tpu.devices,
             )
             cpu_s = time.perf_counter() - start
             mesh = dict(zip(tpu.mesh.axis_names, tpu.mesh.axis_sizes)) if tpu.mesh else {}
@@ -106,6 +114,32 @@ def compare_targets(targets: list[str]) -> None:
             print(
                 f"    estimate on {tpu.estimate().hardware.name}: {tpu.estimate().seconds * 1e3:.1f} ms"
             )
+            results.append(
+                {
+                    "model": title,
+                    "target": target,
+                    "devices": tpu.devices,
+                    "mesh": mesh,
+                    "compiler": tpu.compiler,
+                    "compile_seconds": {"tpu": tpu_s, "cpu": cpu_s},
+                    "parameters": tpu.memory.parameters,
+                    "optimizer": tpu.memory.optimizer,
+                    "peak": {"tpu": tpu.memory.peak, "cpu": cpu.memory.peak},
+                    "memory_per_device": tpu.memory_per_device,
+                    "fits": tpu.fits,
+                    "moved": {"tpu": _axis_bytes(tpu), "cpu": _axis_bytes(cpu)},
+                }
+            )
+    return results
+
+
+def _axis_bytes(c) -> dict[str, int]:
+    """Bytes moved per step and device, by collective kind and mesh axes."""
+    totals: dict[str, int] = {}
+    for (kind, axes), size in c.bytes_by_axes().items():
+        key = f"{kind} over {'+'.join(axes) or '-'}"
+        totals[key] = totals.get(key, 0) + size
+    return totals
 
 
 def _batch(ns, target: str):
@@ -126,9 +160,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8192)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--targets", default=None, help="TPU slices: v5e:4x4,v5p:4x4x4")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
     args = parser.parse_args()
     if args.targets:
-        compare_targets(args.targets.split(","))
+        found = compare_targets(args.targets.split(","))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"targets": found}, f, indent=1)
         return
     dtype = jnp.dtype(args.dtype)
     devices = jax.devices()
@@ -151,7 +189,7 @@ def main() -> None:
     model = eqshard.init(build, "... -> * ...")
     state = eqshard.apply(optimizer.init(eqx.filter(model, eqx.is_array)), "... -> * ...")
     x = eqshard.shard(jnp.ones((args.batch, args.width), dtype), "b d -> b* d")
-    c = eqshard.cost(step, model, state, x, spec="... -> * ...", devices=len(devices))
+    c = eqshard.cost(model, state, x, step=step, spec="... -> * ...", devices=len(devices))
     for device in devices:
         device.memory_stats()  # touch, so the counters exist
     model, state, _ = step(model, state, x)
@@ -190,6 +228,15 @@ def main() -> None:
         )
     else:
         print("  no hardware profile for these devices: simulated CPU timings say nothing")
+    if args.json:
+        found = {"device_kind": devices[0].device_kind, "devices": len(devices)}
+        found.update(width=args.width, depth=args.depth, batch=args.batch, dtype=args.dtype)
+        found.update(parameters=c.memory.parameters, optimizer=c.memory.optimizer)
+        found.update(peak=c.memory.peak, flops=c.flops, measured=measured, device_peak=peak)
+        if profile:
+            found["estimate"] = c.estimate(profile).seconds
+        with open(args.json, "w") as f:
+            json.dump({"mlp": found}, f, indent=1)
 
 
 if __name__ == "__main__":

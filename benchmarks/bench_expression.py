@@ -1,11 +1,14 @@
 """Parse and `sharding` throughput, cold and cached, and against einshard.
 
-Run: `python benchmarks/bench_expression.py` (8 simulated CPU devices). Every
-number comes from this one run and is printed beside its ratio. The einshard
-column appears where einshard is installed (it needs Python 3.12 or newer).
+Run: `python benchmarks/bench_expression.py [--json PATH]` (8 simulated CPU devices).
+Every number comes from this one run and is printed beside its ratio; `--json` also
+writes them to PATH, for `benchmarks/report.py`. The einshard column appears where
+einshard is installed (it needs Python 3.12 or newer).
 """
 
+import argparse
 import itertools
+import json
 import time
 
 import jax
@@ -47,6 +50,9 @@ def fresh_sharding(case):
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
+    args = parser.parse_args()
     texts = [
         f"x y -> {first} {second}"
         for a, b in itertools.product(["", "2", "*", "2*", "8"], ["", "4", "*", "8"])
@@ -89,6 +95,11 @@ def main():
         print(f"einshard.make_sharding / eqshard cached: {theirs / shard_hot:8.0f}x")
     else:
         print("einshard is not installed here; install it (Python >= 3.12) for that column")
+    if args.json:
+        found = {"expressions": len(cases), "parse_cold": parse_cold, "parse_cached": parse_hot}
+        found.update(sharding_cold=shard_cold, sharding_cached=shard_hot, einshard=theirs)
+        with open(args.json, "w") as f:
+            json.dump(found, f, indent=1)
 
 
 if __name__ == "__main__":

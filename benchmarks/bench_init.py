@@ -1,8 +1,9 @@
 """Peak memory of building a model into its shards: `eqshard.init` against the others.
 
-Run: `MALLOC_ARENA_MAX=2 python benchmarks/bench_init.py [--depth 8] [--width 4096]`.
-Every number comes from this one run, each case in a fresh process (so its peak
-is its own). glibc's allocator keeps freed memory in per-thread arenas; the
+Run: `MALLOC_ARENA_MAX=2 python benchmarks/bench_init.py [--depth 8] [--width 4096]
+[--json PATH]`. Every number comes from this one run, each case in a fresh process
+(so its peak is its own); `--json` also writes them to PATH, for
+`benchmarks/report.py`. glibc's allocator keeps freed memory in per-thread arenas; the
 benchmark pins it (MALLOC_ARENA_MAX=2, set for the children if you do not) so
 that resident memory tracks what is in use.
 
@@ -98,6 +99,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
     args = parser.parse_args()
     if args.case:
         print(json.dumps(_case(args.case, args.width, args.depth)))
@@ -123,6 +125,11 @@ def main() -> None:
             f"{name:<26} {r['seconds']:8.2f} {r['growth'] / 1e6:9.0f} MB "
             f"{r['growth'] / model_bytes:7.2f}x {device:>12}"
         )
+    if args.json:
+        found = {"width": args.width, "depth": args.depth, "model_bytes": model_bytes}
+        found.update(platform=platform, malloc_arena_max=env["MALLOC_ARENA_MAX"], cases=results)
+        with open(args.json, "w") as f:
+            json.dump(found, f, indent=1)
 
 
 if __name__ == "__main__":

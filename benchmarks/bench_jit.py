@@ -1,6 +1,7 @@
 """`eqshard.jit` against the floor, `eqx.filter_jit`, on 8 CPU devices.
 
-Run: `python benchmarks/bench_jit.py`. Every number comes from this one run.
+Run: `python benchmarks/bench_jit.py [--json PATH]`. Every number comes from this
+one run; `--json` also writes them to PATH, for `benchmarks/report.py`.
 
 For each model, three steps run the same AdamW update on the same placed model,
 optimizer state and batch, under an FSDP plan:
@@ -19,6 +20,8 @@ Models: (a) `eqx.nn.MLP(16, 16, 32, 2)`, 6 arrays, where a call is mostly dispat
 (b) the demo's GPT (`eqshard demo`), 4 stacked blocks of `eqx.nn` layers, a real step.
 """
 
+import argparse
+import json
 import statistics
 import time
 
@@ -103,14 +106,29 @@ def bench(name, model, loss, batch, rounds, calls):
     for label in fns:
         t = statistics.median(times[label])
         print(f"  {label:<14} {t * 1e6:>10.1f}us {t / floor:>8.3f} {traces[label]:>7}")
+    return {
+        "arrays": arrays,
+        "rounds": rounds,
+        "calls": calls,
+        "seconds": {label: statistics.median(times[label]) for label in fns},
+        "traces": dict(traces),
+    }
 
 
 def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
+    args = parser.parse_args()
     print(
         f"eqshard.jit against eqx.filter_jit; JAX {jax.__version__}, {len(jax.devices())} CPU devices"
     )
+    results = {}
     for case, rounds, calls in ((mlp_case, 15, 200), (gpt_case, 9, 5)):
-        bench(*case(), rounds=rounds, calls=calls)
+        name, *rest = case()
+        results[name] = bench(name, *rest, rounds=rounds, calls=calls)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`eqshard.restore` against reading the file's bytes once, and its peak memory.
 
-Run: `python benchmarks/bench_restore.py [--gb 0.5] [--leaves 32] [--drop-caches]`.
-Every number comes from this one run; each case runs in a fresh process, so
-its peak resident memory (`ru_maxrss`) is its own.
+Run: `python benchmarks/bench_restore.py [--gb 0.5] [--leaves 32] [--drop-caches]
+[--json PATH]`. Every number comes from this one run; each case runs in a fresh
+process, so its peak resident memory (`ru_maxrss`) is its own. `--json` also
+writes the numbers to PATH, for `benchmarks/report.py`.
 
 Cases, all on the same file written by `eqx.tree_serialise_leaves`:
 
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--drop-caches", action="store_true")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--file", help=argparse.SUPPRESS)
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
     args = parser.parse_args()
     cols = 1024
     rows = max(8, int(args.gb * 1e9 / 4 / cols / args.leaves) // 8 * 8)
@@ -158,6 +160,11 @@ def main() -> None:
                 f"{r['seconds'] / floor:6.2f}x {r['rss_growth'] / 1e6:12.0f} MB "
                 f"{r['rss_growth'] / leaf_bytes:6.2f}x {r['device_peak'] / 1e6:10.0f} MB"
             )
+        if args.json:
+            found = {"bytes": size, "leaves": args.leaves, "leaf_bytes": leaf_bytes}
+            found.update(repeat=args.repeat, drop_caches=args.drop_caches, cases=results)
+            with open(args.json, "w") as f:
+                json.dump(found, f, indent=1)
 
 
 if __name__ == "__main__":

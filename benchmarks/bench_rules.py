@@ -1,6 +1,7 @@
 """Path rules that never match must cost (almost) nothing, on 8 CPU devices.
 
-Run: `python benchmarks/bench_rules.py`. Every number comes from this one run.
+Run: `python benchmarks/bench_rules.py [--json PATH]`. Every number comes from this
+one run; `--json` also writes them to PATH, for `benchmarks/report.py`.
 
 The model: 100 blocks of 10 named leaves (`blocks.0.attn.query_proj.weight`, ...),
 1,000 abstract `jax.ShapeDtypeStruct` leaves. Against it, 5,000 rules that match no
@@ -9,12 +10,14 @@ leaf, of each of three forms, `**.nameN.**`, `nameN.*` and `**.x*_N`, and all
 case is timed as the best of several runs, and compared with the same rule
 alone (0 extra rules):
 
-(a) `eqshard._paths._grammar.PathIndex`: building it from the patterns, then `first()` on
+(a) `eqshard._paths._match.PathIndex`: building it from the patterns, then `first()` on
     the 1,000 leaf paths. Building is linear in the rules; the look-ups should
     not grow with them.
 (b) `eqshard.plan(model, rules)` from a loaded spec file, the public path.
 """
 
+import argparse
+import json
 import signal
 import sys
 import time
@@ -29,7 +32,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
 
 import eqshard
-from eqshard._paths._grammar import PathIndex, segments
+from eqshard._paths._match import PathIndex
+from eqshard._paths._names import segments
 
 BLOCKS = 100
 EXTRA = 5000
@@ -91,7 +95,7 @@ def _interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str,
     return {name: min(t) for name, t in times.items()}
 
 
-def bench_index(paths: list[tuple[str, ...]], table: dict[str, list[str]]) -> None:
+def bench_index(paths: list[tuple[str, ...]], table: dict[str, list[str]]) -> dict[str, dict]:
     print(f"(a) PathIndex on {len(paths):,} leaf paths: build it, then first() on every path")
     print(
         f"    {'case':<28} {'build':>9}   {'first() on all':>14} {'ratio':>6}   {'both':>9} {'ratio':>6}"
@@ -113,6 +117,7 @@ def bench_index(paths: list[tuple[str, ...]], table: dict[str, list[str]]) -> No
             f" {find[name] / find[base]:5.2f}x   {both[name] * 1e3:6.2f} ms {both[name] / both[base]:5.2f}x"
         )
     print()
+    return {name: {"build": build[name], "first": find[name], "both": both[name]} for name in table}
 
 
 class _Stopped(Exception):
@@ -138,7 +143,7 @@ def _capped(fn: Callable[[], object], cap_s: float) -> float | None:
         signal.signal(signal.SIGALRM, old)
 
 
-def bench_plan(model: dict, table: dict[str, list[str]]) -> None:
+def bench_plan(model: dict, table: dict[str, list[str]]) -> dict[str, dict]:
     leaves = len(jax.tree_util.tree_leaves(model))
     print(
         f"(b) eqshard.plan(model, eqshard.load(...)) on {leaves:,} leaves; a call is stopped after {PLAN_CAP_S:.0f} s"
@@ -150,6 +155,7 @@ def bench_plan(model: dict, table: dict[str, list[str]]) -> None:
             model, eqshard.load({"eqshard": 1, "rules": [{"path": MATCHING, "expr": EXPR}]})
         )
     base_first = base_later = None
+    results: dict[str, dict] = {}
     for name, patterns in table.items():
         rules = eqshard.load({"eqshard": 1, "rules": [{"path": p, "expr": EXPR} for p in patterns]})
         with warnings.catch_warnings():
@@ -163,7 +169,9 @@ def bench_plan(model: dict, table: dict[str, list[str]]) -> None:
             assert later_s is not None
             base_first, base_later = first_s, later_s
         print(f"    {name:<28} {_ms(first_s, base_first)}   {_ms(later_s, base_later)}")
+        results[name] = {"first_call": first_s, "later_calls": later_s}
     print()
+    return results
 
 
 def _ms(seconds: float | None, base: float | None) -> str:
@@ -173,13 +181,20 @@ def _ms(seconds: float | None, base: float | None) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH")
+    args = parser.parse_args()
     print(f"jax {jax.__version__}, python {sys.version.split()[0]}\n")
     model = model_of(BLOCKS)
     flat, _ = jax.tree_util.tree_flatten_with_path(model)
     paths = [segments(path) for path, _ in flat]
     table = cases()
-    bench_index(paths, table)
-    bench_plan(model, table)
+    index = bench_index(paths, table)
+    plan = bench_plan(model, table)
+    if args.json:
+        leaves = len(paths)
+        with open(args.json, "w") as f:
+            json.dump({"leaves": leaves, "index": index, "plan": plan}, f, indent=1)
 
 
 if __name__ == "__main__":
