@@ -11,30 +11,33 @@ everything else is imported on first use.
 import importlib
 import importlib.metadata
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._errors import (
     EqshardError as EqshardError,
-    EqshardWarning as EqshardWarning,
     ExpressionError as ExpressionError,
-    MeshWarning as MeshWarning,
+    ModelError as ModelError,
     PathError as PathError,
-    Problem as Problem,
     SpecError as SpecError,
+    StepError as StepError,
     UnreadableError as UnreadableError,
-    UnusedRule as UnusedRule,
-    UnusedRuleWarning as UnusedRuleWarning,
+    UsageError as UsageError,
 )
 from ._expression import Element as Element, Expression as Expression, parse as parse
 from ._fsdp import FSDP as FSDP
 from ._layout import Layout as Layout, layout as layout
+from ._problems import Problem as Problem
 from ._protocol import SpecLeaf as SpecLeaf
-from ._specfile._file import (
-    Rule as Rule,
-    Rules as Rules,
-    dump as dump,
-    load as load,
-    schema as schema,
+from ._specfile._model import Rule as Rule, Rules as Rules
+from ._specfile._read import load as load
+from ._specfile._schema import schema as schema
+from ._specfile._write import dump as dump
+from ._warnings import (
+    EqshardWarning as EqshardWarning,
+    MeshWarning as MeshWarning,
+    UnusedRule as UnusedRule,
+    UnusedRuleWarning as UnusedRuleWarning,
 )
 
 if (
@@ -47,20 +50,20 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._apply import apply as apply
     from ._checkpoint import abstract as abstract, restore as restore
     from ._constrain import constrain as constrain, shard as shard
-    from ._cost._driver import (
-        Collective as Collective,
-        Cost as Cost,
-        Memory as Memory,
-        cost as cost,
-    )
+    from ._cost._driver import cost as cost
     from ._cost._hardware import (
         HARDWARE as HARDWARE,
         Estimate as Estimate,
         Hardware as Hardware,
     )
+    from ._cost._results import (
+        Collective as Collective,
+        Cost as Cost,
+        Memory as Memory,
+    )
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
     from ._init import init as init
-    from ._plan import Plan as Plan, Spec as Spec, plan as plan, spec as spec
+    from ._plan import Plan as Plan, Spec as Spec, plan as plan, spec_tree as spec_tree
     from ._protocol import (
         Resolution as Resolution,
         Resolver as Resolver,
@@ -77,9 +80,9 @@ _LAZY = {
     "use": "._activations",
     "apply": "._apply",
     "abstract": "._checkpoint",
-    "Collective": "._cost._driver",
-    "Cost": "._cost._driver",
-    "Memory": "._cost._driver",
+    "Collective": "._cost._results",
+    "Cost": "._cost._results",
+    "Memory": "._cost._results",
     "cost": "._cost._driver",
     "Diff": "._search._diff",
     "LeafChange": "._search._diff",
@@ -95,7 +98,7 @@ _LAZY = {
     "plan": "._plan",
     "Report": "._report",
     "report": "._report",
-    "spec": "._plan",
+    "spec_tree": "._plan",
     "Spec": "._plan",
     "Resolution": "._protocol",
     "Resolver": "._protocol",
@@ -133,6 +136,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "Match",
     "Memory",
     "MeshWarning",
+    "ModelError",
     "PathError",
     "Plan",
     "Problem",
@@ -146,11 +150,13 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "SpecError",
     "SpecLeaf",
     "Step",
+    "StepError",
     "Suggestion",
     "Target",
     "UnreadableError",
     "UnusedRule",
     "UnusedRuleWarning",
+    "UsageError",
     "abstract",
     "apply",
     "constrain",
@@ -169,13 +175,20 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "schema",
     "shard",
     "sharding",
-    "spec",
+    "spec_tree",
     "suggest",
     "use",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "spec":  # renamed after 0.1.0: `Spec` and `spec=` are the other two
+        warnings.warn(
+            "`eqshard.spec` is now `eqshard.spec_tree` (it returns a model's spec tree)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return __getattr__("spec_tree")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'eqshard' has no attribute {name!r}")
@@ -184,8 +197,8 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+def __dir__() -> list[str]:  # the API only: not `importlib`, `Any` or the private modules
+    return sorted([*__all__, "__version__"])
 
 
 try:

@@ -35,10 +35,11 @@ import jax.core
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._annotation import Annotation
-from ._errors import EqshardError, ExpressionError, Problem, SpecError
+from ._errors import EqshardError, ExpressionError, SpecError
 from ._expression import Expression
 from ._jit_key import JIT_KEY
 from ._plan import Plan, declared_mesh
+from ._problems import Problem
 from ._rules import dims_expression, is_axis
 from ._sharding import (
     AnyMesh,
@@ -51,7 +52,7 @@ from ._sharding import (
     sharding_on,
     user_mesh,
 )
-from ._specfile._file import Rules
+from ._specfile._model import Rules
 
 __all__ = [
     "Active",

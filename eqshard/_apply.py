@@ -8,11 +8,13 @@ import jax
 from jaxtyping import PyTree
 
 from ._derive import plan_for
-from ._errors import Problem, SpecError, warn
+from ._errors import SpecError
 from ._fields import FROM_FIELDS
-from ._plan import Planned, Spec, Unspecified
-from ._sharding import AnyMesh, Devices, local_devices, on_devices
+from ._plan import Planned, Spec, Unspecified, placing
+from ._problems import Problem
+from ._sharding import AnyMesh, Devices, local_devices
 from ._values import source_for, unplaceable
+from ._warnings import warn
 
 __all__ = ["apply", "place"]
 
@@ -82,8 +84,7 @@ def apply(
 def place(tree: Any, planned: Planned, what: str = "`eqshard.apply`") -> Any:
     """Places every leaf of `tree` that `planned` gives a sharding, in one
     `jax.device_put`; raises every problem of the plan and of the values at once."""
-    p = planned.plan
-    on_devices(p.mesh, what, p.devices)
+    p = placing(planned.plan, what)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     indices = [i for i, s in enumerate(p.flat_shardings) if s is not None]
     refused = [

@@ -25,8 +25,8 @@ from ._derive import plan_for, unmatched_copies
 from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, is_array_like
 from ._init import traced_closures
-from ._plan import Plan, Spec, Unspecified
-from ._sharding import AnyMesh, Devices, local_devices, on_devices
+from ._plan import Plan, Spec, Unspecified, placing
+from ._sharding import AnyMesh, Devices, local_devices
 from ._values import narrowed
 
 __all__ = ["abstract", "restore"]
@@ -257,8 +257,7 @@ def restore(
     unmatched = unmatched_copies(like, spec) if isinstance(spec, Plan) else []
     if planned.problems or unmatched:
         raise SpecError(planned.problems + unmatched)
-    p = planned.plan
-    on_devices(p.mesh, "`eqshard.restore`", p.devices)
+    p = placing(planned.plan, "`eqshard.restore`")
     dead = traced_closures(like)
     if dead:
         raise EqshardError(

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ._errors import EqshardError, EqshardWarning, warn
+from ._errors import EqshardError
+from ._warnings import EqshardWarning, warn
 
 __all__ = [
     "LARGE",
@@ -32,6 +35,7 @@ __all__ = [
     "dce_jaxpr",
     "exclude_from_tracebacks",
     "filter_jit_donation",
+    "hide_eqshard_frames",
     "is_transposed",
     "memory_stats",
     "missing",
@@ -104,6 +108,18 @@ def exclude_from_tracebacks(path: str) -> None:
     except (ImportError, AttributeError):
         raise missing("its traceback filter (traceback_util.register_exclusion)") from None
     register(path)
+
+
+@functools.cache
+def hide_eqshard_frames() -> None:
+    """Hides eqshard's own frames from the tracebacks JAX filters, as Equinox hides
+    its own, once per process: a user whose step fails inside `eqshard.jit` sees
+    their own file and line, not eqshard's. A JAX that keeps no traceback filter is
+    warned of once, and the frames stay."""
+    try:
+        exclude_from_tracebacks(os.path.dirname(os.path.abspath(__file__)))
+    except EqshardError as error:
+        warn_once(error, "shows its own frames in JAX's tracebacks")
 
 
 # Equinox ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Plan, Spec, Unspecified
 from ._sharding import AnyMesh, Devices, local_devices, on_devices, sharding
-from ._specfile._file import Rules
+from ._specfile._model import Rules
 from ._values import source_for, unplaceable
 
 __all__ = ["constrain", "constrained", "shard"]

@@ -50,14 +50,7 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-from ._errors import (
-    EqshardError,
-    EqshardWarning,
-    Problem,
-    UnusedRule,
-    UnusedRuleWarning,
-    unused_message,
-)
+from ._errors import EqshardError
 from ._expression import Expression
 from ._fields import (
     is_array_like,
@@ -66,12 +59,15 @@ from ._fields import (
     state_leaf_names,
     state_markers,
 )
-from ._paths._grammar import match
+from ._paths._match import match
 from ._plan import Plan, Planned, Unspecified, make_plan
+from ._problems import Problem
 from ._protocol import is_resolver
 from ._resolve import Resolved, abstract_leaves
 from ._sharding import AnyMesh, Device
-from ._specfile._file import Rules
+from ._specfile._model import Rules
+from ._specfile._read import read_path
+from ._warnings import EqshardWarning, UnusedRule, UnusedRuleWarning, unused_message
 
 __all__ = ["REPLICATED", "plan_for", "unmatched_copies"]
 
@@ -603,6 +599,7 @@ def plan_for(
     applied by structure (a training state or an optimizer state built from the
     model; see the module's notes).
     """
+    spec = read_path(spec)
     if not isinstance(spec, Plan):
         return make_plan(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if devices is not None or mesh is not None:

@@ -17,9 +17,11 @@ import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from ._annotation import Annotation, StateValue, contradiction, field_annotations, state_value
-from ._errors import EqshardError, PathError, Problem
+from ._errors import EqshardError, PathError
 from ._expression import Expression, parse
-from ._paths._grammar import name, quoted_key, segments
+from ._paths._grammar import quoted_key
+from ._paths._names import name, segments
+from ._problems import Problem
 from ._protocol import Resolution, Target
 
 __all__ = [

@@ -33,10 +33,11 @@ import numpy as np
 
 from ._compat import dce_jaxpr, subjaxprs, unrolled_threefry, warn_once
 from ._derive import plan_for
-from ._errors import EqshardError, Problem, SpecError
+from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, leaf_name
-from ._plan import Plan, Spec, Unspecified
-from ._sharding import AnyMesh, Devices, local_devices, on_devices
+from ._plan import Plan, Spec, Unspecified, placing
+from ._problems import Problem
+from ._sharding import AnyMesh, Devices, local_devices
 from ._values import unplaceable
 
 __all__ = ["init", "initializer"]
@@ -160,7 +161,7 @@ def init(
     if planned.problems or refused:
         headline = "`eqshard.init` cannot place these leaves" if refused else None
         raise SpecError(planned.problems + refused, headline)
-    on_devices(plan.mesh, "`eqshard.init`", plan.devices)
+    plan = placing(plan, "`eqshard.init`")
     leaves = list(plan.resolved.leaves)
     for group in _groups(leaves):
         for i, array in zip(group, _compiled(factory, plan, group)()):

@@ -1,4 +1,6 @@
-"""The JAX user context that keys `jit`'s cache by what `eqshard.use` made active.
+"""What eqshard sets up in JAX as soon as both are imported: the JAX user context
+that keys `jit`'s cache by what `eqshard.use` made active, and eqshard's frames
+hidden from JAX's filtered tracebacks (`_compat.hide_eqshard_frames`).
 
 JAX counts every user context among the values of a trace's context, so one made
 after a step was first traced changes that count, and the step's second call
@@ -14,7 +16,11 @@ from typing import Any
 
 import jax
 
+from ._compat import hide_eqshard_frames
+
 __all__ = ["JIT_KEY"]
+
+hide_eqshard_frames()
 
 _make_user_context = getattr(jax, "make_user_context", None)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, Union
 
@@ -25,19 +27,12 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._errors import (
-    EqshardError,
-    EqshardWarning,
-    ExpressionError,
-    MeshWarning,
-    Problem,
-    SpecError,
-    warn,
-)
+from ._errors import EqshardError, ExpressionError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like, is_stateful_pair
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
+from ._problems import Problem
 from ._protocol import Resolver, SpecLeaf, Target
 from ._resolve import Resolved, resolve
 from ._sharding import (
@@ -45,23 +40,41 @@ from ._sharding import (
     Device,
     Placement,
     device_count,
+    local_devices,
     mesh as build_mesh,
     mesh_devices,
     named_sharding,
+    on_devices,
     partition_spec,
     placement,
     user_mesh,
+    with_devices,
 )
+from ._specfile._read import read_path
+from ._warnings import EqshardWarning, MeshWarning, warn
 
-__all__ = ["Plan", "Planned", "Spec", "Unspecified", "declared_mesh", "make_plan", "plan", "spec"]
+__all__ = [
+    "Plan",
+    "Planned",
+    "Spec",
+    "Unspecified",
+    "declared_mesh",
+    "make_plan",
+    "placing",
+    "plan",
+    "spec_tree",
+]
 
 Unspecified = Literal["replicate", "keep"]
 
-Spec = Union[str, Expression, Resolver, "Plan", "PyTree[SpecLeaf]", None]
+Spec = Union[str, Expression, os.PathLike, Resolver, "Plan", "PyTree[SpecLeaf]", None]
 """What every function that lays something out takes as its spec (`eqshard.plan`,
-`apply`, `constrain`, `init`, `restore`, `abstract`, `report`, `cost`, `suggest`):
+`apply`, `constrain`, `init`, `restore`, `abstract`, `report`, `cost`, `suggest`,
+`diff`):
 
-- an einshard expression (text or `Expression`), for every array leaf;
+- an einshard expression (text or `Expression`), for every array leaf: a `str` is
+    always an expression, never a file name;
+- a spec file, as a `pathlib.Path` (read with `eqshard.load`);
 - a resolver: `eqshard.FROM_FIELDS` (the model's `eqshard.field`s, the default),
     the `Rules` of a spec file, `eqshard.FSDP`, or the user's own;
 - a `Plan`, made for the model (it lays out any tree built from it);
@@ -100,8 +113,9 @@ class Plan:
         the spec gave none).
     - `devices`: the devices the plan places on, in einshard's order; or, for a
         plan made for a device count (`devices=65536`), that count: then every mesh
-        is a `jax.sharding.AbstractMesh`, and placing or compiling with the plan is
-        an error that says to plan with devices. `None` on the user's abstract mesh.
+        is a `jax.sharding.AbstractMesh`, and what places or compiles with the plan
+        (`apply`, `init`, `restore`, `cost`) uses the first that many of
+        `jax.devices()`, as `devices=n` does. `None` on the user's abstract mesh.
     - `mesh_is_given`: whether `mesh` is the user's or a spec file's, not eqshard's.
     - `spec`, `unspecified`: what the plan was made from, which also lays out the
         model's `eqx.nn.State` when the plan meets one.
@@ -177,6 +191,46 @@ class Plan:
         return f"Plan(mesh={self.mesh}, leaves={laid_out})"
 
 
+_PLACING: weakref.WeakKeyDictionary[Plan, tuple[tuple[Device, ...], Plan]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def placing(plan: Plan, what: str) -> Plan:
+    """The plan that places arrays: `plan` itself where it holds devices; for a plan
+    made for a count `n`, the same layouts on the first `n` of `jax.devices()`, as
+    `devices=n` places them (one concrete plan per plan, cached).
+
+    **Raises:** `EqshardError` where this process has fewer than `n` devices, or the
+    plan's mesh is the user's `jax.sharding.AbstractMesh`.
+    """
+    if not isinstance(plan.devices, int):
+        on_devices(plan.mesh, what, plan.devices)
+        return plan
+    devices = tuple(local_devices(plan.devices, what) or ())
+    cached = _PLACING.get(plan)
+    if cached is not None and cached[0] == devices:
+        return cached[1]
+    placed = _on(plan, devices)
+    _PLACING[plan] = (devices, placed)
+    return placed
+
+
+def _on(plan: Plan, devices: tuple[Device, ...]) -> Plan:
+    def moved(s: NamedSharding | None) -> NamedSharding | None:
+        if s is None:
+            return None
+        return NamedSharding(with_devices(s.mesh, devices), s.spec, memory_kind=s.memory_kind)
+
+    return dataclasses.replace(
+        plan,
+        mesh=None if plan.mesh is None else with_devices(plan.mesh, devices),
+        flat_shardings=[moved(s) for s in plan.flat_shardings],
+        devices=devices,
+        section=None if plan.section is None else _on(plan.section, devices),
+    )
+
+
 class Planned(NamedTuple):
     """A plan with the faults found while making it: leaves with a problem have no
     sharding (see `Plan.failed`). `matched`, for a plan applied to another tree,
@@ -238,7 +292,7 @@ def optimizer_spec(spec: Any, optimizer: Any) -> Any:
     **Raises:** `EqshardError` when both are given, or when the parameters' rules
     say `"default": "parameter"`, which only an optimizer section may.
     """
-    from ._specfile._file import PARAMETER, Rules
+    from ._specfile._model import PARAMETER, Rules
 
     if isinstance(spec, Rules) and spec.default == PARAMETER:
         raise EqshardError(
@@ -283,6 +337,7 @@ def make_plan(
     """
     if unspecified not in ("replicate", "keep"):
         raise EqshardError(f"`unspecified` must be 'replicate' or 'keep', not {unspecified!r}")
+    spec = read_path(spec)
     section_spec = optimizer_spec(spec, optimizer)
     target_mesh = user_mesh(mesh, devices)
     problems: list[Problem] = []
@@ -556,16 +611,16 @@ def plan(
     return planned.plan
 
 
-def spec(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | None]:
+def spec_tree(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | None]:
     """The spec tree of a model: its structure, with an expression per array leaf.
 
     **Example:**
 
     ```python
-    spec = eqshard.spec(model)   # from the eqshard.field annotations
-    spec = eqx.tree_at(lambda s: s.head.weight, spec, "v d -> v* d",
+    tree = eqshard.spec_tree(model)   # from the eqshard.field annotations
+    tree = eqx.tree_at(lambda s: s.head.weight, tree, "v d -> v* d",
                        is_leaf=lambda x: x is None)
-    model = eqshard.apply(model, spec)
+    model = eqshard.apply(model, tree)
     ```
 
     **Arguments:**

@@ -15,8 +15,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
-from ._errors import EqshardWarning, Problem
 from ._expression import Expression
+from ._problems import Problem
+from ._warnings import EqshardWarning
 
 if TYPE_CHECKING:
     from jax.sharding import AbstractMesh, Mesh

@@ -16,12 +16,14 @@ import jax.core
 import numpy as np
 
 from ._annotation import complete, for_rank
-from ._errors import EqshardError, EqshardWarning, ExpressionError, Problem
+from ._errors import EqshardError, ExpressionError
 from ._expression import Expression, parse
 from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
 from ._fsdp import FSDP_WORD
+from ._problems import Problem
 from ._protocol import Resolver, Target, is_resolver
 from ._spectree import SpecTree, not_a_spec_leaf
+from ._warnings import EqshardWarning
 
 __all__ = ["Resolved", "abstract_leaves", "resolve"]
 

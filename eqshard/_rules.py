@@ -33,14 +33,7 @@ import jax
 import numpy as np
 
 from ._annotation import Annotation, complete, for_rank
-from ._errors import (
-    ExpressionError,
-    Problem,
-    UnusedRule,
-    UnusedRuleWarning,
-    named,
-    unused_message,
-)
+from ._errors import ExpressionError
 from ._expression import Expression, parse
 from ._fields import (
     LeafInfo,
@@ -52,9 +45,13 @@ from ._fields import (
     walk_fields,
 )
 from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
-from ._paths._grammar import Guesses, PathIndex, match, segments
+from ._paths._closest import Guesses
+from ._paths._match import PathIndex, match
+from ._paths._names import segments
+from ._problems import Problem, named
 from ._protocol import Resolution, Target
 from ._sharding import device_tuple
+from ._warnings import UnusedRule, UnusedRuleWarning, unused_message
 
 __all__ = [
     "Match",

@@ -51,6 +51,7 @@ __all__ = [
     "placement",
     "sharding",
     "user_mesh",
+    "with_devices",
 ]
 
 Placement = Union[tuple[Device, ...], int]
@@ -253,6 +254,18 @@ def mesh(mesh_shape: tuple[int, ...], axis_names: tuple[str, ...], devices: Plac
         grid.reshape(mesh_shape),
         axis_names,
         axis_types=(AxisType.Auto,) * len(axis_names),
+    )
+
+
+def with_devices(abstract: AnyMesh, devices: Sequence[Device]) -> Mesh:
+    """The concrete mesh of `abstract`'s axes (sizes, names and types), filled with
+    `devices` in row-major order, as `mesh` fills one."""
+    grid = np.empty(len(devices), dtype=object)
+    grid[:] = list(devices)
+    return Mesh(
+        grid.reshape(tuple(abstract.axis_sizes)),
+        tuple(abstract.axis_names),
+        axis_types=tuple(abstract.axis_types),
     )
 
 

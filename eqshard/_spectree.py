@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 
-from ._errors import Problem
 from ._fields import leaf_name
-from ._paths._grammar import segments
+from ._paths._names import segments
+from ._problems import Problem
 from ._protocol import Resolution, SpecLeaf, Target, is_spec_leaf
 
 __all__ = ["SpecTree", "not_a_spec_leaf"]
@@ -69,7 +69,7 @@ def _mismatch(spec: Any, model: Any, path: tuple[Any, ...] = ()) -> Problem | No
             where,
             f"the spec has a {type(spec).__name__} here, where the model has a "
             f"{type(model).__name__}; build the spec from the model, e.g. with "
-            "`eqshard.spec(model)` and `eqx.tree_at`",
+            "`eqshard.spec_tree(model)` and `eqx.tree_at`",
         )
     spec_keys, model_keys = _keys(spec_children), _keys(model_children)
     if spec_keys != model_keys:

@@ -44,13 +44,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from ._activations import Active, active, using
 from ._constrain import constrained
 from ._derive import plan_for
-from ._errors import EqshardError, ExpressionError, Problem, SpecError
+from ._errors import EqshardError, ExpressionError, SpecError
 from ._expression import Expression
 from ._fields import is_array_like, is_stateful_pair
 from ._plan import Plan, Planned, plan as make_plan_or_raise
+from ._problems import Problem
 from ._protocol import is_resolver
 from ._sharding import AnyMesh, mesh_devices, sharding
-from ._specfile._file import Rules, batch_expression
+from ._specfile._model import Rules, batch_expression
+from ._specfile._read import read_path
 
 __all__ = [
     "Argument",
@@ -262,6 +264,7 @@ def planned_for(model: Any, args: Sequence[Any], spec: Any) -> Any:
     `(model, state)` where the model's `eqx.nn.State` is among `args`, so that one
     mesh fits both; else the model. A spec tree, which has a place for the model's
     leaves only, is planned for the model (the plan then replicates the state)."""
+    spec = read_path(spec)
     if is_stateful_pair(model) or not (is_resolver(spec) or isinstance(spec, (str, Expression))):
         return model
     state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)

@@ -156,7 +156,9 @@ def main(steps: int = 3, spec: str | Path = SPEC) -> dict[str, Any]:
                 tokens, "b s -> b2 s 4"
             )  # over 'data', whole on 'model'
             # what one step moves: the program eqshard.jit runs under this plan
-            step_cost = eqshard.cost(reference_step, model, opt_state, tokens_in_shards, spec=plan)
+            step_cost = eqshard.cost(
+                model, opt_state, tokens_in_shards, step=reference_step, spec=plan
+            )
             losses = []
             for i in range(steps):
                 value, model, opt_state = reference_step(model, opt_state, tokens_in_shards)

@@ -34,7 +34,7 @@ def main() -> None:
     x = jax.random.normal(jax.random.key(0), (8, 128))
 
     sharded = eqshard.apply(model)
-    spec = eqshard.spec(model)
+    spec = eqshard.spec_tree(model)
     print(f"{len(jax.devices())} devices; layouts:")
     for name in ("w1", "w2"):
         array = getattr(sharded, name)

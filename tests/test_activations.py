@@ -383,10 +383,10 @@ def test_cost_sees_the_names_of_a_spec_files_rules(gpt):
     def moved(spec):
         step = gpt["make_step"](optimizer)
         return eqshard.cost(
-            step, model, state, gpt["batch"](), spec=spec, mesh=mesh
+            model, state, gpt["batch"](), step=step, spec=spec, mesh=mesh
         ).bytes_by_axes()
 
-    names_unused = moved(eqshard.spec(model, rules))  # a spec tree: no rules active
+    names_unused = moved(eqshard.spec_tree(model, rules))  # a spec tree: no rules active
     assert moved(rules) == names_unused  # Megatron's layout is what XLA chose anyway
     whole = eqshard.load(rules.to_json() | {"dims": {**rules.dims, "vocab": None}})
     gathered = moved(whole)

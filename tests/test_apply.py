@@ -119,7 +119,7 @@ def test_all_faults_are_reported_at_once():
     model = eqx.nn.MLP(6, 4, 12, 1, key=jax.random.key(0))
     spec = eqx.tree_at(
         lambda s: (s.layers[0].weight, s.layers[0].bias, s.layers[1].weight, s.layers[1].bias),
-        eqshard.spec(model),
+        eqshard.spec_tree(model),
         ("o i -> o* i", "o i -> o i*", "o i -> o i2", "o -> o3*"),
         is_leaf=lambda x: x is None,
     )
@@ -386,10 +386,10 @@ def test_the_spec_tree_of_a_plan_is_that_of_its_spec():
     model = eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0))
     rules = eqshard.load({"eqshard": 1, "rules": [{"path": "**.weight", "expr": "o i -> o* i"}]})
     plan = eqshard.plan(model, rules)
-    assert eqshard.spec(model, plan) == eqshard.spec(model, rules)
-    assert str(eqshard.spec(model, plan).layers[0].weight) == "o i -> o* i"
+    assert eqshard.spec_tree(model, plan) == eqshard.spec_tree(model, rules)
+    assert str(eqshard.spec_tree(model, plan).layers[0].weight) == "o i -> o* i"
     abstract = eqshard.plan(model, eqshard.FSDP, devices=64)  # laid out for 64, not 8
-    assert eqshard.spec(model, abstract) == abstract.expressions
+    assert eqshard.spec_tree(model, abstract) == abstract.expressions
 
 
 def test_a_count_across_processes_is_every_device(monkeypatch):

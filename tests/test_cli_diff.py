@@ -113,9 +113,11 @@ def test_with_a_step_it_shows_the_change_in_memory_and_communication(run_cli, tm
     params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     opt_state = jax.eval_shape(models.mlp_optimizer().init, params)
     batch = eqx.filter_eval_shape(models.mlp_batch)
-    found = diff(model, str(a), str(b), opt_state, batch, step=models.mlp_step, devices=8)
+    found = diff(model, a, b, opt_state, batch, step=models.mlp_step, devices=8)
     assert done.out.splitlines() == found.lines()
-    cost_a = eqshard.cost(models.mlp_step, model, opt_state, batch, spec=eqshard.load(a), devices=8)
+    cost_a = eqshard.cost(
+        model, opt_state, batch, step=models.mlp_step, spec=eqshard.load(a), devices=8
+    )
     assert found.costs is not None
     assert found.costs[0].memory == cost_a.memory
     assert found.costs[0].bytes_by_axes() == cost_a.bytes_by_axes()

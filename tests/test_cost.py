@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import eqshard
-from eqshard._cost._driver import _collectives
+from eqshard._cost._compile import read_collectives
 
 OPTIMIZER = optax.adam(1e-3)
 MODEL = eqx.filter_eval_shape(lambda: eqx.nn.MLP(256, 256, 1024, 1, key=jax.random.key(0)))
@@ -39,7 +39,14 @@ def step(model, state, x):
 
 def _cost(spec, batch, mesh=None):
     return eqshard.cost(
-        step, MODEL, STATE, BATCH, spec=spec, batch=batch, mesh=mesh, devices=None if mesh else 8
+        MODEL,
+        STATE,
+        BATCH,
+        step=step,
+        spec=spec,
+        batch=batch,
+        mesh=mesh,
+        devices=None if mesh else 8,
     )
 
 
@@ -99,11 +106,11 @@ def test_more_devices_than_the_process_has_compile_in_a_process_of_their_own():
     assert PARAMETER_BYTES <= moved <= PARAMETER_BYTES + 64
     p = eqshard.plan(MODEL, "... -> * ...")
     with pytest.raises(eqshard.EqshardError, match="a `Plan` holds this process's devices"):
-        eqshard.cost(step, MODEL, STATE, BATCH, spec=p, devices=16)
+        eqshard.cost(MODEL, STATE, BATCH, step=step, spec=p, devices=16)
 
 
 def _cost_on(n):
-    return eqshard.cost(step, MODEL, STATE, BATCH, spec="... -> * ...", devices=n)
+    return eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=n)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +135,7 @@ def test_every_replica_group_notation_names_its_mesh_axes(groups, axes):
         f"channel_id=2, {groups}, use_global_device_ids=true, to_apply=%add, "
         f'metadata={{op_name="jit(step)/dot_general"}}'
     )
-    [collective] = _collectives(f"ENTRY %main () -> f32[] {{\n{line}\n}}", mesh)
+    [collective] = read_collectives(f"ENTRY %main () -> f32[] {{\n{line}\n}}", mesh)
     assert collective.kind == "all-reduce"
     assert collective.bytes == (32 * 32 + 32) * 4
     assert collective.axes == axes
@@ -164,7 +171,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   %ar.2 = f32[4]{0} all-reduce(f32[4]{0} %a), replica_groups=[1,8]<=[8], to_apply=%add
 }
 """
-    found = [(c.kind, c.bytes, c.count, c.total_bytes) for c in _collectives(hlo, None)]
+    found = [(c.kind, c.bytes, c.count, c.total_bytes) for c in read_collectives(hlo, None)]
     assert found == [
         ("all-reduce", 16, 6, 96),  # in the inner loop: 2 trips per trip of the outer's 3
         ("all-gather", 32, 3, 96),
@@ -180,7 +187,7 @@ def test_the_stacked_gpt_counts_its_scanned_collectives_per_layer():
     gpt = runpy.run_path(str(Path(__file__).parent.parent / "examples/gpt_stacked.py"))
     model = gpt["build"]()
     state = gpt["optimizer"]().init(eqx.filter(model, eqx.is_array))
-    c = eqshard.cost(gpt["step"], model, state, gpt["batch"](), spec=eqshard.load(gpt["SPEC"]))
+    c = eqshard.cost(model, state, gpt["batch"](), step=gpt["step"], spec=eqshard.load(gpt["SPEC"]))
     looped = [x for x in c.collectives if "while" in x.source]
     assert looped
     assert {x.count for x in looped} == {gpt["LAYERS"]}
@@ -201,12 +208,12 @@ def test_a_step_that_cannot_be_traced_names_the_devices_and_the_spec(tmp_path):
         r"the spec file .*megatron\.eqshard\.json: it raised TypeError: dot_general requires "
         r"contracting",
     ) as caught:
-        eqshard.cost(broken, MODEL, STATE, BATCH, spec=rules, devices=8)
+        eqshard.cost(MODEL, STATE, BATCH, step=broken, spec=rules, devices=8)
     assert isinstance(caught.value.__cause__, TypeError)  # JAX's own error, chained
     with pytest.raises(
         eqshard.EqshardError, match=r" on 4 devices under the expression '\.\.\. -> \* \.\.\.': "
     ):
-        eqshard.cost(broken, MODEL, STATE, BATCH, spec="... -> * ...", devices=4)
+        eqshard.cost(MODEL, STATE, BATCH, step=broken, spec="... -> * ...", devices=4)
 
 
 # --------------------------------------------------------------------------- #
@@ -231,7 +238,7 @@ def _split():
 
 def _megatron_cost(x, **kw):
     spec = kw.pop("spec", MEGATRON)
-    return eqshard.cost(step, MODEL, STATE, x, spec=spec, **kw)
+    return eqshard.cost(MODEL, STATE, x, step=step, spec=spec, **kw)
 
 
 def _placed(x, spec):
@@ -306,7 +313,7 @@ def test_bfloat16_collectives_on_xla_cpu_are_named_as_its_float32_copies():
         return eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2))(m)
 
     spec = eqshard.load({"eqshard": 1, "mesh": [["data", "*"]], "default": "replicate"})
-    cpu = eqshard.cost(step, model, x, spec=spec)
+    cpu = eqshard.cost(model, x, step=step, spec=spec)
     gradients = (64 * 256 + 256 + 256 * 64 + 64) * 2  # bfloat16
     assert cpu.bytes_by_axes() == {("all-reduce", ("data",)): 2 * gradients}
     assert cpu.promoted == (
@@ -314,6 +321,6 @@ def test_bfloat16_collectives_on_xla_cpu_are_named_as_its_float32_copies():
         "accelerator moves (a TPU target shows its own)"
     )
     pytest.importorskip("libtpu", reason="the TPU compiler comes with libtpu")
-    tpu = eqshard.cost(step, model, x, spec=spec, target="v5e:2x4")
+    tpu = eqshard.cost(model, x, step=step, spec=spec, target="v5e:2x4")
     assert tpu.bytes_by_axes() == {("all-reduce", ("data",)): gradients}
     assert tpu.promoted is None

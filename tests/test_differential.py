@@ -151,7 +151,7 @@ def _cell(model_name: str, strategy: str, target: str | None) -> dict[str, Any]:
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
     rules = eqshard.load({"eqshard": 1, **STRATEGIES[strategy]})
     step = _step(loss)
-    c = eqshard.cost(step, model, opt_state, x, spec=rules, target=target, devices=None)
+    c = eqshard.cost(model, opt_state, x, step=step, spec=rules, target=target, devices=None)
     # the same program, compiled here, for the compiler's own figures
     if target is None:
         p = eqshard.plan(model, rules)
@@ -321,8 +321,8 @@ def test_a_scan_counts_as_its_layers_unrolled(strategy, target):
     def step(loss: Any) -> Any:
         return lambda m, x: eqx.filter_value_and_grad(loss)(m, x)
 
-    scanned = eqshard.cost(step(_scanned), model, x, spec=rules, target=target)
-    unrolled = eqshard.cost(step(_unrolled), model, x, spec=rules, target=target)
+    scanned = eqshard.cost(model, x, step=step(_scanned), spec=rules, target=target)
+    unrolled = eqshard.cost(model, x, step=step(_unrolled), spec=rules, target=target)
     product = 2 * 64 * 64 * 64 // 8  # one (64, 64) x (64, 64) product, on 8 devices
     # forward, the weights' gradients and the hidden layers' gradients
     assert unrolled.flops == (LAYERS * 2 + LAYERS - 1) * product

@@ -41,7 +41,7 @@ def test_the_cost_of_the_stacked_gpt_is_what_megatron_implies(gpt_stacked):
     params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     state = jax.eval_shape(optimizer.init, params)
     rules = eqshard.load(ns["SPEC"])
-    c = eqshard.cost(ns["step"], model, state, ns["batch"](), spec=rules, devices=8)
+    c = eqshard.cost(model, state, ns["batch"](), step=ns["step"], spec=rules, devices=8)
     moved = c.bytes_by_axes()
     # activations over `model` (the row-parallel layers), gradients over `data`
     assert set(moved) == {("all-reduce", ("data",)), ("all-reduce", ("model",))}

@@ -97,7 +97,7 @@ def test_short_forms_survive_an_unresolvable_sibling_annotation():
     try:
         exec(compile(code, "<test>", "exec"), module.__dict__)
         model = module.M(jnp.ones(3), jnp.ones((8, 4)))
-        assert str(eqshard.spec(model).w) == "x y -> x* y"
+        assert str(eqshard.spec_tree(model).w) == "x y -> x* y"
     finally:
         del sys.modules[module.__name__]
 

@@ -233,7 +233,7 @@ def test_cost_compiles_the_program_that_trains(name, tmp_path):
     rules = _rules(name, tmp_path)
     other = eqshard.plan(model, _rules("data parallel", tmp_path))
     figures = {
-        label: _cost_figures(eqshard.cost(step, model, opt_state, x, y, spec=rules))
+        label: _cost_figures(eqshard.cost(model, opt_state, x, y, step=step, spec=rules))
         for label, step in [
             ("plain", plain_step),
             ("constrained", constrained_step),
@@ -251,7 +251,7 @@ def test_zero1_pays_its_all_gather_of_the_updated_parameters(tmp_path):
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
     x, y = _batch()
     rules = _rules("zero-1", tmp_path)
-    c = eqshard.cost(plain_step, model, opt_state, x, y, spec=rules)
+    c = eqshard.cost(model, opt_state, x, y, step=plain_step, spec=rules)
     p = eqshard.plan(model, rules)
     split = [
         leaf.size * leaf.dtype.itemsize
@@ -262,7 +262,9 @@ def test_zero1_pays_its_all_gather_of_the_updated_parameters(tmp_path):
     gathered = sum(k.total_bytes for k in c.collectives if k.kind == "all-gather")
     assert gathered == sum(split)
     assert all(k.axes == ("data",) for k in c.collectives if k.kind == "all-gather")
-    dp = eqshard.cost(plain_step, model, opt_state, x, y, spec=_rules("data parallel", tmp_path))
+    dp = eqshard.cost(
+        model, opt_state, x, y, step=plain_step, spec=_rules("data parallel", tmp_path)
+    )
     assert not [k for k in dp.collectives if k.kind == "all-gather"]
 
 

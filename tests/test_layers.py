@@ -135,6 +135,8 @@ def test_no_module_reaches_into_another_modules_private_names():
 # folder here holds no module that imports JAX when it is imported.
 WITHOUT_JAX = (
     "eqshard._errors",
+    "eqshard._problems",
+    "eqshard._warnings",
     "eqshard._expression",
     "eqshard._layout",
     "eqshard._fit",
@@ -142,7 +144,8 @@ WITHOUT_JAX = (
     "eqshard._paths.",
     "eqshard._specfile.",
     "eqshard._cost._hardware",
-    "eqshard._cost._hlo",
+    "eqshard._cost._hlo.",
+    "eqshard._cost._results",
     "eqshard.testing._plugin",
 )
 

@@ -40,7 +40,7 @@ def ten_times(model, x):
 
 
 def test_a_loop_of_unknown_trips_is_named_and_counted_per_trip():
-    c = eqshard.cost(until_small, MODEL, X, spec=eqshard.load(MEGATRON))
+    c = eqshard.cost(MODEL, X, step=until_small, spec=eqshard.load(MEGATRON))
     assert not c.known
     (loop,) = c.loops
     assert loop.startswith("while")
@@ -57,7 +57,7 @@ def test_a_loop_of_unknown_trips_is_named_and_counted_per_trip():
 
 
 def test_a_loop_of_known_trips_is_counted_in_full():
-    c = eqshard.cost(ten_times, MODEL, X, spec=eqshard.load(MEGATRON))
+    c = eqshard.cost(MODEL, X, step=ten_times, spec=eqshard.load(MEGATRON))
     assert c.known
     assert c.loops == ()
     assert c.unknown_text() is None

@@ -183,7 +183,7 @@ def test_cost_report_and_check_tell_device_bytes_from_host_bytes():
             model = eqx.apply_updates(model, updates)
             return eqshard.constrain(model, plan), eqshard.constrain(opt_state, plan)  # noqa: B023
 
-        figures[name] = eqshard.cost(step, model, opt_state, x, spec=plan).memory
+        figures[name] = eqshard.cost(model, opt_state, x, step=step, spec=plan).memory
     host, device = figures["host"], figures["device"]
     moments = host.optimizer - 4  # the step count stays on the device
     assert host.optimizer == device.optimizer  # bytes per device, wherever they are held

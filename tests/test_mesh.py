@@ -122,7 +122,7 @@ def _disagreeing():
     model = eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0), use_bias=False)
     spec = eqx.tree_at(
         lambda s: (s.layers[0].weight, s.layers[1].weight),
-        eqshard.spec(model),
+        eqshard.spec_tree(model),
         ("o i -> 2 o4 i", "o i -> o i4 2"),
         is_leaf=lambda x: x is None,
     )
@@ -152,7 +152,7 @@ def test_agreeing_layouts_do_not_warn():
             model,
             eqx.tree_at(
                 lambda s: s.layers[0].weight,
-                eqshard.spec(model),
+                eqshard.spec_tree(model),
                 "o i -> o* i",
                 is_leaf=lambda x: x is None,
             ),
@@ -171,7 +171,7 @@ def _loss(model, x, y):
 def _megatron(model):
     return eqx.tree_at(
         lambda s: (s.layers[0].weight, s.layers[0].bias, s.layers[1].weight),
-        eqshard.spec(model),
+        eqshard.spec_tree(model),
         ("o i -> 2 o4 i", "o -> 2 o4", "o i -> 2 o i4"),
         is_leaf=lambda x: x is None,
     )
@@ -265,9 +265,9 @@ def _linear():
         (
             "cost",
             lambda m, path: eqshard.cost(
-                eqx.filter_jit(lambda model, x: jax.vmap(model)(x).sum()),
                 _linear(),
                 jnp.ones((8, 8)),
+                step=eqx.filter_jit(lambda model, x: jax.vmap(model)(x).sum()),
                 spec=_ABSTRACT_RULES,
                 mesh=m,
             ),

@@ -121,7 +121,7 @@ def test_the_section_from_python_takes_any_spec_source():
     assert rows["layers.1.weight"] == "the parameter's ($.rules[1])"
     # a spec tree: `None` follows the parameter
     tree = eqx.tree_at(
-        lambda s: s.layers[1].bias, eqshard.spec(model), "o -> o*", is_leaf=lambda x: x is None
+        lambda s: s.layers[1].bias, eqshard.spec_tree(model), "o -> o*", is_leaf=lambda x: x is None
     )
     plan = eqshard.plan(model, eqshard.load(_MEGATRON), optimizer=tree)
     assert plan.optimizer.partition_specs.layers[1].bias == P("m0")
@@ -267,7 +267,7 @@ def test_cost_shows_the_all_gather_zero_1_costs():
             model = eqx.apply_updates(model, updates)
             return eqshard.constrain(model, plan), eqshard.constrain(state, plan)
 
-        return eqshard.cost(step, model, state, x, spec=plan)
+        return eqshard.cost(model, state, x, step=step, spec=plan)
 
     zero_1, data_parallel = costed(ZERO_1), costed({**ZERO_1, "optimizer": {}})
     whole = sum(a.nbytes for a in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)))

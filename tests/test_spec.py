@@ -23,7 +23,7 @@ class MLP(eqx.Module):
 
 
 def test_fields_give_the_spec_tree():
-    spec = eqshard.spec(MLP())
+    spec = eqshard.spec_tree(MLP())
     assert isinstance(spec, MLP)
     assert spec.w1 == eqshard.parse("x y -> x y*")
     # the short form takes its left side from the annotation
@@ -34,7 +34,7 @@ def test_fields_give_the_spec_tree():
 def test_abstract_model_gives_the_same_spec():
     abstract = eqx.filter_eval_shape(MLP, jax.random.key(0))
     assert isinstance(abstract.w1, jax.ShapeDtypeStruct)
-    assert eqshard.spec(abstract) == eqshard.spec(MLP())
+    assert eqshard.spec_tree(abstract) == eqshard.spec_tree(MLP())
     plan = eqshard.plan(abstract)
     assert plan.partition_specs.w1 == jax.sharding.PartitionSpec(None, "m0")
 
@@ -52,7 +52,7 @@ def test_field_takes_what_eqx_field_takes():
     assert m.b.shape == (8,)
     field = M.__dataclass_fields__["tagged"]
     assert field.metadata["mine"] == 1
-    spec = eqshard.spec(m)
+    spec = eqshard.spec_tree(m)
     assert str(spec.w) == "a b -> a* b"
     assert spec.tagged is None  # the field holds None: no leaf
 
@@ -78,7 +78,7 @@ def test_annotations_with_unnamed_and_variadic_dims():
         w: Float[Array, "n n"] = eqshard.field("a b -> a* b")
 
     m = M(jnp.ones((2, 5, 16, 3)), jnp.ones((4, 8, 7, 16)), jnp.ones((8, 4)), jnp.ones((8, 8)))
-    spec = eqshard.spec(m)
+    spec = eqshard.spec_tree(m)
     assert str(spec.x) == "... d _ -> d* _ ..."
     assert str(spec.y) == "... n _ m -> m* n ... _"
     assert str(spec.z) == "b d -> b2* d"
@@ -92,13 +92,13 @@ def test_annotated_dims_left_out_of_the_short_form_stay_whole():
     class M(eqx.Module):
         w: Float[Array, "batch seq d"] = eqshard.field("d*")
 
-    spec = eqshard.spec(M(jnp.ones((2, 3, 8))))
+    spec = eqshard.spec_tree(M(jnp.ones((2, 3, 8))))
     assert str(spec.w) == "batch seq d -> d* batch seq"
 
 
 def _spec_problems(model):
     with pytest.raises(SpecError) as info:
-        eqshard.spec(model)
+        eqshard.spec_tree(model)
     return [f"{problem.where}: {problem.message}" for problem in info.value.problems]
 
 
@@ -154,7 +154,7 @@ def test_nested_modules_lists_tuples_and_dicts():
         [jnp.ones((8, 2))],
         inner(),
     )
-    spec = eqshard.spec(model)
+    spec = eqshard.spec_tree(model)
     assert str(spec.blocks[1].w) == "o i -> o* i"
     assert spec.blocks[1].b is None
     assert str(spec.pair[0].w) == "o i -> o* i"
@@ -167,7 +167,7 @@ def test_nested_modules_lists_tuples_and_dicts():
 
 def test_spec_tree_has_the_models_structure_and_non_array_leaves_are_none():
     model = eqx.nn.MLP(4, 4, 16, 1, key=jax.random.key(0))
-    spec = eqshard.spec(model)
+    spec = eqshard.spec_tree(model)
     assert jax.tree_util.tree_structure(spec, is_leaf=is_none) == jax.tree_util.tree_structure(
         jax.tree_util.tree_map(lambda _: None, model), is_leaf=is_none
     )
@@ -177,7 +177,7 @@ def test_spec_tree_has_the_models_structure_and_non_array_leaves_are_none():
 
 def test_tree_at_gives_third_party_modules_expressions():
     model = eqx.nn.MLP(4, 4, 16, 1, key=jax.random.key(0))
-    spec = eqshard.spec(model)
+    spec = eqshard.spec_tree(model)
     spec = eqx.tree_at(
         lambda s: (s.layers[0].weight, s.layers[0].bias, s.layers[1].weight),
         spec,
@@ -196,7 +196,7 @@ def test_structure_mismatch_names_the_first_differing_path():
     model = eqx.nn.MLP(4, 4, 16, 2, key=jax.random.key(0))
     other = eqx.nn.MLP(4, 4, 16, 1, key=jax.random.key(0))
     with pytest.raises(SpecError) as info:
-        eqshard.plan(model, eqshard.spec(other))
+        eqshard.plan(model, eqshard.spec_tree(other))
     assert str(info.value) == (
         "1 problem in the spec:\n  layers: the model has '2' that the spec lacks"
     )

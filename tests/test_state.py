@@ -121,7 +121,7 @@ def test_a_model_inside_a_pair_keeps_its_own_layouts():
     model = (blocks, head)
     spec = eqx.tree_at(
         lambda s: (s[0][1].weight, s[1].weight),
-        eqshard.spec(model),
+        eqshard.spec_tree(model),
         ("o i -> o* i", "o i -> o i*"),
         is_leaf=lambda x: x is None,
     )
@@ -254,11 +254,11 @@ def test_stacked_layers_split_the_dims_their_annotations_name(spec):
 
 def test_a_full_form_that_names_too_few_axes_suggests_the_ellipsis():
     stack = _stack()
-    spec = eqx.tree_at(lambda s: s.w, eqshard.spec(stack), "o i -> o* i")
+    spec = eqx.tree_at(lambda s: s.w, eqshard.spec_tree(stack), "o i -> o* i")
     with pytest.raises(SpecError) as info:
         eqshard.plan(stack, spec)
     assert "for a stack of layers: '... o i -> ... o* i'" in str(info.value)
-    fixed = eqx.tree_at(lambda s: s.w, eqshard.spec(stack), "... o i -> ... o* i")
+    fixed = eqx.tree_at(lambda s: s.w, eqshard.spec_tree(stack), "... o i -> ... o* i")
     assert eqshard.plan(stack, fixed).partition_specs.w == jax.sharding.PartitionSpec(
         None, "m0", None
     )

@@ -280,7 +280,7 @@ def test_another_models_state_is_refused():
 def test_a_pairs_spec_tree_dumps_and_loads_to_the_same_layouts(tmp_path):
     model, state = _made()
     plan = eqshard.plan((model, state), RULES)
-    eqshard.dump(eqshard.spec((model, state), RULES), tmp_path / "net.eqshard.json")
+    eqshard.dump(eqshard.spec_tree((model, state), RULES), tmp_path / "net.eqshard.json")
     again = eqshard.plan((model, state), eqshard.load(tmp_path / "net.eqshard.json"))  # no warning
     assert again.flat_shardings == plan.flat_shardings
 

@@ -383,7 +383,7 @@ def test_cli_bad_input_exits_2_with_the_message(run_cli, args, message):
 def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tmp_path):
     from eqshard.testing import assert_equivalent
 
-    ranked = eqshard.suggest(models.step, *gpt, devices=8, max_memory=BUDGET)
+    ranked = eqshard.suggest(*gpt, step=models.step, devices=8, max_memory=BUDGET)
     best = ranked.best
     assert best is not None
     assert best.fits
@@ -393,7 +393,7 @@ def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tm
     example = TESTS.parent / "examples" / "gpt_stacked.py"
     assert_equivalent(
         f"{example}:build",
-        str(path),
+        path,
         f"{example}:loss",
         f"{example}:batch",
         devices=(8,),

@@ -41,7 +41,7 @@ def _arguments():
 
 def test_a_step_compiled_for_a_tpu_slice_reports_the_tpu_compilers_figures():
     model, opt_state, x = _arguments()
-    c = eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4")
+    c = eqshard.cost(model, opt_state, x, step=_step, spec=FSDP, target="v5e:2x4")
     slice_ = compile_target("v5e:2x4")
     assert c.compiler.startswith("XLA:TPU (libtpu ")
     assert c.target == "v5e:2x4"
@@ -73,7 +73,7 @@ def test_the_users_mesh_is_laid_over_the_slices_devices():
     cpu_mesh = jax.make_mesh(
         (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )
-    c = eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4", mesh=cpu_mesh)
+    c = eqshard.cost(model, opt_state, x, step=_step, spec=FSDP, target="v5e:2x4", mesh=cpu_mesh)
     assert isinstance(c.mesh, jax.sharding.Mesh)
     assert c.mesh.axis_names == ("data", "model")
     assert c.mesh.devices.shape == (2, 4)
@@ -102,16 +102,16 @@ def test_a_v4_chip_shows_its_two_cores_as_devices_with_half_its_memory_each():
 def test_what_is_no_slice_says_why(target, message):
     model, opt_state, x = _arguments()
     with pytest.raises(eqshard.EqshardError, match=message):
-        eqshard.cost(_step, model, opt_state, x, spec=FSDP, target=target)
+        eqshard.cost(model, opt_state, x, step=_step, spec=FSDP, target=target)
 
 
 def test_devices_or_a_plan_with_a_target_are_refused():
     model, opt_state, x = _arguments()
     with pytest.raises(eqshard.EqshardError, match=r"`devices=` and `target='v5e:2x4'`"):
-        eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4", devices=8)
+        eqshard.cost(model, opt_state, x, step=_step, spec=FSDP, target="v5e:2x4", devices=8)
     plan = eqshard.plan(model, FSDP)
     with pytest.raises(eqshard.EqshardError, match=r"pass the spec the plan was made from"):
-        eqshard.cost(_step, model, opt_state, x, spec=plan, target="v5e:2x4")
+        eqshard.cost(model, opt_state, x, step=_step, spec=plan, target="v5e:2x4")
 
 
 def test_without_libtpu_the_error_says_how_to_install_it(monkeypatch):
@@ -139,7 +139,7 @@ def test_eqshard_jit_compiles_for_a_slice_before_any_tpu():
     with eqshard.use(p):
         compiled = eqshard.jit(_step).lower(model, opt_state, x).compile()
     assert "all-gather" in compiled.as_text()
-    c = eqshard.cost(_step, model, opt_state, x, spec=FSDP, target="v5e:2x4")
+    c = eqshard.cost(model, opt_state, x, step=_step, spec=FSDP, target="v5e:2x4")
     analysis = compiled.memory_analysis()
     assert analysis.argument_size_in_bytes == c.memory.arguments
     assert analysis.temp_size_in_bytes == c.memory.temporaries
@@ -182,7 +182,7 @@ def test_the_users_environment_is_left_as_it_was():
         model = eqx.filter_eval_shape(lambda: eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0)))
         step = lambda m, x: jnp.mean(jax.vmap(m)(x))
         x = jax.ShapeDtypeStruct((8, 8), jnp.float32)
-        c = eqshard.cost(step, model, x, spec=eqshard.FSDP, target="v5e:2x4")
+        c = eqshard.cost(model, x, step=step, spec=eqshard.FSDP, target="v5e:2x4")
         print(c.compiler.split(" (")[0])
         after = dict(os.environ)
         print(sorted(k for k in {*before, *after} if before.get(k) != after.get(k)))

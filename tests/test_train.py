@@ -59,7 +59,7 @@ def megatron_spec(model):
             s.mlp.layers[1].weight,
             s.head.weight,
         ),
-        eqshard.spec(model),
+        eqshard.spec_tree(model),
         ("o i -> o* i",) * 3
         + ("o i -> o i*", "o i -> o* i", "o -> o*", "o i -> o i*", "v d -> v* d"),
         is_leaf=lambda x: x is None,
@@ -129,7 +129,7 @@ def test_megatron_mlp_has_one_all_reduce_and_no_weight_gather():
     mlp = eqx.nn.MLP(DIM, DIM, HIDDEN, 1, key=jax.random.key(0))
     spec = eqx.tree_at(
         lambda s: (s.layers[0].weight, s.layers[0].bias, s.layers[1].weight),
-        eqshard.spec(mlp),
+        eqshard.spec_tree(mlp),
         ("o i -> o* i", "o -> o*", "o i -> o i*"),
         is_leaf=lambda x: x is None,
     )

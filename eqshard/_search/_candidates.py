@@ -44,15 +44,16 @@ import jax
 
 from .._activations import recording
 from .._derive import plan_for
-from .._errors import EqshardError, problem_lines, whole_number
+from .._errors import EqshardError, whole_number
 from .._expression import parse
 from .._fields import LeafInfo, is_array_like, leaf_name, walk_fields
 from .._fsdp import Over, fsdp_leaf, is_fsdp_replicated
 from .._paths._globs import readable_rules
-from .._paths._grammar import name, segments
+from .._paths._names import name, segments
 from .._plan import make_plan
+from .._problems import problem_lines
 from .._rules import match_rules
-from .._specfile._file import Rule, Rules
+from .._specfile._model import Rule, Rules
 from .._step import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
 from ._megatron import Role, abstract_leaf, tensor_roles
 

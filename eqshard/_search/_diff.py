@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +24,10 @@ from .._errors import EqshardError, SpecError
 from .._fit import mesh_text
 
 if TYPE_CHECKING:
-    from .._cost._driver import Cost
+    from .._cost._results import Cost
     from .._plan import Plan
     from .._report import LeafRow
+    from .._sharding import Devices
 
 __all__ = ["Diff", "LeafChange", "diff"]
 
@@ -282,7 +282,7 @@ def _plan_mesh(p: Plan) -> str:
 
 
 def _spec_name(spec: Any) -> str:
-    from .._specfile._file import Rules
+    from .._specfile._model import Rules
 
     if isinstance(spec, Rules):
         return spec.source
@@ -295,7 +295,7 @@ def diff(
     b: Any,
     *args: Any,
     step: Any = None,
-    devices: int | None = None,
+    devices: Devices = None,
     target: str | None = None,
 ) -> Diff:
     """What changes from spec `a` to spec `b`: the leaves laid out differently, and
@@ -304,7 +304,7 @@ def diff(
     **Example:**
 
     ```python
-    d = eqshard.diff(model, "data-parallel.eqshard.json", "fsdp.eqshard.json", devices=8)
+    d = eqshard.diff(model, Path("dp.eqshard.json"), Path("fsdp.eqshard.json"), devices=8)
     print(d)             # a line per leaf laid out differently, with both sides
     d.same               # False
     d = eqshard.diff(model, a, b, opt_state, batch, step=step, devices=8)
@@ -316,15 +316,15 @@ def diff(
     - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`), or a
         `(model, state)` pair (both are laid out; the step takes the model alone
         first, and its state among `args`).
-    - `a`, `b`: the specs: spec files' paths, `Rules`, or anything `eqshard.plan`
-        takes (not a `Plan`, which holds its own devices).
+    - `a`, `b`: the specs, as `eqshard.plan` takes them (a `pathlib.Path` is a spec
+        file, a `str` an expression), but not a `Plan`, which holds its own devices.
     - `*args`: with `step`, the rest of its arguments, as `eqshard.cost` takes them
         after the model (a stateful model's state, the optimizer state, the batch).
     - `step`: the training step: both specs are costed (`eqshard.cost`) on the same
         devices.
-    - `devices`: the device count to lay out on: by default `a`'s spec file's
-        `"devices"`, else `b`'s, else 8. With a step, the step is compiled on that
-        many simulated devices.
+    - `devices`: what to lay out on, as `eqshard.plan` takes it: a count (by default
+        `a`'s spec file's `"devices"`, else `b`'s, else 8; with a step, compiled on
+        that many simulated devices), or a list of this process's devices.
     - `target`: instead, a TPU slice (`"v5e:4x4"`): its device count, and with a
         step, compiled for it by XLA:TPU.
 
@@ -341,7 +341,8 @@ def diff(
     """
     from .._fields import is_stateful_pair
     from .._plan import Plan, plan
-    from .._specfile._file import Rules, load
+    from .._specfile._model import Rules
+    from .._specfile._read import read_path
 
     if args and step is None:
         raise EqshardError(
@@ -354,12 +355,14 @@ def diff(
                 "`eqshard.diff` lays both specs out on the same devices: pass the spec a "
                 "`Plan` was made from, not the plan"
             )
-        specs.append(load(spec) if isinstance(spec, (str, os.PathLike)) else spec)
+        specs.append(read_path(spec))
     n = _device_count(specs, devices, target)
+    listed = devices is not None and not isinstance(devices, (int, np.integer))
+    on = devices if listed else n  # a list of devices, or a count laid out abstractly
     plans = []
     for spec in specs:
         try:
-            plans.append(plan(model, spec, devices=n))
+            plans.append(plan(model, spec, devices=on))
         except SpecError as error:  # which of the two, in the headline
             where = f"{n} devices" if target is None else target
             headline = f"{_spec_name(spec)} does not lay the model out on {where}"
@@ -376,9 +379,9 @@ def diff(
         from .._cost._driver import cost
 
         first = model[0] if is_stateful_pair(model) else model
-        count = None if target is not None else n
+        count = None if target is not None else on
         costs = tuple(
-            cost(step, first, *args, spec=spec, devices=count, target=target) for spec in specs
+            cost(first, *args, step=step, spec=spec, devices=count, target=target) for spec in specs
         )
     return Diff(
         _spec_name(specs[0]),
@@ -393,7 +396,7 @@ def diff(
     )
 
 
-def _device_count(specs: Sequence[Any], devices: int | None, target: str | None) -> int:
+def _device_count(specs: Sequence[Any], devices: Devices, target: str | None) -> int:
     """The count both specs are laid out on: the slice's, `devices`, the files'
     `"devices"` (the first's), or 8."""
     if target is not None or devices is not None:

@@ -23,17 +23,20 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
+import numpy as np
+
 from .._cost._hardware import HARDWARE, memory_size, seconds_text
 from .._errors import EqshardError, whole_number
 from .._fit import mesh_text
-from .._specfile._file import Rules
+from .._specfile._model import Rules
 from ._candidates import Candidate
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from .._cost._driver import Cost
+    from .._cost._results import Cost
     from .._cost._targets import CompileTarget
+    from .._sharding import Devices
 
 __all__ = [
     "Ranked",
@@ -370,7 +373,7 @@ class Ranked(Sequence[Suggestion]):
         }
 
 
-def placement(devices: int | None, target: str | None) -> tuple[int, CompileTarget | None]:
+def placement(devices: Devices, target: str | None) -> tuple[int, CompileTarget | None]:
     """The device count the candidates are costed on, and the TPU slice, if any.
 
     **Raises:** `EqshardError` when both or neither are given, or `devices` is no
@@ -391,7 +394,19 @@ def placement(devices: int | None, target: str | None) -> tuple[int, CompileTarg
             "give `devices=` (how many simulated devices to compile each candidate on) or "
             "`target=` (a TPU slice, such as 'v5p:4x4x4')"
         )
+    listed = _listed(devices)
+    if listed is not None:
+        return len(listed), None
     return whole_number(devices, "`devices`"), None
+
+
+def _listed(devices: Devices) -> tuple[Any, ...] | None:
+    """`devices=` as a list of this process's devices, or `None` for a count."""
+    if devices is None or isinstance(devices, (int, np.integer)):
+        return None
+    from .._sharding import device_tuple
+
+    return device_tuple(devices)
 
 
 def memory_limit(
@@ -419,7 +434,7 @@ def rank(
     step: Any,
     model: Any,
     *args: Any,
-    devices: int | None = None,
+    devices: Devices = None,
     target: str | None = None,
     max_memory: int | str | None = None,
     workers: int | None = None,
@@ -468,8 +483,15 @@ def rank(
     limit, limit_from = memory_limit(max_memory, on)
     if workers is not None:
         workers = whole_number(workers, "`workers`", 0)
-    if workers == 0:
-        results = [_cost_one(step, model, args, c.rules, n, target) for c in candidates]
+    listed = _listed(devices)
+    if listed is not None and workers:
+        raise EqshardError(
+            f"`devices` is a list of this process's devices and `workers={workers}`: worker "
+            "processes cannot hold them; pass a count to compile in workers, or `workers=0`"
+        )
+    if workers == 0 or listed is not None:
+        on_devices = listed if listed is not None else n
+        results = [_cost_one(step, model, args, c.rules, on_devices, target) for c in candidates]
     else:
         from .._cost._driver import unplaced
         from .._process._workers import pickled
@@ -487,14 +509,14 @@ def rank(
 
 
 def _cost_one(
-    step: Any, model: Any, args: Sequence[Any], rules: Rules, devices: int, target: str | None
+    step: Any, model: Any, args: Sequence[Any], rules: Rules, devices: Devices, target: str | None
 ) -> Cost | str:
     """`eqshard.cost` of one candidate, or why it failed."""
     from .._cost._driver import cost
 
     try:
         return cost(
-            step, model, *args, spec=rules, devices=None if target else devices, target=target
+            model, *args, step=step, spec=rules, devices=None if target else devices, target=target
         )
     except Exception as error:  # a candidate that does not compile is listed, not fatal
         return _error_text(error)
@@ -680,10 +702,10 @@ def _inputs(entry: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...]]:
 
 
 def suggest(
-    step: Any,
     model: Any,
     *args: Any,
-    devices: int | None = None,
+    step: Any,
+    devices: Devices = None,
     target: str | None = None,
     max_memory: int | str | None = None,
     workers: int | None = None,
@@ -694,7 +716,7 @@ def suggest(
     **Example:**
 
     ```python
-    ranked = eqshard.suggest(step, model, opt_state, batch, devices=64, max_memory="80GB")
+    ranked = eqshard.suggest(model, opt_state, batch, step=step, devices=64, max_memory="80GB")
     print(ranked)                                  # strategy, mesh, memory, fits, ...
     ranked[0].rules                                # a Rules, with a comment per rule
     ranked[0].cost                                 # the Cost it was ranked by
@@ -703,14 +725,14 @@ def suggest(
 
     **Arguments:**
 
-    - `step`: the training step, as `eqshard.cost` takes it: called as
-        `step(model, *args)`.
     - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`).
     - `*args`: the rest of the step's arguments (its `eqx.nn.State`, the optimizer
         state, the batch), concrete or abstract.
-    - `devices`: the device count: each candidate is compiled on that many
-        simulated CPU devices by XLA:CPU (its peak is XLA:CPU's own, no bound on an
-        accelerator's).
+    - `step`: the training step, as `eqshard.cost` takes it: called as
+        `step(model, *args)`.
+    - `devices`: a count: each candidate is compiled in a worker on that many
+        simulated CPU devices by XLA:CPU; or a list of this process's devices: each
+        is compiled here, for them (on a GPU, by its compiler).
     - `target`: instead, a TPU slice (`"v5p:4x4x4"`): each candidate is compiled
         for its devices by XLA:TPU, through libtpu (`pip install 'eqshard[tpu]'`).
     - `max_memory`: device memory per device, bytes or a size (`"80GB"`,

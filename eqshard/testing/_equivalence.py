@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._cost._hlo import KINDS
+from .._cost._hlo._collectives import KINDS
 from .._errors import EqshardError, whole_number
 from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
 from ._references import callable_reference, spec_reference
@@ -108,7 +108,7 @@ def assert_equivalent(
     - `build`: `build()` returns the model, or a stateful model and its state
         (`eqx.nn.make_with_state(Net)(key)` returns `(model, state)`).
     - `spec`: anything `eqshard.apply` takes that can cross into another process: a
-        spec file's path (its declared mesh is used), `Rules`, an expression,
+        spec file as a `pathlib.Path` (its declared mesh is used), `Rules`, an expression,
         `eqshard.FROM_FIELDS`. For a `(model, state)` build the plan is made from
         the pair, so it lays out the state too (rules may name state leaves,
         `bn.batch_state_index.*`; a spec tree is a pair).

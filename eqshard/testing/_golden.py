@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._errors import EqshardError
-from .._specfile._file import write_atomically
+from .._specfile._write import write_atomically
 from ._plugin import update_requested
 from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_in_one_process
 from ._references import callable_reference, spec_reference

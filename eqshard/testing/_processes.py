@@ -9,6 +9,8 @@ from typing import Any
 
 from .._errors import EqshardError, ModelError, whole_number
 from .._process._workers import Worker, start_worker, without_device_count, worker_answer
+from .._specfile._model import Rules
+from .._specfile._read import read_path
 
 __all__ = [
     "TIMEOUT_SECONDS",
@@ -86,15 +88,8 @@ def default_counts(spec: Any, template: Mapping[str, int | str] | None) -> tuple
 
 
 def _rules(spec: Any) -> Any:
-    from .._specfile._file import Rules, load
-
-    if isinstance(spec, Rules):
-        return spec
-    if isinstance(spec, os.PathLike) or (
-        isinstance(spec, str) and (spec.endswith(".json") or os.path.isfile(spec))
-    ):
-        return load(spec)
-    return None
+    spec = read_path(spec)
+    return spec if isinstance(spec, Rules) else None
 
 
 def _counts(counts: Sequence[int]) -> list[int]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from .._errors import EqshardError
 from .._process._workers import pickled
+from .._specfile._read import read_path
 
 __all__ = ["callable_reference", "spec_reference"]
 
@@ -107,15 +108,14 @@ def spec_reference(spec: Any) -> dict[str, str]:
     `eqshard.EqshardError` for a `Plan` (it holds this process's devices) and for a
     spec that cannot be pickled.
     """
-    if isinstance(spec, os.PathLike) or (
-        isinstance(spec, str) and (spec.endswith(".json") or os.path.isfile(spec))
-    ):
+    if isinstance(spec, os.PathLike):
         return {"file": str(Path(spec).resolve())}
+    read_path(spec)  # a `str` that names a file is refused, as everywhere
     if type(spec).__name__ == "Plan" and type(spec).__module__ == "eqshard._plan":
         raise EqshardError(
             "`spec` is a `Plan`, which holds this process's devices and cannot cross into "
-            "the worker processes; pass the spec the plan was made from (a file's path, "
+            "the worker processes; pass the spec the plan was made from (a spec file as a `pathlib.Path`, "
             "`Rules`, an expression, `eqshard.FROM_FIELDS`)"
         )
-    fix = "pass a spec file's path, `Rules`, an expression or `eqshard.FROM_FIELDS`"
+    fix = "pass a spec file as a `pathlib.Path`, `Rules`, an expression or `eqshard.FROM_FIELDS`"
     return {"pickle": pickled(spec, "`spec`", fix)}

@@ -65,7 +65,7 @@ def _callable(request: Mapping[str, Any], what: str, modules: dict[str, Any]) ->
 def _spec(request: Mapping[str, Any]) -> Any:
     entry = request["spec"]
     if "file" in entry:
-        from .._specfile._file import load
+        from .._specfile._read import load
 
         return load(entry["file"])
     return unpickled(entry["pickle"], "`spec`")
@@ -232,7 +232,7 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
 
         rest = (placed_batch,) if opt_state is None else (placed_opt_state, placed_batch)
         step = _step(loss, optimizer, stateful)
-        c = cost(step, placed, *rest, spec=p, batch=batch_expr)
+        c = cost(placed, *rest, step=step, spec=p, batch=batch_expr)
         result["over_budget"] = _over_budget(c.collectives, budget)
     return result
 
@@ -417,7 +417,7 @@ def _batch_expression(given: str | None, p: Any) -> tuple[str, str]:
     choose it (`eqshard._step.Batches`): `batch_spec=`, else the spec file's
     `"batch"` (`Rules.batch`, the plan's spec), else data parallel over the mesh's
     first axis (or every device); and where it came from, for messages."""
-    from .._specfile._file import Rules
+    from .._specfile._model import Rules
     from .._step import Batches
 
     expr = Batches(given, p).expr

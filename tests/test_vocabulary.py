@@ -1,0 +1,148 @@
+"""One meaning per argument across the API: `devices=` is a count or a list of
+devices everywhere, a spec file comes in as a `pathlib.Path` (a `str` is always an
+expression), `step=` is a keyword wherever it is taken, and `dir(eqshard)` lists
+the API only."""
+
+import inspect
+import json
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import suggest_model as models
+
+import eqshard
+
+COLUMNS = "... o i -> ... o* i"  # every weight split by its rows
+MODEL = models.mlp_build  # eqx.nn.MLP(32, 32, 64, 1): weights and biases, 64 and 32 wide
+
+
+def _spec_file(folder: Path, name: str, expr: str) -> Path:
+    """A spec file for the MLP: its weights laid out by `expr`, the rest replicated."""
+    path = folder / f"{name}.eqshard.json"
+    rules = {"rules": [{"path": "layers.*.weight", "expr": expr}], "default": "replicate"}
+    path.write_text(json.dumps({"eqshard": 1, **rules}))
+    return path
+
+
+@pytest.fixture
+def spec_files(tmp_path):
+    return _spec_file(tmp_path, "columns", COLUMNS), _spec_file(tmp_path, "rows", "o i -> o i*")
+
+
+def _mlp():
+    return eqx.nn.MLP(16, 16, 32, 2, use_bias=False, use_final_bias=False, key=jax.random.key(0))
+
+
+def _layouts(tree):
+    """Each array leaf's devices and their blocks, by device id."""
+    return [
+        {d.id: idx for d, idx in x.sharding.devices_indices_map(x.shape).items()}
+        for x in jax.tree_util.tree_leaves(tree)
+        if isinstance(x, jax.Array)
+    ]
+
+
+def test_a_plan_made_for_a_count_applies_on_the_first_n_devices():
+    model = _mlp()
+    counted = eqshard.plan(model, COLUMNS, devices=4)
+    assert counted.devices == 4
+    assert isinstance(counted.mesh, jax.sharding.AbstractMesh)
+    placed = eqshard.apply(model, counted)
+    direct = eqshard.apply(model, COLUMNS, devices=4)
+    assert _layouts(placed) == _layouts(direct)
+    arrays = jax.tree_util.tree_leaves(eqx.filter(placed, eqx.is_array))
+    assert {d for x in arrays for d in x.sharding.device_set} == set(jax.devices()[:4])
+    for a, b in zip(arrays, jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))):
+        assert a is not b
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_plan_for_more_devices_than_this_process_has_says_so():
+    model = _mlp()
+    counted = eqshard.plan(model, COLUMNS, devices=16)
+    with pytest.raises(eqshard.EqshardError, match=r"`devices=16`, the first 16 .* there are 8"):
+        eqshard.apply(model, counted)
+
+
+def test_init_and_cost_take_a_plan_made_for_a_count(spec_files):
+    columns, _ = spec_files
+    counted = eqshard.plan(eqx.filter_eval_shape(MODEL), columns, devices=8)
+    model = eqshard.init(MODEL, counted)
+    assert _layouts(model) == _layouts(eqshard.apply(MODEL(), columns, devices=8))
+    x = models.mlp_batch()
+    opt_state = models.mlp_optimizer().init(eqx.filter(model, eqx.is_array))
+    step = models.mlp_step
+    from_count = eqshard.cost(model, opt_state, x, step=step, spec=counted)
+    from_file = eqshard.cost(model, opt_state, x, step=step, spec=columns, devices=8)
+    assert from_count.memory == from_file.memory
+    assert from_count.collectives == from_file.collectives
+
+
+def test_a_path_is_a_spec_file_everywhere_and_a_str_is_an_expression(spec_files):
+    columns, rows = spec_files
+    model = MODEL()
+    loaded = eqshard.plan(model, eqshard.load(columns))
+    assert eqshard.plan(model, columns).partition_specs == loaded.partition_specs
+    assert _layouts(eqshard.apply(model, columns)) == _layouts(eqshard.apply(model, loaded))
+    with pytest.raises(eqshard.EqshardError, match=r"is a `str`, .* as a `pathlib.Path`"):
+        eqshard.plan(model, str(columns))
+    found = eqshard.diff(model, columns, rows, devices=8)
+    assert found.a.endswith("columns.eqshard.json")
+    assert not found.same
+
+
+def test_diff_and_suggest_take_devices_as_a_list_too(spec_files):
+    model = MODEL()
+    a, b = spec_files
+    counted = eqshard.diff(model, a, b, devices=8)
+    listed = eqshard.diff(model, a, b, devices=jax.devices())
+    assert [c.path for c in listed.changes] == [c.path for c in counted.changes]
+    opt_state = models.mlp_optimizer().init(eqx.filter(model, eqx.is_array))
+    batch, step = models.mlp_batch(), models.mlp_step
+    ranked = eqshard.suggest(model, opt_state, batch, step=step, devices=jax.devices()[:4])
+    best = ranked.best
+    assert best is not None
+    assert best.cost is not None
+    assert best.cost.devices == 4
+    with pytest.raises(eqshard.EqshardError, match="worker processes cannot hold them"):
+        eqshard.suggest(model, opt_state, batch, step=step, devices=jax.devices()[:4], workers=2)
+
+
+@pytest.mark.parametrize("function", [eqshard.cost, eqshard.suggest, eqshard.diff])
+def test_step_is_a_keyword_wherever_it_is_taken(function):
+    step = inspect.signature(function).parameters["step"]
+    assert step.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_the_spec_tree_function_has_a_name_of_its_own():
+    model = _mlp()
+    tree = eqshard.spec_tree(model, COLUMNS)
+    assert str(tree.layers[0].weight) == COLUMNS
+    with pytest.warns(DeprecationWarning, match="`eqshard.spec` is now `eqshard.spec_tree`"):
+        assert eqshard.spec is eqshard.spec_tree  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def test_dir_lists_the_api_only():
+    listed = dir(eqshard)
+    assert set(listed) == {*eqshard.__all__, "__version__"}
+    for private in ("importlib", "Any", "TYPE_CHECKING", "sys", "warnings", "_errors"):
+        assert private not in listed
+
+
+def test_every_devices_argument_takes_a_count_or_a_list():
+    for function in (
+        eqshard.plan,
+        eqshard.apply,
+        eqshard.init,
+        eqshard.restore,
+        eqshard.cost,
+        eqshard.suggest,
+        eqshard.diff,
+        eqshard.sharding,
+    ):
+        annotation = str(inspect.signature(function).parameters["devices"].annotation)
+        assert "int" in annotation or "Devices" in annotation, function.__name__
+        assert annotation != "int | None", function.__name__
