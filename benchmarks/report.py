@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from eqshard._search._suggest import out_of_memory  # the words `eqshard suggest` uses
+
 ROOT = Path(__file__).parent.parent
 RESULTS = Path(__file__).parent / "results"
 MARKER = re.compile(
@@ -276,25 +278,6 @@ def expression_table(found: Found) -> str:
     if found["einshard"] is None:
         intro += " einshard is not installed in this environment (it needs Python 3.12)."
     return intro + "\n\n" + _table(["what", "per call", "cold / this"], rows)
-
-
-# XLA:TPU's words for a program that needs more memory than the chip has
-_OUT_OF_MEMORY = re.compile(
-    r"RESOURCE_EXHAUSTED: Ran out of memory .*?required for (?P<what>[\w ]+?) "
-    r"\((?P<needs>[0-9.]+\w?)\) exceeds available (?P<memory>\w+) \((?P<has>[0-9.]+\w?)\)"
-)
-
-
-def out_of_memory(error: str) -> str | None:
-    """`no: the compiler ran out of HBM: HLO temporaries need 154.09G of 95.74G`, as
-    `eqshard suggest` says it, for a candidate refused for its memory; else `None`."""
-    found = _OUT_OF_MEMORY.search(error)
-    if found is None:
-        return None
-    return (
-        f"no: the compiler ran out of {found['memory']}: {found['what']} need "
-        f"{found['needs']} of {found['has']}"
-    )
 
 
 def _refused(ranked: Found) -> tuple[int, int]:

@@ -157,10 +157,10 @@ def _of(rules: Rules | Plan | None) -> Active | None:
 def use(rules: Rules | Plan | None) -> contextlib.AbstractContextManager[Rules | None]:
     """Makes a spec file's rules lay out the activations a model names.
 
-    Inside the block, `eqshard.constrain(x, ("batch", "seq", "embed"))` maps each
-    name through the rules' `"dims"`, as parameters' annotated dims are mapped,
-    and constrains `x` to that layout. Outside any block, such a call returns `x`
-    unchanged, so model code that names its activations runs anywhere.
+    Inside the block, `eqshard.constrain(x, ("batch", "seq", "embed"))` maps each name
+    through the rules' `"dims"`, as parameters' annotated dims are mapped. It constrains
+    `x` to that layout. Outside any block, such a call returns `x` unchanged, so model
+    code that names its activations runs anywhere.
 
     **Example:**
 
@@ -170,17 +170,11 @@ def use(rules: Rules | Plan | None) -> contextlib.AbstractContextManager[Rules |
         model, opt_state, loss = step(model, opt_state, batch)
     ```
 
-    The rules hold when a step is traced. They are part of `jit`'s cache key, as
-    the mesh of `jax.set_mesh` is: a jitted step called under other rules (or
-    none) is traced again, and a step compiled under one set of rules
-    (`step.lower(...).compile()`) keeps them. Blocks nest, and leaving one, by an
-    exception too, restores the outer rules; each thread has its own.
-
     **Arguments:**
 
-    - `rules`: an `eqshard.Rules` (`eqshard.load(path)`); or an `eqshard.Plan` made
-        from one, whose mesh (the user's or the spec file's) and devices the
-        activations then share; or `None`, for no rules inside the block.
+    - `rules`: an `eqshard.Rules` (`eqshard.load(path)`), an `eqshard.Plan` made from
+        one, or `None` for no rules inside the block. With a plan, the activations share
+        its mesh (the user's or the spec file's) and devices.
 
     **Returns:**
 
@@ -188,8 +182,15 @@ def use(rules: Rules | Plan | None) -> contextlib.AbstractContextManager[Rules |
 
     **Raises:**
 
-    `eqshard.EqshardError` when `rules` is not `Rules`, a plan made from them, or
-    `None`.
+    - `eqshard.EqshardError`: `rules` is not `Rules`, a plan made from them, or `None`.
+
+    !!! info "When the rules hold"
+
+        The rules hold when a step is traced. They are part of `jit`'s cache key, as the
+        mesh of `jax.set_mesh` is. A jitted step called under other rules (or none) is
+        traced again. A step compiled under one set of rules
+        (`step.lower(...).compile()`) keeps them. Blocks nest. Leaving one, by an
+        exception too, restores the outer rules. Each thread has its own.
     """
     return _using(_of(rules))
 

@@ -37,8 +37,8 @@ def apply(
 ) -> PyTree[Any]:
     """Places every array leaf of a model as its spec says, in one pass.
 
-    After this, the user's `eqx.filter_jit` step runs sharded, and the model code
-    does not change.
+    After this, the user's `eqx.filter_jit` step runs sharded, and the model code does
+    not change.
 
     **Example:**
 
@@ -55,26 +55,35 @@ def apply(
     - `spec`: as for `eqshard.plan`: by default the model's `eqshard.field`s; else a
         spec tree, a prefix of one, a single expression, or a resolver such as
         `eqshard.Rules`.
-    - `mesh`: the `jax.sharding.Mesh` to lay the model out on, with its axis names;
-        by default the mesh of `jax.set_mesh`, if one is set.
-    - `devices`: else, the devices to use: a list of them, or a count, the first that
-        many of this process; all of `jax.devices()` by default.
-    - `unspecified`: what an array leaf with no expression gets: `"replicate"` (a
-        full copy on every device, the default) or `"keep"` (left where it is).
+    - `mesh`: the `jax.sharding.Mesh` to lay the model out on, with its axis names; by
+        default the mesh of `jax.set_mesh`, if one is set.
+    - `devices`: else, a list of devices, or a count (the first that many of this
+        process); by default all of `jax.devices()`.
+    - `unspecified`: what an array leaf with no expression gets: `"replicate"` (a full
+        copy on every device, the default) or `"keep"` (left where it is).
 
     **Returns:**
 
-    A new model of the same structure. Its array leaves are new arrays with exactly
-    the input's values, in their shardings; an array already in its sharding is
-    reused, not copied. Other leaves (functions, Python numbers, static fields) pass
-    through untouched. The input model is not modified.
+    A new model of the same structure, its array leaves in their shardings (see "What
+    comes back").
 
     **Raises:**
 
-    `eqshard.SpecError` listing every leaf whose expression does not fit (one line
-    each: key path, shape, expression, the rule it breaks), or naming the first
-    path where the spec's structure differs from the model's; `eqshard.EqshardError`
-    when the mesh is a `jax.sharding.AbstractMesh`, which has no devices to place on.
+    - `eqshard.SpecError`: lists every leaf whose expression does not fit, or names the
+        first path where the spec's structure differs from the model's (see "Errors").
+    - `eqshard.EqshardError`: the mesh is a `jax.sharding.AbstractMesh`, which has no
+        devices to place on.
+
+    !!! info "What comes back"
+
+        The array leaves are new arrays with exactly the input's values. An array
+        already in its sharding is reused, not copied. Other leaves (functions, Python
+        numbers, static fields) pass through untouched. The input model is not modified.
+
+    !!! info "Errors"
+
+        `eqshard.SpecError` gives one line per leaf whose expression does not fit: its
+        key path, shape, expression, and the rule it breaks.
     """
     devices = local_devices(devices, "`eqshard.apply`")
     planned = plan_for(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)

@@ -40,7 +40,8 @@ def abstract(
     devices: Devices = None,
     unspecified: Unspecified = "replicate",
 ) -> PyTree[Any]:
-    """`tree` with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at each array leaf.
+    """`tree` with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at each array
+    leaf.
 
     **Example:**
 
@@ -54,19 +55,19 @@ def abstract(
 
     - `tree`: a model, an optimizer state, or a whole training state; concrete or
         abstract (`eqx.filter_eval_shape`).
-    - `spec`: anything `eqshard.apply` takes. A `Plan` made for the model lays out
-        the optimizer state by structure, as `apply(opt_state, plan)` does.
-    - `mesh`, `devices`, `unspecified`: as for `eqshard.plan` (a count lays out
-        abstractly: give devices for a target to restore into).
+    - `spec`: anything `eqshard.apply` takes. A `Plan` made for the model lays out the
+        optimizer state by structure, as `apply(opt_state, plan)` does.
+    - `mesh`, `devices`, `unspecified`: as for `eqshard.plan`. A count lays out
+        abstractly: give devices for a target to restore into.
 
     **Returns:**
 
-    The same tree, every array leaf abstract and carrying its sharding, every other
-    leaf unchanged: what Orbax's `restore` and `jax.jit`'s `out_shardings` take.
+    The same tree, every array leaf abstract and carrying its sharding, every other leaf
+    unchanged: what Orbax's `restore` and `jax.jit`'s `out_shardings` take.
 
     **Raises:**
 
-    `eqshard.SpecError` listing every leaf that cannot be laid out.
+    - `eqshard.SpecError`: lists every leaf that cannot be laid out.
     """
     planned = plan_for(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if planned.problems:
@@ -215,36 +216,54 @@ def restore(
     **Arguments:**
 
     - `path`: the file.
-    - `like`: a tree of the saved structure, concrete or abstract (for example from
-        `eqx.filter_eval_shape`): the model, or the whole training state.
-    - `spec`: anything `eqshard.apply` takes. With a `Plan` made for the model, the
-        optimizer state in `like` gets its parameters' layouts (or its optimizer
-        section's), as `eqshard.apply(opt_state, plan)` gives them, in their
-        memory kinds.
+    - `like`: a tree of the saved structure (the model, or the whole training state),
+        concrete or abstract (from `eqx.filter_eval_shape`, say).
+    - `spec`: anything `eqshard.apply` takes (see "The optimizer state").
+    - `mesh`, `devices`: as for `eqshard.plan` (a count: the first that many devices of
+        this process). They give the layout to restore into, on any device count,
+        whatever the count it was saved from.
     - `unspecified`: as for `eqshard.plan`.
-    - `mesh`, `devices`: as for `eqshard.plan` (a count: the first that many devices
-        of this process): the layout to restore into, on any
-        device count, whatever the count it was saved from.
 
     **Returns:**
 
-    `like`'s structure with every saved leaf restored: array leaves placed in their
-    shardings, bit for bit as saved, whatever their dtype (bfloat16, the float8
-    types, int4, bool, complex; NumPy writes some of these as raw bytes, which
-    `like` names); each device is given only its shard, and the host holds about
-    one leaf at a time. Python scalars as saved, other leaves as in `like`.
+    `like`'s structure with every saved leaf restored (see "What comes back").
 
     **Raises:**
 
-    `eqshard.SpecError` when the spec does not lay out `like`; `eqshard.EqshardError`
-    naming the leaf when the file does not match `like` (shape, dtype, or count of
-    leaves), when `like` holds a closure over a traced array (from
-    `eqx.filter_eval_shape`: restore into a concrete `like`), when it holds a 64-bit array and JAX runs with 32-bit types, when a
-    leaf cannot be read (with the cause), when `like` holds typed PRNG keys, which
-    Equinox cannot serialise, or when the mesh is a `jax.sharding.AbstractMesh`.
+    - `eqshard.SpecError`: the spec does not lay out `like`.
+    - `eqshard.EqshardError`: the file does not match `like`, or cannot be read, or
+        `like` cannot be restored into (see "Errors").
 
-    Equinox's format is written from fully addressable arrays, so it is saved by one
-    process; across hosts, save and restore with Orbax into `eqshard.abstract`.
+    !!! info "The optimizer state"
+
+        With a `Plan` made for the model, the optimizer state in `like` gets its
+        parameters' layouts, or its optimizer section's. That is what
+        `eqshard.apply(opt_state, plan)` gives them, in their memory kinds.
+
+    !!! info "What comes back"
+
+        Array leaves are placed in their shardings, bit for bit as saved, whatever their
+        dtype: bfloat16, the float8 types, int4, bool, complex. NumPy writes some of
+        these as raw bytes, which `like` names. Each device is given only its shard, and
+        the host holds about one leaf at a time. Python scalars come back as saved,
+        other leaves as in `like`.
+
+    !!! info "Errors"
+
+        `eqshard.EqshardError` names the leaf at fault. It is raised when:
+
+        - the file does not match `like` (shape, dtype, or count of leaves);
+        - `like` holds a closure over a traced array (from `eqx.filter_eval_shape`:
+            restore into a concrete `like`);
+        - `like` holds a 64-bit array and JAX runs with 32-bit types;
+        - a leaf cannot be read (with the cause);
+        - `like` holds typed PRNG keys, which Equinox cannot serialise;
+        - the mesh is a `jax.sharding.AbstractMesh`.
+
+    !!! note "Across hosts"
+
+        Equinox's format is written from fully addressable arrays, so it is saved by one
+        process. Across hosts, save and restore with Orbax into `eqshard.abstract`.
     """
     planned = plan_for(
         like,

@@ -33,8 +33,8 @@ def shard(
 ) -> Array:
     """Places one array as an einshard expression says.
 
-    The same layout as `einshard.einshard(x, expr)`, placed with one
-    `jax.device_put` rather than a host callback per shard.
+    It gives the same layout as `einshard.einshard(x, expr)`. It places with one
+    `jax.device_put`, rather than a host callback per shard.
 
     **Example:**
 
@@ -48,20 +48,21 @@ def shard(
     - `expr`: an einshard expression (text or `eqshard.Expression`).
     - `mesh`: the mesh to place on, with its axis names; by default the mesh of
         `jax.set_mesh`, if one is set.
-    - `devices`: else, the devices to use: a list of them, or a count, the first that
-        many of this process; all of `jax.devices()` by default.
+    - `devices`: else, a list of devices, or a count (the first that many of this
+        process); by default all of `jax.devices()`.
 
     **Returns:**
 
-    A new `jax.Array` with the values of `x`, placed by the expression. An array
-    already in that sharding is returned as it is, without a copy.
+    A new `jax.Array` with the values of `x`, placed by the expression. An array already
+    in that sharding is returned as it is, without a copy.
 
     **Raises:**
 
-    `eqshard.ExpressionError` when the expression is malformed or does not fit the
-    array's shape or the devices, and `eqshard.EqshardError` when called on a
-    traced value inside `jit` (use `eqshard.constrain` there), or on a
-    `jax.sharding.AbstractMesh`, which has no devices.
+    - `eqshard.ExpressionError`: the expression is malformed, or does not fit the
+        array's shape or the devices.
+    - `eqshard.EqshardError`: called on a traced value inside `jit` (use
+        `eqshard.constrain` there), or on a `jax.sharding.AbstractMesh`, which has no
+        devices.
     """
     if isinstance(x, jax.core.Tracer):
         raise EqshardError(
@@ -108,19 +109,8 @@ def constrain(
 ) -> PyTree[Any]:
     """Constrains values inside `jit` to a layout: one activation, or a whole model.
 
-    Inside `jax.jit` or `eqx.filter_jit` this is
-    `jax.lax.with_sharding_constraint`: the compiler keeps the values in that
-    layout at this point. Use it on activations, and on the updated model at the
-    end of a training step, so that the parameters leave the step in the layouts
-    they came in with (otherwise XLA is free to choose new ones). Outside `jit` it
-    places the values, as `eqshard.apply` does.
-
-    An activation may also be named, one dim name per axis, and laid out by the
-    active rules (`eqshard.use(rules)`, or `rules=`): each name maps through the
-    rules' `"dims"` to a mesh axis, a shard modifier or `null` (whole), as a
-    parameter's annotated dims do, on the user's mesh or the rules' declared one.
-    With no rules active, named activations come back unchanged (the same object),
-    so model code that names them runs anywhere, sharded or not.
+    Inside `jax.jit` or `eqx.filter_jit` this is `jax.lax.with_sharding_constraint`.
+    Outside `jit` it places the values, as `eqshard.apply` does.
 
     **Example:**
 
@@ -141,41 +131,77 @@ def constrain(
     **Arguments:**
 
     - `x`: one array, or a pytree such as a model; traced or concrete.
-    - `spec`: for one array, an einshard expression, or a tuple of names, one per
-        axis: a dim name of the rules' `"dims"`, `None` for an axis left free (the
-        compiler chooses it inside `jit`; whole outside it), and a leading `...`
-        for the axes in front, left free (under `jax.vmap` it stands for none). For
-        a pytree, anything `eqshard.apply` takes, or an `eqshard.Plan`. By default,
-        the plan of `eqshard.use(plan)` (as `eqshard.jit` holds a step's outputs to
-        it, so a step that names no plan serves every spec), else the
-        `eqshard.field`s. A plan is made for a model of the same structure, or applied to
-        a tree built from the model (an optimizer state takes the plan's optimizer
-        section). `plan.optimizer` gives gradients the optimizer state's layouts
-        (ZeRO-2: `constrain(grads, plan.optimizer)`).
-    - `mesh`: the mesh to constrain on; by default the mesh of `jax.set_mesh`
-        (inside `jit`, its abstract mesh), if one is set. On a mesh of Explicit axes
-        the values are resharded (`jax.sharding.reshard`), as JAX requires there.
-    - `devices`: else, the devices to use: a list of them, or a count, the first that
-        many of this process; all of `jax.devices()` by default.
-        They must be the devices the rest of the computation runs on.
+    - `spec`: an expression or a tuple of names for one array, or any spec for a pytree;
+        by default the active plan (see "Specs").
+    - `mesh`: the mesh to constrain on; by default the mesh of `jax.set_mesh`, if one is
+        set (see "Meshes").
+    - `devices`: else, a list of devices, or a count (the first that many of this
+        process); by default all of `jax.devices()`. They must be the devices the rest
+        of the computation runs on.
     - `unspecified`: as for `eqshard.apply`.
-    - `rules`: with names, the `eqshard.Rules` (or a plan made from them) that lay
-        them out, rather than those of `eqshard.use`.
+    - `rules`: with names, the `eqshard.Rules` (or a plan made from them) that lay them
+        out, rather than those of `eqshard.use`.
 
     **Returns:**
 
-    `x`, constrained to the layout; with names and no rules, `x` itself. A leaf
-    the plan holds in host memory (`"memory": "pinned_host"`) is moved there with
-    `jax.device_put`, since a sharding constraint keeps a value's memory kind as it
-    is.
+    `x`, constrained to the layout; with names and no rules, `x` itself (see "Host
+    memory").
 
     **Raises:**
 
-    `eqshard.ExpressionError` or `eqshard.SpecError` when the spec does not fit
-    `x` or the mesh, naming each leaf. With names, `eqshard.SpecError` naming the
-    spec file's `$.dims` for a name it does not map, and the dims of two names
-    mapped to one mesh axis; `eqshard.EqshardError` for names that do not match
-    `x`'s rank.
+    - `eqshard.ExpressionError`: the spec does not fit `x` or the mesh, naming each
+        leaf.
+    - `eqshard.SpecError`: the spec does not fit `x` or the mesh, naming each leaf. With
+        names, it names the spec file's `$.dims` for a name it does not map, and the
+        dims of two names mapped to one mesh axis.
+    - `eqshard.EqshardError`: names that do not match `x`'s rank.
+
+    !!! info "Why constrain"
+
+        The compiler keeps the values in that layout at this point. Use it on
+        activations. Use it also on the updated model at the end of a training step.
+        Then the parameters leave the step in the layouts they came in with; otherwise
+        XLA is free to choose new ones.
+
+    !!! info "Named activations"
+
+        An activation may also be named, one dim name per axis. It is then laid out by
+        the active rules (`eqshard.use(rules)`, or `rules=`). Each name maps through the
+        rules' `"dims"` to a mesh axis, a shard modifier or `null` (whole), as a
+        parameter's annotated dims do. It is laid out on the user's mesh or the rules'
+        declared one. With no rules active, named activations come back unchanged (the
+        same object). So model code that names them runs anywhere, sharded or not.
+
+    !!! info "Specs"
+
+        For one array, `spec` is an einshard expression or a tuple of names, one per
+        axis:
+
+        - a dim name of the rules' `"dims"`;
+        - `None` for an axis left free: the compiler chooses it inside `jit`, and it is
+            whole outside it;
+        - a leading `...` for the axes in front, left free (under `jax.vmap` it stands
+            for none).
+
+        For a pytree, `spec` is anything `eqshard.apply` takes, or an `eqshard.Plan`. By
+        default it is the plan of `eqshard.use(plan)`, else the `eqshard.field`s.
+        `eqshard.jit` holds a step's outputs to the active plan in the same way, so a
+        step that names no plan serves every spec. A plan is made for a model of the
+        same structure. Or it is applied to a tree built from the model: an optimizer
+        state takes the plan's optimizer section. `plan.optimizer` gives gradients the
+        optimizer state's layouts (ZeRO-2: `constrain(grads, plan.optimizer)`).
+
+    !!! info "Meshes"
+
+        Inside `jit`, the default is the abstract mesh of `jax.set_mesh`. On a mesh of
+        Explicit axes the values are resharded (`jax.sharding.reshard`), as JAX requires
+        there.
+
+    !!! info "Host memory"
+
+        A leaf the plan holds in host memory (`"memory": "pinned_host"`) is moved there
+        with `jax.device_put`. A sharding constraint keeps a value's memory kind as it
+        is.
     """
     devices = local_devices(devices, "`eqshard.constrain`")
     if spec is BY_THE_ACTIVE_PLAN:

@@ -177,13 +177,13 @@ def _display_width(text: str, minimum: int = 0) -> int:
 class SpecError(EqshardError):
     """Every fault found in one spec, raised once.
 
-    Its text shows each distinct message once, naming the first few leaves it was
-    found at and counting the others, in at most `MAX_LINES` lines.
+    Its text shows each distinct message once. It names the first few leaves the message
+    was found at, and counts the others, in at most `MAX_LINES` lines.
 
     **Attributes:**
 
-    - `problems`: a list of `eqshard.Problem`, one per fault, in model order: every
-        one, also those the text only counts.
+    - `problems`: a list of `eqshard.Problem`, one per fault, in model order: every one,
+        also those the text only counts.
     """
 
     problems: list[Problem]
@@ -216,9 +216,11 @@ UnreadableError.__module__ = "eqshard"
 
 
 class StepError(EqshardError):
-    """The user's step cannot be traced or compiled under a spec: the user's code
-    failed, not the spec, so the command line exits with 2, as for a model that
-    cannot be built."""
+    """The user's step cannot be traced or compiled under a spec.
+
+    The user's code failed, not the spec. So the command line exits with 2, as for a
+    model that cannot be built.
+    """
 
     exit_code = 2
 
@@ -227,10 +229,12 @@ StepError.__module__ = "eqshard"
 
 
 class ModelError(EqshardError):
-    """The user's code named `MODULE:CALLABLE` (the command line's `--model`,
-    `--step`, `--optimizer` or `--batch`, or a callable the harness sends to a
-    worker) cannot be imported, built or run, or a worker running it gave no answer
-    in time (exit code 2)."""
+    """The user's code named `MODULE:CALLABLE` cannot be imported, built or run, or a
+    worker running it gave no answer in time.
+
+    That code is the command line's `--model`, `--step`, `--optimizer` or `--batch`, or
+    a callable the harness sends to a worker. The command line exits with 2.
+    """
 
     exit_code = 2
 
@@ -239,10 +243,12 @@ ModelError.__module__ = "eqshard"
 
 
 class UsageError(EqshardError):
-    """What was asked for cannot be done as asked: options that contradict each
-    other (`--devices 8` with `--target v5e:4x4`, whose slice has 16), or a package
-    it needs that is not installed (libtpu, for a TPU target). The command line
-    exits with 2, as for bad usage."""
+    """What was asked for cannot be done as asked.
+
+    Options may contradict each other: `--devices 8` with `--target v5e:4x4`, whose
+    slice has 16. Or a package it needs is not installed: libtpu, for a TPU target. The
+    command line exits with 2, as for bad usage.
+    """
 
     exit_code = 2
 

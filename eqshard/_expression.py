@@ -33,6 +33,8 @@ __all__ = ["Element", "Expression", "parse"]
 class Element:
     """One element of an expression's right side.
 
+    **Attributes:**
+
     - `name`: the axis it shards, or `None` for a standalone replication element.
     - `count`: the fixed number of shards (or replicas); 1 when none is written.
     - `star`: whether it also takes a share of the devices left over.
@@ -79,7 +81,7 @@ class Expression:
     str(expr)   # 'x y -> x y*'
     ```
 
-    **Fields:**
+    **Attributes:**
 
     - `lhs`: the array's axis names in order, with `...` for unnamed axes; `None`
         in the short form, whose left side comes from elsewhere (an annotation).
@@ -544,21 +546,29 @@ def parse(expression: str | Expression) -> Expression:
 
     **Arguments:**
 
-    - `expression`: the text, such as `"x y -> x y*"`, or the short form (the right
-        side alone, as in `"x y*"`), whose left side is given later by an
-        annotation. An `Expression` is returned unchanged.
+    - `expression`: the text, such as `"x y -> x y*"`, or the short form (see "The short
+        form"). An `Expression` is returned unchanged.
 
     **Returns:**
 
-    A frozen, hashable `eqshard.Expression`. Parsing is cached, so parsing the same
-    text again costs a dictionary look-up.
+    A frozen, hashable `eqshard.Expression`. Parsing is cached, so parsing the same text
+    again costs a dictionary look-up.
 
     **Raises:**
 
-    `eqshard.ExpressionError` (an `EqshardError`, which is a `ValueError`), naming
-    the token at fault with a caret under it, when the text is not a valid einshard
-    expression: a malformed token, a name that appears twice on a side, a name on one
-    side only, '...' on one side only, or a count of zero.
+    - `eqshard.ExpressionError` (an `EqshardError`, which is a `ValueError`): the text
+        is not a valid einshard expression (see "Errors").
+
+    !!! info "The short form"
+
+        The short form is the right side alone, as in `"x y*"`. Its left side is given
+        later, by an annotation.
+
+    !!! info "Errors"
+
+        `eqshard.ExpressionError` names the token at fault, with a caret under it. The
+        faults are a malformed token, a name that appears twice on a side, a name on one
+        side only, '...' on one side only, or a count of zero.
     """
     if isinstance(expression, Expression):
         return expression

@@ -58,17 +58,11 @@ def field(expr: str | Expression, **field_kwargs: Any) -> Any:
         w2: Float[Array, "y z"] = eqshard.field("y* z")   # the short form
     ```
 
-    The short form takes its left side from the field's jaxtyping annotation:
-    `"y* z"` on `Float[Array, "y z"]` is `"y z -> y* z"`. Annotated dims that the
-    short form does not name, and dims with no name (`3`, `_`, `...`, `*batch`), are
-    never split. On a field that holds a list, tuple, dict or module, the expression
-    applies to every array under it that has no expression of its own.
-
     **Arguments:**
 
-    - `expr`: an einshard expression, full or short form.
-    - `**field_kwargs`: anything `eqx.field` takes: `converter`, `default`,
-        `metadata`, ... (`static=True` is refused: a static field holds no arrays).
+    - `expr`: an einshard expression, full or short form (see "The short form").
+    - `**field_kwargs`: anything `eqx.field` takes: `converter`, `default`, `metadata`,
+        ... (`static=True` is refused: a static field holds no arrays).
 
     **Returns:**
 
@@ -76,8 +70,20 @@ def field(expr: str | Expression, **field_kwargs: Any) -> Any:
 
     **Raises:**
 
-    `eqshard.ExpressionError` when `expr` is not a valid expression, and
-    `eqshard.EqshardError` for `static=True`.
+    - `eqshard.ExpressionError`: `expr` is not a valid expression.
+    - `eqshard.EqshardError`: `static=True`.
+
+    !!! info "The short form"
+
+        The short form takes its left side from the field's jaxtyping annotation:
+        `"y* z"` on `Float[Array, "y z"]` is `"y z -> y* z"`. Annotated dims that the
+        short form does not name are never split. Nor are dims with no name (`3`, `_`,
+        `...`, `*batch`).
+
+    !!! info "Containers"
+
+        On a field that holds a list, tuple, dict or module, the expression applies to
+        every array under it that has no expression of its own.
     """
     expression = parse(expr)
     if field_kwargs.get("static"):

@@ -166,33 +166,36 @@ plan = eqshard.plan(model, eqshard.FSDP)
 model = eqshard.apply(model, eqshard.FSDP, mesh=jax.make_mesh((2, 4), ("data", "model")))
 ```
 
-The spec file's `"default": "fsdp"` (and a rule's `"expr": "fsdp"`) say the same.
-Each leaf gets an ordinary complete expression, shown by `plan.expressions`,
-`eqshard.report` and `eqshard check`:
-
-- it is split over the mesh axis named `data` (else the mesh's first axis), and
-    replicated over the other axes; without a mesh, over every device;
-- along its largest dim whose size that count divides, the last of equals; where
-    its field's jaxtyping annotation names fewer dims than it has (layers stacked
-    with `eqx.filter_vmap`), along one the annotation names, so a stacked layer
-    axis is never split (without an annotation, every dim may be);
-- a scalar, or a leaf with no such dim, is replicated (`"... -> * ..."`), and its
-    origin says why: `fsdp: replicated, no dim of [3, 5] is a multiple of 8`.
-
-The choice depends on each leaf's shape and annotation and on the mesh alone, so
-the same model on the same devices always gets the same expressions.
-
 **Arguments:**
 
-Pass it wherever eqshard takes a spec: `plan`, `apply`, `init`, `report`,
-`cost`, `eqshard.testing`'s harness (it pickles as a reference).
+Pass it wherever eqshard takes a spec: `plan`, `apply`, `init`, `report`, `cost`,
+`eqshard.testing`'s harness (it pickles as a reference). The spec file's
+`"default": "fsdp"` (and a rule's `"expr": "fsdp"`) say the same.
 
 **Returns:**
 
-A resolver: for a model and a device count (and mesh), one complete expression
-per array leaf.
+A resolver: for a model and a device count (and mesh), one complete expression per array
+leaf (see "How each leaf is split").
 
 **Raises:**
 
 Nothing of its own: any layout it gives fits the target's mesh.
+
+!!! info "How each leaf is split"
+
+    Each leaf gets an ordinary complete expression, shown by `plan.expressions`,
+    `eqshard.report` and `eqshard check`:
+
+    - It is split over the mesh axis named `data`, else the mesh's first axis, and
+        replicated over the other axes. Without a mesh, it is split over every device.
+    - It is split along its largest dim whose size that count divides, the last of
+        equals. Its field's jaxtyping annotation may name fewer dims than it has (layers
+        stacked with `eqx.filter_vmap`). Then it is split along one the annotation
+        names, so a stacked layer axis is never split. Without an annotation, every dim
+        may be.
+    - A scalar, or a leaf with no such dim, is replicated (`"... -> * ..."`). Its origin
+        says why: `fsdp: replicated, no dim of [3, 5] is a multiple of 8`.
+
+    The choice depends on each leaf's shape and annotation and on the mesh alone. So the
+    same model on the same devices always gets the same expressions.
 """

@@ -1,20 +1,22 @@
 """`init`: build a model straight into its shards, never whole on one device.
 
-The model is first built abstractly (`eqx.filter_eval_shape`), which gives its
-structure, its non-array leaves and the plan. Then the array leaves are built in
-groups, one `jax.jit` each with `out_shardings`: XLA's SPMD partitioner splits the
-computation, random-number generation included (JAX's partitionable threefry), so
-each device computes and holds only its shards, and XLA drops the rest of the
-factory as dead code. Each group is lowered with threefry unrolled on CPU
-(`_compat.unrolled_threefry`), so its program holds no random-number temporaries: JAX's rolled
-CPU lowering keeps about 3x every random leaf's shard alive, and one `jit` for the
-whole model then peaks at about 2.3 times the model's bytes; a group whose leaves
-need a matrix product, a reduction or another op whose rounding depends on fusion
-is lowered as JAX lowers it, as the recipe is, so its values are the recipe's.
-Non-array leaves (functions, Python floats such as `Dropout.p`, static fields)
-never pass through `jit`, so they come back exactly as the factory makes them;
-the arrays that closures capture, which the abstract build leaves as dead tracers,
-are built by one more `jit` (replicated), or are the model's own leaves.
+The model is first built abstractly (`eqx.filter_eval_shape`). That gives its structure,
+its non-array leaves and the plan. Then the array leaves are built in groups, one
+`jax.jit` each with `out_shardings`. XLA's SPMD partitioner splits the computation,
+random-number generation included (JAX's partitionable threefry). So each device
+computes and holds only its shards, and XLA drops the rest of the factory as dead code.
+
+Each group is lowered with threefry unrolled on CPU (`_compat.unrolled_threefry`), so
+its program holds no random-number temporaries. JAX's rolled CPU lowering keeps about 3x
+every random leaf's shard alive; one `jit` for the whole model then peaks at about 2.3
+times the model's bytes. A group whose leaves need a matrix product, a reduction or
+another op whose rounding depends on fusion is lowered as JAX lowers it, as the recipe
+is. So its values are the recipe's.
+
+Non-array leaves (functions, Python floats such as `Dropout.p`, static fields) never
+pass through `jit`. So they come back exactly as the factory makes them. The arrays that
+closures capture are left as dead tracers by the abstract build. They are built by one
+more `jit` (replicated), or are the model's own leaves.
 """
 
 from __future__ import annotations
@@ -88,40 +90,59 @@ def init(
 
     **Arguments:**
 
-    - `factory`: a function of no arguments that builds the model (pass
-        `functools.partial(MyModel, cfg, key=key)` or a lambda). It must be pure JAX:
-        it is traced twice (once abstractly, once under `jit`).
+    - `factory`: a function of no arguments that builds the model (see "The factory").
     - `spec`: anything `eqshard.apply` takes, a `Plan` included.
-    - `mesh`: as for `eqshard.plan`; `devices`: a list of devices, or a count, the
-        first that many of this process.
+    - `mesh`: as for `eqshard.plan`.
+    - `devices`: a list of devices, or a count: the first that many of this process.
     - `unspecified`: as for `eqshard.plan`.
 
     **Returns:**
 
     The model, its array leaves placed as the spec says, every other leaf exactly as
-    `factory` makes it, except that an array a closure (or another non-array leaf)
-    captures is concrete: the model's own leaf where it is one, else built replicated.
-    The array leaves are, bit for bit, what the usual recipe
-    computes: `factory`'s arrays built by one `jax.jit` with the plan's shardings as
-    `out_shardings` (building in groups, and the unrolled random-number hash, change
-    no bit on JAX 0.10; a group whose leaves need a matrix product, a reduction, a
-    cumulative op, a sort or a linear solve, such as `eqx.nn.SpectralNorm`'s state,
-    is lowered as the recipe is; on JAX 0.8 and 0.12, XLA may sum draws in another
-    order in the others, so a sum of draws may differ in the last bits there).
-    `jax.random`'s bits are the same on every split and in an eager build
-    (JAX's partitionable threefry). Float maths is compiled by XLA, so it may differ
-    in the last bit from an eager `factory()`, which rounds each operation on its
-    own (`jax.random.normal(key, shape) * 0.02` does, and so can the scaling inside
-    `jax.random.uniform`, `exp`, `log` and sums); and where a split changes how XLA
-    computes a reduction (a sum, or a `linspace`, along a split dimension), from an
-    unsplit `jax.jit(factory)()`. Compare with an eager build within a tolerance.
+    `factory` makes it (see "What comes back").
 
     **Raises:**
 
-    `eqshard.SpecError` listing every leaf that cannot be laid out, and every leaf
-    that `factory` returns as a NumPy array of a 64-bit type while JAX runs with
-    32-bit types (it would be cast); `eqshard.EqshardError` when `factory` fails to
-    trace, saying why, or when the mesh is a `jax.sharding.AbstractMesh`.
+    - `eqshard.SpecError`: lists every leaf that cannot be laid out, and every 64-bit
+        NumPy leaf under 32-bit JAX (see "Errors").
+    - `eqshard.EqshardError`: `factory` fails to trace, saying why; or the mesh is a
+        `jax.sharding.AbstractMesh`.
+
+    !!! info "The factory"
+
+        Pass `functools.partial(MyModel, cfg, key=key)` or a lambda. It must be pure
+        JAX: it is traced twice, once abstractly and once under `jit`.
+
+    !!! info "What comes back"
+
+        One exception to "exactly as `factory` makes it": an array a closure (or another
+        non-array leaf) captures is concrete. It is the model's own leaf where it is
+        one, else built replicated.
+
+        The array leaves are, bit for bit, what the usual recipe computes: `factory`'s
+        arrays built by one `jax.jit` with the plan's shardings as `out_shardings`.
+        Building in groups, and the unrolled random-number hash, change no bit on JAX
+        0.10. A group whose leaves need a matrix product, a reduction, a cumulative op,
+        a sort or a linear solve is lowered as the recipe is (`eqx.nn.SpectralNorm`'s
+        state, for one). On JAX 0.8 and 0.12, XLA may sum draws in another order in the
+        other groups. So a sum of draws may differ in the last bits there.
+
+    !!! info "Random numbers and float maths"
+
+        `jax.random`'s bits are the same on every split and in an eager build (JAX's
+        partitionable threefry). Float maths is compiled by XLA. So it may differ in the
+        last bit from an eager `factory()`, which rounds each operation on its own.
+        `jax.random.normal(key, shape) * 0.02` does, and so can the scaling inside
+        `jax.random.uniform`, `exp`, `log` and sums. A split can also change how XLA
+        computes a reduction (a sum, or a `linspace`, along a split dimension). Then the
+        result may differ from an unsplit `jax.jit(factory)()`. Compare with an eager
+        build within a tolerance.
+
+    !!! info "Errors"
+
+        `eqshard.SpecError` lists every leaf that cannot be laid out. It also lists
+        every leaf that `factory` returns as a NumPy array of a 64-bit type while JAX
+        runs with 32-bit types: it would be cast.
     """
     wide: dict[int, str] = {}
 

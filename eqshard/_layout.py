@@ -44,12 +44,14 @@ MAX_ELEMENTS = 32
 class Layout:
     """Where the shards of one array go: a mesh, and how each array axis uses it.
 
+    **Attributes:**
+
     - `mesh_shape`: the size of each mesh axis, in the order of the right side.
-    - `mesh_axes`: the name of each mesh axis: the element's own name, or `_<i>`
-        for the i-th element of the right side when it is a standalone replication
-        element (`_0` can never clash with an axis name, which has no digits).
-    - `spec`: for each array dimension, the mesh axis it is split over, or `None`
-        for the dimensions that `...` stands for.
+    - `mesh_axes`: the name of each mesh axis: the element's own name, or `_<i>` for the
+        i-th element of the right side when it is a standalone replication element. `_0`
+        can never clash with an axis name, which has no digits.
+    - `spec`: for each array dimension, the mesh axis it is split over, or `None` for
+        the dimensions that `...` stands for.
     """
 
     mesh_shape: tuple[int, ...]
@@ -209,9 +211,9 @@ def layout(expr: str | Expression, shape: Sequence[int], n_devices: int) -> Layo
 
     **Raises:**
 
-    `ExpressionError` with a caret under the fault when the expression is in short
-    form, its rank does not match `shape`, the device count does not work out, or a
-    dimension does not divide by its number of shards.
+    - `ExpressionError`: the expression is in short form, its rank does not match
+        `shape`, the device count does not work out, or a dimension does not divide by
+        its number of shards. A caret marks the fault.
     """
     expr = parse(expr)
     shape = shape_of(shape)

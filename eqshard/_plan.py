@@ -95,44 +95,60 @@ def _replicated(ndim: int, n_devices: int) -> Layout:
 class Plan:
     """Where every array leaf of a model goes. Made by `eqshard.plan`.
 
-    A plan compares and hashes by identity, so it can be a static argument of
+    A plan compares and hashes by identity. So it can be a static argument of
     `eqx.filter_jit`, as in `eqshard.constrain(model, plan)` inside a step.
 
     **Attributes:**
 
-    - `mesh`: the one mesh every sharding is written on: the user's (`mesh=`, the
-        mesh of `jax.set_mesh`, or the `"mesh"` a spec file declares, built with
-        Auto axes), else a shared row-major mesh of Auto axes `m0`, `m1`, ... (a
-        `jax.sharding.AbstractMesh` of the same axes for a plan made for a count); or
-        `None` when the layouts share no mesh (then each sharding has its
-        expression's own mesh, as `eqshard.sharding` builds it).
-    - `shardings`: the model's structure with a `NamedSharding` for each array leaf
-        (`None` for other leaves, and for leaves kept where they are).
+    - `mesh`: the one mesh every sharding is written on, or `None` (see "The mesh").
+    - `shardings`: the model's structure with a `NamedSharding` for each array leaf;
+        `None` for other leaves, and for leaves kept where they are.
     - `partition_specs`: the same, with each leaf's `PartitionSpec`.
-    - `expressions`: the same, with each leaf's complete `Expression` (`None` where
-        the spec gave none).
-    - `devices`: the devices the plan places on, in einshard's order; or, for a
-        plan made for a device count (`devices=65536`), that count: then every mesh
-        is a `jax.sharding.AbstractMesh`, and what places or compiles with the plan
-        (`apply`, `init`, `restore`, `cost`) uses the first that many of
-        `jax.devices()`, as `devices=n` does. `None` on the user's abstract mesh.
+    - `expressions`: the same, with each leaf's complete `Expression` (`None` where the
+        spec gave none).
+    - `devices`: the devices the plan places on, in einshard's order, or a count (see
+        "Device counts").
     - `mesh_is_given`: whether `mesh` is the user's or a spec file's, not eqshard's.
-    - `spec`, `unspecified`: what the plan was made from, which also lays out the
-        model's `eqx.nn.State` when the plan meets one.
-    - `abstract`: the tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)`
-        at every array leaf, other leaves unchanged: what Orbax restores into.
-    - `optimizer`: the optimizer section: a plan of the same model whose shardings
-        are those of the optimizer state (each parameter's moments, accumulators),
-        from the spec file's `"optimizer"` section or `plan(..., optimizer=)`; the
-        plan itself where there is none (the state follows the parameters). A plan
-        lays the model-shaped subtrees of an optimizer state out by it
-        (`eqshard.apply(opt_state, plan)`), and `eqshard.constrain(grads,
-        plan.optimizer)` gives the gradients its layouts (ZeRO-2).
-    - `follows`: in an optimizer section, whether each leaf takes its parameter's
-        layout (`"default": "parameter"`); else `None`.
+    - `spec`, `unspecified`: what the plan was made from; they also lay out the model's
+        `eqx.nn.State` when the plan meets one.
+    - `abstract`: the tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at
+        every array leaf, other leaves unchanged: what Orbax restores into.
+    - `optimizer`: the optimizer section, a plan of the same model (see "The optimizer
+        section").
+    - `follows`: in an optimizer section, whether each leaf takes its parameter's layout
+        (`"default": "parameter"`); else `None`.
 
-    A sharding's memory kind is the rule's `"memory"` (`"pinned_host"`), else the
-    device's (`NamedSharding.memory_kind` `"device"`).
+    !!! info "The mesh"
+
+        `mesh` is the user's: `mesh=`, the mesh of `jax.set_mesh`, or the `"mesh"` a
+        spec file declares, built with Auto axes. Else it is a shared row-major mesh of
+        Auto axes `m0`, `m1`, ... For a plan made for a count, it is a
+        `jax.sharding.AbstractMesh` of the same axes. It is `None` when the layouts
+        share no mesh. Then each sharding has its expression's own mesh, as
+        `eqshard.sharding` builds it.
+
+    !!! info "Device counts"
+
+        For a plan made for a device count (`devices=65536`), `devices` is that count.
+        Every mesh is then a `jax.sharding.AbstractMesh`. What places or compiles with
+        the plan (`apply`, `init`, `restore`, `cost`) uses the first that many of
+        `jax.devices()`, as `devices=n` does. On the user's abstract mesh, `devices` is
+        `None`.
+
+    !!! info "The optimizer section"
+
+        `optimizer` is a plan of the same model whose shardings are those of the
+        optimizer state (each parameter's moments, accumulators). It comes from the spec
+        file's `"optimizer"` section or `plan(..., optimizer=)`. Where there is none, it
+        is the plan itself: the state follows the parameters. A plan lays the
+        model-shaped subtrees of an optimizer state out by it
+        (`eqshard.apply(opt_state, plan)`). `eqshard.constrain(grads, plan.optimizer)`
+        gives the gradients its layouts (ZeRO-2).
+
+    !!! info "Memory kinds"
+
+        A sharding's memory kind is the rule's `"memory"` (`"pinned_host"`). Else it is
+        the device's (`NamedSharding.memory_kind` `"device"`).
     """
 
     mesh: AnyMesh | None
@@ -538,9 +554,8 @@ def plan(
 ) -> Plan:
     """Resolves a spec against a model and lays out every array leaf, placing nothing.
 
-    It works on abstract models (`eqx.filter_eval_shape`) as well as concrete ones,
-    so checking a spec costs no device memory; and, given a device count rather
-    than devices, on no devices at all.
+    It works on abstract models (`eqx.filter_eval_shape`) as well as concrete ones, so
+    checking a spec costs no device memory. Given a device count, it needs no devices.
 
     **Example:**
 
@@ -559,34 +574,16 @@ def plan(
     **Arguments:**
 
     - `model`: an Equinox model or any pytree.
-    - `spec`: where the expressions come from. By default the model's
-        `eqshard.field`s; else a spec tree with the model's structure, a prefix of
-        it (one expression or `None` for a whole subtree), a single expression for
-        every array leaf, or a resolver such as `eqshard.Rules`. A leaf may be an
-        `Expression`, its text, or `None`.
-    - `mesh`: the user's `jax.sharding.Mesh`: every layout is written on it, with its
-        axis names, and must fit it (einshard's device `i` is `mesh.devices.flat[i]`).
-        By default the mesh of `jax.set_mesh`, if one is set, else the mesh a spec
-        file declares.
-    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
-        Or a device count, such as `65536`: the plan is made without devices, on a
-        `jax.sharding.AbstractMesh` with the axes that many devices would get, and
-        gives every leaf the `PartitionSpec` and bytes per device of the plan on
-        that many real devices. It serves `report`, `abstract`, `constrain` inside
-        `jit` and golden files; `apply`, `init`, `restore`, `shard` and `cost` need
-        devices and say so.
-    - `unspecified`: what an array leaf whose expression is `None` gets:
-        `"replicate"` (a full copy on every device, the default) or `"keep"` (it
-        stays where it is).
-    - `optimizer`: how the optimizer state is laid out, as any spec source whose
-        paths name parameters: `eqshard.Rules` (`default="parameter"`: a state
-        leaf no rule matches takes its parameter's layout), `eqshard.FSDP`, one
-        expression, a spec tree of the model (`None`: the parameter's layout).
-        Each state leaf of a parameter (Adam's moments) takes the layout it gives
-        that parameter: `plan.optimizer`. By default a spec file's `"optimizer"`
-        section, else the parameters' own layouts. It is fitted onto the
-        parameters' mesh. ZeRO-1: `eqshard.plan(model, "... -> * ...",
-        optimizer=eqshard.FSDP)`.
+    - `spec`: where the expressions come from; by default the model's `eqshard.field`s
+        (see "Specs").
+    - `mesh`: the user's `jax.sharding.Mesh`; by default the mesh of `jax.set_mesh`,
+        else the spec file's (see "Meshes").
+    - `devices`: else, a list of devices, or a count; by default all of `jax.devices()`
+        (see "Device counts").
+    - `unspecified`: what an array leaf whose expression is `None` gets: `"replicate"`
+        (a full copy on every device, the default) or `"keep"` (it stays where it is).
+    - `optimizer`: how the optimizer state is laid out; by default the spec file's
+        `"optimizer"` section (see "The optimizer section").
 
     **Returns:**
 
@@ -594,13 +591,58 @@ def plan(
 
     **Raises:**
 
-    `eqshard.SpecError` listing every faulty leaf, one line each with its dotted
-    path, shape, expression and the rule it breaks (rank, divisibility, device
-    count, annotation, or a layout that does not fit the mesh, with the same counts
-    in the mesh's order where they fit); or naming the first path where the spec's
-    structure differs from the model's. `eqshard.EqshardError` when `devices` is
-    neither devices nor a count of at least 1. `eqshard.MeshWarning` when, with no
-    user mesh, the layouts group devices in ways that disagree.
+    - `eqshard.SpecError`: a leaf cannot be laid out, or the spec's structure differs
+        from the model's (see "Errors").
+    - `eqshard.EqshardError`: `devices` is neither devices nor a count of at least 1.
+    - `eqshard.MeshWarning` (a warning): with no user mesh, the layouts group devices in
+        ways that disagree.
+
+    !!! info "Specs"
+
+        By default the expressions come from the model's `eqshard.field`s. Else `spec`
+        is a spec tree with the model's structure, or a prefix of it: one expression or
+        `None` for a whole subtree. It may also be a single expression for every array
+        leaf, or a resolver such as `eqshard.Rules`. A leaf may be an `Expression`, its
+        text, or `None`.
+
+    !!! info "Meshes"
+
+        On the user's mesh, every layout is written with its axis names, and must fit
+        it. einshard's device `i` is `mesh.devices.flat[i]`. By default the mesh is that
+        of `jax.set_mesh`, if one is set, else the mesh a spec file declares.
+
+    !!! info "Device counts"
+
+        Without a mesh, `devices` are the devices to use, all of them. A device count,
+        such as `65536`, makes the plan without devices. It is then on a
+        `jax.sharding.AbstractMesh` with the axes that many devices would get. Every
+        leaf gets the `PartitionSpec` and bytes per device of the plan on that many real
+        devices. Such a plan serves `report`, `abstract`, `constrain` inside `jit` and
+        golden files. `apply`, `init`, `restore`, `shard` and `cost` need devices, and
+        say so.
+
+    !!! info "The optimizer section"
+
+        `optimizer` is any spec source whose paths name parameters:
+
+        - `eqshard.Rules`: with `default="parameter"`, a state leaf no rule matches
+            takes its parameter's layout;
+        - `eqshard.FSDP`, or one expression;
+        - a spec tree of the model, where `None` is the parameter's layout.
+
+        Each state leaf of a parameter (Adam's moments) takes the layout it gives that
+        parameter: `plan.optimizer`. By default it is the spec file's `"optimizer"`
+        section, else the parameters' own layouts. It is fitted onto the parameters'
+        mesh. ZeRO-1 is `eqshard.plan(model, "... -> * ...", optimizer=eqshard.FSDP)`.
+
+    !!! info "Errors"
+
+        `eqshard.SpecError` lists every faulty leaf, one line each. A line gives the
+        leaf's dotted path, shape, expression and the rule it breaks. The rule is rank,
+        divisibility, device count, annotation, or a layout that does not fit the mesh.
+        For a layout that does not fit, it gives the same counts in the mesh's order,
+        where they fit. Where the spec's structure differs from the model's, it names
+        the first path that differs.
     """
     planned = make_plan(
         model, spec, mesh=mesh, devices=devices, unspecified=unspecified, optimizer=optimizer
@@ -627,23 +669,31 @@ def spec_tree(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression
 
     - `model`: an Equinox model or any pytree, concrete or abstract (from
         `eqx.filter_eval_shape`, with `jax.ShapeDtypeStruct` leaves).
-    - `spec`: where the expressions come from, as for `eqshard.plan`: by default
-        the model's `eqshard.field`s; the `Rules` of a spec file (its `"devices"` is
-        checked against the devices JAX has), `eqshard.FSDP`, an expression for
-        every leaf, a spec tree (its prefix, written out whole), or a `Plan` (its
-        `expressions`, as laid out for its devices).
+    - `spec`: where the expressions come from, as for `eqshard.plan`; by default the
+        model's `eqshard.field`s (see "Specs").
 
     **Returns:**
 
-    A pytree with the model's structure. Each array leaf's place holds its complete
-    `Expression` (short forms get their left side from the annotation), or `None`
-    where no field gives one; every other leaf's place holds `None`. Since `None` is
-    an empty subtree to JAX, pass `is_leaf=lambda x: x is None` to `eqx.tree_at`
-    when replacing one.
+    A pytree with the model's structure, an `Expression` or `None` in each leaf's place
+    (see "The tree").
 
     **Raises:**
 
-    `eqshard.SpecError` listing every faulty leaf by dotted path and `Class.field`.
+    - `eqshard.SpecError`: lists every faulty leaf by dotted path and `Class.field`.
+
+    !!! info "Specs"
+
+        `spec` may be the `Rules` of a spec file; its `"devices"` is checked against the
+        devices JAX has. It may be `eqshard.FSDP`, or an expression for every leaf. It
+        may be a spec tree; its prefix is written out whole. It may be a `Plan`: its
+        `expressions`, as laid out for its devices.
+
+    !!! info "The tree"
+
+        Each array leaf's place holds its complete `Expression`. Short forms get their
+        left side from the annotation. It holds `None` where no field gives one. Every
+        other leaf's place holds `None`. Since `None` is an empty subtree to JAX, pass
+        `is_leaf=lambda x: x is None` to `eqx.tree_at` when replacing one.
     """
     from ._sharding import device_tuple
 

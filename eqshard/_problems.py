@@ -44,12 +44,14 @@ class Pictured(Protocol):
 class Problem:
     """One fault, found while checking a spec against a model or a file.
 
-    - `where`: the leaf's key path (`.blocks[3].attn.query_proj.weight`), a class
-        field (`MLP.w1`), or a file and JSON path (`spec.json::$.rules[2].expr`).
+    **Attributes:**
+
+    - `where`: the leaf's key path (`.blocks[3].attn.query_proj.weight`), a class field
+        (`MLP.w1`), or a file and JSON path (`spec.json::$.rules[2].expr`).
     - `message`: what is wrong, and how to fix it.
     - `detail`: more lines to show under the message, such as a caret picture.
-    - `file`: the spec file, when `where` is `file::$.json.path` (a file name may
-        itself hold `::`).
+    - `file`: the spec file, when `where` is `file::$.json.path` (a file name may itself
+        hold `::`).
     """
 
     where: str

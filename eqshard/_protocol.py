@@ -45,12 +45,14 @@ def is_spec_leaf(x: object) -> bool:
 class Target:
     """What a spec is resolved for.
 
+    **Attributes:**
+
     - `devices`: how many devices the model is laid out on.
     - `mesh`: the user's mesh, where one is given (its axis names and sizes), else
         `None`.
     - `context`: the model the tree was built from, when the tree is part of its
-        training state (an `eqx.nn.State` on its own): what its fields say of the
-        state's leaves (`eqshard._fields.walk_fields`); else `None`.
+        training state (an `eqx.nn.State` on its own); else `None`. It gives what the
+        model's fields say of the state's leaves (`eqshard._fields.walk_fields`).
     """
 
     devices: int
@@ -62,18 +64,20 @@ class Target:
 class Resolution:
     """A resolver's answer for one model and one `Target`.
 
+    **Attributes:**
+
     - `exprs`: one spec leaf per leaf of `jax.tree_util.tree_leaves(model)`, in that
-        order: an `Expression`, its text (full or short form), or `None`. Entries
-        for leaves that are not arrays are ignored.
+        order: an `Expression`, its text (full or short form), or `None`. Entries for
+        leaves that are not arrays are ignored.
     - `problems`: every fault found, each naming its leaf or `file::$.json.path`.
     - `warnings`: faults that do not stop the work (a rule that matched nothing).
-    - `failed`: the indices of leaves that a problem leaves without an expression;
-        they are not laid out (and not replicated either).
-    - `origins`: optionally, where each leaf's expression came from
-        (`"$.rules[2]"`, `"dims"`, `"Linear.weight"`), for reports.
-    - `fields`: optionally, the walk over the model's fields that the resolver
-        made (`eqshard._fields.walk_fields`), so it is not made twice.
-    - `memory`: optionally, each leaf's memory kind (`"pinned_host"`, `"device"`),
+    - `failed`: the indices of leaves that a problem leaves without an expression. They
+        are not laid out (and not replicated either).
+    - `origins`: optionally, where each leaf's expression came from (`"$.rules[2]"`,
+        `"dims"`, `"Linear.weight"`), for reports.
+    - `fields`: optionally, the walk over the model's fields that the resolver made
+        (`eqshard._fields.walk_fields`), so it is not made twice.
+    - `memory`: optionally, each leaf's memory kind (`"pinned_host"`, `"device"`);
         `None` for the device's own memory.
     """
 
@@ -104,15 +108,22 @@ class Resolver(Protocol):
     model = eqshard.apply(model, Everything("... -> * ..."))
     ```
 
-    `__eqshard_resolve__(model, target)` takes the model (concrete or abstract) and
-    a `Target`, and returns a `Resolution`. It raises nothing for a fault in the
-    spec: it reports it in `Resolution.problems`. The dunder name keeps a model or
-    spec tree that happens to have a `resolve` method from being taken for a
-    resolver. A resolver may also declare the mesh it is written for, as `Rules`
-    does for a spec file's `"mesh"`: `__eqshard_mesh__(devices) -> (MeshShape |
-    None, problems)`, used when the user gives no mesh. To cross a process boundary
-    (to a worker process of `eqshard check`, or `eqshard.cost` on more devices), a resolver
-    must pickle.
+    **Methods:**
+
+    - `__eqshard_resolve__(model, target)`: takes the model (concrete or abstract) and a
+        `Target`, and returns a `Resolution`.
+    - `__eqshard_mesh__(devices)`: optional; returns `(MeshShape | None, problems)`, the
+        mesh the resolver is written for.
+
+    !!! info "Writing a resolver"
+
+        `__eqshard_resolve__` raises nothing for a fault in the spec: it reports it in
+        `Resolution.problems`. The dunder name keeps a model or spec tree that happens
+        to have a `resolve` method from being taken for a resolver. A resolver may
+        declare the mesh it is written for, as `Rules` does for a spec file's `"mesh"`;
+        it is used when the user gives no mesh. To cross a process boundary, a resolver
+        must pickle: to a worker process of `eqshard check`, or `eqshard.cost` on more
+        devices.
     """
 
     def __eqshard_resolve__(self, model: Any, target: Target) -> Resolution: ...

@@ -181,17 +181,16 @@ def _origin(row: LeafRow, flags: Mapping[str, str] | None) -> Text:
 class Report:
     """Where every array leaf of a tree goes, and what one device holds of it.
 
-    `print(report)` shows the table; in a rich console or notebook it renders as
-    one. `to_json()` gives the same to machines.
+    `print(report)` shows the table. In a rich console or notebook it renders as one.
+    `to_json()` gives the same to machines.
 
     **Attributes:**
 
     - `rows`: one `LeafRow` per array leaf, in tree order.
     - `total_bytes`: the bytes of every array leaf, whole.
-    - `bytes_per_device`: what one device holds (`None` if a leaf is not laid out),
-        in its own memory and in host memory.
-    - `host_bytes_per_device`: of that, what is held in host memory
-        (`"pinned_host"`).
+    - `bytes_per_device`: what one device holds, in its own memory and in host memory
+        (`None` if a leaf is not laid out).
+    - `host_bytes_per_device`: of that, what is held in host memory (`"pinned_host"`).
     """
 
     rows: list[LeafRow]
@@ -263,16 +262,21 @@ def report(
 
     **Returns:**
 
-    A `Report`: per array leaf its dotted path, shape, dtype, expression (or
-    "replicated"), where the expression came from (a rule, a field, the parameter
-    whose layout an optimizer moment follows, the optimizer section's rule and its
-    parameter, or "replicated: no parameter here"), its `PartitionSpec`, the bytes
-    one device holds and, where it is not the device's, its memory kind
-    (`"pinned_host"`); with the totals, and what of them is in host memory.
+    A `Report`: a row per array leaf, with the totals (see "The rows").
 
     **Raises:**
 
-    `eqshard.SpecError` listing every leaf that cannot be laid out.
+    - `eqshard.SpecError`: lists every leaf that cannot be laid out.
+
+    !!! info "The rows"
+
+        Each array leaf's row gives its dotted path, shape, dtype, and expression (or
+        "replicated"). It gives where the expression came from: a rule, a field, the
+        parameter whose layout an optimizer moment follows, the optimizer section's rule
+        and its parameter, or "replicated: no parameter here". It gives the leaf's
+        `PartitionSpec` and the bytes one device holds. Where its memory kind is not the
+        device's, it gives it (`"pinned_host"`). The totals say what of them is in host
+        memory.
     """
     planned = plan_for(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     if planned.problems:

@@ -103,20 +103,30 @@ class RuleSet(Protocol):
 class Match:
     """How one leaf got its expression.
 
+    **Attributes:**
+
     - `path`: the leaf's dotted path.
-    - `expr`: its expression: under `"default": "replicate"`, leaves nothing else
-        matched get `"... -> * ..."`; `None` under `"default": "error"` and for leaves
-        that are not arrays.
+    - `expr`: its expression (see "Expressions").
     - `source`: `"rule"`, `"dims"`, `"default"`, or `"none"` for leaves that are not
         arrays.
-    - `rule_index`: the index in the file's `rules` of the matching rule, when
-        `source` is `"rule"`.
-    - `fsdp`: for an expression FSDP chose (a rule's `"fsdp"`, or `"default":
-        "fsdp"`), `"fsdp"`, or `"fsdp: replicated, <why>"` for a leaf it could not
-        split; else `None`.
-    - `memory`: the memory kind the matching rule names (`"pinned_host"`), else
-        `None` (the device's).
+    - `rule_index`: the index in the file's `rules` of the matching rule, when `source`
+        is `"rule"`.
+    - `fsdp`: for an expression FSDP chose, `"fsdp"`, or `"fsdp: replicated, <why>"`
+        (see "FSDP"); else `None`.
+    - `memory`: the memory kind the matching rule names (`"pinned_host"`), else `None`
+        (the device's).
     - `section`: where the rules sit in their file: `"$"`, or `"$.optimizer"`.
+
+    !!! info "Expressions"
+
+        Under `"default": "replicate"`, leaves nothing else matched get
+        `"... -> * ..."`. `expr` is `None` under `"default": "error"`, and for leaves
+        that are not arrays.
+
+    !!! info "FSDP"
+
+        FSDP chose the expression for a rule's `"fsdp"`, or under `"default": "fsdp"`.
+        `"fsdp: replicated, <why>"` marks a leaf it could not split.
     """
 
     path: str

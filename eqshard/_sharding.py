@@ -328,29 +328,47 @@ def sharding(
 
     - `expr`: an einshard expression, as text or as an `eqshard.Expression`.
     - `shape`: the array's shape.
-    - `mesh`: the mesh to write the layout on, with its axis names; by default the
-        mesh of `jax.set_mesh`, if one is set. einshard's device `i` is
+    - `mesh`: the mesh to write the layout on, with its axis names; by default the mesh
+        of `jax.set_mesh`, if one is set. einshard's device `i` is
         `mesh.devices.flat[i]`.
-    - `devices`: else, the devices to use, all of them; `jax.devices()` by default.
-        Pass a list to place on a subset. Their order is the row-major order of the
-        mesh. A count (`devices=65536`) needs no devices: the sharding is on a
-        `jax.sharding.AbstractMesh` of the same axes, for `shard_shape`,
-        `jax.ShapeDtypeStruct` and `eqshard.constrain` inside `jit`.
+    - `devices`: else, the devices to use, all of them, or a count; by default
+        `jax.devices()` (see "Devices").
 
     **Returns:**
 
-    A `jax.sharding.NamedSharding`. On the user's mesh, it is written with that
-    mesh's axes. Otherwise its mesh has Auto axes, one per element of the right side
-    (`...` adds none), named after the element (`_<i>` for standalone replication
-    elements). Either way, devices hold the same blocks as under einshard. The
-    result is cached, so a repeated call costs a dictionary look-up.
+    A `jax.sharding.NamedSharding`, on the user's mesh or on one of its own (see "The
+    mesh").
 
     **Raises:**
 
-    `eqshard.ExpressionError` with a caret under the fault when the expression is
-    malformed, is in short form, does not match the rank of `shape`, does not use
-    exactly the devices given, splits a dimension unevenly, or does not fit the
-    mesh (the message gives the same counts in the mesh's order, where they fit).
+    - `eqshard.ExpressionError`: the expression is malformed or does not fit, with a
+        caret under the fault (see "Errors").
+
+    !!! info "Devices"
+
+        Pass a list to place on a subset. Their order is the row-major order of the
+        mesh. A count (`devices=65536`) needs no devices. The sharding is then on a
+        `jax.sharding.AbstractMesh` of the same axes, for `shard_shape`,
+        `jax.ShapeDtypeStruct` and `eqshard.constrain` inside `jit`.
+
+    !!! info "The mesh"
+
+        On the user's mesh, the sharding is written with that mesh's axes. Otherwise its
+        mesh has Auto axes, one per element of the right side (`...` adds none). Each is
+        named after its element (`_<i>` for standalone replication elements). Either
+        way, devices hold the same blocks as under einshard. The result is cached, so a
+        repeated call costs a dictionary look-up.
+
+    !!! info "Errors"
+
+        `eqshard.ExpressionError` is raised when the expression:
+
+        - is malformed, or is in short form;
+        - does not match the rank of `shape`;
+        - does not use exactly the devices given;
+        - splits a dimension unevenly;
+        - does not fit the mesh (the message gives the same counts in the mesh's order,
+            where they fit).
     """
     if not isinstance(expr, (str, Expression)):
         parse(expr)  # raises the EqshardError that says what an expression is

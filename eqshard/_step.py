@@ -1,28 +1,30 @@
-"""The step as one object: `eqshard.jit`, a drop-in for `eqx.filter_jit` whose
-compiled program takes and gives the active plan's layouts.
+"""The step as one object: `eqshard.jit`, a drop-in for `eqx.filter_jit` whose compiled
+program takes and gives the active plan's layouts.
 
-Under a plan (`eqshard.use(plan)`, or `plan=`), each of the step's arguments is
-laid out as `eqshard.apply(argument, plan)` lays out a tree built from the model
-(`_derive.plan_for`): the model takes the parameters' shardings, subtrees shaped
-like it take them too, in an optimizer state the optimizer section's, the model's
-`eqx.nn.State` its own layouts. An argument that holds nothing of the model's is
-the batch (`Batches`): a leaf the data loader already placed on the plan's devices
-keeps its sharding, the others take `batch=`, else the spec file's `"batch"`, else
-data parallel. These are the compiled program's input shardings (`jax.jit`'s
-`in_shardings`). The outputs are laid out the same way, by structure, anything that
-holds nothing of the model's replicated; they are held there by a constraint at the
-end of the traced step (their structure is known only once it is traced), the last
+Under a plan (`eqshard.use(plan)`, or `plan=`), each of the step's arguments is laid out
+as `eqshard.apply(argument, plan)` lays out a tree built from the model
+(`_derive.plan_for`). The model takes the parameters' shardings, and subtrees shaped
+like it take them too. In an optimizer state they take the optimizer section's. The
+model's `eqx.nn.State` takes its own layouts. An argument that holds nothing of the
+model's is the batch (`Batches`). A batch leaf the data loader already placed on the
+plan's devices keeps its sharding. The others take `batch=`, else the spec file's
+`"batch"`, else data parallel. These are the compiled program's input shardings
+(`jax.jit`'s `in_shardings`).
+
+The outputs are laid out the same way, by structure; anything that holds nothing of the
+model's is replicated. They are held there by a constraint at the end of the traced
+step, since their structure is known only once it is traced. That constraint is the last
 word on an output's layout.
 
-One `jax.jit` is made per plan and per structure of the arguments (their tree, their
-non-array leaves, their shapes, and the shardings of batch leaves already placed), on
-the first call that needs it; `jax.jit` keeps its own cache beside it. So a step is
-traced once per plan, and called under another plan it is traced again, for that
-plan. With no plan it is `eqx.filter_jit` itself.
+One `jax.jit` is made per plan and per structure of the arguments, on the first call
+that needs it. The structure is their tree, their non-array leaves, their shapes, and
+the shardings of batch leaves already placed. `jax.jit` keeps its own cache beside it.
+So a step is traced once per plan. Called under another plan, it is traced again, for
+that plan. With no plan it is `eqx.filter_jit` itself.
 
 On a mesh of Explicit axes (`jax.make_mesh`'s default since JAX 0.9), the step's body
-runs with those axes made Auto, as `jax.sharding.auto_axes` runs a function, so that
-plain `eqx.nn` layers split Megatron-style trace; its inputs and outputs keep the
+runs with those axes made Auto, as `jax.sharding.auto_axes` runs a function. So plain
+`eqx.nn` layers split Megatron-style trace. The step's inputs and outputs keep the
 plan's shardings and axis types.
 """
 
@@ -335,9 +337,12 @@ class _Layout:
 class Step:
     """A step compiled by `eqshard.jit`: called as the function it wraps.
 
-    **Attributes:** `__wrapped__` (the function), `donate`, `plan` (the plan given
-    to `eqshard.jit`, or `None`: the active one), `batch` (the batch's expression,
-    or `None`).
+    **Attributes:**
+
+    - `__wrapped__`: the function.
+    - `donate`: as given to `eqshard.jit`.
+    - `plan`: the plan given to `eqshard.jit`, or `None`: the active one.
+    - `batch`: the batch's expression, or `None`.
     """
 
     def __init__(
@@ -760,8 +765,8 @@ def jit(
     plan: Plan | None = None,
     batch: str | Expression | None = None,
 ) -> Any:
-    """`eqx.filter_jit`, with the active plan's layouts pinned on the step's inputs
-    and outputs.
+    """`eqx.filter_jit`, with the active plan's layouts pinned on the step's inputs and
+    outputs.
 
     **Example:**
 
@@ -778,46 +783,70 @@ def jit(
             model, opt_state = step(model, opt_state, batch)
     ```
 
-    Under a plan, each array argument and each array output is laid out by
-    structure, as `eqshard.apply(tree, plan)` lays out a tree built from the model:
-    the model and subtrees shaped like it take the parameters' shardings, an
-    optimizer state the optimizer section's (ZeRO), the model's `eqx.nn.State` its
-    own; an argument that holds nothing of the model's is the batch (a leaf already
-    placed on the plan's devices keeps its sharding, the others take `batch`, else
-    the spec file's `"batch"`, else data parallel, and a batch committed elsewhere
-    is moved there); any other output is replicated.
-    These are the compiled program's input and output shardings, so the
-    parameters leave the step as they came in (ZeRO-1 pays its all-gather, FSDP
-    stays split), and `eqshard.cost`, `eqshard check --step`, `suggest`, `diff` and
-    `eqshard.testing` compile this same program for each spec. The step is traced
-    once per plan; the plan is active while it is traced, so named activations and
-    `eqshard.constrain(tree)` follow it. On a mesh of Explicit axes the body runs
-    with them Auto, as under `jax.sharding.auto_axes`, and the outputs keep the
-    plan's axis types. With no plan active, it is `eqx.filter_jit`.
-
     **Arguments:**
 
     - `fn`: the step; as a decorator, leave it out.
     - `donate`: as for `eqx.filter_jit`: `"all"`, `"all-except-first"`, `"warn"`,
-        `"warn-except-first"` or `"none"`.
-    - `plan`: the plan to lay the step out by, always; by default the plan of
-        `eqshard.use(plan)` where the step is called (or a plan of its first
-        argument by `eqshard.use(rules)`'s rules).
-    - `batch`: the batch's expression, a complete one such as `"b ... -> b* ..."`,
-        for every batch leaf, placed or not.
+        `"warn-except-first"` or `"none"` (the default).
+    - `plan`: the plan to lay the step out by, always; by default the active one (see
+        "Which plan").
+    - `batch`: the batch's expression, a complete one such as `"b ... -> b* ..."`, for
+        every batch leaf, placed or not.
 
     **Returns:**
 
-    The step (a `eqshard.Step`), called as `fn` is; `step.lower(*args)` lowers it
-    for the active plan over concrete or abstract arguments.
+    The step (a `eqshard.Step`), called as `fn` is; `step.lower(*args)` lowers it for
+    the active plan over concrete or abstract arguments.
 
     **Raises:**
 
-    `eqshard.EqshardError` for a `donate` eqx.filter_jit does not know, a `plan`
-    that is not a `Plan`, or a malformed `batch` (with a caret). When called:
-    `eqshard.SpecError` naming each argument the plan cannot lay out (shapes that
-    differ from the plan's model, a batch leaf the batch's expression cannot split),
-    and each argument already placed otherwise than the plan lays it out.
+    - `eqshard.EqshardError`: a `donate` eqx.filter_jit does not know, a `plan` that is
+        not a `Plan`, or a malformed `batch` (with a caret).
+    - `eqshard.SpecError`, when called: an argument the plan cannot lay out, or one
+        already placed otherwise (see "Errors").
+
+    !!! info "Which plan"
+
+        By default the step is laid out by the plan of `eqshard.use(plan)` where it is
+        called. Under `eqshard.use(rules)`, it is a plan of its first argument by those
+        rules. With no plan active, the step is `eqx.filter_jit`.
+
+    !!! info "How the arguments and outputs are laid out"
+
+        Under a plan, each array argument and each array output is laid out by
+        structure. That is how `eqshard.apply(tree, plan)` lays out a tree built from
+        the model:
+
+        - the model, and subtrees shaped like it, take the parameters' shardings;
+        - an optimizer state takes the optimizer section's (ZeRO);
+        - the model's `eqx.nn.State` takes its own;
+        - an argument that holds nothing of the model's is the batch (see "The batch");
+        - any other output is replicated.
+
+        These are the compiled program's input and output shardings. So the parameters
+        leave the step as they came in: ZeRO-1 pays its all-gather, and FSDP stays
+        split. `eqshard.cost`, `eqshard check --step`, `suggest`, `diff` and
+        `eqshard.testing` compile this same program for each spec.
+
+    !!! info "The batch"
+
+        A batch leaf already placed on the plan's devices keeps its sharding. The others
+        take `batch`, else the spec file's `"batch"`, else data parallel. A batch
+        committed elsewhere is moved there.
+
+    !!! info "Tracing"
+
+        The step is traced once per plan. The plan is active while it is traced, so
+        named activations and `eqshard.constrain(tree)` follow it. On a mesh of Explicit
+        axes, the body runs with them Auto, as under `jax.sharding.auto_axes`. The
+        outputs keep the plan's axis types.
+
+    !!! info "Errors"
+
+        When the step is called, `eqshard.SpecError` names each argument the plan cannot
+        lay out: shapes that differ from the plan's model, or a batch leaf the batch's
+        expression cannot split. It also names each argument already placed otherwise
+        than the plan lays it out.
     """
     if fn is None:
         return functools.partial(jit, donate=donate, plan=plan, batch=batch)

@@ -66,13 +66,15 @@ EqshardWarning.__module__ = "eqshard"
 class UnusedRule:
     """One rule of a spec file that gave no leaf its expression.
 
+    **Attributes:**
+
     - `index`: its place in the file's `rules`.
     - `path`: its path pattern.
     - `message`: what happened to it, and how to fix it.
-    - `suggestions`: rule paths that match leaves and are close to `path`, closest
-        first (a typo's fix).
-    - `leaves`: the dotted paths of the leaves the first suggestion matches; for a
-        rule that earlier rules shadow, the leaves it matches.
+    - `suggestions`: rule paths that match leaves and are close to `path`, closest first
+        (a typo's fix).
+    - `leaves`: the dotted paths of the leaves the first suggestion matches; for a rule
+        that earlier rules shadow, the leaves it matches.
     """
 
     index: int
@@ -86,17 +88,21 @@ UnusedRule.__module__ = "eqshard"
 
 
 class UnusedRuleWarning(EqshardWarning):
-    """Rules of a spec file that gave no leaf of the model its expression: one
-    warning per plan.
+    """Rules of a spec file that gave no leaf of the model its expression: one warning
+    per plan.
 
-    A rule whose path matches no leaf is most often a typo, and the leaves it was
-    written for fall to a broader rule, the dims or the default; its message names
-    the closest rule path that matches leaves, and those leaves.
+    A rule whose path matches no leaf is most often a typo. The leaves it was written
+    for fall to a broader rule, the dims or the default. Its message names the closest
+    rule path that matches leaves, and those leaves.
 
-    **Attributes:** `source` (the file), `unused` (one `UnusedRule` per rule),
-    `hint` (what the tree looks like, when it looks like an optimizer state rather
-    than a model), `section` (where the rules sit in the file: `"$"`, or
-    `"$.optimizer"`), besides `where` and `message`.
+    **Attributes:**
+
+    - `source`: the file.
+    - `unused`: one `UnusedRule` per rule.
+    - `hint`: what the tree looks like, when it looks like an optimizer state rather
+        than a model.
+    - `section`: where the rules sit in the file: `"$"`, or `"$.optimizer"`.
+    - `where`, `message`: as for every `EqshardWarning`.
     """
 
     source: str
@@ -178,8 +184,10 @@ def unused_message(path: str, tree: str = "the model") -> str:
 
 
 class MeshWarning(EqshardWarning):
-    """The layouts of a plan group the devices in ways that disagree, so they share
-    only a mesh with more axes than any one of them needs."""
+    """The layouts of a plan group the devices in ways that disagree.
+
+    So they share only a mesh with more axes than any one of them needs.
+    """
 
 
 MeshWarning.__module__ = "eqshard"

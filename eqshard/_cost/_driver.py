@@ -27,6 +27,7 @@ from .._compat import filter_jit_donation
 from .._errors import EqshardError, StepError
 from .._expression import Expression
 from .._plan import Plan, Spec, placing, plan
+from .._process._usercode import with_user_frames
 from .._sharding import AnyMesh, Device, device_count, on_devices
 from .._specfile._model import Rules, batch_expression
 from .._step import Donate, Step, abstract_array, planned_for
@@ -192,10 +193,11 @@ def cost(
         raise
     except BaseException as error:  # the user's step (SystemExit too): named, with its cause
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        raise StepError(
+        failed = StepError(
             f"`eqshard.cost` cannot trace and compile the step {name} on {n} devices under "
             f"{_spec_name(spec)}: it raised {type(error).__name__}: {error}"
-        ) from error
+        )
+        raise with_user_frames(failed, error) from error
     held = Held()
     for i, argument in enumerate(lowered.arguments):
         if argument.plan is not None:  # the model, its state, an optimizer state

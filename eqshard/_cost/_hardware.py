@@ -31,6 +31,8 @@ __all__ = [
 class Hardware:
     """A named hardware profile for a roofline estimate, with its source.
 
+    **Attributes:**
+
     - `flops`: peak dense FLOP/s of one chip, by the parameters' dtype.
     - `memory_bandwidth`: bytes/s of one chip's memory.
     - `interconnect_bandwidth`: bytes/s per chip, one direction.
@@ -100,10 +102,12 @@ HARDWARE: dict[str, Hardware] = {
 class Estimate:
     """A roofline estimate of one step, in seconds: never a measurement.
 
+    **Attributes:**
+
     - `hardware`: the profile it is made on.
-    - `compute`, `memory`, `communication`: the seconds of the FLOPs at peak, of
-        the bytes accessed at memory bandwidth, and of the collectives over the
-        interconnect.
+    - `compute`: the seconds of the FLOPs at peak.
+    - `memory`: the seconds of the bytes accessed at memory bandwidth.
+    - `communication`: the seconds of the collectives over the interconnect.
     """
 
     hardware: Hardware

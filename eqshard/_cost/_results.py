@@ -24,40 +24,42 @@ class Collective:
 
     **Attributes:**
 
-    - `kind`: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`, `"collective-permute"`,
-        `"all-to-all"`, `"ragged-all-to-all"` or `"collective-broadcast"`.
+    - `kind`: `"all-reduce"`, `"all-gather"`, `"reduce-scatter"`,
+        `"collective-permute"`, `"all-to-all"`, `"ragged-all-to-all"` or
+        `"collective-broadcast"`.
     - `bytes`: what one run of it moves on each device (see "Bytes" below).
     - `axes`: the mesh axes its device groups run over.
     - `source`: where XLA records it comes from (the op's name in the step), whole.
     - `count`: how many times one step runs it (see "Counts" below).
-    - `group_size`: how many devices each of its groups holds (a collective-permute's: 2,
-        a source and a target).
+    - `group_size`: how many devices each of its groups holds (a collective-permute's:
+        2, a source and a target).
     - `loop`: the `while` loop whose trip count depends on values that it runs in, else
         `None`.
 
     !!! info "Bytes"
 
-        A reduce-scatter moves its operand, which each device contributes to the sum
-        (its result is one device's part, n times smaller); an all-gather its result,
-        what each device ends up holding; an all-reduce, a collective-permute and an
-        all-to-all their result, the size of their operand (a tuple collective: all of
-        them). XLA's async `-start`/`-done` pairs count once.
+        A reduce-scatter moves its operand, which each device contributes to the sum.
+        (Its result is one device's part, n times smaller.) An all-gather moves its
+        result, what each device ends up holding. An all-reduce, a collective-permute
+        and an all-to-all move their result, the size of their operand. For a tuple
+        collective, that is all of its results. XLA's async `-start`/`-done` pairs count
+        once.
 
     !!! info "Counts"
 
         `count` is more than one inside a loop whose trip count XLA knows, such as
-        `jax.lax.scan` over stacked layers. Inside a loop whose trip count depends on
-        values (`loop`, named as `while.3 (jit(step)/while), line 120`), it is how many
-        times one trip of that loop runs it: the loop's trips per step, and so the
-        collective's runs per step, are not known. Of the branches of a `cond` or
-        `switch`, only the one that moves the most bytes of the collective's kind counts
-        (so a budget per kind bounds every branch); a collective of the others is not
-        listed.
+        `jax.lax.scan` over stacked layers. A loop's trip count may depend on values
+        (`loop`, named as `while.3 (jit(step)/while), line 120`). Inside one, `count` is
+        how many times one trip of that loop runs it. The loop's trips per step, and so
+        the collective's runs per step, are not known. Of the branches of a `cond` or
+        `switch`, only the one that moves the most bytes of the collective's kind
+        counts. So a budget per kind bounds every branch. A collective of the other
+        branches is not listed.
 
     !!! info "Sources"
 
         XLA names a combined collective by every op it combines, which can run to
-        thousands of characters; tables show `brief_source`.
+        thousands of characters. Tables show `brief_source`.
     """
 
     kind: str
@@ -146,11 +148,11 @@ class Memory:
     - `parameters`: the model's array leaves, as the plan lays them out.
     - `state`: the leaves of its `eqx.nn.State` (BatchNorm's running statistics), as the
         plan lays them out; 0 for a model without one.
-    - `optimizer`: the optimizer state's leaves, as the plan's optimizer section lays them
-        out (by default, each moment as its parameter).
+    - `optimizer`: the optimizer state's leaves, as the plan's optimizer section lays
+        them out (by default, each moment as its parameter).
     - `gradients`: a gradient for each floating-point parameter, laid out as it is.
-    - `arguments`, `outputs`, `temporaries`: device memory, from XLA's memory analysis of
-        the compiled step (outputs less what is donated).
+    - `arguments`, `outputs`, `temporaries`: device memory, from XLA's memory analysis
+        of the compiled step (outputs less what is donated).
     - `host`: of `parameters`, `state` and `optimizer`, the bytes held in host memory (a
         rule's `"memory": "pinned_host"`), not in the device's.
     - `host_arguments`, `host_outputs`: the step's arguments and outputs in host memory.
@@ -160,20 +162,20 @@ class Memory:
     !!! info "Whose peak"
 
         `peak` is the compiler's own figure: XLA:TPU's for a TPU `target`, else
-        XLA:CPU's, which is XLA:CPU's and no bound on another backend's (an H100
-        measured 1.00x of it for three MLP steps). `reported_peak` is not the sum of
-        `arguments`, `outputs` and `temporaries`: XLA:TPU's was 46% above it for an FSDP
-        Adam step with JAX 0.10's libtpu, and below it with JAX 0.12's, which reuses
-        buffers.
+        XLA:CPU's. XLA:CPU's is no bound on another backend's; an H100 measured 1.00x of
+        it for three MLP steps. `reported_peak` is not the sum of `arguments`, `outputs`
+        and `temporaries`. XLA:TPU's was 46% above it for an FSDP Adam step with JAX
+        0.10's libtpu. It was below it with JAX 0.12's, which reuses buffers.
 
     !!! info "Device and host memory"
 
-        `parameters`, `state` and `optimizer` count every byte wherever it is held;
+        `parameters`, `state` and `optimizer` count every byte wherever it is held.
         `peak`, and `eqshard check --max-memory`, count the device's memory only.
         `arguments` and `outputs` leave out what is in host memory; `host_arguments` and
-        `host_outputs` hold it: the compiler's own figures where it reports them apart
-        (`host_argument_size_in_bytes`), else those of their shardings (XLA:CPU counts
-        them among its arguments and outputs, and they are taken out there).
+        `host_outputs` hold it. These are the compiler's own figures where it reports
+        them apart (`host_argument_size_in_bytes`). Else they are those of their
+        shardings: XLA:CPU counts them among its arguments and outputs, and they are
+        taken out there.
     """
 
     parameters: int
@@ -232,9 +234,9 @@ class Cost:
 
     !!! warning "Loops whose trip count depends on values"
 
-        What runs in `loops` is counted once per trip (`Collective.loop`), so where
-        `loops` is not empty the step's communication, FLOPs and estimate are unknown
-        (`known` is `False`): the figures are those of one trip, and a budget never
+        What runs in `loops` is counted once per trip (`Collective.loop`). So where
+        `loops` is not empty, the step's communication, FLOPs and estimate are unknown
+        (`known` is `False`). The figures are those of one trip, and a budget never
         passes on them.
     """
 

@@ -36,11 +36,13 @@ __all__ = ["Diff", "LeafChange", "diff"]
 class LeafChange:
     """One leaf laid out differently by the two specs.
 
+    **Attributes:**
+
     - `path`: the leaf's dotted path in the model.
     - `part`: `"parameters"`, or `"optimizer state"` for its optimizer state (its
         moments), where a spec has an optimizer section.
-    - `a`, `b`: its row under each spec (`LeafRow`: expression, `PartitionSpec`,
-        bytes per device, memory kind).
+    - `a`, `b`: its row under each spec (`LeafRow`: expression, `PartitionSpec`, bytes
+        per device, memory kind).
     """
 
     path: str
@@ -72,19 +74,20 @@ class LeafChange:
 
 @dataclasses.dataclass(frozen=True)
 class Diff:
-    """What changes from spec `a` to spec `b` on one model. `print(diff)` shows it, a
-    line per change; `to_json()` gives the same to machines.
+    """What changes from spec `a` to spec `b` on one model.
+
+    `print(diff)` shows it, a line per change. `to_json()` gives the same to machines.
 
     **Attributes:**
 
     - `a`, `b`: the specs' names (a spec file's path).
-    - `devices`, `target`: the device count both were laid out on, and the TPU
-        slice, if any.
+    - `devices`, `target`: the device count both were laid out on, and the TPU slice, if
+        any.
     - `mesh`: each spec's mesh, as text (`data=8`, `data=2 x model=4`).
     - `batch`: each spec file's `"batch"`, or `None` for the default.
     - `leaves`: how many array leaves the model has.
-    - `changes`: each leaf (and optimizer state) laid out differently, in model
-        order, the optimizer states after the parameters.
+    - `changes`: each leaf (and optimizer state) laid out differently, in model order,
+        the optimizer states after the parameters.
     - `costs`: with a step, each spec's `Cost`; else `None`.
     """
 
@@ -298,8 +301,8 @@ def diff(
     devices: Devices = None,
     target: str | None = None,
 ) -> Diff:
-    """What changes from spec `a` to spec `b`: the leaves laid out differently, and
-    with a step, the change in memory per device and communication per step.
+    """What changes from spec `a` to spec `b`: the leaves laid out differently, and with
+    a step, the change in memory per device and communication per step.
 
     **Example:**
 
@@ -314,19 +317,17 @@ def diff(
     **Arguments:**
 
     - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`), or a
-        `(model, state)` pair (both are laid out; the step takes the model alone
-        first, and its state among `args`).
+        `(model, state)` pair (see "Stateful models").
     - `a`, `b`: the specs, as `eqshard.plan` takes them (a `pathlib.Path` is a spec
         file, a `str` an expression), but not a `Plan`, which holds its own devices.
     - `*args`: with `step`, the rest of its arguments, as `eqshard.cost` takes them
         after the model (a stateful model's state, the optimizer state, the batch).
     - `step`: the training step: both specs are costed (`eqshard.cost`) on the same
-        devices.
-    - `devices`: what to lay out on, as `eqshard.plan` takes it: a count (by default
-        `a`'s spec file's `"devices"`, else `b`'s, else 8; with a step, compiled on
-        that many simulated devices), or a list of this process's devices.
-    - `target`: instead, a TPU slice (`"v5e:4x4"`): its device count, and with a
-        step, compiled for it by XLA:TPU.
+        devices; `None` by default.
+    - `devices`: what to lay out on, as `eqshard.plan` takes it: a count, or a list of
+        this process's devices (see "Devices").
+    - `target`: instead, a TPU slice (`"v5e:4x4"`): its device count, and with a step,
+        compiled for it by XLA:TPU.
 
     **Returns:**
 
@@ -334,10 +335,20 @@ def diff(
 
     **Raises:**
 
-    `eqshard.SpecError` when a spec does not lay the model out (every fault of the
-    first that does not, named in its headline);
-    `EqshardError` when `args` are given without a step, `devices` and `target` are
-    both given, or as `eqshard.cost` raises.
+    - `eqshard.SpecError`: a spec does not lay the model out (every fault of the first
+        that does not, named in its headline).
+    - `eqshard.EqshardError`: `args` are given without a step, or `devices` and `target`
+        are both given, or as `eqshard.cost` raises.
+
+    !!! info "Stateful models"
+
+        For a `(model, state)` pair both are laid out. The step takes the model alone
+        first, and its state among `args`.
+
+    !!! info "Devices"
+
+        By default the count is `a`'s spec file's `"devices"`, else `b`'s, else 8. With
+        a step, the specs are compiled on that many simulated devices.
     """
     from .._fields import is_stateful_pair
     from .._plan import Plan, plan

@@ -46,6 +46,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxprLiteral
 
 from .._compat import is_transposed, missing, param
 from .._errors import StepError
+from .._process._usercode import with_user_frames
 
 __all__ = ["Role", "abstract_leaf", "tensor_roles"]
 
@@ -514,10 +515,11 @@ def tensor_roles(step: Callable[..., Any], model: Any, *args: Any) -> dict[int, 
         raise
     except BaseException as error:  # the user's step (SystemExit too): named, with its cause
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        raise StepError(
+        failed = StepError(
             f"cannot trace the step {name} to find its tensor-parallel pairs: it raised "
             f"{type(error).__name__}: {error}"
-        ) from error
+        )
+        raise with_user_frames(failed, error) from error
     leaves = jax.tree_util.tree_leaves(model)
     at = [i for i, leaf in enumerate(leaves) if _is_abstract_array(leaf)]
     values = [

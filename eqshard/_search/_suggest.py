@@ -25,11 +25,23 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
+from .._cost._driver import cost, portable, unplaced
 from .._cost._hardware import HARDWARE, memory_size, seconds_text
+from .._cost._targets import compile_target
 from .._errors import EqshardError, whole_number
 from .._fit import mesh_text
+from .._process._workers import (
+    pickled,
+    serve,
+    start_worker,
+    unpickled,
+    without_device_count,
+    worker_answer,
+)
+from .._report import human_bytes
+from .._sharding import device_tuple
 from .._specfile._model import Rules
-from ._candidates import Candidate
+from ._candidates import Candidate, candidates
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -92,7 +104,6 @@ def communication(found: Cost) -> dict[str, int]:
 
 
 def _bytes(n: int) -> str:
-    from .._report import human_bytes
 
     return human_bytes(n)
 
@@ -209,26 +220,32 @@ def _where(devices: int, target: str | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Ranked(Sequence[Suggestion]):
-    """The candidates of `eqshard.suggest`, best first: those that fit by their
-    estimate, then those that do not by how far over the limit they are, then those
-    that failed to compile.
+    """The candidates of `eqshard.suggest`, best first.
 
-    `print(ranked)` shows the table (plain text, for logs); in a rich console or
-    notebook it renders as one. `ranked[0]` is the first row, `ranked.best` the best
-    that fits (`None` when nothing does), and `to_json()` gives the same to machines.
+    Those that fit come first, by their estimate. Then come those that do not, by how
+    far over the limit they are. Then come those that failed to compile.
+
+    `print(ranked)` shows the table (plain text, for logs). In a rich console or
+    notebook it renders as one. `ranked[0]` is the first row. `ranked.best` is the best
+    that fits (`None` when nothing does). `to_json()` gives the same to machines.
 
     **Attributes:**
 
     - `suggestions`: every `Suggestion`, in order.
-    - `dropped`: `(name, reason)` of each candidate not ranked: those the generator
-        dropped (a split that does not divide and cannot be repaired), and those that
-        failed to compile, with their error.
-    - `devices`, `target`: where they were compiled for: a device count of
-        simulated devices, or a TPU slice (and its count).
+    - `dropped`: `(name, reason)` of each candidate not ranked (see "Dropped
+        candidates").
+    - `devices`, `target`: where they were compiled for: a device count of simulated
+        devices, or a TPU slice (and its count).
     - `compiler`: whose figures these are (`"XLA:CPU, 8 simulated devices"`).
     - `hardware`: the profile the estimates are on: the target's chip, else an H100.
-    - `limit`, `limit_from`: the memory limit per device in bytes, and where it
-        comes from (`"max_memory"`, or `"the chip's HBM"`); `None` without one.
+    - `limit`, `limit_from`: the memory limit per device in bytes, and where it comes
+        from (`"max_memory"`, or `"the chip's HBM"`); `None` without one.
+
+    !!! info "Dropped candidates"
+
+        `dropped` holds those the generator dropped: a split that does not divide and
+        cannot be repaired. It also holds those that failed to compile, with their
+        error.
     """
 
     suggestions: tuple[Suggestion, ...]
@@ -385,7 +402,6 @@ def placement(devices: Devices, target: str | None) -> tuple[int, CompileTarget 
                 f"`devices={devices!r}` and `target={target!r}` are both given; the slice has "
                 "its devices: give one of them"
             )
-        from .._cost._targets import compile_target
 
         on = compile_target(target)
         return len(on.devices), on
@@ -404,7 +420,6 @@ def _listed(devices: Devices) -> tuple[Any, ...] | None:
     """`devices=` as a list of this process's devices, or `None` for a count."""
     if devices is None or isinstance(devices, (int, np.integer)):
         return None
-    from .._sharding import device_tuple
 
     return device_tuple(devices)
 
@@ -493,9 +508,6 @@ def rank(
         on_devices = listed if listed is not None else n
         results = [_cost_one(step, model, args, c.rules, on_devices, target) for c in candidates]
     else:
-        from .._cost._driver import unplaced
-        from .._process._workers import pickled
-
         inputs = {
             "pickle": pickled(
                 (step, unplaced(model), unplaced(args)),
@@ -512,8 +524,6 @@ def _cost_one(
     step: Any, model: Any, args: Sequence[Any], rules: Rules, devices: Devices, target: str | None
 ) -> Cost | str:
     """`eqshard.cost` of one candidate, or why it failed."""
-    from .._cost._driver import cost
-
     try:
         return cost(
             model, *args, step=step, spec=rules, devices=None if target else devices, target=target
@@ -596,14 +606,6 @@ def compile_in_workers(
     fails its share, each with that message; an error it answers (its inputs cannot
     be read or built) is raised here.
     """
-    from .._process._workers import (
-        pickled,
-        start_worker,
-        unpickled,
-        without_device_count,
-        worker_answer,
-    )
-
     if not candidates:
         return []
     count = min(workers or _cores(), len(candidates))
@@ -650,8 +652,6 @@ def compile_in_workers(
 
 def _worker() -> int:
     """A worker's entry (`compile_in_workers`): costs its share of the candidates."""
-    from .._process._workers import serve
-
     return serve(_costs_here)
 
 
@@ -659,9 +659,6 @@ def _costs_here(request: Mapping[str, Any]) -> list[dict[str, str]]:
     """The worker's costs, JAX not yet started: one entry per candidate, `{"cost":
     pickled Cost}` or `{"error": why}`."""
     import jax
-
-    from .._cost._driver import portable
-    from .._process._workers import pickled, unpickled
 
     target = request.get("target")
     devices = whole_number(request["devices"], "devices")
@@ -690,8 +687,6 @@ def _inputs(entry: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...]]:
     """The step, the model and the other arguments, as the request carries them:
     pickled, or built by the function it names."""
     import importlib
-
-    from .._process._workers import unpickled
 
     if "pickle" in entry:
         step, model, args = unpickled(entry["pickle"], "the step or its arguments")
@@ -730,33 +725,47 @@ def suggest(
         state, the batch), concrete or abstract.
     - `step`: the training step, as `eqshard.cost` takes it: called as
         `step(model, *args)`.
-    - `devices`: a count: each candidate is compiled in a worker on that many
-        simulated CPU devices by XLA:CPU; or a list of this process's devices: each
-        is compiled here, for them (on a GPU, by its compiler).
-    - `target`: instead, a TPU slice (`"v5p:4x4x4"`): each candidate is compiled
-        for its devices by XLA:TPU, through libtpu (`pip install 'eqshard[tpu]'`).
-    - `max_memory`: device memory per device, bytes or a size (`"80GB"`,
-        `"75GiB"`); by default the target chip's HBM. Without either, nothing is
-        ruled out by memory, and the table says so.
-    - `workers`: worker processes that compile at once: by default one per core;
-        `0` compiles in this process.
+    - `devices`: a count of simulated CPU devices, or a list of this process's devices
+        (see "Where candidates compile").
+    - `target`: instead, a TPU slice (`"v5p:4x4x4"`) to compile for (see "Where
+        candidates compile").
+    - `max_memory`: device memory per device, bytes or a size (`"80GB"`, `"75GiB"`); by
+        default the target chip's HBM.
+    - `workers`: worker processes that compile at once; by default one per core, and `0`
+        compiles in this process.
 
     **Returns:**
 
-    A `Ranked`: the candidates that fit, fastest first by their roofline estimate
-    (on the target's chip, else an H100), then those that do not, with how far
-    over the limit each is, then those that failed to compile, with their error;
-    `ranked.dropped` lists the candidates dropped (a split that cannot be
-    repaired) and those that failed, with the reasons.
+    A `Ranked`, best first (see "The ranking").
 
     **Raises:**
 
-    `EqshardError` when `devices` and `target` are both given or neither is, for a
-    `max_memory` that is no size or a `target` that is no TPU slice (`UsageError`
-    without libtpu), and when the step or its arguments cannot be sent to a worker.
-    """
-    from ._candidates import candidates
+    - `eqshard.EqshardError`: `devices` and `target` are both given or neither is,
+        `max_memory` is no size, `target` is no TPU slice, or the step or its arguments
+        cannot be sent to a worker.
+    - `eqshard.UsageError`: a `target` without libtpu.
 
+    !!! info "Where candidates compile"
+
+        With a count, each candidate is compiled by XLA:CPU in a worker, on that many
+        simulated CPU devices. With a list of this process's devices, each is compiled
+        here, for them (on a GPU, by its compiler). With a `target`, each is compiled
+        for the slice's devices by XLA:TPU, through libtpu
+        (`pip install 'eqshard[tpu]'`).
+
+    !!! info "Memory"
+
+        Without `max_memory` or a target, nothing is ruled out by memory, and the table
+        says so.
+
+    !!! info "The ranking"
+
+        The candidates that fit come first, fastest first by their roofline estimate (on
+        the target's chip, else an H100). Then come those that do not fit, with how far
+        over the limit each is. Then come those that failed to compile, with their
+        error. `ranked.dropped` lists the candidates dropped (a split that cannot be
+        repaired) and those that failed, with the reasons.
+    """
     n, _ = placement(devices, target)
     kept, dropped = candidates(step, model, *args, devices=n)
     return rank(

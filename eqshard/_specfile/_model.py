@@ -42,15 +42,17 @@ PARAMETER = "parameter"
 class Rule:
     """One path rule of a spec file.
 
+    **Attributes:**
+
     - `path`: a rule path (`blocks.*.attn.query_proj.weight`, `**.*_proj.weight`,
         `_weights['w[0,0] 16x0e']`).
-    - `expr`: the expression a matching leaf gets, or `"fsdp"` (given as the word
-        or as `eqshard.FSDP`): each matching leaf's own FSDP expression.
+    - `expr`: the expression a matching leaf gets, or `"fsdp"` (given as the word or as
+        `eqshard.FSDP`): each matching leaf's own FSDP expression.
     - `comment`: the rule's comment, if any.
     - `index`: its place in the file's `rules` list.
-    - `memory`: where the matching leaves are held: `"device"` (the devices' own
-        memory) or `"pinned_host"` (host memory, as a `NamedSharding`'s memory
-        kind); `None` for the default, the device.
+    - `memory`: where the matching leaves are held: `"device"` (the devices' own memory)
+        or `"pinned_host"` (host memory, as a `NamedSharding`'s memory kind); `None` for
+        the default, the device.
     """
 
     path: str
@@ -88,25 +90,44 @@ class Rules:
     Pass it wherever eqshard takes a spec: `eqshard.apply(model, rules)`,
     `eqshard.plan(model, rules)`, `eqshard.spec_tree(model, rules)`.
 
-    **Fields:** `rules` (a tuple of `Rule`), `default` (`"replicate"`, `"error"`
-    or `"fsdp"`: what a leaf no rule or dim matches gets), `devices` (the device
-    count the file was written for, or `None`), `dims` (dim name to a modifier, a
-    mesh axis name, or `None` for a whole dim; for parameters by their annotations
-    and for activations by `eqshard.constrain`'s names), `source` (the file name, for messages), and `mesh` (the
-    declared mesh: each axis's name and size, `None` for the one `"*"` axis; or
-    `None`), and `batch` (the complete `Expression` that `eqshard.cost` and
-    `eqshard check --step` lay the step's batch out by, such as
-    `"... -> * ..."` for a whole batch on every device; `None` for their default,
-    the leading dim over the mesh's first axis), `optimizer` (the file's
-    `"optimizer"` section, itself a `Rules` whose `default` may be `"parameter"`:
-    how the optimizer state is laid out; `None` where the state follows the
-    parameters), `section` (where these rules sit in their file: `"$"`, or
-    `"$.optimizer"` for that section) and `comment` (the file's or the section's
-    `"comment"`, free text for the reader, or `None`).
+    **Attributes:**
 
-    As an optimizer spec (`eqshard.plan(model, spec, optimizer=rules)`), its paths
-    name parameters, and `default="parameter"` gives each state leaf no rule or dim
-    matches its parameter's layout.
+    - `rules`: a tuple of `Rule`.
+    - `default`: what a leaf no rule or dim matches gets: `"replicate"`, `"error"` or
+        `"fsdp"`.
+    - `devices`: the device count the file was written for, or `None`.
+    - `dims`: dim name to a modifier, a mesh axis name, or `None` for a whole dim (see
+        "Dims").
+    - `source`: the file name, for messages.
+    - `mesh`: the declared mesh: each axis's name and size (`None` for the one `"*"`
+        axis); or `None`.
+    - `batch`: the complete `Expression` the step's batch is laid out by (see "The
+        batch").
+    - `optimizer`: the file's `"optimizer"` section, itself a `Rules` (see "The
+        optimizer section").
+    - `section`: where these rules sit in their file: `"$"`, or `"$.optimizer"` for that
+        section.
+    - `comment`: the file's or the section's `"comment"`, free text for the reader, or
+        `None`.
+
+    !!! info "Dims"
+
+        `dims` lays out parameters by their annotations, and activations by
+        `eqshard.constrain`'s names.
+
+    !!! info "The batch"
+
+        `eqshard.cost` and `eqshard check --step` lay the step's batch out by `batch`.
+        `"... -> * ..."`, for one, gives every device a whole batch. `None` is their
+        default: the leading dim over the mesh's first axis.
+
+    !!! info "The optimizer section"
+
+        `optimizer` says how the optimizer state is laid out. Its `default` may be
+        `"parameter"`. It is `None` where the state follows the parameters. As an
+        optimizer spec (`eqshard.plan(model, spec, optimizer=rules)`), a `Rules`' paths
+        name parameters. `default="parameter"` gives each state leaf no rule or dim
+        matches its parameter's layout.
     """
 
     rules: tuple[Rule, ...] = ()

@@ -116,10 +116,10 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
 
     **Raises:**
 
-    `eqshard.SpecError` listing every fault at once, one line each, as
-    `<file>::$.rules[2].expr: <message>` (broken JSON names its line and column);
-    `eqshard.UnreadableError` (a `SpecError`) when the file cannot be read, is not
-    UTF-8, or is over the size limit.
+    - `eqshard.SpecError`: lists every fault at once, one line each, as
+        `<file>::$.rules[2].expr: <message>`; broken JSON names its line and column.
+    - `eqshard.UnreadableError` (a `SpecError`): the file cannot be read, is not UTF-8,
+        or is over the size limit.
     """
     if isinstance(source, Mapping):
         name, document = "<mapping>", source

@@ -38,9 +38,11 @@ def _document() -> dict[str, Any]:
 def schema() -> dict[str, Any]:
     """The JSON Schema (Draft 2020-12) of eqshard spec files, as a new dict.
 
-    **Example:** `json.dumps(eqshard.schema())`, or `eqshard schema` on the command line
-    (`eqshard schema > schemas/eqshard.schema.json` keeps a copy for editors, which
-    `eqshard.dump` then points each spec file it writes at).
+    **Example:**
+
+    `json.dumps(eqshard.schema())`, or `eqshard schema` on the command line.
+    `eqshard schema > schemas/eqshard.schema.json` keeps a copy for editors.
+    `eqshard.dump` then points each spec file it writes at it.
     """
     return copy.deepcopy(_document())
 

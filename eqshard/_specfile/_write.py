@@ -48,20 +48,27 @@ def dump(
 
     **Arguments:**
 
-    - `spec_or_rules`: an `eqshard.Rules`, or a spec tree (as `eqshard.spec_tree`
-        returns, edited with `eqx.tree_at`, or a prefix of the model): each
-        expression becomes the rule `<its path>.**`, which matches the leaf or
-        every leaf of the subtree it stands for; `None` leaves are left to
-        `"default": "replicate"`.
-    - `path`: the file to write. Its `"$schema"` is the project's copy of the
-        schema, where there is one (`schema_reference`), so editors check the file
-        without a network; else the file has none.
+    - `spec_or_rules`: an `eqshard.Rules`, or a spec tree (see "Spec trees").
+    - `path`: the file to write (see "The schema").
     - `devices`: the device count to record, if any (a `Rules` keeps its own).
 
     **Raises:**
 
-    `eqshard.SpecError` when a leaf of a spec tree holds something other than an
-    expression, or the file would not load back.
+    - `eqshard.SpecError`: a leaf of a spec tree holds something other than an
+        expression, or the file would not load back.
+
+    !!! info "Spec trees"
+
+        The spec tree is as `eqshard.spec_tree` returns it, edited with `eqx.tree_at`,
+        or a prefix of the model. Each expression becomes the rule `<its path>.**`. It
+        matches the leaf, or every leaf of the subtree it stands for. `None` leaves are
+        left to `"default": "replicate"`.
+
+    !!! info "The schema"
+
+        The file's `"$schema"` is the project's copy of the schema, where there is one
+        (`schema_reference`). So editors check the file without a network. Else the file
+        has none.
     """
     if devices is not None:
         whole_number(devices, "`devices`")

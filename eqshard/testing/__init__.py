@@ -3,21 +3,24 @@
 **Example:**
 
 ```python
+from pathlib import Path
 from eqshard.testing import assert_equivalent, assert_layouts
 
+SPEC = Path("specs/model.eqshard.json")
+
 def test_spec_is_equivalent():
-    assert_equivalent(mypkg.model.build, "specs/model.eqshard.json", mypkg.model.loss,
-                      mypkg.model.batch, devices=(1, 2, 8), optimizer=mypkg.model.optimizer)
+    assert_equivalent(mypkg.model.build, SPEC, mypkg.model.loss, mypkg.model.batch,
+                      devices=(1, 2, 8), optimizer=mypkg.model.optimizer)
 
 def test_spec_layouts():
-    assert_layouts(mypkg.model.build, "specs/model.eqshard.json",
+    assert_layouts(mypkg.model.build, SPEC,
                    golden="tests/golden/model.json", devices=(8, 64))
 ```
 
-Each device count runs in a process of its own, with that many simulated CPU
-devices, so this module starts no JAX backend in the test process. The pytest
-plugin (registered on install; `-p no:eqshard` turns it off) adds
-`--eqshard-update`, which rewrites golden files.
+Each device count runs in a process of its own, with that many simulated CPU devices. So
+this module starts no JAX backend in the test process. The pytest plugin is registered
+on install; `-p no:eqshard` turns it off. It adds `--eqshard-update`, which rewrites
+golden files.
 """
 
 from ._equivalence import (

@@ -50,51 +50,70 @@ def assert_layouts(
     mesh: Mapping[str, int | str] | None = None,
     timeout: float = TIMEOUT_SECONDS,
 ) -> None:
-    """Asserts that every leaf's layout, on each device count, is the one a golden
-    file in the user's repository records.
+    """Asserts that every leaf's layout, on each device count, is the one a golden file
+    in the user's repository records.
 
     **Example:**
 
     ```python
+    from pathlib import Path
     from eqshard.testing import assert_layouts
 
     def test_spec_layouts():
-        assert_layouts(mypkg.model.build, "specs/model.eqshard.json",
+        assert_layouts(mypkg.model.build, Path("specs/model.eqshard.json"),
                        golden="tests/golden/model.json", devices=(8, 64))
     ```
-
-    `pytest --eqshard-update` (or `EQSHARD_UPDATE=1`) writes the file instead of
-    comparing: run it once to create it, and again when a change is intended; the
-    file's diff then shows what changed. The model is only built abstractly, once,
-    in a fresh process, and laid out on each count without devices (an abstract
-    mesh), so a count may be 65,536.
 
     **Arguments:**
 
     - `build`: `build()` returns the model, or a stateful model and its state
         (`eqx.nn.make_with_state(Net)(key)`), importable by name (as for
-        `assert_equivalent`). A state's leaves are recorded under the names of
-        their layers (`bn.batch_state_index.0`).
+        `assert_equivalent`).
     - `spec`: as for `assert_equivalent`.
-    - `golden`: the golden file (JSON): for each count, the mesh, and each leaf's
-        expression, `PartitionSpec`, shape, dtype and bytes per device; its memory
-        kind where it is not the device's (`"memory": "pinned_host"`); for a leaf
-        FSDP replicated, the origin that says why; and, where the spec's optimizer
-        section lays the leaf's optimizer state out otherwise than the leaf (ZeRO-1,
-        moments in host memory), that layout (`"optimizer"`: its expression,
-        `PartitionSpec`, bytes per device, memory kind). A state that follows its
-        parameter records nothing: the parameter's layout is its own.
+    - `golden`: the golden file (JSON); see "What a golden file records".
     - `devices`, `mesh`, `timeout`: as for `assert_equivalent`.
 
     **Raises:**
 
-    `AssertionError` listing, for each count, the leaves whose layout changed (each
-    field, golden -> now: a weight moved into or out of host memory, an optimizer
-    state split where it followed its parameter), the leaves added and the leaves
-    gone; or saying that the golden file is missing, or that it was written before
-    golden files recorded memory kinds and optimizer states (version 1) while the
-    spec now has them. `eqshard.EqshardError` when the golden file is not one, and
-    for bad arguments.
+    - `AssertionError`: a leaf's layout changed, a leaf was added or is gone, or the
+        golden file is missing or too old (see "Failures").
+    - `eqshard.EqshardError`: the golden file is not one, or an argument is bad.
+
+    !!! info "Updating"
+
+        `pytest --eqshard-update` (or `EQSHARD_UPDATE=1`) writes the file instead of
+        comparing. Run it once to create it, and again when a change is intended. The
+        file's diff then shows what changed.
+
+    !!! info "No devices"
+
+        The model is only built abstractly, once, in a fresh process. It is laid out on
+        each count without devices (an abstract mesh), so a count may be 65,536.
+
+    !!! info "What a golden file records"
+
+        For each count, the file records the mesh, and each leaf's expression,
+        `PartitionSpec`, shape, dtype and bytes per device. It also records:
+
+        - the leaf's memory kind, where it is not the device's
+            (`"memory": "pinned_host"`);
+        - for a leaf FSDP replicated, the origin that says why;
+        - the optimizer state's layout (`"optimizer"`: its expression, `PartitionSpec`,
+            bytes per device, memory kind), where the spec's optimizer section lays it
+            out otherwise than the leaf (ZeRO-1, moments in host memory).
+
+        A state that follows its parameter records nothing: the parameter's layout is
+        its own. A stateful model's state leaves are recorded under the names of their
+        layers (`bn.batch_state_index.0`).
+
+    !!! info "Failures"
+
+        The `AssertionError` lists, for each count, the leaves whose layout changed:
+        each field, golden -> now. A weight may have moved into or out of host memory,
+        or an optimizer state may be split where it followed its parameter. It lists the
+        leaves added and the leaves gone. It may instead say that the golden file is
+        missing. Or it says that the file was written before golden files recorded
+        memory kinds and optimizer states (version 1), while the spec now has them.
     """
     template = mesh_template(mesh)
     counts = device_counts(devices, spec, template)

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import EqshardError, ModelError, whole_number
+from .._process._usercode import with_user_frames
 from .._process._workers import Worker, start_worker, without_device_count, worker_answer
 from .._specfile._model import Rules
 from .._specfile._read import read_path
@@ -107,8 +108,9 @@ def _result(worker: Worker, what: str, timeout: float) -> Any:
         ]
     except EqshardError:
         raise
-    except Exception as error:  # the user's code raised, in the worker
-        raise ModelError(f"{what}: {type(error).__name__}: {error}") from None
+    except Exception as error:  # the user's code raised, in the worker: kept as the cause
+        failed = ModelError(f"{what}: {type(error).__name__}: {error}")
+        raise with_user_frames(failed, error) from error
 
 
 def run_per_count(
