@@ -1,5 +1,5 @@
 """A stateful model (a convolution, a BatchNorm, a head) and its training steps, in
-Equinox's style, for `tests/test_stateful_cost.py`: imported there, and named by
+Equinox's style, for `tests/test_nn_state_cost.py`: imported there, and named by
 file for `eqshard check --model/--step/--batch/--optimizer`."""
 
 import equinox as eqx

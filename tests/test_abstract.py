@@ -194,6 +194,7 @@ def test_a_llama_shaped_model_on_65536_devices():
     assert abstract.layers.up.weight.sharding.shard_shape((LAYERS, HIDDEN, DIM)) == (32, 896, 1)
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 def test_check_on_65536_devices_from_the_command_line(run_python, tmp_path):
     spec = tmp_path / "llama.eqshard.json"
     spec.write_text(json.dumps(LLAMA_SPEC))

@@ -363,6 +363,7 @@ def _gpt_spec(folder, **dims):
     return path
 
 
+@pytest.mark.slow  # trains sharded and unsharded and compares
 def test_whole_logits_train_as_unsharded_and_gather_in_the_compiled_step(gpt, tmp_path):
     result = gpt["main"](steps=2, spec=_gpt_spec(tmp_path, vocab=None))
     np.testing.assert_allclose(result["losses"], result["reference"], rtol=1e-5)
@@ -371,6 +372,7 @@ def test_whole_logits_train_as_unsharded_and_gather_in_the_compiled_step(gpt, tm
     assert result["collectives"]["all-gather"] >= 1
 
 
+@pytest.mark.slow  # compiles the GPT's step under each rule set
 def test_cost_sees_the_names_of_a_spec_files_rules(gpt):
     model = eqx.filter_eval_shape(gpt["build"])
     optimizer = gpt["optimizer"]()
@@ -395,6 +397,7 @@ def test_cost_sees_the_names_of_a_spec_files_rules(gpt):
     assert ("all-gather", ("model",)) not in names_unused
 
 
+@pytest.mark.slow  # `check --step` compiles the stacked GPT's step, twice
 def test_check_step_sees_the_names(run_cli, tmp_path):
     module = str(EXAMPLES / "gpt_stacked.py")
     step = ["--model", f"{module}:build", "--step", f"{module}:step"]

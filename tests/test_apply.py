@@ -240,6 +240,7 @@ print(json.dumps({"mesh": plan.mesh is None, "same": same, "meshes": len({s.mesh
 """
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 def test_no_shared_mesh_on_12_devices_falls_back_to_one_mesh_per_expression(run_python):
     result = run_python(["-c", _TWELVE])
     assert result.returncode == 0, result.stderr
@@ -401,3 +402,75 @@ def test_a_count_across_processes_is_every_device(monkeypatch):
         r"pass them all \(`devices=8`\), a list of devices, or a `jax.sharding.Mesh`$",
     ):
         eqshard.apply({"w": jnp.ones((8, 4))}, "a b -> a* b", devices=4)
+
+
+# --------------------------------------------------------------------------- #
+# Placing never changes a value, never aliases a mutable input, and reports
+# every fault of every kind at once.
+# --------------------------------------------------------------------------- #
+
+BIG = 2**40 + 1
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.float64, np.complex128])
+def test_64_bit_numpy_is_refused_everywhere_it_could_be_cast(dtype):
+    x = np.array([BIG, 3] * 4, dtype)
+    held = {np.int64: "int32", np.float64: "float32", np.complex128: "complex64"}[dtype]
+    for place in (
+        lambda: eqshard.shard(x, "a -> a*"),
+        lambda: eqshard.constrain(x, "a -> a*"),
+        lambda: eqshard.constrain({"x": x}, {"x": "a -> a*"}),
+        lambda: eqshard.apply({"x": x}, {"x": "a -> a*"}),
+    ):
+        with pytest.raises(eqshard.EqshardError, match=rf"cast it \(`x.astype\(np.{held}\)`\)"):
+            place()
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (256, 256)])
+def test_placed_values_never_alias_a_writeable_numpy_input(shape):
+    x = np.zeros(shape, np.float32)
+    placed = [
+        eqshard.shard(x, "a b -> a* b"),
+        eqshard.shard(x, "a b -> * a b"),
+        eqshard.apply({"x": x}, {"x": "a b -> a b*"})["x"],
+        eqshard.constrain({"x": x}, {"x": "a b -> a* b"})["x"],
+        eqshard.apply({"x": x}, {"x": "a b -> 8 a b"}, devices=jax.devices()[:8])["x"],
+    ]
+    x[0, 0], x[-1, -1] = 5, 7  # the user writes into their array afterwards
+    for y in placed:
+        np.testing.assert_array_equal(np.asarray(y), np.zeros(shape, np.float32))
+
+
+def test_constrain_with_a_plan_for_other_shapes_names_the_leaf():
+    model = eqx.nn.MLP(4, 4, 16, 1, key=jax.random.key(0))
+    other = eqx.tree_at(
+        lambda m: (m.layers[0].weight, m.layers[0].bias, m.layers[1].weight),
+        model,
+        (jnp.ones((8, 4)), jnp.ones(8), jnp.ones((4, 8))),
+    )
+    p = eqshard.plan(model, "... -> * ...")
+    with pytest.raises(SpecError) as info:
+        eqshard.constrain(other, p)
+    assert [str(problem) for problem in info.value.problems] == [
+        "layers.0.weight (Linear.weight): the plan was made for shape (16, 4), and this leaf "
+        "has (8, 4); make the plan from this model",
+        "layers.0.bias (Linear.bias): the plan was made for shape (16,), and this leaf has "
+        "(8,); make the plan from this model",
+        "layers.1.weight (Linear.weight): the plan was made for shape (4, 16), and this leaf "
+        "has (4, 8); make the plan from this model",
+    ]
+    with pytest.raises(SpecError, match="the plan was made for shape"):
+        eqx.filter_jit(lambda m: eqshard.constrain(m, p))(other)
+
+
+def test_parse_layout_and_placement_faults_are_reported_together():
+    tree = {
+        "bad_text": jnp.ones(8),
+        "does_not_fit": jnp.ones(6),
+        "int64": np.ones(8, np.int64),
+        "fine": jnp.ones(8),
+    }
+    spec = {"bad_text": "a -> a0", "does_not_fit": "a -> a*", "int64": "a -> a*", "fine": "a -> a*"}
+    with pytest.raises(SpecError) as info:
+        eqshard.apply(tree, spec)
+    assert [p.where for p in info.value.problems] == ["bad_text", "does_not_fit", "int64"]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from state_oracle import blocks
+from optimizer_state_oracle import blocks
 
 import eqshard
 from eqshard import SpecError

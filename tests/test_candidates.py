@@ -18,7 +18,7 @@ import optax
 import pytest
 import stateful_cost_model
 from jaxtyping import Array, Float
-from state_oracle import blocks
+from optimizer_state_oracle import blocks
 
 import eqshard
 from eqshard._cli import _demo, _demo_model

@@ -8,6 +8,8 @@ Each test runs `python -m eqshard check` in a subprocess (about 2 s);
 import json
 from pathlib import Path
 
+import pytest
+
 from eqshard._cli._check import CheckResult, check
 from eqshard._process._usercode import abstract_model
 from eqshard._specfile._read import load
@@ -47,6 +49,7 @@ def _check(run_python, *args):
     return run_python(["-m", "eqshard", "check", *map(str, args), "--format", "json"])
 
 
+@pytest.mark.slow  # `python -m eqshard check` in a fresh interpreter, then its worker
 def test_a_model_that_sets_its_own_device_count(run_python, tmp_path):
     (tmp_path / "helper_mod.py").write_text("width = 32\n")
     model = tmp_path / "own_count.py"
@@ -67,6 +70,7 @@ def test_a_model_that_sets_its_own_device_count(run_python, tmp_path):
         assert leaves["b"]["partition_spec"] == "P()"
 
 
+@pytest.mark.slow  # `python -m eqshard check` in a fresh interpreter, then its worker
 def test_a_model_that_fails_exits_2_with_one_document(run_python, tmp_path):
     model = tmp_path / "failing.py"
     model.write_text(FAILING)
@@ -81,6 +85,7 @@ def test_a_model_that_fails_exits_2_with_one_document(run_python, tmp_path):
     assert "a model that talks on stdout" in result.stderr
 
 
+@pytest.mark.slow  # `python -m eqshard check` in a fresh interpreter, then its worker
 def test_in_process_and_in_processes_agree(run_cli, run_python):
     args = ["check", EXAMPLE, "--model", MODEL, "--devices", "2", "6", "8", "--format", "json"]
     here = run_cli(*args)

@@ -191,6 +191,7 @@ def test_restore_every_dtype_bit_for_bit_into_shards(tmp_path):
     assert {name for name in newer if hasattr(jnp, name)} <= set(names)
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 def test_restore_every_64_bit_dtype_under_x64_and_refuse_it_in_32_bit_mode(tmp_path, run_python):
     # `-c`, so that the process imports the eqshard this one does, from the working directory
     run = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -281,9 +282,10 @@ _PAIR_SPEC = eqshard.load(
 )
 
 
+@pytest.mark.slow  # Orbax saves and restores, per dtype
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_readme_recipes_keep_every_planned_layout(tmp_path, dtype):
-    from state_oracle import expected_shardings
+    from optimizer_state_oracle import expected_shardings
 
     optimizer = optax.adamw(1e-3)
 
@@ -358,7 +360,7 @@ def _cached_state(build):
 
 @pytest.mark.parametrize("plan_from", ["like's model", "another build"])
 def test_restore_lays_out_the_moments_of_another_build(tmp_path, plan_from):
-    from state_oracle import blocks
+    from optimizer_state_oracle import blocks
 
     model = _Cached()
     plan = eqshard.plan(model, RULES)

@@ -127,6 +127,7 @@ def test_python_m_eqshard_bad_usage_exits_2_without_traceback(run_python):
     )
 
 
+@pytest.mark.slow  # the demo: trains a strategy
 def test_demo_trains_a_strategy_from_its_spec_file(run_python, tmp_path):
     """`python -m eqshard demo` as a user runs it, from another directory: it finds
     its spec files, trains FSDP on 4 simulated devices and prints the table."""

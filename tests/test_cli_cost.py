@@ -7,6 +7,7 @@ command line as a user does, each device count in a worker process.
 import contextlib
 import io
 import json
+import re
 
 import equinox as eqx
 import jax
@@ -241,14 +242,17 @@ def test_cost_names_a_step_that_raises_a_base_exception():
     def exits(model, x):
         raise SystemExit(3)
 
-    with pytest.raises(
-        eqshard.EqshardError,
-        match=r"cannot trace and compile the step .*exits .* it raised SystemExit: 3$",
-    ) as caught:
+    with pytest.raises(eqshard.EqshardError) as caught:
         eqshard.cost(model, jnp.zeros((8, 4)), step=exits, spec="... -> * ...")
+    # the message itself; a note may name the user's frames below it
+    assert re.search(
+        r"cannot trace and compile the step .*exits .* it raised SystemExit: 3$",
+        str(caught.value),
+    )
     assert isinstance(caught.value.__cause__, SystemExit)
 
 
+@pytest.mark.slow  # `python -m eqshard check --step` in a fresh interpreter
 def test_worker_processes_carry_the_cost(run_python, files, report):
     specs, module = files
     command = ["-m", "eqshard", "check", specs[0], *_step_args(module)]

@@ -103,6 +103,7 @@ def test_expressions_that_give_every_device_the_same_blocks_are_no_change(run_cl
     ]
 
 
+@pytest.mark.slow  # compiles the step under both specs
 def test_with_a_step_it_shows_the_change_in_memory_and_communication(run_cli, tmp_path):
     data = [["data", "*"]]
     a = _write(tmp_path, "a.json", {"eqshard": 1, "mesh": data})
@@ -176,6 +177,7 @@ def test_the_library_refuses_arguments_without_a_step():
         diff(object(), str(MEGATRON), str(TWO_D), object())
 
 
+@pytest.mark.slow  # `python -m eqshard diff --step` in a fresh interpreter
 def test_the_command_line_diffs_in_a_worker_of_its_own(run_python, tmp_path):
     data = [["data", "*"]]
     a = _write(tmp_path, "a.json", {"eqshard": 1, "mesh": data})

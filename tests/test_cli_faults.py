@@ -3,6 +3,7 @@
 Each test here failed before the fix it guards. The README's promises point here.
 """
 
+import asyncio
 import io
 import json
 import os
@@ -10,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import pytest
 
+from eqshard import EqshardError
 from eqshard._cli._main import main
+from eqshard._process._usercode import abstract_model
 
 VALID = json.dumps({"eqshard": 1, "rules": [{"path": "**.w", "expr": "a -> a*"}]})
 INVALID = json.dumps({"eqshard": 1, "rules": [{"path": "**.w", "expr": "a -> b"}]})
@@ -158,3 +162,75 @@ def test_device_counts_are_capped_and_ascii(run_cli, args, message):
     result = run_cli(*args)
     assert result.code == 2
     assert message in result.err
+
+
+def test_cli_survives_unprintable_text_and_odd_models(run_cli, tmp_path):
+    spec = tmp_path / "s.eqshard.json"
+    spec.write_text('{"eqshard": 1, "rules": [{"path": "w", "expr": "\\ud800 -> a"}]}')
+    result = run_cli("validate", spec)
+    assert result.code == 1
+    assert "\\ud800" in result.out  # the lone surrogate, escaped rather than fatal
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(0)\n")
+    ok = tmp_path / "ok.json"
+    ok.write_text('{"eqshard": 1}')
+    for model, message in [
+        (f"{exits}:build", "raised SystemExit"),
+        ("builtins:print", "holds no arrays"),
+    ]:
+        result = run_cli("check", ok, "--model", model)
+        assert result.code == 2, result.out
+        assert message in result.err
+    json_py = tmp_path / "json.py"
+    json_py.write_text("import jax.numpy as jnp\ndef build():\n    return {'w': jnp.ones(8)}\n")
+    result = run_cli("check", ok, "--model", f"{json_py}:build", "--format", "json")
+    assert result.code == 0, result.err
+    assert [leaf["path"] for leaf in json.loads(result.out)["checks"][0]["leaves"]] == ["w"]
+    result = run_cli("show", "a -> a*", "--shape", "8", "--devices", "99999999")
+    assert result.code == 2
+    assert "more than 4096 simulated devices" in result.err
+
+
+# --------------------------------------------------------------------------- #
+# The model a `--model MODULE:CALLABLE` names, as check loads it.
+# --------------------------------------------------------------------------- #
+
+MODEL_FILE = """
+import asyncio
+import equinox as eqx
+import jax
+
+print("the model file talks")
+
+def build():
+    print("so does build")
+    return eqx.nn.Linear(4, 4, key=jax.random.key(0))
+
+def cancelled():
+    raise asyncio.CancelledError("stop")
+
+def exits():
+    raise GeneratorExit("done")
+"""
+
+
+def test_check_models_that_print_or_raise_base_exceptions(tmp_path: Path, capsys):
+    path = tmp_path / "model_file.py"
+    path.write_text(MODEL_FILE)
+    model = abstract_model(f"{path}:build")
+    assert isinstance(model, eqx.nn.Linear)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "the model file talks" in captured.err
+    assert str(tmp_path) in sys.path  # its sibling modules import
+    for name, raised in [("cancelled", "CancelledError: stop"), ("exits", "GeneratorExit: done")]:
+        with pytest.raises(EqshardError, match=f"{name}\\(\\) raised {raised}"):
+            abstract_model(f"{path}:{name}")
+    assert issubclass(asyncio.CancelledError, BaseException)
+
+
+def test_check_names_a_model_file_that_is_not_python(tmp_path: Path):
+    text = tmp_path / "model.txt"
+    text.write_text("build = None")
+    with pytest.raises(EqshardError, match=r"'.*model\.txt' is not a Python file"):
+        abstract_model(f"{text}:build")

@@ -419,6 +419,7 @@ def test_pre_commit_hook_is_declared():
     assert r"files: \.eqshard\.json$" in text
 
 
+@pytest.mark.slow  # runs the example training script
 def test_training_script_applies_the_example_spec(capsys):
     runpy.run_path(str(ROOT / "examples" / "transformer.py"), run_name="__main__")
     out = capsys.readouterr().out

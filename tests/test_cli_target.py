@@ -233,6 +233,7 @@ def test_a_target_without_libtpu_exits_2_with_the_install_hint(run_cli, files, m
     )
 
 
+@pytest.mark.slow  # compiles for a TPU slice, several, in a worker
 @needs_libtpu
 def test_several_slices_in_one_worker(run_python, files):
     spec, module, _ = files
@@ -266,6 +267,7 @@ def demo_specs(tmp_path_factory):
     return str(shipped), str(without)
 
 
+@pytest.mark.slow  # compiles for a TPU slice, twice
 def test_a_whole_batch_spares_megatron_the_gathers_a_split_batch_costs(run_cli, files, demo_specs):
     _, _, demo = files
     shipped, without = demo_specs

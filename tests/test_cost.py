@@ -92,6 +92,7 @@ def test_two_dimensional_communicates_over_both_axes():
         c.estimate("a100")
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_more_devices_than_the_process_has_compile_in_a_process_of_their_own():
     c = _cost_on(16)
     assert c.devices == 16
@@ -180,6 +181,7 @@ ENTRY %main (a: f32[4]) -> f32[4] {
     ]
 
 
+@pytest.mark.slow  # compiles the stacked GPT's step
 def test_the_stacked_gpt_counts_its_scanned_collectives_per_layer():
     import runpy
     from pathlib import Path
@@ -247,6 +249,7 @@ def _placed(x, spec):
     return jax.device_put(x, NamedSharding(p.mesh, spec))
 
 
+@pytest.mark.slow  # compiles the step per batch layout
 def test_a_batch_placed_on_the_plans_devices_keeps_its_sharding():
     x = jnp.arange(64 * 256, dtype=jnp.float32).reshape(64, 256)
     split = _split()  # the default
@@ -261,6 +264,7 @@ def test_a_batch_placed_on_the_plans_devices_keeps_its_sharding():
     assert (given.bytes_by_axes(), given.batch) == (split, "b ... -> b* ...")
 
 
+@pytest.mark.slow  # compiles the step per batch layout
 def test_a_batch_on_one_device_or_on_other_devices_is_laid_out_by_the_default():
     split = _split()
     on_one = jnp.zeros((64, 256))  # on jax.devices()[0]

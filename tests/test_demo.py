@@ -49,6 +49,7 @@ def _spec(leaf):
     return P(*spec, *[None] * (leaf.ndim - len(spec)))
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 @pytest.mark.parametrize("name", _demo.STRATEGIES)
 def test_each_strategy_trains_to_the_unsharded_losses(outcomes, reference, name):
     outcome = outcomes[name]
@@ -66,6 +67,7 @@ def test_each_strategy_trains_to_the_unsharded_losses(outcomes, reference, name)
         assert rms < _demo_model.LEARNING_RATE / 100
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 def test_a_different_loss_does_not_agree(outcomes, reference):
     outcome = outcomes["fsdp"]
     off = dataclasses.replace(outcome, losses=(outcome.losses[0], outcome.losses[1] * 1.0001))
@@ -73,6 +75,7 @@ def test_a_different_loss_does_not_agree(outcomes, reference):
     assert not dataclasses.replace(outcome, losses=outcome.losses[:1]).agrees(reference)
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 def test_fsdp_holds_an_eighth_of_what_data_parallel_holds(outcomes, reference):
     dp, fsdp = outcomes["data-parallel"].cost, outcomes["fsdp"].cost
     assert dp is not None
@@ -85,6 +88,7 @@ def test_fsdp_holds_an_eighth_of_what_data_parallel_holds(outcomes, reference):
     assert (fsdp.memory.optimizer - 4) * 8 == 2 * whole
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 def test_data_parallel_replicates_everything_and_splits_the_batch(outcomes):
     outcome = outcomes["data-parallel"]
     assert outcome.batch == "b ... -> b8 ..."
@@ -96,6 +100,7 @@ def test_data_parallel_replicates_everything_and_splits_the_batch(outcomes):
     }
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 def test_fsdp_splits_every_leaf_and_its_moments_over_data(outcomes):
     outcome = outcomes["fsdp"]
     assert outcome.batch == "b ... -> b8 ..."
@@ -116,6 +121,7 @@ def test_fsdp_splits_every_leaf_and_its_moments_over_data(outcomes):
         )
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 def test_zero_1_replicates_the_parameters_and_splits_the_moments(outcomes, reference):
     outcome, dp = outcomes["zero-1"], outcomes["data-parallel"]
     assert outcome.cost is not None
@@ -146,6 +152,7 @@ def test_zero_1_replicates_the_parameters_and_splits_the_moments(outcomes, refer
     assert ("all-gather", ("data",)) not in _demo.per_step(dp.cost)
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 def test_megatron_splits_heads_units_and_vocabulary_over_model(outcomes):
     outcome = outcomes["megatron"]
     model, mesh = outcome.model, outcome.plan.mesh
@@ -170,6 +177,7 @@ def test_megatron_splits_heads_units_and_vocabulary_over_model(outcomes):
     assert {axes for _, axes in _demo.per_step(outcome.cost)} == {("model",)}
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 def test_2d_splits_over_model_and_copies_over_data(outcomes):
     outcome = outcomes["2d"]
     mesh = outcome.plan.mesh
@@ -193,6 +201,7 @@ def test_a_spec_that_does_not_fit_is_named(devices):
     assert _demo.fits(_demo.spec_path("megatron"), devices[:4]).mesh is not None
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 def test_the_table_and_the_json_report_every_strategy(outcomes, reference, devices):
     ordered = list(outcomes.values())
     console = Console(file=io.StringIO(), width=250)

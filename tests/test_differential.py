@@ -28,8 +28,13 @@ HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 TARGETS = ("v5e:2x4", "v5p:2x2x2")  # XLA:TPU for 8 devices of two generations
 COMPILERS = [
     None,
-    *(pytest.param(t, marks=pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu")) for t in TARGETS),
-]
+    *(
+        pytest.param(
+            t, marks=[pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu"), pytest.mark.slow]
+        )
+        for t in TARGETS
+    ),
+]  # the TPU compiles are slow: `-m "not slow"` keeps XLA:CPU's column
 
 
 def _mlp() -> Any:
@@ -218,7 +223,12 @@ CELLS = [
 
 
 @pytest.mark.parametrize("target", COMPILERS)
-@pytest.mark.parametrize(("model_name", "strategy"), CELLS)
+@pytest.mark.parametrize(
+    ("model_name", "strategy"),
+    [  # `-m "not slow"` keeps the MLP's row
+        pytest.param(*cell, marks=() if cell[0] == "MLP" else pytest.mark.slow) for cell in CELLS
+    ],
+)
 def test_each_cell_agrees_with_the_compiler_and_the_hand_count(model_name, strategy, target):
     cell = _cell(model_name, strategy, target)
     c = cell["cost"]

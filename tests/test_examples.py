@@ -20,6 +20,7 @@ def gpt_stacked() -> dict[str, Any]:
     return runpy.run_path(str(EXAMPLES / "gpt_stacked.py"), run_name="not_main")
 
 
+@pytest.mark.slow  # trains sharded and unsharded and compares
 def test_gpt_stacked_trains_sharded_as_unsharded(gpt_stacked):
     result = gpt_stacked["main"](steps=2)
     assert len(result["losses"]) == len(result["reference"]) == 2
@@ -34,6 +35,7 @@ def test_gpt_spec_file_is_valid(run_cli):
     assert "ok" in result.out
 
 
+@pytest.mark.slow  # compiles the stacked GPT's step
 def test_the_cost_of_the_stacked_gpt_is_what_megatron_implies(gpt_stacked):
     ns = gpt_stacked
     model = eqx.filter_eval_shape(ns["build"])

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqshard
-from eqshard import Element, EqshardError, ExpressionError
+from eqshard import Element, EqshardError, Expression, ExpressionError, SpecError
 
 # (text, lhs, rhs) with rhs written as (name, count, star) or ... for '...'.
 VALID = [
@@ -222,6 +222,31 @@ def test_caret_counts_wide_characters():
     assert str(info.value).split("\n")[2] == " " * (4 + 11) + "^"  # each 軸 takes two columns
 
 
+def test_the_caret_lines_up_under_tabs_and_hides_control_characters():
+    with pytest.raises(ExpressionError) as info:
+        eqshard.parse("a\tb -> a\x1b[2K c")
+    lines = str(info.value).split("\n")
+    assert lines[1] == "    a b -> a\ufffd[2K c"
+    assert "\x1b" not in str(info.value)
+
+
+def test_counts_of_thousands_of_digits_are_expression_errors():
+    with pytest.raises(ExpressionError, match="a count of 5000 digits is more devices"):
+        eqshard.parse("a -> a" + "9" * 5000)
+    with pytest.raises(SpecError) as info:
+        eqshard.load(
+            {
+                "eqshard": 1,
+                "rules": [{"path": "w", "expr": "a -> a" + "9" * 5000}],
+                "dims": {"mlp": "9" * 5000 + "*"},
+            }
+        )
+    assert [p.where for p in info.value.problems] == [
+        "<mapping>::$.dims.mlp",
+        "<mapping>::$.rules[0].expr",
+    ]
+
+
 def test_non_string_is_an_eqshard_error():
     with pytest.raises(
         EqshardError, match=re.escape("must be a string such as 'x y -> x y*', not int: 3")
@@ -314,3 +339,22 @@ def test_unpickled_expressions_hash_afresh_in_another_process(run_python, tmp_pa
 def test_elements_refuse_bad_counts():
     with pytest.raises(EqshardError, match="an element's count is a whole number from 1, not 0"):
         Element("a", 0)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: Expression(("a",), ()),
+        lambda: Expression(("a",), (Element("b", 8),)),
+        lambda: Expression(("a",), (Element("a", 8), ...)),
+    ],
+    ids=["no right side", "a name on one side only", "'...' on one side only"],
+)
+def test_hand_built_expressions_are_validated(build):
+    with pytest.raises(EqshardError, match="is not a valid einshard expression"):
+        build()
+
+
+def test_hand_built_expressions_that_are_valid_are_accepted():
+    expr = Expression(("a", "b"), (Element("a", 2, True), Element("b")))
+    assert expr == eqshard.parse("a b -> a2* b")

@@ -263,6 +263,7 @@ def test_default_fsdp_reproduces_the_demos_fsdp_strategy():
     assert all(row.origin == "default (fsdp)" for row in ours)
 
 
+@pytest.mark.slow  # `assert_layouts` lays out in a worker process
 def test_the_harness_records_which_leaves_fsdp_replicated(tmp_path, monkeypatch):
     assert pickle.loads(pickle.dumps(eqshard.FSDP)) is eqshard.FSDP
     assert repr(eqshard.FSDP) == "eqshard.FSDP"

@@ -43,6 +43,7 @@ def _failure(tmp_path, spec, golden):
     return str(caught.value)
 
 
+@pytest.mark.slow  # golden files across counts
 @needs_host_memory
 def test_a_weight_moved_into_or_out_of_host_memory_names_the_leaf(tmp_path, monkeypatch):
     golden = tmp_path / "mlp.json"
@@ -71,6 +72,7 @@ def test_a_weight_moved_into_or_out_of_host_memory_names_the_leaf(tmp_path, monk
     assert text.endswith("  ~ layers.0.weight\n      memory: 'pinned_host' -> 'device'")
 
 
+@pytest.mark.slow  # golden files across counts
 def test_data_parallel_becoming_zero_1_names_each_split_state(tmp_path, monkeypatch):
     golden = tmp_path / "mlp.json"
     recorded = _update(tmp_path, DATA_PARALLEL, golden, monkeypatch)
@@ -105,6 +107,7 @@ def test_data_parallel_becoming_zero_1_names_each_split_state(tmp_path, monkeypa
     )
 
 
+@pytest.mark.slow  # golden files across counts
 def test_a_version_1_golden_file_fails_where_it_cannot_tell(tmp_path, monkeypatch):
     golden = tmp_path / "mlp.json"
     recorded = _update(tmp_path, DATA_PARALLEL, golden, monkeypatch)
@@ -131,6 +134,7 @@ def test_a_version_1_golden_file_fails_where_it_cannot_tell(tmp_path, monkeypatc
     assert "  ~ layers.0.weight\n      expression: '... -> * ...' -> 'o i -> o i*'\n" in text
 
 
+@pytest.mark.slow  # golden files across counts
 @needs_host_memory
 def test_a_version_1_golden_file_fails_against_host_memory(tmp_path, monkeypatch):
     golden = tmp_path / "mlp.json"

@@ -101,12 +101,17 @@ def _assert_same_bits_and_shards(built, expected, exact=True):
 @pytest.mark.parametrize(
     ("factory", "spec", "grouped"),
     [
-        (functools.partial(Block, jax.random.key(0)), RULES, False),
-        (_stacked, RULES, False),
-        (_cema, "d ... -> d* ...", False),
-        (_cema, "d n ... -> d2 n4 ...", True),
+        pytest.param(functools.partial(Block, jax.random.key(0)), RULES, False, id="block"),
+        pytest.param(_stacked, RULES, False, id="stacked blocks", marks=pytest.mark.slow),
+        pytest.param(_cema, "d ... -> d* ...", False, id="CEMA d8", marks=pytest.mark.slow),
+        pytest.param(
+            _cema,
+            "d n ... -> d2 n4 ...",
+            True,
+            id="CEMA d2 n4, a program a leaf",
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["block", "stacked blocks", "CEMA d8", "CEMA d2 n4, a program a leaf"],
 )
 def test_init_equals_the_one_program_recipe_bit_for_bit(factory, spec, grouped, monkeypatch):
     if grouped:  # every leaf in a program of its own: still the same bits
@@ -144,7 +149,9 @@ class Scaled(eqx.Module):
         self.ids = jax.random.randint(k2, (64, 32), 0, 1000)
 
 
-@pytest.mark.parametrize("spec", ["... -> * ...", "a b -> a2 b4"])
+@pytest.mark.parametrize(
+    "spec", ["... -> * ...", pytest.param("a b -> a2 b4", marks=pytest.mark.slow)]
+)
 def test_init_draws_what_an_eager_build_draws_and_may_round_its_float_maths_otherwise(spec):
     factory = functools.partial(Scaled, jax.random.key(1))
     eager = factory()
@@ -314,11 +321,22 @@ def _spectral(n_in=64, n_out=32):
 @pytest.mark.parametrize(
     ("factory", "spec", "grouped"),
     [
-        (_spectral, "... -> * ...", False),
-        (functools.partial(_spectral, 512, 256), _rule("**.layer.weight", "o i -> o* i"), False),
-        (functools.partial(_spectral, 512, 256), "... -> * ...", True),
+        pytest.param(_spectral, "... -> * ...", False, id="replicated", marks=pytest.mark.slow),
+        pytest.param(
+            functools.partial(_spectral, 512, 256),
+            _rule("**.layer.weight", "o i -> o* i"),
+            False,
+            id="weight split",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            functools.partial(_spectral, 512, 256),
+            "... -> * ...",
+            True,
+            id="a program a leaf",
+            marks=pytest.mark.slow,
+        ),
     ],
-    ids=["replicated", "weight split", "a program a leaf"],
 )
 def test_init_equals_the_recipe_bit_for_bit_for_spectral_norm_state(
     factory, spec, grouped, monkeypatch

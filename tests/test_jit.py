@@ -110,7 +110,13 @@ def _same_blocks(value: jax.Array, target: Any) -> bool:
     return value.sharding.devices_indices_map(shape) == target.devices_indices_map(shape)
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize(
+    "name",
+    [  # `-m "not slow"` trains under data parallel and Megatron only
+        pytest.param(name, marks=() if name in ("data parallel", "megatron") else pytest.mark.slow)
+        for name in SPECS
+    ],
+)
 def test_one_plain_step_trains_equal_under_every_plan(name, tmp_path):
     with jax.default_matmul_precision("highest"):
         model = _model()
@@ -132,6 +138,7 @@ def test_one_plain_step_trains_equal_under_every_plan(name, tmp_path):
     assert got[2].sharding.is_fully_replicated
 
 
+@pytest.mark.slow  # trains under every plan; the test above checks one trace too
 def test_each_plan_traces_the_step_once(tmp_path):
     model = _model()
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
@@ -149,6 +156,7 @@ def test_each_plan_traces_the_step_once(tmp_path):
     assert TRACES == ["plain"]
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 def test_the_old_pattern_traces_once(tmp_path):
     """A regression: `eqshard.constrain(model, plan)` at the end of an
     `eqx.filter_jit` step under `jax.set_mesh` traced twice, as the user context
@@ -223,6 +231,7 @@ def _cost_figures(c: eqshard.Cost) -> tuple[Any, ...]:
     )
 
 
+@pytest.mark.slow  # compiles and costs each strategy's step
 @pytest.mark.parametrize("name", ["zero-1", "fsdp", "megatron"])
 def test_cost_compiles_the_program_that_trains(name, tmp_path):
     """A plain step, the same step ending in `constrain`, and the step under

@@ -203,3 +203,12 @@ def test_layout_takes_text_and_checks_the_shape():
         eqshard.sharding("a -> a*", 8)  # type: ignore[arg-type]
     with pytest.raises(eqshard.EqshardError, match=r"not \(4, -1\)"):
         eqshard.layout("a b -> a b*", (4, -1), 8)
+
+
+@pytest.mark.parametrize(
+    ("count", "message"),
+    [("8", "the device count is a whole number from 1, not '8'"), (8.0, "not 8.0")],
+)
+def test_a_device_count_that_is_not_an_int_is_an_eqshard_error(count, message):
+    with pytest.raises(eqshard.EqshardError, match=message):
+        eqshard.layout("a -> a*", (8,), count)

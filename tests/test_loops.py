@@ -96,6 +96,7 @@ def test_check_says_what_it_cannot_know(run_cli, tmp_path):
     assert "(unknown: the trips of while" in line
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_a_budget_never_passes_on_a_loop_of_unknown_trips():
     import harness_models as m
 

@@ -109,6 +109,7 @@ def _offload_step(optimizer, plan, traces):
     return step
 
 
+@pytest.mark.slow  # trains on host and on device and compares
 @needs_host_memory
 def test_the_host_offload_step_equals_the_on_device_one():
     model = _model()
@@ -218,6 +219,7 @@ def test_cost_report_and_check_tell_device_bytes_from_host_bytes():
     assert "it does not fit" in does_not.problems[0].message
 
 
+@pytest.mark.slow  # compiles in worker processes
 @needs_host_memory
 def test_assert_equivalent_passes_on_host_offload():
     import harness_models as m

@@ -211,6 +211,7 @@ def test_a_step_under_set_mesh_of_auto_axes_runs_with_one_trace():
     assert traces.count(True) == 1  # sharded: no retrace after the first step
 
 
+@pytest.mark.slow  # trains on an explicit mesh (test_jit.py's Megatron MLP does too)
 def test_a_data_parallel_step_on_an_explicit_mesh():
     mesh = _mesh(kind=AxisType.Explicit)
     model = eqx.nn.MLP(8, 8, 32, 1, key=jax.random.key(0))

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = Path(__file__).parent / "multiprocess_worker.py"
 
 
@@ -16,6 +18,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # two processes, each starts JAX's distributed runtime and Orbax
 def test_apply_and_orbax_across_two_processes(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}

@@ -136,6 +136,7 @@ def _step(optimizer, plan):
     return step
 
 
+@pytest.mark.slow  # trains sharded and unsharded and compares
 def test_a_sharded_training_step_equals_the_unsharded_one(tmp_path):
     # SGD with momentum: Adam would turn the conv bias's gradient, zero up to the
     # last bits (BatchNorm takes the mean out), into whole steps of noise.

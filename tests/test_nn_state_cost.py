@@ -72,6 +72,7 @@ def test_the_state_is_laid_out_by_the_plan_and_counted_as_state():
     assert costs[0].bytes_by_axes() == costs[1].bytes_by_axes() == costs[2].bytes_by_axes()
 
 
+@pytest.mark.slow  # compiles the step under each spec
 @pytest.mark.parametrize(
     ("spec", "batch", "gathered"),
     [
@@ -199,6 +200,7 @@ def test_check_step_names_the_state_by_its_layers(run_cli, tmp_path):
     assert cost["optimizer"] == _per_device(OPT_STATE, plan)
 
 
+@pytest.mark.slow  # `check --step` compiles the step
 def test_check_step_text_shows_the_state(run_cli, tmp_path):
     specs, module = _files(tmp_path)
     result = run_cli("check", *specs, *_step_args(module), "--devices", "8")
@@ -217,6 +219,7 @@ def test_check_step_text_shows_the_state(run_cli, tmp_path):
     assert " 1.6 KiB " in table  # 504 + 129 + 1012 bytes
 
 
+@pytest.mark.slow  # `check --step` compiles the step
 def test_check_step_without_an_optimizer_passes_the_state(run_cli, tmp_path):
     specs, module = _files(tmp_path)
     result = run_cli("check", *specs, *_step_args(module, optimizer=False), "--devices", "8")
@@ -230,6 +233,7 @@ def test_check_step_without_an_optimizer_passes_the_state(run_cli, tmp_path):
     assert " 633 B " in table  # 504 + 129 bytes
 
 
+@pytest.mark.slow  # `python -m eqshard check --step` in a fresh interpreter
 def test_check_step_in_worker_processes(run_python, tmp_path):
     specs, module = _files(tmp_path)
     command = ["-m", "eqshard", "check", specs[0], *_step_args(module), "--format", "json"]

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
-from state_oracle import blocks, expected_shardings, parameters_of
+from optimizer_state_oracle import blocks, expected_shardings, parameters_of
 
 import eqshard
 from eqshard._cli import _check
@@ -359,6 +359,7 @@ def test_check_resolves_the_section_with_the_file():
     ]
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_assert_equivalent_passes_on_zero_1():
     import harness_models as m
 

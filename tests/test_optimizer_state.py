@@ -12,7 +12,7 @@ import optax
 import pytest
 from hypothesis import given, settings, strategies as st
 from jaxtyping import Array, Float
-from state_oracle import blocks, expected_shardings, parameters_of
+from optimizer_state_oracle import blocks, expected_shardings, parameters_of
 
 import eqshard
 from eqshard import SpecError

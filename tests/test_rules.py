@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import signal
 import socket
 import stat
 import threading
@@ -681,3 +682,134 @@ def test_the_first_matching_rule_wins(paths, winner):
         warnings.simplefilter("ignore", UnusedRuleWarning)
         matches, _ = rules.match({"blocks": [{"w": jnp.ones(8)}]})
     assert [(m.path, m.rule_index) for m in matches] == [("blocks.0.w", winner)]
+
+
+# --------------------------------------------------------------------------- #
+# Files under bad input: dump writes whole files that load, or nothing, and load
+# names what it cannot read.
+# --------------------------------------------------------------------------- #
+
+ONE_RULE = {"eqshard": 1, "rules": [{"path": "**.w", "expr": "a -> a*"}]}
+
+
+@pytest.fixture
+def existing(tmp_path: Path) -> Path:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(ONE_RULE))
+    return path
+
+
+def _untouched(path: Path) -> None:
+    assert json.loads(path.read_text()) == ONE_RULE
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
+def test_dump_of_a_lone_surrogate_writes_nothing(existing: Path):
+    rules = eqshard.load({"eqshard": 1, "rules": [{"path": "**.w\udc80", "expr": "a -> a*"}]})
+    with pytest.raises(EqshardError, match=r"not written: .* a lone surrogate"):
+        eqshard.dump(rules, existing)
+    _untouched(existing)
+
+
+def test_dump_is_atomic_when_the_disk_fails(existing: Path, monkeypatch: pytest.MonkeyPatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(EqshardError, match=r"cannot write .*: No space left on device"):
+        eqshard.dump(eqshard.load(ONE_RULE), existing)
+    _untouched(existing)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_dump_refuses_a_fifo_without_hanging(tmp_path: Path):
+    fifo = tmp_path / "spec.json"
+    os.mkfifo(fifo)
+    previous = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("dump hung on a FIFO"))
+    signal.setitimer(signal.ITIMER_REAL, 5.0)
+    try:
+        with pytest.raises(EqshardError, match="is not a regular file"):
+            eqshard.dump(eqshard.load(ONE_RULE), fifo)
+        with pytest.raises(UnreadableError, match="is not a regular file"):
+            eqshard.load(fifo)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_dump_to_a_directory_is_an_eqshard_error(tmp_path: Path):
+    with pytest.raises(EqshardError) as info:
+        eqshard.dump({"w": "a -> a*"}, tmp_path)
+    assert str(info.value) == f"not written: {tmp_path} is not a regular file (a directory or pipe)"
+
+
+@pytest.mark.parametrize(
+    ("spec", "devices", "message"),
+    [
+        (ONE_RULE, 2**21, r"\$\.devices: 2097152 is greater than the maximum of 1048576"),
+        (
+            eqshard.Rules(
+                (
+                    eqshard.Rule("w", eqshard.parse("a -> a*")),
+                    eqshard.Rule("w", eqshard.parse("a -> a2*"), index=1),
+                )
+            ),
+            None,
+            r"\$\.rules\[1\]\.path: this rule can never match: \$\.rules\[0\] has the same path",
+        ),
+    ],
+    ids=["devices over the maximum", "paths that print alike"],
+)
+def test_dump_never_writes_a_file_load_would_reject(existing: Path, spec, devices, message):
+    source = spec if isinstance(spec, eqshard.Rules) else eqshard.load(spec)
+    with pytest.raises(SpecError, match=message):
+        eqshard.dump(source, existing, devices=devices)
+    _untouched(existing)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: eqshard.dump({"w": "a -> a*"}, None), "writes to a path, not NoneType"),  # type: ignore[arg-type]
+        (
+            lambda: eqshard.dump({"w": "a -> a*"}, "x.json", devices=True),
+            "whole number from 1, not True",
+        ),
+    ],
+    ids=["no path", "a bool count"],
+)
+def test_bad_arguments_to_dump_are_eqshard_errors(call, message):
+    with pytest.raises(EqshardError, match=message):
+        call()
+
+
+def test_a_rule_needs_a_path_and_a_path_has_no_nul(tmp_path: Path):
+    with pytest.raises(EqshardError, match=r"`Rule\.path` is a dotted glob"):
+        eqshard.Rule(None, "a -> a*")  # type: ignore[arg-type]
+    with pytest.raises(UnreadableError, match=r"cannot read it: .*embedded null (byte|character)"):
+        eqshard.load(str(tmp_path / "a\0b.json"))
+    with pytest.raises(EqshardError, match=r"cannot write .*embedded null (byte|character)"):
+        eqshard.dump(eqshard.load(ONE_RULE), str(tmp_path / "a\0b.json"))
+
+
+def test_a_byte_order_mark_is_read_as_utf8(tmp_path: Path):
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ONE_RULE).encode())
+    assert eqshard.load(path).rules[0].path == "**.w"
+
+
+def test_a_directory_is_named_once(tmp_path: Path):
+    with pytest.raises(UnreadableError) as info:
+        eqshard.load(tmp_path)
+    assert str(info.value) == (
+        f"unreadable:\n  {tmp_path}: it is not a regular file (a directory, pipe or device)"
+    )
+
+
+def test_file_problems_know_their_file_even_when_its_name_has_double_colons(tmp_path: Path):
+    path = tmp_path / "a::b.json"
+    path.write_text(json.dumps({"eqshard": 1, "rules": [{"path": "w", "expr": "a -> b"}]}))
+    with pytest.raises(SpecError) as info:
+        eqshard.load(path)
+    [problem] = info.value.problems
+    assert (problem.file, problem.json_path) == (str(path), "$.rules[0].expr")

@@ -119,6 +119,46 @@ def test_shard_refuses_tracers_and_non_arrays():
         eqshard.shard([1, 2], "a -> a*")  # type: ignore[arg-type]
 
 
+def test_shard_refuses_abstract_arrays():
+    with pytest.raises(EqshardError, match=r"is abstract \(a jax.ShapeDtypeStruct\)"):
+        eqshard.shard(jax.ShapeDtypeStruct((8,), jnp.float32), "a -> a*")  # pyright: ignore[reportArgumentType]
+
+
+def test_read_only_views_and_jax_arrays_are_placed_with_their_values():
+    base = np.arange(32, dtype=np.float32).reshape(8, 4)
+    x = base.view()
+    x.flags.writeable = False  # read-only, but its base is not
+    y = eqshard.shard(x, "a b -> a* b")
+    base[0, 0] = 100
+    np.testing.assert_array_equal(np.asarray(y), np.arange(32).reshape(8, 4))
+    z = eqshard.shard(jnp.asarray(base), "a b -> a* b")
+    np.testing.assert_array_equal(np.asarray(z), base)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: eqshard.sharding(["a -> a"], (8,)), "must be a string such as"),  # type: ignore[arg-type]
+        (lambda: eqshard.sharding("a -> a*", (8,), devices=8.0), "not float"),  # type: ignore[arg-type]
+        (
+            lambda: eqshard.sharding("a -> a*", (8,), devices=[0, 1]),
+            "holds 0, which is not a JAX device",
+        ),
+        (lambda: eqshard.sharding("a -> a " + "2 " * 33, (8,)), "a JAX mesh has at most 32 axes"),
+    ],
+    ids=["not a string", "a float count", "not devices", "33 mesh axes"],
+)
+def test_bad_arguments_to_sharding_are_eqshard_errors(call, message):
+    with pytest.raises(EqshardError, match=message):
+        call()
+
+
+def test_mesh_devices_are_accepted_in_row_major_order():
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    s = eqshard.sharding("x -> x*", (8,), devices=mesh.devices)
+    assert np.asarray(s.mesh.devices).ravel().tolist() == np.asarray(mesh.devices).ravel().tolist()
+
+
 def test_arrays_on_different_meshes_meet_in_jit():
     # Each expression has its own mesh; they share the device order, so jit accepts them.
     w1 = eqshard.shard(jnp.ones((16, 32)), "x y -> x y*")
@@ -165,6 +205,7 @@ def test_constrain_under_explicit_axes_reshards_onto_that_mesh():
     assert y.sharding == NamedSharding(mesh, P(("data", "model"), None))
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 def test_no_assertions_under_python_O(run_python):
     code = """
 import jax

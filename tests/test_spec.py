@@ -1,4 +1,5 @@
 import re
+import sys
 
 import equinox as eqx
 import jax
@@ -227,3 +228,22 @@ def test_bad_expression_text_in_a_spec_tree_names_the_leaf():
         "a: 'x -> x0': a count of 0 is not allowed; counts start at 1",
         "b: 'x -> y': axis 'y' is on the right but not on the left; add it to the left, or drop its name to replicate instead",
     ]
+
+
+def test_short_forms_survive_an_unresolvable_sibling_annotation():
+    namespace = {"eqx": eqx, "eqshard": eqshard, "Float": Float, "Array": Array}
+    code = (
+        "from __future__ import annotations\n"
+        "class M(eqx.Module):\n"
+        "    other: NotImportedHere\n"
+        "    w: Float[Array, 'x y'] = eqshard.field('x*')\n"
+    )
+    module = type(sys)("eqshard_test_forward_refs")
+    module.__dict__.update(namespace)
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(code, "<test>", "exec"), module.__dict__)
+        model = module.M(jnp.ones(3), jnp.ones((8, 4)))
+        assert str(eqshard.spec_tree(model).w) == "x y -> x* y"
+    finally:
+        del sys.modules[module.__name__]

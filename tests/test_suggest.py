@@ -84,6 +84,7 @@ def _peak(s: Suggestion) -> int:
     return _cost(s).memory.peak
 
 
+@pytest.mark.slow  # ranks the GPT's candidates (the `gpt_ranked` fixture)
 def test_the_limit_rules_data_parallel_out_and_the_rest_rank_by_estimate(gpt_ranked):
     ranked = gpt_ranked
     assert (ranked.limit, ranked.limit_from, ranked.devices) == (BUDGET, "max_memory", 8)
@@ -107,6 +108,7 @@ def test_the_limit_rules_data_parallel_out_and_the_rest_rank_by_estimate(gpt_ran
     assert ranked.best.seconds == ranked.best.cost.estimate("h100").seconds
 
 
+@pytest.mark.slow  # ranks the GPT's candidates (the `gpt_ranked` fixture)
 def test_a_candidate_that_fails_to_compile_is_listed_with_its_error(gpt_ranked):
     failed = gpt_ranked[-1]
     assert failed.candidate is UNMAPPED
@@ -117,6 +119,7 @@ def test_a_candidate_that_fails_to_compile_is_listed_with_its_error(gpt_ranked):
     assert gpt_ranked.dropped == (("data parallel (no dims) (data=8)", failed.error),)
 
 
+@pytest.mark.slow  # ranks the GPT's candidates (the `gpt_ranked` fixture)
 def test_the_table_is_plain_text_with_every_column(gpt_ranked):
     text = str(gpt_ranked)
     assert "\x1b" not in text
@@ -153,6 +156,7 @@ def test_the_table_is_plain_text_with_every_column(gpt_ranked):
     assert "dropped: data parallel (no dims) (data=8): `eqshard.constrain` cannot lay" in notes
 
 
+@pytest.mark.slow  # a suggest ranking, compiles in worker processes
 def test_the_best_rules_written_load_back_to_the_same_layouts_and_check_agrees(
     gpt, gpt_ranked, tmp_path, run_cli
 ):
@@ -210,6 +214,7 @@ def _mlp_candidates() -> list[Candidate]:
     ]
 
 
+@pytest.mark.slow  # a suggest ranking, compiles in worker processes
 def test_workers_and_this_process_give_the_same_costs():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     candidates = _mlp_candidates()
@@ -281,6 +286,7 @@ def _suggest(run_cli, *extra, step="mlp_step"):
     )
 
 
+@pytest.mark.slow  # a suggest ranking, compiles in worker processes
 def test_cli_writes_the_best_and_check_on_it_reports_the_ranking_s_figures(
     run_cli, monkeypatch, tmp_path
 ):
@@ -333,6 +339,7 @@ def test_cli_exits_1_when_nothing_fits_and_writes_nothing(run_cli, monkeypatch, 
     assert not path.exists()
 
 
+@pytest.mark.slow  # a suggest run in a worker process
 def test_cli_exits_2_when_no_candidate_compiles(run_cli, monkeypatch):
     monkeypatch.setattr(
         eqshard._search._candidates, "candidates", _generate(_mlp_candidates()[:1]), False
@@ -380,6 +387,7 @@ def test_cli_bad_input_exits_2_with_the_message(run_cli, args, message):
     assert "Traceback" not in done.err
 
 
+@pytest.mark.slow  # ranks the GPT's candidates (the `gpt_ranked` fixture)
 def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tmp_path):
     from eqshard.testing import assert_equivalent
 
@@ -411,6 +419,7 @@ def test_a_worker_that_dies_fails_its_candidates_and_the_ranking_goes_on():
     assert "nothing fits" in str(ranked)
 
 
+@pytest.mark.slow  # compiles for a TPU slice, in a worker process
 @pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="the TPU compiler comes with libtpu (eqshard[tpu])",
@@ -446,6 +455,7 @@ def test_a_candidate_the_compiler_refuses_for_its_memory_says_so():
     assert "no: the compiler ran out of HBM: HLO temporaries need 154.09G of 95.74G" in str(found)
 
 
+@pytest.mark.slow  # ranks the GPT's candidates (the `gpt_ranked` fixture)
 def test_zero1_is_ranked_by_the_program_that_trains(gpt, gpt_ranked):
     """The stacked GPT's step names no plan; under ZeRO-1 the program that trains
     (`eqshard.jit`'s) gathers every updated parameter whose moments are split:

@@ -68,6 +68,7 @@ def test_a_step_compiled_for_a_tpu_slice_reports_the_tpu_compilers_figures():
     assert c.memory.peak == c.memory.reported_peak != allocated
 
 
+@pytest.mark.slow  # compiles for a TPU slice
 def test_the_users_mesh_is_laid_over_the_slices_devices():
     model, opt_state, x = _arguments()
     cpu_mesh = jax.make_mesh(
@@ -169,6 +170,7 @@ def test_a_grid_no_slice_has_is_refused_before_libtpu_sees_it(target, message, m
         compile_target(target)
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles for a TPU slice
 def test_the_users_environment_is_left_as_it_was():
     """`cost(target=)` sets libtpu's variables while libtpu starts, and leaves the
     environment exactly as it found it: a fresh process, as libtpu starts once."""

@@ -22,6 +22,7 @@ GPT_SPEC = ROOT / "examples" / "specs" / "gpt.eqshard.json"
 MEGATRON = {"eqshard": 1, "rules": [{"path": "layers.*.weight", "expr": "o i -> o i*"}]}
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_the_stacked_gpt_trains_as_unsharded_and_gathers_no_parameter():
     assert_equivalent(
         f"{GPT}:build",
@@ -53,6 +54,7 @@ def test_a_difference_names_the_leaf_the_count_and_the_largest_difference():
     assert "\nthe smallest tolerances that pass every leaf on 8 devices: rtol=" in text
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_over_the_communication_budget_names_the_collectives():
     import harness_models as m
 
@@ -78,6 +80,7 @@ def _golden_project(tmp_path: Path, expr: str) -> None:
     )
 
 
+@pytest.mark.slow  # golden files across counts
 def test_golden_layouts_are_written_then_a_changed_spec_names_the_leaf(tmp_path, monkeypatch):
     import harness_models as m
 
@@ -115,6 +118,7 @@ def test_golden_layouts_are_written_then_a_changed_spec_names_the_leaf(tmp_path,
     assert "      bytes_per_device: 2048 -> 4096" in str(caught.value)
 
 
+@pytest.mark.slow  # `assert_layouts` lays out in a worker process
 def test_golden_layouts_are_written_through_a_symbolic_link(tmp_path, monkeypatch):
     import harness_models as m
 
@@ -176,6 +180,7 @@ def test_bad_arguments_are_refused_before_any_process_starts(tmp_path):
         assert_equivalent(m.build, "x", "harness_models.loss", m.batch)
 
 
+@pytest.mark.slow  # runs pytest on a user's project in a subprocess
 def test_a_user_project_in_ten_lines_with_the_plugin(tmp_path):
     (tmp_path / "mymodel.py").write_text(
         "import equinox as eqx, jax\n\n"
@@ -247,6 +252,7 @@ def test_counts_callables_and_methods_are_taken_as_written():
         callable_reference(functools.partial(m.build), "build")
 
 
+@pytest.mark.slow  # `assert_layouts` lays out in a worker process
 def test_a_suite_that_sets_xla_flags_still_tests_any_count(monkeypatch, tmp_path):
     import harness_models as m
 
@@ -256,6 +262,7 @@ def test_a_suite_that_sets_xla_flags_still_tests_any_count(monkeypatch, tmp_path
     assert '"4": {\n   "mesh": {"m0": 4}' in (tmp_path / "g.json").read_text()
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_a_stateful_model_trains_as_unsharded_on_4_and_8_devices():
     import harness_models as m
 
@@ -270,6 +277,7 @@ def test_a_stateful_model_trains_as_unsharded_on_4_and_8_devices():
     )
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_a_wrong_state_update_is_named_by_its_layer():
     import harness_models as m
 
@@ -293,6 +301,7 @@ def test_a_wrong_state_update_is_named_by_its_layer():
     )
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_a_loss_of_the_wrong_shape_for_the_build_says_which_is_expected():
     import harness_models as m
 
@@ -369,6 +378,7 @@ def test_the_tolerance_message_shows_the_smallest_rtol_and_atol_that_pass():
     )
 
 
+@pytest.mark.slow  # golden files across counts
 def test_golden_layouts_record_a_models_state_under_its_layers(tmp_path, monkeypatch):
     import harness_models as m
 
@@ -400,6 +410,7 @@ def test_golden_layouts_record_a_models_state_under_its_layers(tmp_path, monkeyp
     )
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_a_spec_files_rules_name_the_activations_in_the_workers(tmp_path):
     named = tmp_path / "named.eqshard.json"
     named.write_text(json.dumps({"eqshard": 1, "dims": {"hidden": "*"}}))
@@ -422,6 +433,7 @@ def test_a_spec_files_rules_name_the_activations_in_the_workers(tmp_path):
         )
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_a_spec_files_batch_lays_out_the_batch_and_the_budgets_step(tmp_path):
     import harness_models as m
 

@@ -101,6 +101,7 @@ def _check(run_python, user, *args, env=None):
 # The command line, as a user runs it: the work in worker processes -------------
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 def test_a_build_that_raises_names_the_users_file_and_line(run_python, user):
     result = _check(run_python, user, "--model", f"{user}:build")
     assert result.returncode == 2, result.stderr
@@ -115,6 +116,7 @@ def test_a_build_that_raises_names_the_users_file_and_line(run_python, user):
     assert "site-packages" not in err  # nor of JAX or Equinox
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 def test_a_step_that_raises_in_the_models_call_names_the_users_lines(run_python, user):
     result = _check(
         run_python,
@@ -129,6 +131,7 @@ def test_a_step_that_raises_in_the_models_call_names_the_users_lines(run_python,
     assert PACKAGE not in result.stderr
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 @pytest.mark.parametrize("how", ["--traceback", "EQSHARD_TRACEBACK=1", "after the command"])
 def test_the_whole_traceback_on_request(run_python, user, how):
     args = ["--model", f"{user}:build"]
@@ -152,6 +155,7 @@ def test_the_whole_traceback_on_request(run_python, user, how):
     )
 
 
+@pytest.mark.slow  # a fresh interpreter: imports JAX and compiles
 def test_a_syntax_error_names_the_line_and_its_text(run_python, user):
     user.write_text("def build(:\n    return 1\n")
     result = _check(run_python, user, "--model", f"{user}:build")
@@ -258,8 +262,11 @@ def test_cost_keeps_the_steps_error_as_its_cause(user):
     text = user_frames(raised.value)
     assert text is not None
     _names_the_users_frames(text, user, *STEP_FRAMES)
+    [note] = raised.value.__notes__  # in this process too, the message shows them
+    assert note == text
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_cost_in_a_worker_brings_the_users_frames_back(user):
     module = importlib.import_module("eqshard_traceback_user")
     model, batch = _step_arguments(module)

@@ -105,6 +105,7 @@ def _arrays(model):
     return jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))
 
 
+@pytest.mark.slow  # trains sharded and unsharded and compares
 @pytest.mark.parametrize("activations", [None, "s d -> s d*"])
 def test_sharded_step_matches_unsharded(data, activations):
     tokens, targets = data

@@ -67,6 +67,7 @@ def test_a_plan_for_more_devices_than_this_process_has_says_so():
         eqshard.apply(model, counted)
 
 
+@pytest.mark.slow  # compiles the step twice
 def test_init_and_cost_take_a_plan_made_for_a_count(spec_files):
     columns, _ = spec_files
     counted = eqshard.plan(eqx.filter_eval_shape(MODEL), columns, devices=8)
@@ -94,6 +95,7 @@ def test_a_path_is_a_spec_file_everywhere_and_a_str_is_an_expression(spec_files)
     assert not found.same
 
 
+@pytest.mark.slow  # a suggest ranking: compiles every candidate
 def test_diff_and_suggest_take_devices_as_a_list_too(spec_files):
     model = MODEL()
     a, b = spec_files

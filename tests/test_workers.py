@@ -98,6 +98,7 @@ def _arguments(module):
     )
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_a_step_in_the_users_own_module_costs_on_more_devices(user_module):
     model, state, batch = _arguments(user_module)
     c = eqshard.cost(model, state, batch, step=user_module.step, spec="... -> * ...", devices=16)
@@ -111,6 +112,7 @@ def test_a_step_in_the_users_own_module_costs_on_more_devices(user_module):
     assert PARAMETER_BYTES <= moved <= PARAMETER_BYTES + 64
 
 
+@pytest.mark.slow  # compiles in worker processes
 def test_the_cost_workers_errors_come_back_as_the_same_class(user_module):
     model, state, batch = _arguments(user_module)
     spec = eqshard.load(
@@ -197,6 +199,7 @@ def _alive(pid):
         return True
 
 
+@pytest.mark.slow  # starts and kills worker processes
 @pytest.mark.parametrize("ending", ["SIGKILL", "SIGTERM", "exit at once"])
 def test_a_worker_dies_with_its_parent(ending, user_module):
     code = PARENT.format(path=sys.path, exit_at_once=ending == "exit at once")
