@@ -725,8 +725,10 @@ class Lowered:
     def as_text(self, *args: Any, **kwargs: Any) -> str:
         return self.lowered.as_text(*args, **kwargs)
 
-    def compile(self) -> Compiled:
-        return Compiled(self.lowered.compile(), self.program, self._step)
+    def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
+        """Compiles it; `compiler_options` as `jax.stages.Lowered.compile` takes them
+        (XLA's debug options by name, for this compile only)."""
+        return Compiled(self.lowered.compile(compiler_options), self.program, self._step)
 
 
 class Compiled:

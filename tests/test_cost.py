@@ -37,7 +37,7 @@ def step(model, state, x):
     return eqx.apply_updates(model, updates), state, loss
 
 
-def _cost(spec, batch, mesh=None):
+def _cost(spec, batch, mesh=None, **kwargs):
     return eqshard.cost(
         MODEL,
         STATE,
@@ -47,6 +47,7 @@ def _cost(spec, batch, mesh=None):
         batch=batch,
         mesh=mesh,
         devices=None if mesh else 8,
+        **kwargs,
     )
 
 
@@ -328,3 +329,60 @@ def test_bfloat16_collectives_on_xla_cpu_are_named_as_its_float32_copies():
     tpu = eqshard.cost(model, x, step=step, spec=spec, target="v5e:2x4")
     assert tpu.bytes_by_axes() == {("all-reduce", ("data",)): gradients}
     assert tpu.promoted is None
+
+
+def _figures(c):
+    """Every figure `cost` reads of the compiled program."""
+    m = c.memory
+    moved = [(k.kind, k.bytes, k.axes, k.count, k.group_size, k.loop) for k in c.collectives]
+    memory = (m.arguments, m.outputs, m.temporaries, m.peak, m.reported_peak, m.host_arguments)
+    return memory, moved, c.flops, c.loop_flops, c.bytes_accessed
+
+
+CHEAPER = ("xla_backend_optimization_level=0", "xla_llvm_disable_expensive_passes=true")
+
+
+@pytest.mark.parametrize(
+    ("spec", "batch"),
+    [
+        ("... -> * ...", "b ... -> b* ..."),
+        (eqshard.load({"eqshard": 1, "default": "fsdp"}), "b ... -> b* ..."),
+        (MEGATRON, "... -> * ..."),
+    ],
+    ids=["data-parallel", "fsdp", "megatron"],
+)
+def test_a_step_compiled_only_to_be_costed_has_the_same_figures(spec, batch):
+    default = _cost(spec, batch)
+    costing = _cost(spec, batch, compile_for="costing")
+    assert default.compiler_options == ()
+    assert costing.compiler_options == CHEAPER
+    assert costing.collectives  # each of these communicates
+    assert _figures(costing) == _figures(default)
+
+
+@pytest.mark.slow  # compiles the stacked GPT's step twice
+def test_the_stacked_gpt_compiled_only_to_be_costed_has_the_same_figures():
+    import runpy
+    from pathlib import Path
+
+    gpt = runpy.run_path(str(Path(__file__).parent.parent / "examples/gpt_stacked.py"))
+    model = gpt["build"]()
+    state = gpt["optimizer"]().init(eqx.filter(model, eqx.is_array))
+    found = {
+        how: eqshard.cost(
+            model,
+            state,
+            gpt["batch"](),
+            step=gpt["step"],
+            spec=eqshard.load(gpt["SPEC"]),
+            compile_for=how,
+        )
+        for how in ("running", "costing")
+    }
+    assert found["costing"].compiler_options == CHEAPER
+    assert _figures(found["costing"]) == _figures(found["running"])
+
+
+def test_compile_for_is_running_or_costing():
+    with pytest.raises(eqshard.EqshardError, match=r"`compile_for` is 'running' .* not 'fast'"):
+        _cost("... -> * ...", "b ... -> b* ...", compile_for="fast")

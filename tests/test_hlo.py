@@ -463,7 +463,7 @@ def test_a_cost_and_so_a_budget_never_passes_on_what_it_could_not_read(monkeypat
     monkeypatch.setattr(
         _driver,
         "compile_step",
-        lambda lowered: dataclasses.replace(real(lowered), text=unknown),
+        lambda lowered, options=None: dataclasses.replace(real(lowered, options), text=unknown),
     )
     model = _Switched(jnp.zeros((8, 8)))
     with pytest.raises(eqshard.EqshardError, match="the collective `all-gather-scatter`"):

@@ -196,3 +196,29 @@ def test_the_users_environment_is_left_as_it_was():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-2:] == ["XLA:TPU", "[]"]
+
+
+def test_a_tpu_step_compiled_only_to_be_costed_has_the_same_figures():
+    """XLA:TPU gets no cheaper options (none measured cheaper with the same figures):
+    the step compiles as it runs, and every figure is the default compile's."""
+    model, opt_state, x = _arguments()
+    found = {
+        how: eqshard.cost(
+            model, opt_state, x, step=_step, spec=FSDP, target="v5e:2x4", compile_for=how
+        )
+        for how in ("running", "costing")
+    }
+    assert found["costing"].compiler_options == ()
+    assert found["costing"].compiler == found["running"].compiler
+    for c in found.values():
+        assert c.collectives
+    figures = {
+        how: (
+            c.memory,
+            [(k.kind, k.bytes, k.axes, k.count) for k in c.collectives],
+            c.flops,
+            c.bytes_accessed,
+        )
+        for how, c in found.items()
+    }
+    assert figures["costing"] == figures["running"]

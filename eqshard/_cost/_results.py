@@ -216,6 +216,8 @@ class Cost:
     - `dtype`: the parameters' dtype, for the estimate.
     - `compiler`: whose figures these are (`"XLA:TPU (libtpu 0.0.42.1)"` for a `target`,
         else `"XLA:CPU, 8 simulated devices"`).
+    - `compiler_options`: the options it compiled the step with, `"name=value"`: empty
+        as the step runs, the cheaper ones of `cost(..., compile_for="costing")`.
     - `target`: the TPU slice, or `None`.
     - `hardware`: the target's chip's profile, or `None`.
     - `memory_per_device`: the target's HBM per device (`fits` compares the peak with
@@ -248,6 +250,7 @@ class Cost:
     devices: int
     dtype: str
     compiler: str = "XLA:CPU"
+    compiler_options: tuple[str, ...] = ()
     target: str | None = None
     hardware: Hardware | None = None
     memory_per_device: int | None = None
