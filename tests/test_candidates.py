@@ -795,3 +795,40 @@ def test_dims_that_would_lay_out_parameters_drop_the_candidate_saying_why():
         "w1, w2 too, whose annotations name the same dims; name the activations' axes "
         "apart from the parameters' dims to have it generated"
     )
+
+
+def test_an_8_layer_mlp_is_written_in_at_most_half_as_many_rules_as_leaves(tmp_path):
+    """Issue 31: layers that alternate column- and row-parallel roles are written
+    with alternatives (`layers.{0,2,4,6}.weight`), not one rule per leaf, and the
+    written rules load back to the same layouts."""
+    optimizer = optax.adam(1e-3)
+    mlp = eqx.filter_eval_shape(lambda: eqx.nn.MLP(64, 64, 128, 8, key=jax.random.key(0)))
+    leaves = sum(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(mlp))
+    assert leaves == 18  # 9 linear layers
+    args = (_abstract_state(optimizer, mlp), jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    kept, _ = candidates(_mlp_step(optimizer), mlp, *args, devices=8)
+    assert "megatron on data=1, model=8" in _names(kept)
+    for k, candidate in enumerate(kept):
+        assert len(candidate.rules.rules) <= leaves // 2, candidate.name
+        path = tmp_path / f"{k}.eqshard.json"
+        eqshard.dump(candidate.rules, path)
+        loaded = eqshard.load(path)
+        before = make_plan(mlp, candidate.rules, devices=8).plan
+        after = make_plan(mlp, loaded, devices=8)
+        assert after.problems == [], candidate.name
+        _same_layouts(before, after.plan)
+    by = {c.name: c for c in kept}
+    assert [
+        (r.path, str(r.expr), r.comment) for r in by["megatron on data=1, model=8"].rules.rules
+    ][:2] == [
+        (
+            "layers.{0,2,4,6}.weight",
+            "o i -> o8 i",
+            "column-parallel: feeds layers.{1,3,5,7}.weight",
+        ),
+        (
+            "layers.{0,2,4,6}.bias",
+            "o -> o8",
+            "column-parallel bias of layers.{0,2,4,6}.weight: split as its output",
+        ),
+    ]

@@ -14,8 +14,10 @@ from jsonschema import Draft202012Validator
 import eqshard
 from eqshard import PathError
 from eqshard._paths._closest import aligned, closest
-from eqshard._paths._grammar import DEEP, parse
+from eqshard._paths._globs import readable_rules
+from eqshard._paths._grammar import DEEP, parse, render
 from eqshard._paths._match import PathIndex, match
+from eqshard._paths._names import name
 
 
 def _segs(path: str) -> tuple[str, ...]:
@@ -514,3 +516,90 @@ def test_closest_writes_keys_as_leaves_are_named(pattern, leaves, best):
     found = closest(pattern, paths)
     assert found[0] == (best, list(range(len(paths))))
     assert aligned(pattern, paths[0]) in (best, None)
+
+
+# --------------------------------------------------------------------------- #
+# Alternatives: `layers.{0,2,4}.weight`.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    ("pattern", "parts", "written"),
+    [
+        ("layers.{0,2,4}.weight", ("layers", frozenset({"0", "2", "4"}), "weight"), None),
+        ("layers.{10,2}.w", ("layers", frozenset({"2", "10"}), "w"), "layers.{2,10}.w"),
+        ("**.{key_proj,query_proj}", (DEEP, frozenset({"key_proj", "query_proj"})), None),
+        ("{a}['b c']", (frozenset({"a"}), "b c"), None),
+        ("a.{1,x,0}", ("a", frozenset({"0", "1", "x"})), "a.{0,1,x}"),
+    ],
+)
+def test_alternatives_parse_and_render(pattern: str, parts: tuple, written: str | None) -> None:
+    assert parse(pattern) == parts
+    assert render(parts) == (written or pattern)
+    assert parse(render(parts)) == parts
+    assert _PATH_PATTERN.search(pattern) is not None
+
+
+def test_alternatives_match_any_one_of_them() -> None:
+    assert match("layers.{0,2}.weight", ("layers", "2", "weight"))
+    assert not match("layers.{0,2}.weight", ("layers", "1", "weight"))
+    assert match("**.{up,down}.weight", ("blocks", "0", "down", "weight"))
+    index = PathIndex(["layers.{1,3}.weight", "layers.*.weight"])
+    assert index.first(("layers", "3", "weight")) == 0
+    assert index.first(("layers", "2", "weight")) == 1
+    assert name(("a{b}",)) == "['a{b}']"  # a key holding a brace is quoted
+    assert parse("['a{b}']") == ("a{b}",)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "column", "message"),
+    [
+        ("a.{0,2", 2, "the alternatives are not closed; end them with '}'"),
+        ("a.{0,2}x", 7, "alternatives are a whole segment"),
+        ("a.{}", 3, "an empty alternative"),
+        ("a.{0,,2}", 5, "an empty alternative"),
+        ("a.{0,*}", 5, "'*' in an alternative"),
+        ("a.{0 ,1}", 4, "' ' in an alternative"),
+        ("a{0}", 1, "'{' in a segment; alternatives are a whole segment"),
+        ("a}", 1, "'}' in a segment"),
+    ],
+)
+def test_malformed_alternatives_point_at_the_fault(pattern: str, column: int, message: str) -> None:
+    with pytest.raises(PathError, match=re.escape(message)) as info:
+        parse(pattern)
+    assert info.value.position == column
+    assert _PATH_PATTERN.search(pattern) is None
+
+
+_BRACE_PIECES = ["a", "0", "2", "{", "}", ",", ".", "*", "**", " ", "['x']", "{0,2}", "x"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_BRACE_PIECES), min_size=0, max_size=8).map("".join))
+def test_schema_and_reader_agree_on_alternatives(text: str) -> None:
+    assert _schema_allows(text) is _parses(text)
+
+
+def test_readable_rules_write_alternating_layers_as_alternatives() -> None:
+    paths = [("layers", str(i), w) for i in range(9) for w in ("weight", "bias")]
+    at = {p: i for i, p in enumerate(paths)}
+
+    def leaves(layers: range | list[int], what: str) -> list[int]:
+        return [at["layers", str(i), what] for i in layers]
+
+    groups = [
+        leaves(range(0, 8, 2), "weight"),
+        leaves(range(0, 8, 2), "bias"),
+        leaves(range(1, 8, 2), "weight"),
+        leaves([8], "weight"),
+    ]
+    rules = readable_rules(paths, groups)
+    assert rules == [
+        ("layers.{0,2,4,6}.weight", 0),
+        ("layers.{0,2,4,6}.bias", 1),
+        ("layers.8.weight", 3),
+        ("**.weight", 2),
+    ]
+    for k, path in enumerate(paths):
+        first = next((g for text, g in rules if match(text, path)), None)
+        assert first == next((g for g, members in enumerate(groups) if k in members), None)

@@ -22,7 +22,12 @@ __all__ = ["Guesses", "aligned", "closest"]
 def _fix(part: Part | Deep, seg: str) -> Part | Deep:
     """`part` where it matches `seg` (or is `*`), else `seg`; `*` for an index where
     `part` is a name."""
-    if part is None or part == seg or (isinstance(part, tuple) and glob_matches(part, seg)):
+    if (
+        part is None
+        or part == seg
+        or (isinstance(part, tuple) and glob_matches(part, seg))
+        or (isinstance(part, frozenset) and seg in part)
+    ):
         return part
     if seg.isdigit() and not (isinstance(part, str) and part.isdigit()):
         return None

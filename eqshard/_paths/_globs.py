@@ -15,7 +15,10 @@ group:
 2. paths that differ in one segment merged into a glob of what those segments share
    (`attn.*_proj.weight` for the query, key and value projections, after the
    rule that takes `attn.output_proj.weight`; `*` where they share nothing), as
-   long as it matches no leaf it must not;
+   long as it matches no leaf it must not; paths that differ in one index, into
+   `*` where it may, else into the alternatives of those indices
+   (`layers.{0,2,4,6}.weight`, where the odd layers have another role), which
+   match exactly the leaves the paths did;
 3. each shortened to the shortest `**.` and a tail that matches no leaf of another
    group that the whole pattern does not (`**.up.weight`; a tail starts with a name
    or a glob, not with an index or `*`), or kept whole where that is shorter
@@ -106,26 +109,50 @@ def _glob(literals: Sequence[str]) -> Any:
     return (prefix, suffix)
 
 
+def _indices(literals: Sequence[Any]) -> frozenset[str] | None:
+    """The indices `literals` (indices, or alternatives of indices) stand for; `None`
+    where one is not an index."""
+    found: set[str] = set()
+    for seg in literals:
+        items = seg if isinstance(seg, frozenset) else {seg}
+        if not all(isinstance(item, str) and item.isdigit() for item in items):
+            return None
+        found |= items
+    return frozenset(found)
+
+
 def _merge_siblings(paths: _Paths, patterns: list[Parts], forbidden: frozenset[int]) -> list[Parts]:
     """Patterns that differ in one literal segment, merged into one glob there, while
-    the glob matches no forbidden leaf."""
+    the glob matches no forbidden leaf; indices into `*`, else their alternatives."""
     merged = True
     while merged:
         merged = False
         for at in range(max((len(p) for p in patterns), default=0)):
             buckets: dict[Parts, list[int]] = {}
             for k, parts in enumerate(patterns):
-                if at < len(parts) and isinstance(parts[at], str) and is_plain(parts[at]):
+                if at < len(parts) and (
+                    (isinstance(parts[at], str) and is_plain(parts[at]))
+                    or isinstance(parts[at], frozenset)
+                ):
                     key = (*parts[:at], "\0", *parts[at + 1 :])
                     buckets.setdefault(key, []).append(k)
             for members in buckets.values():
                 if len(members) < 2:
                     continue
                 first = patterns[members[0]]
-                glob = _glob([patterns[k][at] for k in members])
+                literals = [patterns[k][at] for k in members]
+                indices = _indices(literals)
+                if indices is None:
+                    if any(isinstance(seg, frozenset) for seg in literals):
+                        continue
+                    glob = _glob(literals)
+                else:
+                    glob = None  # `*`, else the alternatives, which match no more
                 candidate = (*first[:at], glob, *first[at + 1 :])
                 if not _allowed(paths, candidate, forbidden):
-                    continue
+                    if indices is None:
+                        continue
+                    candidate = (*first[:at], indices, *first[at + 1 :])
                 keep = [p for k, p in enumerate(patterns) if k not in members]
                 patterns = [*keep[: members[0]], candidate, *keep[members[0] :]]
                 merged = True

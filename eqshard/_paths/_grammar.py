@@ -3,7 +3,8 @@
 In a pattern, a segment `*` matches one segment, `**` any number of segments (none
 included), and any other unquoted segment with `*` in it, such as `*_proj`, is a
 glob within one segment whose every `*` matches any run of that segment's
-characters. A quoted segment is always literal: `['*']` matches only the key `*`,
+characters. A segment `{0,2,4}` (alternatives: plain names or indices between braces,
+separated by commas) matches any one of them. A quoted segment is always literal: `['*']` matches only the key `*`,
 and a key is quoted as `name` quotes it, so `parse` reads back exactly what `name`
 writes. `parse` reads a pattern with one hand-written loop (a spec file never runs
 code: no `eval`), and a fault is a `PathError` with a caret under its column. The
@@ -36,16 +37,18 @@ class Deep:
 DEEP = Deep()
 """`**` in a parsed pattern."""
 
-Part = Union[str, None, tuple[str, ...]]
-"""One segment of a pattern: a literal (`str`), `*` (`None`), or a glob within a
-segment: its pieces between `*`s, at least two (`*_proj` -> `('', '_proj')`)."""
+Part = Union[str, None, tuple[str, ...], frozenset[str]]
+"""One segment of a pattern: a literal (`str`), `*` (`None`), a glob within a
+segment: its pieces between `*`s, at least two (`*_proj` -> `('', '_proj')`), or
+alternatives (`{0,2}` -> `frozenset({'0', '2'})`)."""
 
 Parsed = tuple[Union[Part, Deep], ...]
 """What `parse` gives: parts, and `DEEP` for `**`."""
 
 _STOP = re.compile(r"[.\[]")  # where an unquoted segment ends
-_GLOB_CHARS = re.compile(r"[^.\s\[\]'\"]+")  # a literal or a glob, as it is
-_BAD = re.compile(r"[\s\[\]'\"]")  # what an unquoted segment may not hold
+_GLOB_CHARS = re.compile(r"[^.\s\[\]'\"{}]+")  # a literal or a glob, as it is
+_BAD = re.compile(r"[\s\[\]'\"{}]")  # what an unquoted segment may not hold
+_ALTERNATIVE = re.compile(r"[^.*\s\[\]'\"{},]+")  # one of `{a,b}`
 _ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "r": "\r", "t": "\t"}
 _HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}
 _INDEX = re.compile(r"\[([0-9]+)\]")  # an index as `keystr` writes it
@@ -59,9 +62,10 @@ _QUOTING = (
 @functools.lru_cache(maxsize=4096)
 def parse(text: str) -> Parsed:
     """The segments of a rule path: literals (quoted or not), `*` (`None`), globs
-    (their pieces between `*`s) and `**` (`DEEP`).
+    (their pieces between `*`s), alternatives (a `frozenset`) and `**` (`DEEP`).
 
-    **Example:** `parse("**['a.b'].*_proj")` is `(DEEP, "a.b", ("", "_proj"))`.
+    **Example:** `parse("**['a.b'].*_proj.{0,2}")` is
+    `(DEEP, "a.b", ("", "_proj"), frozenset({"0", "2"}))`.
 
     **Raises:** `eqshard.PathError` with a caret under the fault, and the path with
     the key quoted where that is the fix.
@@ -117,6 +121,17 @@ def _unquoted(text: str, start: int, end: int, hints: bool) -> Part | Deep:
             start,
             "an empty segment: segments are separated by one '.'; an empty key is written ['']",
         )
+    if run[0] == "{":
+        return _alternatives(text, start, end)
+    if "{" in run or "}" in run:
+        at = start + min(k for k in (run.find("{"), run.find("}")) if k >= 0)
+        raise PathError(
+            text,
+            at,
+            f"{text[at]!r} in a segment; alternatives are a whole segment, such as "
+            "layers.{0,2,4}.weight; a key holding a brace is written quoted, as eqshard "
+            "names it",
+        )
     if not _GLOB_CHARS.fullmatch(run):
         bad = _BAD.search(run)
         at = start + (bad.start() if bad else 0)
@@ -133,6 +148,40 @@ def _unquoted(text: str, start: int, end: int, hints: bool) -> Part | Deep:
             length=2,
         )
     return tuple(run.split("*")) if "*" in run else run
+
+
+def _alternatives(text: str, start: int, end: int) -> frozenset[str]:
+    """The alternatives `text[start:end]`, `{a,b,...}`: plain names or indices."""
+    close = text.find("}", start, end)
+    if close < 0:
+        raise PathError(
+            text, start, "the alternatives are not closed; end them with '}'", length=end - start
+        )
+    if close + 1 != end:
+        raise PathError(
+            text,
+            close + 1,
+            "alternatives are a whole segment: after '}' comes '.', a quoted key, or the end",
+        )
+    found: list[str] = []
+    at = start + 1
+    for item in text[start + 1 : close].split(","):
+        if not _ALTERNATIVE.fullmatch(item):
+            bad = next((k for k, c in enumerate(item) if not _ALTERNATIVE.fullmatch(c)), 0)
+            what = "an empty alternative" if not item else f"{item[bad]!r} in an alternative"
+            raise PathError(
+                text,
+                at + bad,
+                f"{what}; alternatives are plain names or indices between braces, "
+                "separated by ',', such as {0,2,4} or {query_proj,key_proj}",
+            )
+        found.append(item)
+        at += len(item) + 1
+    return frozenset(found)
+
+
+def _alternative_order(item: str) -> tuple[bool, int, str]:
+    return (not item.isdigit(), int(item) if item.isdigit() else 0, item)
 
 
 def _quote(seg: str) -> str:
@@ -237,7 +286,7 @@ def _escape(text: str, at: int) -> tuple[str, int]:
 
 def render(parts: Sequence[Part | Deep]) -> str:
     """A parsed pattern as text, quoting literals where they must be (`name`): the
-    inverse of `parse`.
+    inverse of `parse` (alternatives in order, indices by value: `{0,2,10,key}`).
 
     **Example:** `render((DEEP, "attn", ("", "_proj"), "weight"))` is
     `"**.attn.*_proj.weight"`.
@@ -248,6 +297,13 @@ def render(parts: Sequence[Part | Deep]) -> str:
             written = name((part,))
             text += written if written.startswith("[") or not text else f".{written}"
             continue
-        written = "**" if isinstance(part, Deep) else "*" if part is None else "*".join(part)
+        if isinstance(part, Deep):
+            written = "**"
+        elif part is None:
+            written = "*"
+        elif isinstance(part, frozenset):
+            written = "{" + ",".join(sorted(part, key=_alternative_order)) + "}"
+        else:
+            written = "*".join(part)
         text += f".{written}" if text else written
     return text

@@ -3,7 +3,8 @@
 A pattern is cut at its `**`s into blocks of fixed length; the first block must
 start the path and the last end it, and each block between is placed at its
 leftmost fit after the one before, which is optimal since `**` takes anything. A
-glob is cut at its `*`s the same way, with `str.find`. So a match costs
+glob is cut at its `*`s the same way, with `str.find`; alternatives (`{0,2}`) are a
+set lookup. So a match costs
 O(len(pattern) x len(path)) segment tests, and a glob O(len(glob) x len(segment))
 characters, whatever a spec file holds.
 
@@ -56,6 +57,9 @@ def _fits(block: _Block, path: Sequence[str], start: int) -> bool:
             continue
         if isinstance(part, str):
             if part != path[start + k]:
+                return False
+        elif isinstance(part, frozenset):
+            if path[start + k] not in part:
                 return False
         elif not glob_matches(part, path[start + k]):
             return False

@@ -3,7 +3,7 @@
 A leaf's path is its pytree key path written with dots: attribute names,
 sequence indices and dict keys, as in `blocks.0.attn.query_proj.weight`. A key a
 dotted path cannot show as it is (empty, or holding '.', '*', white space, a
-bracket, a quote, or a character `str.isprintable` refuses, such as a control
+bracket, a brace, a quote, or a character `str.isprintable` refuses, such as a control
 character) is written quoted, as Python's `repr` writes it, in brackets right
 after the segment before it: `_weights['w[0,0] 16x0e,32x0e']`, `params["it's"].w`,
 `['']`. That text (`name`) is the one name of a leaf in every message, report and
@@ -47,7 +47,7 @@ def segments(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(_segment(key, fields) for key in path)
 
 
-_PLAIN = re.compile(r"[^.*\s\[\]'\"]+")  # a literal segment written as it is
+_PLAIN = re.compile(r"[^.*\s\[\]'\"{}]+")  # a literal segment written as it is
 
 
 def is_plain(seg: str) -> bool:

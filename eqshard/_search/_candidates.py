@@ -36,6 +36,7 @@ the mesh.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -447,9 +448,14 @@ def _written(setup: _Setup, draft: _Draft) -> list[Rule]:
     its expression (else one literal rule per leaf, which always does)."""
     keys: dict[tuple[str, str], list[int]] = {}
     for k, (comment, expr) in draft.ruled.items():
-        keys.setdefault((comment, expr), []).append(k)
+        # one group per role and expression: comments that differ only in the
+        # indices of the paths they name (`feeds layers.1.weight`) are one
+        keys.setdefault((_INDEX_SEGMENT.sub(".#.", comment), expr), []).append(k)
     groups = list(keys.values())
-    meta = list(keys)
+    meta = [
+        (_merged_comment([draft.ruled[k][0] for k in members]), expr)
+        for (_, expr), members in keys.items()
+    ]
     paths = [leaf.segments for leaf in setup.leaves]
     found = [
         Rule(path, parse(meta[g][1]), meta[g][0], i)
@@ -467,6 +473,24 @@ def _written(setup: _Setup, draft: _Draft) -> list[Rule]:
             "please report it to eqshard"
         )
     return literal
+
+
+_INDEX_SEGMENT = re.compile(r"(?<=\.)[0-9]+(?=\.)")  # `1` in `layers.1.weight`
+
+
+def _merged_comment(comments: Sequence[str]) -> str:
+    """Comments that differ only in the indices of the paths they name, as one:
+    each index that differs written as the alternatives of the path language
+    (`column-parallel: feeds layers.{1,3,5,7}.weight`)."""
+    first = comments[0]
+    if all(c == first for c in comments):
+        return first
+    columns = zip(*(_INDEX_SEGMENT.findall(c) for c in comments))
+    found = iter(
+        items.pop() if len(items) == 1 else "{" + ",".join(sorted(items, key=int)) + "}"
+        for items in (set(column) for column in columns)
+    )
+    return _INDEX_SEGMENT.sub(lambda _: next(found), first)
 
 
 def _gives(setup: _Setup, draft: _Draft, rules: list[Rule]) -> bool:
