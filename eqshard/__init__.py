@@ -73,6 +73,11 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     from ._rules import Match as Match
     from ._search._diff import Diff as Diff, LeafChange as LeafChange, diff as diff
     from ._search._suggest import Ranked as Ranked, Suggestion as Suggestion, suggest as suggest
+    from ._search._what_if import (
+        TargetRow as TargetRow,
+        Targets as Targets,
+        suggest_targets as suggest_targets,
+    )
     from ._sharding import Devices as Devices, sharding as sharding
     from ._step import Step as Step, jit as jit
 
@@ -113,6 +118,9 @@ _LAZY = {
     "Ranked": "._search._suggest",
     "Suggestion": "._search._suggest",
     "suggest": "._search._suggest",
+    "TargetRow": "._search._what_if",
+    "Targets": "._search._what_if",
+    "suggest_targets": "._search._what_if",
 }
 
 
@@ -153,6 +161,8 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "StepError",
     "Suggestion",
     "Target",
+    "TargetRow",
+    "Targets",
     "UnreadableError",
     "UnusedRule",
     "UnusedRuleWarning",
@@ -177,6 +187,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "sharding",
     "spec_tree",
     "suggest",
+    "suggest_targets",
     "use",
 ]
 

@@ -9,6 +9,7 @@ by name in the workers.
 import dataclasses
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import equinox as eqx
@@ -18,6 +19,7 @@ import suggest_model as models
 
 import eqshard
 import eqshard._search._candidates
+import eqshard._search._suggest as suggesting
 from eqshard._report import human_bytes
 from eqshard._search._candidates import Candidate
 from eqshard._search._suggest import Suggestion, communication, rank, ranked
@@ -413,8 +415,8 @@ def test_a_worker_that_dies_fails_its_candidates_and_the_ranking_goes_on():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     ranked = rank(_mlp_candidates()[:2], models.dying_step, *mlp, devices=8, workers=1)
     assert [s.cost for s in ranked] == [None, None]
-    for s in ranked:
-        assert "costing 2 candidates on 8 devices: its process ended (exit code 3)" in str(s.error)
+    for s in ranked:  # each in a worker of its own: the first's died with it
+        assert f"costing {s.name} on 8 devices: its process ended (exit code 3)" in str(s.error)
     assert ranked.best is None
     assert "nothing fits" in str(ranked)
 
@@ -474,3 +476,142 @@ def test_zero1_is_ranked_by_the_program_that_trains(gpt, gpt_ranked):
     assert gathered == split
     data_parallel = next(s for s in gpt_ranked if s.strategy == "data parallel")
     assert ("all-gather", ("data",)) not in _cost(data_parallel).bytes_by_axes()
+
+
+# --------------------------------------------------------------------------- #
+# `--write` checked first, and `--targets`: the best on each slice.
+# --------------------------------------------------------------------------- #
+
+
+def _never_generate(step, model, *args, devices):
+    raise AssertionError("candidates were generated before the options were checked")
+
+
+@pytest.mark.parametrize("where", ["folder", "missing folder", "empty"])
+def test_cli_refuses_a_bad_write_target_before_compiling(run_cli, monkeypatch, tmp_path, where):
+    monkeypatch.setattr(eqshard._search._candidates, "candidates", _never_generate, False)
+    path = {
+        "folder": str(tmp_path),
+        "missing folder": str(tmp_path / "nowhere" / "best.eqshard.json"),
+        "empty": "",
+    }[where]
+    start = time.monotonic()
+    done = _suggest(run_cli, "--write", path)
+    assert time.monotonic() - start < 10  # a compile takes longer; nothing was compiled
+    assert done.code == 2, done.err
+    assert f"eqshard suggest: error: --write {path!r}: not written: " in done.err
+    assert "--write names the spec file to write, such as best.eqshard.json" in done.err
+    assert "Traceback" not in done.err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--targets", "v5e:2x2", "--devices", 8), "argument --devices: not allowed with"),
+        (("--targets", "v5e:2x2", "--target", "v5e:2x4"), "not allowed with argument --targets"),
+        (("--targets", "v5e:2x2,,v5e:2x4"), "'v5e:2x2,,v5e:2x4' names an empty slice"),
+        (("--targets", "v5e:2x2,v5e:2x2"), "'v5e:2x2,v5e:2x2' names v5e:2x2 twice"),
+        (("--targets", "v5e:2x2", "--write", "best.json"), "--write writes one slice's best"),
+    ],
+)
+def test_cli_targets_refuses_what_it_cannot_do(run_cli, monkeypatch, args, message):
+    monkeypatch.setattr(eqshard._search._candidates, "candidates", _never_generate, False)
+    done = run_cli(
+        *("suggest", "--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
+        *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+        *args,
+    )
+    assert done.code == 2, done.err
+    assert message in done.err
+
+
+def test_suggest_targets_refuses_bad_names_before_compiling():
+    with pytest.raises(eqshard.EqshardError, match=r"names v5e:2x2 twice"):
+        eqshard.suggest_targets(object(), step=models.mlp_step, targets="v5e:2x2,v5e:2x2")
+    with pytest.raises(eqshard.EqshardError, match=r"`target='h100:8'`: JAX cannot compile"):
+        eqshard.suggest_targets(object(), step=models.mlp_step, targets=["v5e:2x2", "h100:8"])
+
+
+def _sized(step, model, *args, devices):
+    """The MLP's hand-made candidates, on `devices`."""
+    chosen = [
+        dataclasses.replace(c, mesh=tuple((axis, devices) for axis, _ in c.mesh))
+        for c in _mlp_candidates()
+    ]
+    return chosen, []
+
+
+SLICES = ("v5e:2x2", "v5e:2x4")
+
+
+@pytest.mark.slow  # compiles for two TPU slices, in worker processes
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="the TPU compiler comes with libtpu (eqshard[tpu])",
+)
+def test_cli_targets_gives_suggest_s_best_per_slice_and_says_where_nothing_fits(
+    run_cli, monkeypatch
+):
+    monkeypatch.setattr(eqshard._search._candidates, "candidates", _sized, False)
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    done = run_cli(
+        *("suggest", "--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
+        *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+        *("--targets", ",".join(SLICES), "--workers", 1),
+    )
+    assert done.code == 0, done.err
+    lines = done.out.splitlines()
+    assert "eqshard suggest: the best spec on each of 2 targets" in lines[0]
+    for target in SLICES:
+        best = eqshard.suggest(*mlp, step=models.mlp_step, target=target, workers=1).best
+        assert best is not None
+        row = next(line for line in lines if f" {target} " in line)
+        assert f" {best.strategy} " in row, row
+        assert "3 of 3" in row, row
+
+    nothing = run_cli(
+        *("suggest", "--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
+        *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+        *("--targets", SLICES[0], "--workers", 1, "--max-memory", "1kB"),
+    )
+    assert nothing.code == 1, nothing.err
+    assert "nothing fits" in nothing.out
+    assert "0 of 3: the closest," in nothing.out
+    found = eqshard.suggest_targets(
+        *mlp, step=models.mlp_step, targets=SLICES[:1], max_memory="1kB", workers=1
+    )
+    (row,) = found
+    assert (row.target, row.best, row.fitting) == (SLICES[0], None, 0)
+    assert row.why is not None
+    assert "needs" in row.why
+    assert "of 1000 B per device" in row.why
+    assert found.to_json()["targets"][0]["best"] is None
+
+
+@pytest.mark.parametrize(
+    ("cores", "candidates", "target", "workers", "expected"),
+    [
+        (16, 20, None, None, 16),  # XLA:CPU: a compile a core
+        (16, 20, "v5e:2x4", None, 8),  # XLA:TPU: about 1.8 cores a compile
+        (16, 5, None, None, 5),  # never more than the candidates
+        (1, 20, "v5e:2x4", None, 1),  # at least one
+        (16, 20, None, 3, 3),  # `workers=` overrides
+    ],
+)
+def test_the_pool_is_sized_to_the_compiler_s_threads(
+    cores, candidates, target, workers, expected, monkeypatch
+):
+    monkeypatch.setattr(suggesting, "_cores", lambda: cores)
+    assert suggesting.pool_size(candidates, target, workers) == expected
+
+
+@pytest.mark.slow  # compiles in worker processes
+def test_two_workers_cost_every_candidate_once_in_order():
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    candidates = _mlp_candidates()
+    inputs = {"pickle": suggesting.pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
+    results = suggesting.compile_in_workers(candidates * 2, inputs, 8, None, 2)
+    here = [rank([c], models.mlp_step, *mlp, devices=8, workers=0)[0] for c in candidates]
+    for found, suggestion in zip(results, here * 2):
+        assert not isinstance(found, str), found
+        assert found.memory == _cost(suggestion).memory, suggestion.name

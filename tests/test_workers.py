@@ -19,6 +19,7 @@ import pytest
 import eqshard
 from eqshard._cli._check_workers import check_in_processes
 from eqshard._cost import _driver as _cost
+from eqshard._process._workers import pool_answers, start_serving
 from eqshard.testing import assert_layouts
 
 # A user's own module, importable only through a folder the test puts on `sys.path`.
@@ -224,3 +225,114 @@ def test_a_worker_dies_with_its_parent(ending, user_module):
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
             parent.kill()
+
+
+# A pool's worker (`serve_each`): answers which request it was and which process
+# answered it; request 0 waits until the last request has been answered elsewhere.
+POOL_MODULE = """
+import os
+import time
+from pathlib import Path
+
+from eqshard._process._workers import serve_each
+
+
+def main():
+    return serve_each(answer)
+
+
+def answer(request):
+    marker = Path(request["marker"]) if "marker" in request else None
+    if request.get("wait"):  # held until the last request is done, by another worker
+        for _ in range(1200):  # a bound for a hang, not a timing
+            if marker.exists():
+                break
+            time.sleep(0.05)
+    if request.get("die"):
+        os._exit(5)  # as a compiler killed for its memory would: no answer
+    if request.get("raise"):
+        raise KeyError("no such request")
+    time.sleep(request.get("sleep", 0))
+    if request.get("last"):
+        marker.write_text("done")
+    print("noise on stdout", flush=True)  # goes to stderr, not into the answers
+    return {"i": request["i"], "pid": os.getpid(), "first": "shared" in request}
+"""
+
+
+@pytest.fixture
+def pool_module(tmp_path, monkeypatch):
+    """`eqshard_pool_worker`, a module in a folder on `sys.path`."""
+    (tmp_path / "eqshard_pool_worker.py").write_text(POOL_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "eqshard_pool_worker:main"
+
+
+def _pool(entry, requests, workers, timeout=120.0):
+    return pool_answers(
+        requests,
+        entry,
+        workers,
+        first={"shared": True},
+        timeout=timeout,
+        doing=[f"request {r['i']}" for r in requests],
+        hint="Try it alone.",
+    )
+
+
+@pytest.mark.slow  # starts worker processes
+def test_a_pool_answers_every_request_once_in_order_and_a_free_worker_takes_the_rest(
+    pool_module, tmp_path
+):
+    marker = str(tmp_path / "marker")
+    requests = [{"i": i, "marker": marker} for i in range(9)]
+    requests[0]["wait"] = True  # holds its worker until request 8 is answered
+    requests[8]["last"] = True
+    answers = _pool(pool_module, requests, 2)
+    assert [a["i"] for a in answers] == list(range(9))  # each once, in the requests' order
+    slow = answers[0]["pid"]
+    others = {a["pid"] for a in answers[1:]}
+    assert len(others) == 1  # one worker took all the rest
+    assert slow not in others
+    assert [a["first"] for a in answers].count(True) == 2  # the shared part once per worker
+
+
+@pytest.mark.slow  # starts worker processes
+def test_a_worker_that_dies_fails_only_its_request_and_a_fresh_one_goes_on(pool_module):
+    requests = [{"i": i} for i in range(6)]
+    requests[2]["die"] = True
+    answers = _pool(pool_module, requests, 2)
+    error = answers[2]
+    assert isinstance(error, eqshard.ModelError)
+    assert str(error).startswith("request 2: its process ended (exit code 5) without an answer")
+    assert str(error).endswith("Try it alone.")
+    assert [a["i"] for a in answers[:2] + answers[3:]] == [0, 1, 3, 4, 5]
+    assert len({a["pid"] for a in answers[:2] + answers[3:]}) <= 3  # two, and one fresh
+    assert [a["first"] for a in answers if isinstance(a, dict)].count(True) >= 2
+
+
+@pytest.mark.slow  # starts worker processes
+def test_a_pool_stops_a_request_past_its_timeout_and_raises_an_answered_error(pool_module):
+    answers = _pool(pool_module, [{"i": 0, "sleep": 600}, {"i": 1}], 1, timeout=2.0)
+    assert isinstance(answers[0], eqshard.ModelError)
+    assert str(answers[0]).startswith("request 0 took longer than 2 s, and was stopped")
+    assert answers[1]["i"] == 1  # a fresh worker took it
+    with pytest.raises(KeyError, match="no such request"):  # the same class
+        _pool(pool_module, [{"i": 0}, {"i": 1, "raise": True}, {"i": 2}], 2)
+
+
+def test_a_serving_worker_answers_each_request_in_turn(pool_module):
+    worker = start_serving(pool_module)
+    try:
+        for i in range(3):
+            worker.ask({"i": i}, 120.0)
+            assert worker.answer(f"request {i}", "")["result"]["i"] == i
+        worker.ask({"i": 3, "raise": True}, 120.0)
+        with pytest.raises(KeyError):
+            worker.answer("request 3", "")
+        assert worker.running  # an answered error: it still serves
+        worker.ask({"i": 4}, 120.0)
+        assert worker.answer("request 4", "")["result"]["i"] == 4
+    finally:
+        worker.stop()
+    assert not worker.running

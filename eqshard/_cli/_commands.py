@@ -157,10 +157,62 @@ def _step_request(args: argparse.Namespace) -> dict[str, object]:
     return {name: getattr(args, name) for name in names}
 
 
+def _writable(path: str) -> None:
+    """`--write PATH` checked before anything compiles (`check_writable`, as `dump`
+    checks it).
+
+    **Raises:** `BadUsage` naming the path, what is wrong with it and the fix.
+    """
+    from .._specfile._write import check_writable
+
+    try:
+        check_writable(path)
+    except EqshardError as error:
+        raise BadUsage(
+            f"eqshard suggest: error: --write {path!r}: {error}; --write names the spec file "
+            "to write, such as best.eqshard.json, in a folder that exists"
+        ) from None
+
+
+def _suggest_targets(args: argparse.Namespace) -> int:
+    """`eqshard suggest --targets`: the best on each slice, in one table."""
+    if args.write is not None:
+        raise BadUsage(
+            "eqshard suggest: error: --write writes one slice's best, and --targets ranks "
+            "several: choose the slice, then run `eqshard suggest --target SLICE --write FILE`"
+        )
+    from ._suggest_diff import run
+
+    request = {
+        **_step_request(args),
+        "targets": args.targets,
+        "max_memory": args.max_memory,
+        "workers": args.workers,
+    }
+    found = run("targets", request, here=not in_workers())
+    if args.format == "json":
+        emit_json({"ok": bool(found.fitting), **found.to_json()})
+    else:
+        console().print(found)
+    if not any(s.cost is not None for row in found for s in row.ranked):
+        first = found[0]
+        err(
+            "eqshard suggest: error: no candidate could be compiled on any target; on "
+            f"{first.target}: {first.why}"
+        )
+        return 2
+    return 0 if found.fitting else 1
+
+
 def suggest(args: argparse.Namespace) -> int:
     """`eqshard suggest`: the candidates ranked (`_suggest_diff.run`), the best
-    written with `--write`."""
+    written with `--write` (its path checked first); with `--targets`, the best on
+    each slice."""
     step_options("suggest", args)
+    if args.write is not None and args.targets is None:
+        _writable(args.write)
+    if args.targets is not None:
+        return _suggest_targets(args)
     from ._suggest_diff import run
 
     request = {**_step_request(args), "max_memory": args.max_memory, "workers": args.workers}

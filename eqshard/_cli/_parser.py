@@ -95,6 +95,20 @@ def _memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _slices(text: str) -> list[str]:
+    """An argparse type: TPU slices separated by commas, each named once."""
+    names = [name.strip() for name in text.split(",")]
+    if any(not name for name in names):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} names an empty slice: write slices separated by commas, such as "
+            "v5e:4x4,v6e:4x4"
+        )
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} names {', '.join(twice)} twice")
+    return names
+
+
 # Options several commands share ------------------------------------------------
 
 _TRACEBACK_HELP = (
@@ -308,9 +322,12 @@ def _suggest(add: _Add) -> None:
             "with XLA:CPU, or for a TPU slice with XLA:TPU), and print them ranked: those "
             "that fit --max-memory (by default, with --target, the chip's HBM; without "
             "either, every one) fastest first by a roofline estimate, then the others, "
-            "with how far over they are. --write saves the best as a spec file. Exit 0 "
-            "when a candidate fits, 1 when none does, 2 for bad input (a model, step or "
-            "batch that cannot be built, or a step that no candidate can compile)."
+            "with how far over they are. --write saves the best as a spec file (its path "
+            "is checked before anything compiles). With --targets, the best on each slice "
+            "in one table. Exit 0 "
+            "when a candidate fits (with --targets, on some slice), 1 when none does, 2 "
+            "for bad input (a model, step or batch that cannot be built, a --write path "
+            "that cannot be written, or a step that no candidate can compile)."
         ),
     )
     _user_code_options(
@@ -332,6 +349,14 @@ def _suggest(add: _Add) -> None:
         metavar="SLICE",
         help="compile each candidate for a TPU slice, e.g. v5p:4x4x4, with XLA:TPU on this "
         "machine (libtpu: pip install 'eqshard[tpu]')",
+    )
+    where.add_argument(
+        "--targets",
+        type=_slices,
+        metavar="SLICE,SLICE,...",
+        help="what if: rank the candidates on each TPU slice, e.g. v5e:4x4,v5p:4x4x4,v6e:4x4, "
+        "and print the best per slice in one table, with why nothing fits where nothing "
+        "does; not with --write (write the chosen slice's with --target)",
     )
     _max_memory_option(
         suggest,

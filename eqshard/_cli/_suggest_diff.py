@@ -3,7 +3,7 @@ optimizer and batch, named by `MODULE:CALLABLE`, built as `eqshard check` builds
 them (`_usercode.abstract_model`, `_usercode.step_inputs`: abstractly, no device memory).
 
 The command line's own process imports no JAX before the work is done: each command
-runs in one worker (`_workers.start_worker`), which starts JAX for its device count,
+(`suggest --targets`: every slice in turn, `targets_here`) runs in one worker (`_workers.start_worker`), which starts JAX for its device count,
 builds what the user named once, and answers the result pickled. `suggest`'s worker
 asks the candidate generator for the candidates, then ranks them
 (`_suggest.compile_in_workers`), each of its compile workers building the step's
@@ -31,8 +31,18 @@ if TYPE_CHECKING:
     from .._process._usercode import StepInputs
     from .._search._diff import Diff
     from .._search._suggest import Ranked
+    from .._search._what_if import Targets
 
-__all__ = ["diff_here", "diff_worker", "run", "step_arguments", "suggest_here", "suggest_worker"]
+__all__ = [
+    "diff_here",
+    "diff_worker",
+    "run",
+    "step_arguments",
+    "suggest_here",
+    "suggest_worker",
+    "targets_here",
+    "targets_worker",
+]
 
 _TIMEOUT_SECONDS = 24 * 3600.0  # a whole command: its own compile workers time each candidate
 
@@ -118,6 +128,25 @@ def suggest_worker() -> int:
     return serve(lambda request: pickled(suggest_here(request), "the ranking", "report it"))
 
 
+def targets_here(request: Mapping[str, Any]) -> Targets:
+    """`eqshard suggest --targets` in this process: every slice of the request's
+    `"targets"` (a list of names) checked first, then `suggest_here` on each in
+    turn, the rows built as `eqshard.suggest_targets` builds them."""
+    from .._search._suggest import placement
+    from .._search._what_if import Targets, target_names
+
+    names = target_names(request["targets"])
+    for name in names:  # a bad name is said before the first slice compiles
+        placement(None, name)
+    rankings = [suggest_here({**request, "devices": None, "target": name}) for name in names]
+    return Targets.of(names, rankings)
+
+
+def targets_worker() -> int:
+    """A worker's entry: `targets_here`, answered pickled."""
+    return serve(lambda request: pickled(targets_here(request), "the rankings", "report it"))
+
+
 def diff_here(request: Mapping[str, Any]) -> Diff:
     """`eqshard diff` in this process: the request's `"a"` and `"b"` (spec files),
     `"model"`, and with `"step"` its `"batch"` and `"optimizer"`, on `"devices"` or
@@ -167,6 +196,11 @@ _COMMANDS = {  # each command's worker, what it answers, and what to try when it
         "the ranking",
         "Run `eqshard check --step` on one spec file to see why",
     ),
+    "targets": (
+        "eqshard._cli._suggest_diff:targets_worker",
+        "the rankings",
+        "Run `eqshard suggest --target` on one slice to see why",
+    ),
     "diff": (
         "eqshard._cli._suggest_diff:diff_worker",
         "the diff",
@@ -176,10 +210,13 @@ _COMMANDS = {  # each command's worker, what it answers, and what to try when it
 
 
 def run(command: str, request: Mapping[str, Any], here: bool) -> Any:
-    """`suggest_here` or `diff_here`, in this process (`here`), else in a worker
-    process of its own, which starts JAX for it and answers the result pickled."""
+    """`suggest_here`, `targets_here` or `diff_here` (`command`: `"suggest"`,
+    `"targets"` or `"diff"`), in this process (`here`), else in a worker process of
+    its own, which starts JAX for it and answers the result pickled."""
     if here:
-        return suggest_here(request) if command == "suggest" else diff_here(request)
+        return {"suggest": suggest_here, "targets": targets_here, "diff": diff_here}[command](
+            request
+        )
     entry, what, hint = _COMMANDS[command]
     worker = start_worker(request, entry, without_device_count(os.environ))
     document = worker_answer(worker, _TIMEOUT_SECONDS, f"eqshard {command}", hint)

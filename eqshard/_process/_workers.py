@@ -9,6 +9,11 @@
     with its notes (where in the user's code it was raised: `_usercode.user_frames`)
     and, as its cause, the worker's traceback as text (`WorkerTraceback`, as
     `concurrent.futures` carries a process's), and a timeout as a `ModelError`;
+- `start_serving` starts a worker that answers several requests in turn, one JSON
+    line each (`serve_each`, until its stdin ends; `Worker.ask`, `Worker.answer`),
+    and `pool_answers` hands a pool of them one request at a time from a shared
+    queue, each worker taking the next as it finishes the last, a worker that dies
+    failing only the request it held (a fresh one takes its place);
 - `pickled` and `unpickled` carry what JSON cannot (a step, abstract arguments, a
     spec) inside the request or the answer, as base64 text.
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import collections
 import contextlib
 import dataclasses
 import importlib
@@ -27,13 +33,15 @@ import importlib.util
 import json
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import EqshardError, ModelError, SpecError, UnreadableError
@@ -45,8 +53,11 @@ __all__ = [
     "WorkerTraceback",
     "error_entry",
     "pickled",
+    "pool_answers",
     "rebuilt_error",
     "serve",
+    "serve_each",
+    "start_serving",
     "start_worker",
     "unpickled",
     "without_device_count",
@@ -79,18 +90,83 @@ class Worker:
     def __init__(self, process: subprocess.Popen[bytes], lifeline: int) -> None:
         self.process = process
         self._lifeline = lifeline
+        self._read = b""  # what it has answered past the last whole line (`start_serving`'s)
+        self._timeout = 0.0  # the seconds the last `ask` allows, from `deadline`
+        self.deadline = 0.0  # when its answer to the last `ask` is due (`time.monotonic`)
 
     @property
     def pid(self) -> int:
         """The worker's process id."""
         return self.process.pid
 
+    @property
+    def running(self) -> bool:
+        """Whether the worker still runs (after `answer` raised: it answered an error,
+        rather than ending or being stopped)."""
+        return self.process.poll() is None
+
+    def fileno(self) -> int:
+        """Its answers' end, for `select`."""
+        if self.process.stdout is None:
+            raise TypeError("a worker answers on a pipe: `start_worker` gives it one")
+        return self.process.stdout.fileno()
+
+    def ask(self, request: Mapping[str, Any], timeout: float) -> None:
+        """Sends a worker that `start_serving` started one request (one JSON line,
+        written by a thread of its own, so that a worker still starting never holds
+        this process); `answer` reads its answer, due within `timeout` seconds."""
+        line = (json.dumps(request, ensure_ascii=True) + "\n").encode("ascii")
+        self._timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        sink = self.process.stdin
+        if sink is None:
+            raise TypeError("`Worker.ask` needs a worker that `start_serving` started")
+
+        def write() -> None:
+            with contextlib.suppress(OSError, ValueError):  # it has ended, or been stopped
+                sink.write(line)
+                sink.flush()
+
+        threading.Thread(target=write, name="eqshard-request", daemon=True).start()
+
+    def answer(self, doing: str, hint: str) -> dict[str, Any]:
+        """The answer to the last `ask`, `{"result": ...}`, waited for until its
+        deadline; its `{"error": ...}` raised here as the same class (`rebuilt_error`),
+        the worker still serving.
+
+        **Raises:**
+
+        The worker's error; `ModelError` when it takes longer than `ask` allowed, or
+        ends without an answer (the worker has then ended, `running` is false).
+        """
+        fd = self.fileno()
+        while b"\n" not in self._read:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.stop()
+                raise _took_too_long(doing, self._timeout)
+            data = os.read(fd, 1 << 16)
+            if not data:  # it has ended
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(5)  # its exit code, not the signal `stop` sends
+                self.stop()
+                return _document(b"", self, doing, hint)
+            self._read += data
+        line, _, self._read = self._read.partition(b"\n")
+        return _document(line, self, doing, hint)
+
     def stop(self) -> None:
         """Kills the worker if it still runs, reaps it, and closes the lifeline.
         Stopping a stopped worker does nothing."""
         if self.process.returncode is None:
             self.process.kill()
-            self.process.communicate()
+            with contextlib.suppress(OSError, ValueError):  # its requests' end, already closed
+                self.process.communicate()
+            self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    pipe.close()
         if self._lifeline >= 0:
             _LIFELINES.discard(self._lifeline)
             with contextlib.suppress(OSError):
@@ -129,6 +205,30 @@ def start_worker(
 
     The `Worker`; `worker_answer` reads its answer, and `Worker.stop` ends it.
     """
+    with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: nothing to feed or close
+        stdin.write(json.dumps(request, ensure_ascii=True).encode("ascii"))
+        stdin.seek(0)
+        return _started(stdin, entry, env)
+
+
+def start_serving(entry: str, env: Mapping[str, str] | None = None) -> Worker:
+    """A fresh Python process running `entry`, as `start_worker` starts one (this
+    process's `sys.path`, dying with it), that answers several requests in turn:
+    `Worker.ask` sends one, `Worker.answer` reads its answer, and `Worker.stop`
+    ends it; `pool_answers` keeps several busy.
+
+    **Arguments:**
+
+    - `entry`: `module:function`, whose function answers each JSON line read from
+        stdin with one on stdout, until stdin ends (`serve_each`), and returns the
+        exit code.
+    - `env`: the worker's environment; by default this process's.
+    """
+    return _started(subprocess.PIPE, entry, env)
+
+
+def _started(stdin: Any, entry: str, env: Mapping[str, str] | None) -> Worker:
+    """`start_worker`'s and `start_serving`'s process, reading `stdin`."""
     read_end, write_end = os.pipe()  # neither is inherited by what this process runs
     _LIFELINES.add(write_end)
     program = _PROGRAM.format(
@@ -138,20 +238,17 @@ def start_worker(
         main_thread=threading.current_thread() is threading.main_thread(),
     )
     try:
-        with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: nothing to feed or close
-            stdin.write(json.dumps(request, ensure_ascii=True).encode("ascii"))
-            stdin.seek(0)
-            process = subprocess.Popen(
-                [sys.executable, "-c", program],
-                stdin=stdin,
-                stdout=subprocess.PIPE,
-                env=None if env is None else dict(env),
-                pass_fds=(read_end,),
-                # Ctrl-C reaches this process alone, which stops the workers (killing a
-                # worker halfway through starting Python or importing NumPy would
-                # print tracebacks)
-                start_new_session=True,
-            )
+        process = subprocess.Popen(
+            [sys.executable, "-c", program],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            env=None if env is None else dict(env),
+            pass_fds=(read_end,),
+            # Ctrl-C reaches this process alone, which stops the workers (killing a
+            # worker halfway through starting Python or importing NumPy would
+            # print tracebacks)
+            start_new_session=True,
+        )
     except BaseException:
         _LIFELINES.discard(write_end)
         os.close(write_end)
@@ -213,19 +310,29 @@ def worker_answer(worker: Worker, timeout: float, doing: str, hint: str) -> dict
     try:
         out, _ = worker.process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise ModelError(
-            f"{doing} took longer than {timeout:g} s, and was stopped; does the user's "
-            "code wait for something, or does it need a longer timeout?"
-        ) from None
+        raise _took_too_long(doing, timeout) from None
     finally:
         worker.stop()
+    return _document(out, worker, doing, hint)
+
+
+def _took_too_long(doing: str, timeout: float) -> ModelError:
+    return ModelError(
+        f"{doing} took longer than {timeout:g} s, and was stopped; does the user's "
+        "code wait for something, or does it need a longer timeout?"
+    )
+
+
+def _document(out: bytes, worker: Worker, doing: str, hint: str) -> dict[str, Any]:
+    """The answer `out` holds, `{"result": ...}`; its error raised as the same class;
+    none (the worker ended without one) a `ModelError` saying how it ended."""
     try:
         document = json.loads(out)
     except ValueError:
         document = None
     if not isinstance(document, dict) or not ("result" in document or "error" in document):
         code = worker.process.returncode
-        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         raise ModelError(
             f"{doing}: its process ended ({how}) without an answer; what it printed is "
             f"above. {hint}"
@@ -233,6 +340,87 @@ def worker_answer(worker: Worker, timeout: float, doing: str, hint: str) -> dict
     if "error" in document:
         raise rebuilt_error(document["error"])
     return document
+
+
+def pool_answers(
+    requests: Sequence[Mapping[str, Any]],
+    entry: str,
+    workers: int,
+    *,
+    first: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float,
+    doing: Sequence[str],
+    hint: str,
+) -> list[Any]:
+    """Each request's answer, from a pool of workers that take them from one queue:
+    each worker starts once (`start_serving`), then is handed the next request as
+    it answers the last, until none are left, so a slow request holds one worker
+    and the others take the rest.
+
+    **Arguments:**
+
+    - `requests`: one per piece of work, handed out in order.
+    - `entry`: the workers' `module:function`, which answers with `serve_each`.
+    - `workers`: how many start at once (at most one per request).
+    - `first`: what each worker's first request carries besides its own (the
+        inputs every request shares, sent once per worker).
+    - `env`: the workers' environment; by default this process's.
+    - `timeout`: the seconds each request may take.
+    - `doing`: each request's work, for messages ("costing fsdp (data=8) on 8
+        devices").
+    - `hint`: what to try when a worker ends without answering.
+
+    **Returns:**
+
+    Each request's `result`, in the requests' order; where its worker ended without
+    answering it (killed, out of memory) or took longer than `timeout`, the
+    `ModelError` saying so: that request alone fails, and a fresh worker takes the
+    next.
+
+    **Raises:**
+
+    An error a worker answers, as the same class (every worker is stopped).
+    """
+    results: list[Any] = [None] * len(requests)
+    queue = collections.deque(range(len(requests)))
+    busy: dict[Worker, int] = {}  # each worker, and the request it holds
+    started: list[Worker] = []
+
+    def hand(worker: Worker, fresh: bool) -> None:
+        i = queue.popleft()
+        request = {**(first or {}), **requests[i]} if fresh else requests[i]
+        worker.ask(request, timeout)
+        busy[worker] = i
+
+    try:
+        for _ in range(min(max(1, workers), len(requests))):
+            started.append(start_serving(entry, env))
+            hand(started[-1], True)
+        while busy:
+            soonest = min(worker.deadline for worker in busy)
+            ready = select.select(list(busy), [], [], max(0.0, soonest - time.monotonic()))[0]
+            due = [worker for worker in busy if worker.deadline <= time.monotonic()]
+            for worker in dict.fromkeys([*ready, *due]):
+                i = busy.pop(worker)
+                try:
+                    results[i] = worker.answer(doing[i], hint)["result"]
+                except ModelError as error:
+                    if worker.running:  # it answered this error: raised here
+                        raise
+                    results[i] = error  # it ended without answering: this request fails
+                    if queue:
+                        started.append(start_serving(entry, env))
+                        hand(started[-1], True)
+                    continue
+                if queue:
+                    hand(worker, False)
+                else:
+                    worker.stop()
+    finally:
+        for worker in started:
+            worker.stop()
+    return results
 
 
 def pickled(value: Any, what: str, fix: str) -> str:
@@ -400,4 +588,32 @@ def serve(handle: Callable[[Mapping[str, Any]], Any]) -> int:
         document = {"error": error_entry(error)}
     with contextlib.suppress(OSError), answer:  # OSError: the reader has gone
         json.dump(document, answer, ensure_ascii=True)
+    return 0
+
+
+def serve_each(handle: Callable[[Mapping[str, Any]], Any]) -> int:
+    """A worker's main for `start_serving`: answers each JSON line read from stdin
+    with one JSON line on stdout, `{"result": handle(request)}` or `{"error":
+    error_entry(...)}`, until stdin ends; as `serve`, nothing else goes to stdout.
+    What `handle` keeps between requests (JAX started, the step built) is its own.
+
+    **Returns:**
+
+    The exit code: 0 once stdin has ended or the reader has gone; 130 on Ctrl-C,
+    without an answer. It never prints a traceback.
+    """
+    sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "w", encoding="ascii")  # stdout, for the answers alone
+    with contextlib.suppress(OSError):
+        os.dup2(2, 1)  # anything else written to stdout, by Python or C, goes to stderr
+    with contextlib.suppress(OSError), answer:  # OSError: the reader has gone
+        while line := sys.stdin.readline():
+            try:
+                document: dict[str, Any] = {"result": handle(json.loads(line))}
+            except KeyboardInterrupt:
+                return 130
+            except BaseException as error:  # whatever it is, an answer rather than a traceback
+                document = {"error": error_entry(error)}
+            answer.write(json.dumps(document, ensure_ascii=True) + "\n")
+            answer.flush()
     return 0

@@ -4,10 +4,11 @@
 mesh of the device count, then `rank` costs each candidate with `eqshard.cost`: its
 `Rules` as the spec, compiled by XLA:CPU on simulated devices, or for a TPU slice by
 XLA:TPU through libtpu. Compiling is the slow part, so candidates are compiled in
-worker processes (`_process/_workers.py`, the one protocol), up to one per core. Each worker
-starts JAX once (or loads libtpu once), receives the step and the abstract model and
-arguments once, and costs its share of the candidates in turn; a candidate that fails
-to compile is listed with its error, and the others are ranked.
+worker processes (`_process/_workers.py`, the one protocol), as many as the cores hold
+compiles (`THREADS_PER_COMPILE`). Each worker starts JAX once (or loads libtpu once),
+receives the step and the abstract model and arguments once, then takes the candidates
+one at a time from a shared queue until none are left; a candidate that fails to
+compile, or whose worker dies, is listed with its error, and the others are ranked.
 
 Those that fit the memory limit (`max_memory`, else the chip's HBM on a target) are
 ranked by their roofline estimate (`Cost.estimate`, on the target's chip, else an
@@ -32,11 +33,10 @@ from .._errors import EqshardError, whole_number
 from .._fit import mesh_text
 from .._process._workers import (
     pickled,
-    serve,
-    start_worker,
+    pool_answers,
+    serve_each,
     unpickled,
     without_device_count,
-    worker_answer,
 )
 from .._report import human_bytes
 from .._sharding import device_tuple
@@ -57,6 +57,7 @@ __all__ = [
     "compile_in_workers",
     "memory_limit",
     "placement",
+    "pool_size",
     "rank",
     "ranked",
     "suggest",
@@ -476,9 +477,10 @@ def rank(
     - `max_memory`: device memory per device: bytes, or a size such as `"80GB"` or
         `"75GiB"` (as `eqshard check --max-memory` reads it). By default the target
         chip's HBM; without a target there is no limit, and every candidate fits.
-    - `workers`: how many worker processes compile at once (by default one per
-        core, at most one per candidate); `0` costs every candidate in this
-        process, one after another.
+    - `workers`: how many worker processes compile at once (by default as many as
+        the cores hold compiles, `pool_size`, at most one per candidate), each
+        taking the next candidate as it finishes one; `0` costs every candidate in
+        this process, one after another.
     - `dropped`: the candidates the generator dropped, `(name, reason)`, listed with
         the ranking's.
 
@@ -526,7 +528,13 @@ def _cost_one(
     """`eqshard.cost` of one candidate, or why it failed."""
     try:
         return cost(
-            model, *args, step=step, spec=rules, devices=None if target else devices, target=target
+            model,
+            *args,
+            step=step,
+            spec=rules,
+            devices=None if target else devices,
+            target=target,
+            compile_for="costing",  # cheaper, with the same figures (tests/test_cost.py)
         )
     except Exception as error:  # a candidate that does not compile is listed, not fatal
         return _error_text(error)
@@ -587,6 +595,21 @@ def ranked(
 
 _TIMEOUT_SECONDS = 3600.0  # each candidate's compile, in a worker
 
+# The cores one compile keeps busy, by compiler: XLA:TPU's own threads use about 1.8
+# (measured on a Llama ranking, issue 31), XLA:CPU's about 1; a pool larger than the
+# cores over this only makes each compile slower.
+THREADS_PER_COMPILE = {"XLA:TPU": 1.8, "XLA:CPU": 1.0}
+
+
+def pool_size(candidates: int, target: str | None, workers: int | None = None) -> int:
+    """How many compile workers `compile_in_workers` starts for `candidates`: `workers`
+    where given, else as many as the cores hold compiles (`THREADS_PER_COMPILE`), at
+    least one, never more than the candidates."""
+    if not workers:
+        threads = THREADS_PER_COMPILE["XLA:CPU" if target is None else "XLA:TPU"]
+        workers = max(1, int(_cores() // threads))
+    return max(1, min(workers, candidates))
+
 
 def compile_in_workers(
     candidates: Sequence[Candidate],
@@ -597,67 +620,77 @@ def compile_in_workers(
 ) -> list[Cost | str]:
     """Each candidate's `Cost`, or why it failed, compiled in worker processes.
 
-    Up to `workers` (by default one per core) start at once, each with its share of
-    the candidates (every `workers`-th), and answer once. `inputs` says how a worker
-    gets the step and its arguments, once: `{"pickle": ...}`, pickled (`pickled`),
-    or `{"build": "MODULE:FUNCTION", "request": {...}}`, a function that builds them
+    `pool_size` workers start at once (by default as many as the cores hold
+    compiles), each starting JAX or libtpu and building the step once, then take the
+    candidates one at a time from one queue (`pool_answers`), so a slow compile holds
+    one worker while the others take the rest. `inputs` says how a worker gets the
+    step and its arguments, once: `{"pickle": ...}`, pickled (`pickled`), or
+    `{"build": "MODULE:FUNCTION", "request": {...}}`, a function that builds them
     from the request (the command line's, which imports the user's modules by name).
     A worker that ends without an answer (killed, out of memory, past its time)
-    fails its share, each with that message; an error it answers (its inputs cannot
-    be read or built) is raised here.
+    fails the candidate it was compiling, with that message, and a fresh worker takes
+    the next; an error it answers (its inputs cannot be read or built) is raised here.
     """
     if not candidates:
         return []
-    count = min(workers or _cores(), len(candidates))
-    shares = [list(range(start, len(candidates), count)) for start in range(count)]
-    env = without_device_count(os.environ)
-    results: list[Cost | str] = ["not compiled"] * len(candidates)
-    running = []
-    try:
-        for share in shares:
-            request = {
-                "inputs": dict(inputs),
-                "devices": devices,
-                "target": target,
-                "rules": pickled(
-                    [candidates[i].rules for i in share],
-                    "the candidates' rules",
-                    "report it as a bug in eqshard",
-                ),
-            }
-            running.append((share, start_worker(request, "eqshard._search._suggest:_worker", env)))
-        for share, worker in running:
-            doing = f"costing {len(share)} candidates on {_where(devices, target)}"
-            try:
-                document = worker_answer(
-                    worker,
-                    _TIMEOUT_SECONDS * len(share),
-                    doing,
-                    "Cost the candidate with `eqshard.cost` in this process to see why",
-                )
-            except EqshardError as error:
-                if worker.process.returncode == 0:  # it answered: its error, raised here
-                    raise
-                for i in share:
-                    results[i] = str(error)
-                continue
-            for i, entry in zip(share, document["result"]):
-                found = entry.get("cost")
-                results[i] = entry["error"] if found is None else unpickled(found, "the cost")
-    finally:
-        for _, worker in running:
-            worker.stop()
+    where = _where(devices, target)
+    answers = pool_answers(
+        [
+            {"rules": pickled(c.rules, "the candidate's rules", "report it as a bug in eqshard")}
+            for c in candidates
+        ],
+        "eqshard._search._suggest:_worker",
+        pool_size(len(candidates), target, workers),
+        first={"inputs": dict(inputs), "devices": devices, "target": target},
+        env=without_device_count(os.environ),
+        timeout=_TIMEOUT_SECONDS,
+        doing=[f"costing {_name(c)} on {where}" for c in candidates],
+        hint="Cost the candidate with `eqshard.cost` in this process to see why",
+    )
+    results: list[Cost | str] = []
+    for answer in answers:
+        if isinstance(answer, EqshardError):  # its worker ended without answering
+            results.append(str(answer))
+        elif answer.get("cost") is None:
+            results.append(str(answer["error"]))
+        else:
+            results.append(unpickled(answer["cost"], "the cost"))
     return results
 
 
 def _worker() -> int:
-    """A worker's entry (`compile_in_workers`): costs its share of the candidates."""
-    return serve(_costs_here)
+    """A worker's entry (`compile_in_workers`): costs one candidate per request."""
+    return serve_each(_Costing())
 
 
-def _costs_here(request: Mapping[str, Any]) -> list[dict[str, str]]:
-    """The worker's costs, JAX not yet started: one entry per candidate, `{"cost":
-    pickled Cost}` or `{"error": why}`."""
+class _Costing:
+    """A compile worker's requests (`serve_each`): its first carries the step's
+    inputs, which it reads once (JAX started, the step built), and each one a
+    candidate's rules, which it costs."""
+
+    def __init__(self) -> None:
+        self.inputs: tuple[Any, Any, tuple[Any, ...]] | None = None
+        self.devices = 0
+        self.target: str | None = None
+
+    def __call__(self, request: Mapping[str, Any]) -> dict[str, str]:
+        if "inputs" in request:
+            self.inputs = _costs_here(request)
+            self.devices = whole_number(request["devices"], "devices")
+            self.target = request.get("target")
+        if self.inputs is None:
+            raise EqshardError("a compile worker's first request carries the step's inputs")
+        step, model, args = self.inputs
+        rules = unpickled(request["rules"], "the candidate's rules")
+        found = _cost_one(step, model, args, rules, self.devices, self.target)
+        if isinstance(found, str):
+            return {"error": found}
+        return {"cost": pickled(portable(found), "the cost", "report it as a bug")}
+
+
+def _costs_here(request: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...]]:
+    """The step and its arguments in a compile worker, JAX not yet started: JAX
+    started on the request's devices (or for its target), then the inputs read."""
     import jax
 
     target = request.get("target")
@@ -673,14 +706,7 @@ def _costs_here(request: Mapping[str, Any]) -> list[dict[str, str]]:
             f"but JAX started with {started}: the step's modules set that count "
             "(jax.config.update('jax_num_cpu_devices', ...)); leave the count to eqshard"
         )
-    answers = []
-    for rules in unpickled(request["rules"], "the candidates' rules"):
-        found = _cost_one(step, model, args, rules, devices, target)
-        if isinstance(found, str):
-            answers.append({"error": found})
-        else:
-            answers.append({"cost": pickled(portable(found), "the cost", "report it as a bug")})
-    return answers
+    return step, model, args
 
 
 def _inputs(entry: Mapping[str, Any]) -> tuple[Any, Any, tuple[Any, ...]]:

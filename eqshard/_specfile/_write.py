@@ -1,4 +1,4 @@
-"""Writing a spec file: `dump`, and `write_atomically`.
+"""Writing a spec file: `dump`, `write_atomically`, and `check_writable`.
 
 `dump` writes `Rules`, or a spec tree as rules, to a file that loads back to the
 same layouts: what it would write is checked as `load` checks a file, and written
@@ -29,7 +29,7 @@ from ._model import Rule, Rules
 from ._read import is_regular
 from ._schema import SCHEMA_FILE, SCHEMA_FOLDER
 
-__all__ = ["dump", "schema_reference", "write_atomically"]
+__all__ = ["check_writable", "dump", "schema_reference", "write_atomically"]
 
 
 def dump(
@@ -163,18 +163,45 @@ def _there(path: Path, kind: Callable[[int], bool] = bool) -> bool:
         return False
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Writes `data` to a new file beside `path`, then renames it over `path`: the
-    file is either the old one or the new one, whole, even on a full disk. Where
-    `path` is a symbolic link, the file it points to is written (the new file is
-    made in that file's folder), and the link stays a link."""
+def check_writable(path: str | os.PathLike[str]) -> Path:
+    """The file a spec file written at `path` lands in (through every link), once it
+    is known that one can be: `path` is not empty, is not a directory, pipe or link
+    that leads to itself, and its folder exists. Nothing is written. `write_atomically`
+    checks the same; `eqshard suggest --write` checks it before compiling anything.
+
+    **Raises:** `EqshardError` naming `path` and what is wrong with it.
+    """
     name = os.fspath(path)
+    if not name:
+        raise EqshardError("not written: the path is empty: name a file, such as best.eqshard.json")
     try:
         target = Path(os.path.realpath(path))  # through every link, to the file itself
         if target.is_symlink():
             raise EqshardError(f"not written: {name} is a symbolic link that leads to itself")
         if target.exists() and not is_regular(target):
             raise EqshardError(f"not written: {name} is not a regular file (a directory or pipe)")
+        if not target.parent.is_dir():
+            raise EqshardError(
+                f"not written: {name} is in a folder that does not exist ({target.parent}): "
+                "create the folder first, or name a file in one that exists"
+            )
+    except (OSError, ValueError) as error:
+        if isinstance(error, EqshardError):
+            raise
+        raise EqshardError(
+            f"cannot write {name}: {getattr(error, 'strerror', None) or error}"
+        ) from None
+    return target
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Writes `data` to a new file beside `path`, then renames it over `path`: the
+    file is either the old one or the new one, whole, even on a full disk. Where
+    `path` is a symbolic link, the file it points to is written (the new file is
+    made in that file's folder), and the link stays a link."""
+    name = os.fspath(path)
+    target = check_writable(path)
+    try:
         # Made with mode 0o666, which the kernel masks with the umask, as for any new
         # file (reading the umask would race with other threads).
         temporary = str(target.parent / f".{target.name}.{secrets.token_hex(8)}.tmp")
