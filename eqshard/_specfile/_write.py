@@ -188,10 +188,13 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
     except (OSError, ValueError) as error:
         if isinstance(error, EqshardError):
             raise
-        raise EqshardError(
-            f"cannot write {name}: {getattr(error, 'strerror', None) or error}"
-        ) from None
+        raise _cannot_write(name, error) from None
     return target
+
+
+def _cannot_write(name: str, error: BaseException) -> EqshardError:
+    """The operating system's refusal to write `name`, in its own words."""
+    return EqshardError(f"cannot write {name}: {getattr(error, 'strerror', None) or error}")
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -209,9 +212,7 @@ def write_atomically(path: Path, data: bytes) -> None:
     except (OSError, ValueError) as error:
         if isinstance(error, EqshardError):
             raise
-        raise EqshardError(
-            f"cannot write {name}: {getattr(error, 'strerror', None) or error}"
-        ) from None
+        raise _cannot_write(name, error) from None
     try:
         with os.fdopen(descriptor, "wb") as file:
             file.write(data)
