@@ -20,6 +20,7 @@ from ._sharding import AnyMesh, Devices
 __all__ = [
     "LeafRow",
     "Report",
+    "as_text",
     "device_bytes_per_device",
     "host_bytes_per_device",
     "human_bytes",
@@ -62,6 +63,16 @@ class LeafRow:
     def on_host(self) -> bool:
         """Whether its part is held in host memory, not the device's."""
         return self.memory_kind is not None
+
+
+def as_text(renderable: Any, width: int) -> str:
+    """A rich table (or anything rich prints) as plain text `width` columns wide, with
+    no markup or emoji read into it: how every result's `str` is written."""
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=io.StringIO(), markup=False, emoji=False)
+    console.print(renderable)
+    return console.export_text().rstrip() + "\n"
 
 
 def spec_text(spec: Any) -> str:
@@ -220,11 +231,7 @@ class Report:
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=160, record=True, file=io.StringIO(), markup=False, emoji=False)
-        console.print(self)
-        return console.export_text().rstrip() + "\n"
+        return as_text(self, 160)
 
     def to_json(self) -> dict[str, Any]:
         return {

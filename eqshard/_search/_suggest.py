@@ -18,7 +18,6 @@ H100); the others follow, closest to the limit first, and the failures last.
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,7 +37,7 @@ from .._process._workers import (
     unpickled,
     without_device_count,
 )
-from .._report import human_bytes
+from .._report import as_text, human_bytes
 from .._sharding import device_tuple
 from .._specfile._model import Rules
 from ._candidates import Candidate, candidates
@@ -367,11 +366,7 @@ class Ranked(Sequence[Suggestion]):
         return notes
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=WIDTH, record=True, file=io.StringIO(), markup=False, emoji=False)
-        console.print(self)
-        return console.export_text().rstrip() + "\n"
+        return as_text(self, WIDTH)
 
     def to_json(self) -> dict[str, Any]:
         """The ranking as JSON: where it was compiled, the limit, each suggestion in

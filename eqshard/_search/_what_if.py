@@ -10,14 +10,13 @@ and why none did, and `Targets` shows the rows as one table. The command line's
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._cost._hardware import seconds_text
 from .._errors import EqshardError
 from .._fit import mesh_text
-from .._report import human_bytes
+from .._report import as_text, human_bytes
 from ._suggest import WIDTH, Ranked, Suggestion, out_of_memory, placement, suggest
 
 if TYPE_CHECKING:
@@ -152,11 +151,7 @@ class Targets(Sequence[TargetRow]):
         return table
 
     def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=WIDTH, record=True, file=io.StringIO(), markup=False, emoji=False)
-        console.print(self)
-        return console.export_text().rstrip() + "\n"
+        return as_text(self, WIDTH)
 
     def to_json(self) -> dict[str, Any]:
         """The rows as JSON (`TargetRow.to_json`), in order."""
