@@ -321,6 +321,7 @@ def test_bfloat16_collectives_on_xla_cpu_are_named_as_its_float32_copies():
     cpu = eqshard.cost(model, x, step=step, spec=spec)
     gradients = (64 * 256 + 256 + 256 * 64 + 64) * 2  # bfloat16
     assert cpu.bytes_by_axes() == {("all-reduce", ("data",)): 2 * gradients}
+    assert cpu.memory.gradients == gradients  # bfloat16 is inexact: its gradients count
     assert cpu.promoted == (
         "XLA:CPU moves bfloat16 collectives as float32 copies: up to twice the bytes an "
         "accelerator moves (a TPU target shows its own)"

@@ -212,7 +212,7 @@ def read_memory(held: Held, compiled: Compiled) -> Memory:
         state=_bytes(held.state),
         optimizer=_bytes(held.optimizer),
         gradients=_bytes(
-            row for row in held.parameters if np.issubdtype(np.dtype(row.dtype), np.inexact)
+            row for row in held.parameters if jax.numpy.issubdtype(row.dtype, jax.numpy.inexact)
         ),
         arguments=max(arguments, 0),
         outputs=max(outputs, 0),
