@@ -1,4 +1,4 @@
-"""`eqshard.suggest`'s wall time: every candidate generated and compiled, ranked.
+"""`eqshard.suggest`'s wall time, pruned by its estimates beside exhaustive.
 
 Run: `python benchmarks/bench_suggest.py [--only gpt8,gpt64,llama] [--workers N]
 [--json PATH]`; `--json` also writes the numbers, and each ranking as
@@ -12,11 +12,14 @@ Run: `python benchmarks/bench_suggest.py [--only gpt8,gpt64,llama] [--workers N]
     chips), compiled by XLA:TPU through libtpu on this CPU machine, within 95 GiB
     per chip (the v5p's HBM).
 
-For each: the wall time of the whole search (tracing the step for its pairs,
-generating, and compiling each candidate in worker processes, one per core unless
-`--workers`), beside the wall time of one `eqshard.cost` of the best candidate in
-this process times the number of candidates compiled (the search done one `cost`
-after another), and their ratio; then the table.
+For each, in one run: the wall time of the whole search as `suggest` runs it
+(estimates first, then compiling only what they cannot rule out) beside
+`suggest(..., exhaustive=True)` (every candidate compiled), and their ratio; how many
+candidates each compiled; whether both picked the same best; and the rank agreement of
+the estimates the pruned search ranked by with the exhaustive search's compiled
+figures, over every candidate both ranked (Kendall's tau: 1 is the same order, 0 no
+better than chance). The floor: one `eqshard.cost` of the best in this process, times
+the candidates the exhaustive search compiled.
 """
 
 import argparse
@@ -52,35 +55,73 @@ def _inputs(ns, rows: int):
     return model, opt_state, batch
 
 
-def run(title: str, ns, rows: int, workers: int | None, **where) -> dict:
-    model, opt_state, batch = _inputs(ns, rows)
+def kendall(first: list[float], second: list[float]) -> float:
+    """Kendall's tau-a of two orders of the same items."""
+    pairs = concordant = discordant = 0
+    for i in range(len(first)):
+        for j in range(i + 1, len(first)):
+            a = (first[i] > first[j]) - (first[i] < first[j])
+            b = (second[i] > second[j]) - (second[i] < second[j])
+            pairs += 1
+            concordant += a * b > 0
+            discordant += a * b < 0
+    return (concordant - discordant) / pairs if pairs else 1.0
+
+
+def _search(inputs, ns, workers, exhaustive, where) -> tuple[eqshard.Ranked, float]:
     start = time.perf_counter()
-    ranked = eqshard.suggest(model, opt_state, batch, step=ns["step"], workers=workers, **where)
-    search = time.perf_counter() - start
-    costed = [s for s in ranked if s.cost is not None]
-    print(f"\n{title}: {len(ranked)} candidates ranked, {len(ranked.dropped)} dropped or failed")
-    best = ranked.best
+    found = eqshard.suggest(
+        *inputs, step=ns["step"], workers=workers, exhaustive=exhaustive, **where
+    )
+    return found, time.perf_counter() - start
+
+
+def run(title: str, ns, rows: int, workers: int | None, **where) -> dict:
+    inputs = _inputs(ns, rows)
+    pruned, pruned_seconds = _search(inputs, ns, workers, False, where)
+    full, full_seconds = _search(inputs, ns, workers, True, where)
+    compiled = sum(s.cost is not None for s in pruned)
+    costed = sum(s.cost is not None for s in full)
+    print(f"\n{title}: {len(full)} candidates ranked, {len(full.dropped)} dropped or failed")
+    seconds = {s.name: s.cost.estimate().seconds for s in full if s.cost is not None}
+    guessed = [(s.guess, seconds[s.name]) for s in pruned if s.guess and s.name in seconds]
+    agreement = kendall([g for g, _ in guessed], [c for _, c in guessed])
+    same = (pruned.best and pruned.best.name) == (full.best and full.best.name)
     one = None
-    if best is not None:
+    if full.best is not None:
         start = time.perf_counter()
         placed = {k: v for k, v in where.items() if k in ("devices", "target")}
-        eqshard.cost(model, opt_state, batch, step=ns["step"], spec=best.rules, **placed)
+        eqshard.cost(*inputs, step=ns["step"], spec=full.best.rules, **placed)
         one = time.perf_counter() - start
+    floor = None if one is None else one * costed
+    print(
+        f"  suggest {pruned_seconds:.1f} s, {compiled} of {len(pruned)} compiled; "
+        f"exhaustive {full_seconds:.1f} s, {costed} compiled: "
+        f"{full_seconds / pruned_seconds:.2f}x the pruned search's time"
+    )
+    if floor is not None:
         print(
-            f"  wall time: suggest {search:.1f} s for {len(costed)} compiles; one cost of the "
-            f"best in this process {one:.1f} s, so {len(costed)} one after another about "
-            f"{one * len(costed):.1f} s: suggest takes {search / (one * len(costed)):.2f}x that"
+            f"  floor: one cost of the best in this process {one:.1f} s, times {costed}: "
+            f"{floor:.1f} s; suggest takes {pruned_seconds / floor:.2f}x that"
         )
-    else:
-        print(f"  wall time: suggest {search:.1f} s for {len(costed)} compiles; nothing fits")
-    print(ranked)
-    found = ranked.to_json()
+    print(
+        f"  same best: {'yes' if same else 'NO'} ({pruned.best.name if pruned.best else None}); "
+        f"rank agreement of its estimates with the compiled figures over {len(guessed)} "
+        f"candidates: Kendall's tau {agreement:.2f}"
+    )
+    print(pruned)
+    found = pruned.to_json()
     for suggestion in found["suggestions"]:
         del suggestion["rules"]  # the spec files: long, and not what is timed
     return {
         "title": title,
-        "search": search,
-        "compiled": len(costed),
+        "search": pruned_seconds,
+        "compiled": compiled,
+        "exhaustive": full_seconds,
+        "exhaustive_compiled": costed,
+        "same_best": same,
+        "kendall": agreement,
+        "ranked_with": len(guessed),
         "one_cost": one,
         "ranked": found,
     }

@@ -292,7 +292,7 @@ def suggest_table(found: Found) -> str:
     for run in found["runs"].values():
         ranked = run["ranked"]
         memory, failed = _refused(ranked)
-        compiled = f"{run['compiled']}"
+        compiled = f"{run['compiled']} of {len(ranked['suggestions'])}"
         if memory:
             compiled += f" (+{memory} the compiler ran out of HBM for)"
         if failed:
@@ -301,16 +301,27 @@ def suggest_table(found: Found) -> str:
         where = (
             f"{ranked['target']} (XLA:TPU)" if ranked["target"] else f"{ranked['devices']} devices"
         )
-        search, one = run["search"], run["one_cost"]
+        search, full = run["search"], run["exhaustive"]
         rows.append(
             [
                 f"{run['title'].split(',')[0]}, {where}, within {_bytes(limit['bytes'])}",
                 compiled,
                 f"{search:.1f} s",
-                "-" if one is None else f"{search / (one * run['compiled']):.2f}x",
+                f"{full:.1f} s ({run['exhaustive_compiled']} compiled)",
+                _x(full / search),
+                "yes" if run["same_best"] else "**no**",
+                f"{run['kendall']:.2f} ({run['ranked_with']})",
             ]
         )
-    header = ["search", "compiled", "wall time", "against one after another (estimated)"]
+    header = [
+        "search",
+        "compiled",
+        "suggest",
+        "exhaustive",
+        "exhaustive / suggest",
+        "same best",
+        "rank agreement (Kendall's tau, candidates)",
+    ]
     workers = found["workers"] or "one per core"
     return f"Workers: {workers}.\n\n" + _table(header, rows)
 
@@ -335,7 +346,21 @@ def ranking(run_name: str) -> Callable[[Found], str]:
             mesh = " x ".join(f"{name}={size}" for name, size in s["mesh"])
             if s.get("error"):
                 brief = out_of_memory(s["error"]) or "failed: " + s["error"].splitlines()[0]
-                rows.append(["-", s["strategy"], mesh, "-", brief, "-", "-"])
+                rows.append(["-", s["strategy"], mesh, "-", brief, "-", "-", "failed"])
+                continue
+            if s["figures"] != "compiled":  # ruled out before compiling: its estimates
+                guess = s["estimated"]
+                moved = "<br>".join(
+                    f"~{'+'.join(c['axes'])} {_bytes(c['bytes'])}" for c in guess["communication"]
+                )
+                fits = (
+                    "unknown: not compiled"
+                    if s["over"] is None
+                    else f"no: its arguments alone {s['over']:.2f}x the limit"
+                )
+                seconds = "-" if guess["seconds"] is None else "~" + _seconds(guess["seconds"])
+                held = f">= {_bytes(guess['arguments'])}"
+                rows.append(["-", s["strategy"], mesh, held, fits, moved, seconds, s["figures"]])
                 continue
             moved = "<br>".join(
                 f"{'+'.join(c['axes']) or '-'} {_bytes(c['bytes'])}" for c in s["communication"]
@@ -343,15 +368,34 @@ def ranking(run_name: str) -> Callable[[Found], str]:
             fits = "yes" if s["fits"] else f"no: {s['over']:.2f}x the limit"
             estimate = _seconds(s["estimate"]["seconds"])
             rows.append(
-                [str(number), s["strategy"], mesh, _bytes(s["peak"]), fits, moved, estimate]
+                [
+                    str(number),
+                    s["strategy"],
+                    mesh,
+                    _bytes(s["peak"]),
+                    fits,
+                    moved,
+                    estimate,
+                    "compiled",
+                ]
             )
-        header = ["#", "strategy", "mesh", "peak / device", "fits", "moved / step", "estimate"]
+        header = [
+            "#",
+            "strategy",
+            "mesh",
+            "peak / device",
+            "fits",
+            "moved / step",
+            "estimate",
+            "figures",
+        ]
         where = f"{ranked['target']}, " if ranked["target"] else ""
         lines = [
             f"{len(ranked['suggestions'])} candidates on {where}{ranked['devices']} devices, "
             f"within {_bytes(limit['bytes'])} per device, compiled by {ranked['compiler']}. "
             f"The estimates are rooflines on {ranked['hardware']}, never measurements. "
-            f"The search took {run['search']:.1f} s.",
+            f"The search took {run['search']:.1f} s and compiled {run['compiled']} of them; "
+            "a row not compiled shows its exact bytes held ('>='), the rest estimated ('~').",
             "",
             _table(header, rows),
         ]

@@ -14,15 +14,30 @@ devices that 16 divides.
 compiler, beside XLA:CPU's figures.
 """
 
+from typing import NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
-VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS = 128256, 4096, 32, 8, 14336, 32
-HEAD = DIM // HEADS
-BATCH, SEQUENCE = 16, 2048
+
+class Sizes(NamedTuple):
+    """The model's sizes: Llama 3 8B's by default (the tests build a small one)."""
+
+    vocab: int = 128256
+    dim: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    hidden: int = 14336
+    layers: int = 32
+    batch: int = 16
+    sequence: int = 2048
+
+
+SIZES = Sizes()
+VOCAB, DIM, HEADS, KV_HEADS, HIDDEN, LAYERS, BATCH, SEQUENCE = SIZES
 
 
 class Layer(eqx.Module):
@@ -37,26 +52,30 @@ class Layer(eqx.Module):
     gate: eqx.nn.Linear
     up: eqx.nn.Linear
     down: eqx.nn.Linear
+    heads: int = eqx.field(static=True)
+    kv_heads: int = eqx.field(static=True)
 
-    def __init__(self, key):
+    def __init__(self, key, sizes: Sizes = SIZES):
         keys = jax.random.split(key, 7)
-        self.attention_norm = eqx.nn.RMSNorm(DIM, use_bias=False)
-        self.q = eqx.nn.Linear(DIM, HEADS * HEAD, use_bias=False, key=keys[0])
-        self.k = eqx.nn.Linear(DIM, KV_HEADS * HEAD, use_bias=False, key=keys[1])
-        self.v = eqx.nn.Linear(DIM, KV_HEADS * HEAD, use_bias=False, key=keys[2])
-        self.o = eqx.nn.Linear(HEADS * HEAD, DIM, use_bias=False, key=keys[3])
-        self.mlp_norm = eqx.nn.RMSNorm(DIM, use_bias=False)
-        self.gate = eqx.nn.Linear(DIM, HIDDEN, use_bias=False, key=keys[4])
-        self.up = eqx.nn.Linear(DIM, HIDDEN, use_bias=False, key=keys[5])
-        self.down = eqx.nn.Linear(HIDDEN, DIM, use_bias=False, key=keys[6])
+        dim, hidden, head = sizes.dim, sizes.hidden, sizes.dim // sizes.heads
+        self.heads, self.kv_heads = sizes.heads, sizes.kv_heads
+        self.attention_norm = eqx.nn.RMSNorm(dim, use_bias=False)
+        self.q = eqx.nn.Linear(dim, sizes.heads * head, use_bias=False, key=keys[0])
+        self.k = eqx.nn.Linear(dim, sizes.kv_heads * head, use_bias=False, key=keys[1])
+        self.v = eqx.nn.Linear(dim, sizes.kv_heads * head, use_bias=False, key=keys[2])
+        self.o = eqx.nn.Linear(sizes.heads * head, dim, use_bias=False, key=keys[3])
+        self.mlp_norm = eqx.nn.RMSNorm(dim, use_bias=False)
+        self.gate = eqx.nn.Linear(dim, hidden, use_bias=False, key=keys[4])
+        self.up = eqx.nn.Linear(dim, hidden, use_bias=False, key=keys[5])
+        self.down = eqx.nn.Linear(hidden, dim, use_bias=False, key=keys[6])
 
     def __call__(self, x: Float[Array, "seq dim"]) -> Float[Array, "seq dim"]:
         h = jax.vmap(self.attention_norm)(x)
-        q = jax.vmap(self.q)(h).reshape(-1, HEADS, HEAD)
-        k = jax.vmap(self.k)(h).reshape(-1, KV_HEADS, HEAD)
-        v = jax.vmap(self.v)(h).reshape(-1, KV_HEADS, HEAD)
+        q = jax.vmap(self.q)(h).reshape(x.shape[0], self.heads, -1)
+        k = jax.vmap(self.k)(h).reshape(x.shape[0], self.kv_heads, -1)
+        v = jax.vmap(self.v)(h).reshape(x.shape[0], self.kv_heads, -1)
         attended = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        x = x + jax.vmap(self.o)(attended.reshape(-1, HEADS * HEAD))
+        x = x + jax.vmap(self.o)(attended.reshape(x.shape[0], -1))
         h = jax.vmap(self.mlp_norm)(x)
         gated = jax.nn.silu(jax.vmap(self.gate)(h)) * jax.vmap(self.up)(h)
         return x + jax.vmap(self.down)(gated)
@@ -68,12 +87,13 @@ class Llama(eqx.Module):
     norm: eqx.nn.RMSNorm
     head: eqx.nn.Linear
 
-    def __init__(self, key):
+    def __init__(self, key, sizes: Sizes = SIZES):
         k_embed, k_layers, k_head = jax.random.split(key, 3)
-        self.embed = eqx.nn.Embedding(VOCAB, DIM, key=k_embed)
-        self.layers = eqx.filter_vmap(Layer)(jax.random.split(k_layers, LAYERS))
-        self.norm = eqx.nn.RMSNorm(DIM, use_bias=False)
-        self.head = eqx.nn.Linear(DIM, VOCAB, use_bias=False, key=k_head)
+        self.embed = eqx.nn.Embedding(sizes.vocab, sizes.dim, key=k_embed)
+        keys = jax.random.split(k_layers, sizes.layers)
+        self.layers = eqx.filter_vmap(lambda k: Layer(k, sizes))(keys)
+        self.norm = eqx.nn.RMSNorm(sizes.dim, use_bias=False)
+        self.head = eqx.nn.Linear(sizes.dim, sizes.vocab, use_bias=False, key=k_head)
 
     def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
         x = jax.vmap(self.embed)(tokens)
@@ -87,9 +107,9 @@ class Llama(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
 
 
-def build() -> Llama:
+def build(sizes: Sizes = SIZES) -> Llama:
     """The model in bfloat16 (build it with `eqx.filter_eval_shape(build)`)."""
-    model = Llama(jax.random.key(0))
+    model = Llama(jax.random.key(0), sizes)
     return jax.tree_util.tree_map(
         lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model
     )
@@ -99,8 +119,8 @@ def optimizer() -> optax.GradientTransformation:
     return optax.adamw(3e-4)
 
 
-def batch() -> Int[Array, "batch seq_plus_1"]:
-    return jnp.zeros((BATCH, SEQUENCE + 1), jnp.int32)
+def batch(sizes: Sizes = SIZES) -> Int[Array, "batch seq_plus_1"]:
+    return jnp.zeros((sizes.batch, sizes.sequence + 1), jnp.int32)
 
 
 def loss(model: Llama, tokens: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:

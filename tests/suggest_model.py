@@ -59,3 +59,35 @@ def failing_step(model, opt_state, x):
 
 def dying_step(model, opt_state, x):
     os._exit(3)  # as a compiler killed for its memory would: no answer
+
+
+# examples/llama_8b.py, run in this module's name as the GPT is: its classes are found
+# here by name, and a small one is built from them
+_LLAMA = runpy.run_path(str(EXAMPLE.parent / "llama_8b.py"), run_name=__name__)
+Llama, Layer = _LLAMA["Llama"], _LLAMA["Layer"]
+LLAMA_SIZES = _LLAMA["Sizes"](
+    vocab=512, dim=128, heads=4, kv_heads=2, hidden=256, layers=4, batch=16, sequence=64
+)
+
+
+def llama_build():
+    """A Llama-shaped model, small: its layers stacked and scanned, in bfloat16."""
+    return _LLAMA["build"](LLAMA_SIZES)
+
+
+def llama_optimizer() -> optax.GradientTransformation:
+    return _LLAMA["optimizer"]()
+
+
+def llama_batch() -> jax.Array:
+    return _LLAMA["batch"](LLAMA_SIZES)
+
+
+def llama_step(model, opt_state, tokens):
+    return _LLAMA["step"](model, opt_state, tokens)
+
+
+def batch64() -> jax.Array:
+    """The GPT's batch with 64 rows: one per device on 64 devices."""
+    tokens = batch()
+    return jnp.zeros((64, *tokens.shape[1:]), tokens.dtype)

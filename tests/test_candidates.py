@@ -272,7 +272,12 @@ def _plans_cleanly(candidate: Candidate, model: Any, devices: int) -> Any:
     mesh = planned.plan.mesh
     assert mesh is not None
     assert tuple(zip(mesh.axis_names, mesh.axis_sizes)) == candidate.mesh
-    assert candidate.rules.mesh == candidate.mesh
+    # the declared mesh scales with the device count ("*", `None`), the tensor degree fixed
+    model_size = dict(candidate.mesh)["model"]
+    megatron = candidate.strategy == "megatron"
+    assert candidate.rules.mesh == (
+        (("data", 1), ("model", None)) if megatron else (("data", None), ("model", model_size))
+    )
     assert candidate.rules.comment is not None
     assert candidate.rules.comment.startswith(f"{candidate.strategy} on data=")
     return planned.plan
@@ -314,24 +319,24 @@ def test_the_gpt_candidates_on_8_devices(gpt):
     assert (dp.default, dp.rules, str(dp.batch), dp.optimizer) == (
         "replicate",
         (),
-        "b ... -> b8 ...",
+        "b ... -> b* ...",
         None,
     )
-    assert (fsdp.default, fsdp.rules, str(fsdp.batch)) == ("fsdp", (), "b ... -> b8 ...")
+    assert (fsdp.default, fsdp.rules, str(fsdp.batch)) == ("fsdp", (), "b ... -> b* ...")
     assert zero.optimizer is not None
     assert (zero.default, zero.optimizer.default, zero.optimizer.rules) == ("replicate", "fsdp", ())
     assert str(by["megatron on data=1, model=8"].batch) == "... -> * ..."
-    assert str(by["data x tensor on data=2, model=4"].batch) == "b ... -> b2 ... 4"
+    assert str(by["data x tensor on data=2, model=4"].batch) == "b ... -> b* ... 4"
     fsdp_tensor = by["fsdp x tensor on data=2, model=4"]
     assert fsdp_tensor.default == "fsdp"
     assert [(r.path, str(r.expr)) for r in fsdp_tensor.rules] == [
-        ("embed.weight", "v d -> d2 v4"),
-        ("**.output_proj.weight", "... o i -> ... o2 i4"),
-        ("**.*_proj.weight", "... o i -> ... i2 o4"),  # data on the input, model on the output
-        ("**.up.weight", "... o i -> ... i2 o4"),
-        ("**.up.bias", "... o -> ... o8"),  # one dim over both axes
-        ("**.down.weight", "... o i -> ... o i8"),  # 128 / 4 = 32, the largest that 2 divides
-        ("unembed.weight", "v d -> d2 v4"),
+        ("embed.weight", "v d -> d* v4"),
+        ("**.output_proj.weight", "... o i -> ... o* i4"),
+        ("**.*_proj.weight", "... o i -> ... i* o4"),  # data on the input, model on the output
+        ("**.up.weight", "... o i -> ... i* o4"),
+        ("**.up.bias", "... o -> ... o4*"),  # one dim over both axes
+        ("**.down.weight", "... o i -> ... o i4*"),  # 128 / 4 = 32, the largest that 2 divides
+        ("unembed.weight", "v d -> d* v4"),
     ]
     # the names the GPT gives its activations: only the batch axis follows the batch
     assert dp.dims == {"batch": "data", "seq": None, "embed": None, "vocab": None}
@@ -425,26 +430,26 @@ def test_the_llama_candidates_on_64_devices(llama):
         "column-parallel: feeds layers.down.weight",
     )
     assert [(r.path, str(r.expr), r.comment) for r in rules.rules] == [
-        ("embed.weight", "v d -> v64 d", "vocab-parallel embedding: looked up by the batch"),
-        ("**.q.weight", "... o i -> ... o64 i", to_o),
-        ("**.k.weight", "... o i -> ... o64 i", to_o),
-        ("**.v.weight", "... o i -> ... o64 i", to_o),
+        ("embed.weight", "v d -> v* d", "vocab-parallel embedding: looked up by the batch"),
+        ("**.q.weight", "... o i -> ... o* i", to_o),
+        ("**.k.weight", "... o i -> ... o* i", to_o),
+        ("**.v.weight", "... o i -> ... o* i", to_o),
         (
             "**.o.weight",
-            "... o i -> ... o i64",
+            "... o i -> ... o i*",
             "row-parallel: fed by layers.q.weight, layers.k.weight, layers.v.weight; one "
             "all-reduce over 'model'",
         ),
-        ("**.gate.weight", "... o i -> ... o64 i", to_down),
-        ("**.up.weight", "... o i -> ... o64 i", to_down),
+        ("**.gate.weight", "... o i -> ... o* i", to_down),
+        ("**.up.weight", "... o i -> ... o* i", to_down),
         (
             "**.down.weight",
-            "... o i -> ... o i64",
+            "... o i -> ... o i*",
             "row-parallel: fed by layers.gate.weight, layers.up.weight; one all-reduce over 'model'",
         ),
         (
             "head.weight",
-            "v d -> v64 d",
+            "v d -> v* d",
             "vocab-parallel: split over its outputs, which feed no other weight",
         ),
     ]
@@ -481,9 +486,9 @@ def test_repairs_and_drops_say_what_and_why():
     for c in kept:
         _plans_cleanly(c, mlp, 8)
     assert [(r.path, str(r.expr)) for r in by["data x tensor on data=2, model=4"].rules.rules] == [
-        ("layers.0.weight", "o i -> 2 o4 i"),
-        ("layers.0.bias", "o -> 2 o4"),
-        ("layers.1.weight", "o i -> 2 o i4"),
+        ("layers.0.weight", "o i -> * o4 i"),
+        ("layers.0.bias", "o -> * o4"),
+        ("layers.1.weight", "o i -> * o i4"),
     ]
     assert by["fsdp x tensor on data=4, model=2"].repairs == (
         "layers.0.bias float32[12]: no dim of its part on each 'model' device, [6], is a "
@@ -549,24 +554,24 @@ def test_the_rules_are_few_globs_with_a_comment_each(gpt):
     megatron = next(c for c in kept if c.strategy == "megatron")
     row = "row-parallel: fed by {}; one all-reduce over 'model'"
     assert [(r.path, str(r.expr), r.comment) for r in megatron.rules.rules] == [
-        ("embed.weight", "v d -> v8 d", "vocab-parallel embedding: looked up by the batch"),
-        ("**.output_proj.weight", "... o i -> ... o i8", row.format(", ".join(QKV))),
+        ("embed.weight", "v d -> v* d", "vocab-parallel embedding: looked up by the batch"),
+        ("**.output_proj.weight", "... o i -> ... o i*", row.format(", ".join(QKV))),
         # after the rule that takes output_proj, one glob for query, key and value
         (
             "**.*_proj.weight",
-            "... o i -> ... o8 i",
+            "... o i -> ... o* i",
             "column-parallel: feeds blocks.attn.output_proj.weight",
         ),
-        ("**.up.weight", "... o i -> ... o8 i", "column-parallel: feeds blocks.down.weight"),
+        ("**.up.weight", "... o i -> ... o* i", "column-parallel: feeds blocks.down.weight"),
         (
             "**.up.bias",
-            "... o -> ... o8",
+            "... o -> ... o*",
             "column-parallel bias of blocks.up.weight: split as its output",
         ),
-        ("**.down.weight", "... o i -> ... o i8", row.format("blocks.up.weight")),
+        ("**.down.weight", "... o i -> ... o i*", row.format("blocks.up.weight")),
         (
             "unembed.weight",
-            "v d -> v8 d",
+            "v d -> v* d",
             "vocab-parallel: split over its outputs, which feed no other weight",
         ),
     ]
@@ -726,7 +731,7 @@ def test_rules_that_would_lay_out_wrongly_are_never_handed_out(gpt, monkeypatch)
     assert "data x tensor on data=2, model=4" not in _names(kept)
     assert reasons["data x tensor on data=2, model=4"].startswith(
         "its rules do not plan: embed.weight (Embedding.weight), unembed.weight "
-        "(Linear.weight): float32[64, 32] 'v d -> v4 d 2' does not fit the mesh "
+        "(Linear.weight): float32[64, 32] 'v d -> v* d 2' does not fit the mesh "
         "('data': 2, 'model': 4)"
     )
 
@@ -823,12 +828,12 @@ def test_an_8_layer_mlp_is_written_in_at_most_half_as_many_rules_as_leaves(tmp_p
     ][:2] == [
         (
             "layers.{0,2,4,6}.weight",
-            "o i -> o8 i",
+            "o i -> o* i",
             "column-parallel: feeds layers.{1,3,5,7}.weight",
         ),
         (
             "layers.{0,2,4,6}.bias",
-            "o -> o8",
+            "o -> o*",
             "column-parallel bias of layers.{0,2,4,6}.weight: split as its output",
         ),
     ]

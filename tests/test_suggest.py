@@ -130,7 +130,7 @@ def test_the_table_is_plain_text_with_every_column(gpt_ranked):
     header = next(line for line in lines if "strategy" in line)
     for column in ("#", "mesh", "peak (XLA:CPU) / device (limit 640.0 KiB)", "fits"):
         assert column in header
-    for column in ("communication / step", "estimate (H100)", "repairs"):
+    for column in ("communication / step", "estimate (H100)", "repairs", "figures"):
         assert column in header
     rows = [line for line in lines if line.startswith("│ ") and line[2] != " "]
     names = [row.split("│")[2].strip() for row in rows]
@@ -139,7 +139,7 @@ def test_the_table_is_plain_text_with_every_column(gpt_ranked):
         cells = [cell.strip() for cell in row.split("│")[1:-1]]
         repairs = str(len(s.candidate.repairs))
         if s.cost is None:
-            assert cells == ["-", s.strategy, "data=8", "-", "failed", "-", "-", repairs]
+            assert cells == ["-", s.strategy, "data=8", "-", "failed", "-", "-", repairs, "failed"]
             continue
         moved = communication(s.cost)
         first = next(iter(moved))
@@ -147,6 +147,7 @@ def test_the_table_is_plain_text_with_every_column(gpt_ranked):
         assert cells[3] == human_bytes(_peak(s))
         assert cells[5] == f"{first} {human_bytes(moved[first])}"
         assert cells[7] == repairs
+        assert cells[8] == "compiled"  # hand-made candidates have no estimate: all compiled
         if s.fits:
             assert cells[4] == "yes"
         else:
@@ -613,5 +614,130 @@ def test_two_workers_cost_every_candidate_once_in_order():
     results = suggesting.compile_in_workers(candidates * 2, inputs, 8, None, 2)
     here = [rank([c], models.mlp_step, *mlp, devices=8, workers=0)[0] for c in candidates]
     for found, suggestion in zip(results, here * 2):
+        assert found is not None
         assert not isinstance(found, str), found
         assert found.memory == _cost(suggestion).memory, suggestion.name
+
+
+# --------------------------------------------------------------------------- #
+# Ranked before compiled: estimates first, then only what they cannot rule out.
+# --------------------------------------------------------------------------- #
+
+
+def _pruned_and_exhaustive(build, optimizer, batch, step, **where):
+    inputs = _abstract(build, optimizer, batch)
+    pruned = eqshard.suggest(*inputs, step=step, **where)
+    full = eqshard.suggest(*inputs, step=step, exhaustive=True, **where)
+    return pruned, full
+
+
+def _agrees_with_the_exhaustive_search(pruned, full):
+    """The pruned search's best is the exhaustive one's, each row it compiled has the
+    same figures, and each row it did not is marked so and never fits."""
+    assert (pruned.exhaustive, full.exhaustive) == (False, True)
+    assert all(s.figures == "compiled" for s in full)
+    assert pruned.best is not None
+    assert full.best is not None
+    assert pruned.best.name == full.best.name
+    assert pruned.best.rules.to_json() == full.best.rules.to_json()
+    by_name = {s.name: s for s in full}
+    assert sorted(s.name for s in pruned) == sorted(by_name)
+    compiled = [s for s in pruned if s.cost is not None]
+    for s in pruned:
+        twin = _cost(by_name[s.name])
+        if s.cost is not None:
+            assert s.figures == "compiled"
+            assert s.cost.memory == twin.memory, s.name
+            assert s.cost.collectives == twin.collectives, s.name
+        else:
+            assert s.figures in ("estimated", "XLA:CPU"), s.name
+            assert not s.fits
+            assert s.candidate.estimated is not None
+            assert s.candidate.estimated.parameters == twin.memory.parameters, s.name
+    fitting = [s for s in compiled if s.fits]  # first, before any row not compiled
+    assert list(pruned)[: len(fitting)] == fitting
+    return compiled
+
+
+@pytest.mark.slow  # two suggest runs on the stacked GPT, in worker processes
+def test_the_estimates_hold_exactly_the_bytes_the_compiler_counts_and_rule_out_the_certain():
+    # 350,000 bytes: data parallel's arguments alone (357,960) are over, found without
+    # compiling it; the exhaustive search compiles it and finds it over too
+    limit = 350_000
+    pruned, full = _pruned_and_exhaustive(
+        models.build, models.optimizer, models.batch, models.step, devices=8, max_memory=limit
+    )
+    _agrees_with_the_exhaustive_search(pruned, full)
+    for s in full:
+        figures, memory = s.candidate.estimated, _cost(s).memory
+        assert figures is not None
+        held = (figures.parameters, figures.optimizer, figures.state, figures.gradients)
+        assert held == (memory.parameters, memory.optimizer, memory.state, memory.gradients)
+        assert figures.arguments == memory.arguments, s.name  # XLA:CPU's own count
+        assert figures.arguments <= memory.peak, s.name  # a lower bound of the peak
+    (data_parallel,) = [s for s in pruned if s.strategy == "data parallel"]
+    assert data_parallel.cost is None
+    assert data_parallel.candidate.estimated is not None
+    assert data_parallel.candidate.estimated.arguments == 357_960
+    assert data_parallel.over == pytest.approx(357_960 / limit)
+    assert _cost(next(s for s in full if s.strategy == "data parallel")).memory.peak > limit
+    text = str(pruned)
+    assert "no: its arguments alone need 349.6 KiB of 341.8 KiB" in text
+    assert " >= 349.6 KiB " in text
+    assert "exhaustive=True (--exhaustive) compiles every one" in text
+    assert "compiled all" in str(full)
+    row = pruned.to_json()["suggestions"][pruned.suggestions.index(data_parallel)]
+    assert (row["figures"], row["estimated"]["arguments"]) == ("estimated", 357_960)
+
+
+@pytest.mark.slow  # two suggest runs on 64 simulated devices, in worker processes
+def test_the_pruned_search_picks_the_exhaustive_best_for_the_gpt_on_64_devices():
+    pruned, full = _pruned_and_exhaustive(
+        models.build,
+        models.optimizer,
+        models.batch64,
+        models.step,
+        devices=64,
+        max_memory=BUDGET,
+    )
+    compiled = _agrees_with_the_exhaustive_search(pruned, full)
+    assert len(compiled) < len(full)
+
+
+@pytest.mark.slow  # compiles for a TPU slice, XLA:CPU first, in worker processes
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="the TPU compiler comes with libtpu (eqshard[tpu])",
+)
+def test_the_pruned_search_picks_the_exhaustive_best_for_a_llama_on_a_tpu_slice():
+    pruned, full = _pruned_and_exhaustive(
+        models.llama_build,
+        models.llama_optimizer,
+        models.llama_batch,
+        models.llama_step,
+        target="v5e:2x4",
+    )
+    compiled = _agrees_with_the_exhaustive_search(pruned, full)
+    assert len(compiled) < len(full)
+    # the rows not compiled for the slice were ranked by XLA:CPU's figures
+    assert {s.figures for s in pruned if s.cost is None} == {"XLA:CPU"}
+    assert all(s.proxy is not None and s.proxy.target is None for s in pruned if s.cost is None)
+
+
+@pytest.mark.slow  # compiles in worker processes
+def test_compile_workers_compile_only_the_candidates_still_wanted():
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    candidates = _mlp_candidates()
+    inputs = {"pickle": suggesting.pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
+    asked: list[tuple[int, int]] = []
+
+    def wanted(k, found):
+        asked.append((k, sum(f is not None for f in found)))
+        return k != 1  # the second is never wanted
+
+    results = suggesting.compile_in_workers(candidates, inputs, 8, None, 1, wanted=wanted)
+    assert results[1] is None
+    assert all(r is not None and not isinstance(r, str) for k, r in enumerate(results) if k != 1)
+    # one worker: each later candidate is asked about once the earlier ones answered
+    assert asked[0] == (0, 0)
+    assert (2, 1) in asked

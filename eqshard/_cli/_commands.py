@@ -188,13 +188,14 @@ def _suggest_targets(args: argparse.Namespace) -> int:
         "targets": args.targets,
         "max_memory": args.max_memory,
         "workers": args.workers,
+        "exhaustive": args.exhaustive,
     }
     found = run("targets", request, here=not in_workers())
     if args.format == "json":
         emit_json({"ok": bool(found.fitting), **found.to_json()})
     else:
         console().print(found)
-    if not any(s.cost is not None for row in found for s in row.ranked):
+    if all(s.error is not None for row in found for s in row.ranked):  # every one failed
         first = found[0]
         err(
             "eqshard suggest: error: no candidate could be compiled on any target; on "
@@ -215,7 +216,12 @@ def suggest(args: argparse.Namespace) -> int:
         return _suggest_targets(args)
     from ._suggest_diff import run
 
-    request = {**_step_request(args), "max_memory": args.max_memory, "workers": args.workers}
+    request = {
+        **_step_request(args),
+        "max_memory": args.max_memory,
+        "workers": args.workers,
+        "exhaustive": args.exhaustive,
+    }
     ranked = run("suggest", request, here=not in_workers())
     best = ranked.best
     written = None
@@ -224,7 +230,6 @@ def suggest(args: argparse.Namespace) -> int:
 
         dump(best.rules, args.write)
         written = args.write
-    costed = [s for s in ranked if s.cost is not None]
     if args.format == "json":
         emit_json({"ok": best is not None, **ranked.to_json(), "written": written})
     else:
@@ -233,7 +238,7 @@ def suggest(args: argparse.Namespace) -> int:
             out(f"wrote {written}: {best.name if best else ''}")
         elif args.write is not None:
             out(f"nothing fits: {args.write} not written")
-    if ranked.suggestions and not costed:
+    if ranked.suggestions and all(s.error is not None for s in ranked):  # every one failed
         err(
             "eqshard suggest: error: no candidate could be compiled; the first one's error: "
             + (ranked.suggestions[0].error or "")

@@ -375,6 +375,13 @@ def _suggest(add: _Add) -> None:
         metavar="N",
         help="worker processes that compile at once (default: one per core)",
     )
+    suggest.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="compile every candidate; by default those the estimates rule out (slower "
+        "than the best by their estimate, or over the limit by their arguments alone) are "
+        "listed with their estimated figures, not compiled",
+    )
     _format_option(suggest)
 
 

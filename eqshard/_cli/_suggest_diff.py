@@ -104,8 +104,8 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
     names, asks the generator for the candidates on the request's `"devices"` (or
     the `"target"` slice's), and ranks them in compile workers that build the same
     inputs by name. `"max_memory"` is bytes or `None`, `"workers"` a count or
-    `None`."""
-    from .._search._suggest import compile_in_workers, memory_limit, placement, ranked
+    `None`, `"exhaustive"` whether to compile every candidate."""
+    from .._search._suggest import in_workers, memory_limit, placement, search
 
     devices, target = request.get("devices"), request.get("target")
     n, on = placement(devices, target)
@@ -117,10 +117,11 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
     limit, limit_from = memory_limit(request.get("max_memory"), on)
     inputs = {"build": "eqshard._cli._suggest_diff:step_arguments", "request": _names(request)}
     workers = request.get("workers")
-    results = compile_in_workers(
-        kept, inputs, n, target, None if workers is None else whole_number(workers, "`--workers`")
+    compile_each = in_workers(
+        inputs, n, None if workers is None else whole_number(workers, "`--workers`")
     )
-    return ranked(kept, results, n, on, limit, limit_from, dropped)
+    exhaustive = bool(request.get("exhaustive", False))
+    return search(kept, compile_each, n, on, limit, limit_from, dropped, exhaustive, proxy=True)
 
 
 def suggest_worker() -> int:

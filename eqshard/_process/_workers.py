@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import builtins
-import collections
 import contextlib
 import dataclasses
 import importlib
@@ -352,6 +351,7 @@ def pool_answers(
     timeout: float,
     doing: Sequence[str],
     hint: str,
+    wanted: Callable[[int, Sequence[Any]], bool] | None = None,
 ) -> list[Any]:
     """Each request's answer, from a pool of workers that take them from one queue:
     each worker starts once (`start_serving`), then is handed the next request as
@@ -370,33 +370,54 @@ def pool_answers(
     - `doing`: each request's work, for messages ("costing fsdp (data=8) on 8
         devices").
     - `hint`: what to try when a worker ends without answering.
+    - `wanted`: whether request `i` is still wanted, given the results so far (`None`
+        where not answered yet): asked each time a worker is free, of the requests
+        left in order; the first wanted one is handed out, and the pool ends when no
+        request left is wanted and none is being answered. By default every one is.
 
     **Returns:**
 
-    Each request's `result`, in the requests' order; where its worker ended without
-    answering it (killed, out of memory) or took longer than `timeout`, the
-    `ModelError` saying so: that request alone fails, and a fresh worker takes the
-    next.
+    Each request's `result`, in the requests' order; `None` for a request never
+    handed out (not wanted); where its worker ended without answering it (killed,
+    out of memory) or took longer than `timeout`, the `ModelError` saying so: that
+    request alone fails, and a fresh worker takes the next.
 
     **Raises:**
 
     An error a worker answers, as the same class (every worker is stopped).
     """
     results: list[Any] = [None] * len(requests)
-    queue = collections.deque(range(len(requests)))
+    queue = list(range(len(requests)))
     busy: dict[Worker, int] = {}  # each worker, and the request it holds
+    idle: list[Worker] = []  # started, and waiting for a request to be wanted
     started: list[Worker] = []
 
-    def hand(worker: Worker, fresh: bool) -> None:
-        i = queue.popleft()
+    def next_wanted() -> int | None:
+        for k, i in enumerate(queue):
+            if wanted is None or wanted(i, results):
+                return queue.pop(k)
+        return None
+
+    def hand(worker: Worker | None) -> bool:
+        """Hands `worker` (a fresh one where `None`) the next wanted request."""
+        i = next_wanted()
+        if i is None:
+            if worker is not None:
+                idle.append(worker)
+            return False
+        fresh = worker is None
+        if worker is None:
+            worker = start_serving(entry, env)
+            started.append(worker)
         request = {**(first or {}), **requests[i]} if fresh else requests[i]
         worker.ask(request, timeout)
         busy[worker] = i
+        return True
 
     try:
         for _ in range(min(max(1, workers), len(requests))):
-            started.append(start_serving(entry, env))
-            hand(started[-1], True)
+            if not hand(None):
+                break
         while busy:
             soonest = min(worker.deadline for worker in busy)
             ready = select.select(list(busy), [], [], max(0.0, soonest - time.monotonic()))[0]
@@ -409,14 +430,12 @@ def pool_answers(
                     if worker.running:  # it answered this error: raised here
                         raise
                     results[i] = error  # it ended without answering: this request fails
-                    if queue:
-                        started.append(start_serving(entry, env))
-                        hand(started[-1], True)
+                    if queue and not idle:
+                        hand(None)
                     continue
-                if queue:
-                    hand(worker, False)
-                else:
-                    worker.stop()
+                hand(worker)
+            while idle and queue and hand(idle.pop()):  # an answer may want more
+                pass
     finally:
         for worker in started:
             worker.stop()

@@ -27,6 +27,18 @@ of a candidate before it. Every candidate kept is planned here (`make_plan` on a
 device count: no devices), and its rules checked to give each leaf exactly the
 expression meant, so no candidate is ever silently wrong.
 
+The rules survive a change of device count: the axis that scales with it is
+declared `"*"`, the tensor-parallel degree fixed. The data strategies and the
+two-dimensional ones declare `[["data", "*"], ["model", m]]`, write the data part
+of each expression with `*` (`"... o i -> * ... o4 i"` copies over `data`,
+`"... o i -> ... i* o4"` splits `i` over it, `"... o -> ... o4*"` splits `o` over
+both) and the batch `"b ... -> b* ... 4"`; Megatron declares `[["data", 1],
+["model", "*"]]` and writes `"... o i -> ... o* i"`. On the run's own count each
+`*` is the size it stands for, so the layouts are exactly those of the fixed
+counts (`Candidate.mesh` stays that concrete mesh). On another count, a leaf whose
+split does not divide there is the planner's error, named, never silently
+replicated.
+
 Rules are written readably (`_globs.py`): one group per role, expression and
 comment, each as few path globs as match its leaves and no other, each with a
 comment naming its role and partners; the file's comment names the strategy and
@@ -42,6 +54,7 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from .._activations import recording
 from .._derive import plan_for
@@ -56,7 +69,8 @@ from .._problems import problem_lines
 from .._rules import match_rules
 from .._specfile._model import Rule, Rules
 from .._step import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
-from ._megatron import Role, abstract_leaf, tensor_roles
+from ._estimate import Estimated, HeldLeaf, estimated
+from ._megatron import Role, StepProfile, abstract_leaf, step_profile
 
 __all__ = ["STRATEGIES", "Candidate", "candidates"]
 
@@ -78,12 +92,15 @@ class Candidate:
         for the file.
     - `repairs`: one line per leaf whose layout did not divide and was replicated
         (over the axis it did not divide), naming it, its shape and the split.
+    - `estimated`: its figures before any compile (`_estimate.py`): the bytes held
+        exact, the rest estimated.
     """
 
     strategy: str
     mesh: tuple[tuple[str, int], ...]
     rules: Rules
     repairs: tuple[str, ...] = ()
+    estimated: Estimated | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -106,6 +123,7 @@ class _Leaf:
     info: LeafInfo
     role: Role | None
     parameter: bool  # of the model, not of its eqx.nn.State
+    index: int = 0  # in the leaves of what the rules lay out
 
     @property
     def label(self) -> str:
@@ -127,13 +145,17 @@ class _Setup:
     devices: int
     activations: tuple[str, ...]  # the names the model gives its activations' axes
     batch_names: frozenset[str]  # those only ever on an activation's batch axis
+    profile: StepProfile  # the step's jaxpr, read once
+    built: tuple[Any, ...]  # the arguments built from the model (an optimizer state)
+    batch_bytes: tuple[int, ...]  # each batch leaf's bytes, whole
 
 
 def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: int) -> _Setup:
     model = jax.tree_util.tree_map(abstract_leaf, model)
     args = [jax.tree_util.tree_map(abstract_leaf, arg) for arg in args]
     with recording() as named:
-        roles = tensor_roles(step, model, *args)
+        profile = step_profile(step, model, *args)
+    roles = profile.roles
     state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
     planned_for = model if state is None else (model, state)
     n_model = len(jax.tree_util.tree_leaves(model))
@@ -148,23 +170,42 @@ def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: i
             item,
             roles.get(i) if i < n_model else None,
             i < n_model,
+            i,
         )
         for i, item in enumerate(items)
         if is_array_like(item.leaf)
     )
     whole = make_plan(planned_for, "... -> * ...", devices=devices).plan
     batch: list[tuple[str, tuple[int, ...]]] = []
+    batch_bytes: list[int] = []
+    built: list[Any] = []
     for k, arg in enumerate(args):
-        if isinstance(arg, eqx.nn.State) or is_built(plan_for(arg, whole)):
+        if isinstance(arg, eqx.nn.State):
+            continue
+        if is_built(plan_for(arg, whole)):
+            built.append(arg)
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
             if is_array_like(leaf):
                 where = f"argument {k + 2}" + (f"'s leaf {leaf_name(path)}" if path else "")
                 batch.append((where, tuple(int(s) for s in leaf.shape)))
+                size = int(np.prod(leaf.shape, dtype=np.int64))
+                batch_bytes.append(size * np.dtype(leaf.dtype).itemsize)
     pairs = any(r.kind in ("column", "row") for r in roles.values())
     activations, batch_names = _activation_names(named, {shape[0] for _, shape in batch if shape})
     return _Setup(
-        planned_for, leaves, names, roles, tuple(batch), pairs, devices, activations, batch_names
+        planned_for,
+        leaves,
+        names,
+        roles,
+        tuple(batch),
+        pairs,
+        devices,
+        activations,
+        batch_names,
+        profile,
+        tuple(built),
+        tuple(batch_bytes),
     )
 
 
@@ -215,19 +256,27 @@ def _names(rank: int, role: Role) -> dict[int, str]:
 
 def _expression(rank: int, role: Role, data_axis: int | None, data: int, model: int) -> str:
     """The expression that splits `role.axis` over `model` (and `data_axis`, if any,
-    over `data`), replicating over what is left: `"... o i -> 2 ... o4 i"`."""
+    over `data`), replicating over what is left: `"... o i -> * ... o4 i"`.
+
+    The axis that scales with the device count is written with `*`, so that the rules
+    plan on any count the fixed part divides: `data` (`* ... o4 i` replicates over
+    it, `... i* o4` splits `i` over it, `... o4*` splits `o` over both, `data` the
+    major part), or, where `data` has one device (Megatron), `model` (`... o* i`).
+    On this device count each `*` is `data` (or `model`), so the layout is the one
+    the fixed counts would give."""
     start = min(role.inner)
     named = _names(rank, role)
-    counts = {role.axis: model}
-    if data_axis is not None:
-        counts[data_axis] = counts.get(data_axis, 1) * data
+    scales = data == 1  # Megatron: `model` takes every device
+    counts = {role.axis: "*" if scales else str(model)}
+    if data_axis is not None and not scales:
+        counts[data_axis] = f"{model}*" if data_axis == role.axis else "*"
     order = list(range(start, rank))
     if data_axis is not None and data_axis != role.axis:
         order.remove(data_axis)
         order.insert(0, data_axis)  # the major mesh axis first
     lhs = ["..."] * (start > 0) + [named[a] for a in range(start, rank)]
-    rhs = [str(data)] * (data > 1 and data_axis is None) + ["..."] * (start > 0)
-    rhs += [named[a] + (str(counts[a]) if a in counts else "") for a in order]
+    rhs = ["*"] * (data > 1 and data_axis is None) + ["..."] * (start > 0)
+    rhs += [named[a] + counts.get(a, "") for a in order]
     return f"{' '.join(lhs)} -> {' '.join(rhs)}"
 
 
@@ -283,7 +332,9 @@ class _Draft:
 
 
 def _batch(data: int, model: int) -> str:
-    return f"b ... -> b{data} ..." + (f" {model}" if model > 1 else "")
+    """The batch's leading dim over `data`, which takes the devices `model` leaves (its
+    `*`), copied over `model`: `"b ... -> b* ... 4"`, or `"b ... -> b* ..."`."""
+    return "b ... -> b* ..." + (f" {model}" if model > 1 else "")
 
 
 def _fsdp_repairs(setup: _Setup, data: int, model: int, only: Callable[[_Leaf], bool]) -> list[str]:
@@ -531,25 +582,32 @@ def _normal(sharding: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _checked(setup: _Setup, candidate: Candidate, splits_batch: bool) -> tuple[Any, str | None]:
+def _checked(
+    setup: _Setup, candidate: Candidate, splits_batch: bool
+) -> tuple[Any, Any, str | None]:
     """The candidate's layouts as the devices see them (a key that two candidates
-    share when they lay everything out alike), or why its rules do not plan."""
+    share when they lay everything out alike) and its plan, or why its rules do not
+    plan."""
     matches, _ = match_rules(candidate.rules, setup.planned_for)
     by_dims = [setup.names.get(i, f"leaf {i}") for i, m in enumerate(matches) if m.source == "dims"]
     if by_dims:  # the activations' names are the annotations' too: not what was meant
         named = ", ".join(by_dims[:5]) + (
             f" and {len(by_dims) - 5} more" if len(by_dims) > 5 else ""
         )
-        return None, (
-            f'its "dims", which map the names the step gives its activations, would lay '
-            f"out {named} too, whose annotations name the same dims; name the "
-            "activations' axes apart from the parameters' dims to have it generated"
+        return (
+            None,
+            None,
+            (
+                f'its "dims", which map the names the step gives its activations, would lay '
+                f"out {named} too, whose annotations name the same dims; name the "
+                "activations' axes apart from the parameters' dims to have it generated"
+            ),
         )
     planned = make_plan(setup.planned_for, candidate.rules, devices=setup.devices)
     if planned.problems or planned.warnings:
         faults = problem_lines(planned.problems) if planned.problems else []
         faults += [str(w) for w in planned.warnings]
-        return None, "its rules do not plan: " + "; ".join(faults)
+        return None, None, "its rules do not plan: " + "; ".join(faults)
     plan = planned.plan
     data, model = dict(candidate.mesh)["data"], dict(candidate.mesh)["model"]
     batch = ((data, model),) if splits_batch and data > 1 else ()
@@ -558,7 +616,7 @@ def _checked(setup: _Setup, candidate: Candidate, splits_batch: bool) -> tuple[A
         tuple(map(_normal, plan.optimizer.flat_shardings)),
         batch,
     )
-    return key, None
+    return key, plan, None
 
 
 def _batch_fault(setup: _Setup, data: int) -> str | None:
@@ -622,7 +680,7 @@ def candidates(
             dropped.append((title, built))
             continue
         candidate = _candidate(setup, strategy, data, model_size, built)
-        key, fault = _checked(setup, candidate, splits_batch)
+        key, plan, fault = _checked(setup, candidate, splits_batch)
         if fault is not None:
             dropped.append((title, fault))
             continue
@@ -630,14 +688,68 @@ def candidates(
             dropped.append((title, f"the same layout as {seen[key]}"))
             continue
         seen[key] = title
-        kept.append(candidate)
+        figures = _estimated(setup, candidate, plan, splits_batch)
+        kept.append(dataclasses.replace(candidate, estimated=figures))
     return kept, dropped
+
+
+def _portable_mesh(strategy: str, model: int) -> tuple[tuple[str, int | None], ...]:
+    """The mesh the rules declare: the axis that scales with the device count as `"*"`
+    (`None`), the tensor-parallel degree fixed: `data` x `model`, or Megatron's `model`
+    alone (`data` has one device)."""
+    if strategy == "megatron":
+        return (("data", 1), ("model", None))
+    return (("data", None), ("model", model))
+
+
+def _portable_text(strategy: str, model: int) -> str:
+    """The file comment's sentence on the device counts the rules plan on."""
+    if strategy == "megatron":
+        return (
+            " The mesh declares 'model' as \"*\": the rules plan on any device count "
+            "where every split dim divides."
+        )
+    if model == 1:
+        return (
+            " The mesh declares 'data' as \"*\": the rules plan on any device count "
+            "where every split dim divides."
+        )
+    return (
+        f" The mesh declares 'data' as \"*\" and 'model' as {model}: the rules plan on "
+        f"any multiple of {model} devices where every split dim divides."
+    )
+
+
+def _estimated(setup: _Setup, candidate: Candidate, plan: Any, splits_batch: bool) -> Estimated:
+    """The candidate's figures before any compile (`_estimate.py`)."""
+    leaves = [
+        HeldLeaf(
+            leaf.index,
+            leaf.role,
+            leaf.parameter,
+            bool(jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)),
+            leaf.dtype,
+        )
+        for leaf in setup.leaves
+    ]
+    optimizer = [plan_for(arg, plan).plan for arg in setup.built]
+    return estimated(
+        plan,
+        leaves,
+        optimizer,
+        setup.batch_bytes,
+        setup.profile,
+        candidate.mesh,
+        splits_batch=splits_batch,
+        optimizer_apart=candidate.rules.optimizer is not None,
+    )
 
 
 def _candidate(setup: _Setup, strategy: str, data: int, model: int, draft: _Draft) -> Candidate:
     mesh = (("data", data), ("model", model))
     comment = f"{strategy} on data={data} x model={model} ({setup.devices} devices): "
     comment += _DESCRIPTIONS[strategy] + "."
+    comment += _portable_text(strategy, model)
     split = strategy in _SPLIT_BATCH
     dims = {n: "data" if split and n in setup.batch_names else None for n in setup.activations}
     if dims:
@@ -651,7 +763,7 @@ def _candidate(setup: _Setup, strategy: str, data: int, model: int, draft: _Draf
         dims=dims,
         default=draft.default,
         source=_SOURCE,
-        mesh=mesh,
+        mesh=_portable_mesh(strategy, model),
         batch=parse(draft.batch),
         optimizer=optimizer,
         comment=comment,

@@ -42,13 +42,14 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxprLiteral
 
 from .._compat import is_transposed, missing, param
 from .._errors import StepError
 from .._process._usercode import with_user_frames
 
-__all__ = ["Role", "abstract_leaf", "tensor_roles"]
+__all__ = ["Matmul", "Role", "StepProfile", "abstract_leaf", "step_profile", "tensor_roles"]
 
 Kind = Literal["column", "row", "vocab", "embedding", "bias"]
 
@@ -74,6 +75,42 @@ class Role:
     output: int | None = None
     contracted: int | None = None
     partners: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """A weight's matrix product in the forward pass, as one step runs it.
+
+    - `leaf`: the weight's index (into the model's leaves).
+    - `activation`, `output`: the bytes of its activation operand and of its
+        output, whole (no device's share); a lookup (an embedding's `gather`) has
+        no activation.
+    - `source`: which value its activation operand is: matmuls of the same source
+        read the same activation (query, key and value of one input).
+    - `trips`: how many times one step runs it: the product of the lengths of the
+        scans around it (a `while` loop counts once).
+    """
+
+    leaf: int
+    activation: int
+    output: int
+    trips: int
+    source: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProfile:
+    """What the step's jaxpr shows, for Megatron's roles and for estimates.
+
+    - `roles`: each leaf's `Role`, by its index in the model's leaves.
+    - `matmuls`: each weight's matrix products in the forward pass.
+    - `flops`: the FLOPs of every matrix product of the step (forward and
+        gradient), whole, each times the lengths of the scans around it.
+    """
+
+    roles: dict[int, Role]
+    matmuls: tuple[Matmul, ...]
+    flops: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +188,15 @@ class _Walk:
         self.edges: dict[int, dict[int, None]] = {}  # weight -> the weights it feeds
         self.lookups: dict[int, tuple[int, tuple[int, ...]]] = {}  # leaf -> (axis, inner)
         self.biases: dict[int, dict[int, tuple[int, tuple[int, ...]]]] = {}
+        self.trips = 1  # the product of the lengths of the scans being walked
+        self.matmuls: list[Matmul] = []  # a loop's body's, from its last walk only
+        self.sources: dict[Any, int] = {}  # an activation's variable -> its number
+
+    def source(self, var: Any) -> int:
+        """A number for the value `var` holds, the same each time it is read."""
+        if isinstance(var, JaxprLiteral):
+            return 0
+        return self.sources.setdefault(var, len(self.sources) + 1)
 
     # ----------------------------------------------------------------- jaxprs
     def run(self, jaxpr: Jaxpr, consts: Sequence[_Value], args: Sequence[_Value]) -> list[_Value]:
@@ -230,6 +276,16 @@ class _Walk:
         for source in activation.sources:
             if source != leaf:
                 self.edges.setdefault(source, {})[leaf] = None
+        operand = eqn.invars[1 if is_lhs else 0]
+        self.matmuls.append(
+            Matmul(
+                leaf,
+                _nbytes(operand.aval),
+                _nbytes(eqn.outvars[0].aval),
+                self.trips,
+                self.source(operand),
+            )
+        )
         # the dot's output: its batch dims, the lhs's free dims, then the rhs's
         lhs_free = len(eqn.invars[0].aval.shape) - len(lc) - len(lb)
         features: tuple[tuple[int, int], ...] = ()
@@ -252,6 +308,7 @@ class _Walk:
         if along is not None and indices.data:
             inner = tuple(sorted(_known(axes, range(len(axes)))))
             self.lookups.setdefault(leaf, (along, inner))
+            self.matmuls.append(Matmul(leaf, 0, _nbytes(eqn.outvars[0].aval), self.trips))
         return [out]
 
     def _transpose(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
@@ -321,9 +378,14 @@ class _Walk:
         body = param(eqn, "jaxpr")
         xs = [_sliced(v) for v in ins[consts + carries :]]
         carry = list(ins[consts : consts + carries])
-        outs = self._fixed_point(
-            lambda c: self.closed(body, [*ins[:consts], *c, *xs]), carry, carries
-        )
+        outer = self.trips
+        self.trips = outer * int(param(eqn, "length"))
+        try:
+            outs = self._fixed_point(
+                lambda c: self.closed(body, [*ins[:consts], *c, *xs]), carry, carries
+            )
+        finally:
+            self.trips = outer
         return [*outs[:carries], *(_merged([v]) for v in outs[carries:])]
 
     def _while(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
@@ -351,12 +413,15 @@ class _Walk:
     ) -> list[_Value]:
         """Runs a loop's body until its carry holds no more than it did: a weight's
         output reaches the next iteration's weights through the carry."""
+        walked = len(self.matmuls)
         for _ in range(64):  # each round grows a finite set, or stops
+            del self.matmuls[walked:]  # the body's matmuls, counted once
             outs = body(carry)
             grown = [_join(c, o) for c, o in zip(carry, outs[:n])]
             if grown == carry:
                 return outs
             carry = grown
+        del self.matmuls[walked:]
         return body(carry)
 
     # ----------------------------------------------------------------- the roles
@@ -477,13 +542,28 @@ def abstract_leaf(x: Any) -> Any:
 
 def tensor_roles(step: Callable[..., Any], model: Any, *args: Any) -> dict[int, Role]:
     """The Megatron role of each of the model's leaves that has one, from the step's
-    jaxpr (see the module docstring).
+    jaxpr (see the module docstring): `step_profile(...).roles`.
 
     **Example:**
 
     ```python
     roles = tensor_roles(step, eqx.filter_eval_shape(build), opt_state, batch)
     roles[3]    # Role(kind='column', axis=1, inner=(1, 2), ...): by leaf index
+    ```
+    """
+    return step_profile(step, model, *args).roles
+
+
+def step_profile(step: Callable[..., Any], model: Any, *args: Any) -> StepProfile:
+    """The step's jaxpr, read once: each leaf's Megatron role (see the module
+    docstring), each weight's matrix products and the step's FLOPs.
+
+    **Example:**
+
+    ```python
+    profile = step_profile(step, eqx.filter_eval_shape(build), opt_state, batch)
+    profile.roles[3]    # Role(kind='column', axis=1, inner=(1, 2), ...): by leaf index
+    profile.flops       # every matrix product of the step, whole
     ```
 
     **Arguments:**
@@ -494,7 +574,7 @@ def tensor_roles(step: Callable[..., Any], model: Any, *args: Any) -> dict[int, 
 
     **Returns:**
 
-    A dict from a leaf's index in `jax.tree_util.tree_leaves(model)` to its `Role`.
+    A `StepProfile`: its `roles` by a leaf's index in `jax.tree_util.tree_leaves(model)`.
 
     **Raises:**
 
@@ -530,4 +610,43 @@ def tensor_roles(step: Callable[..., Any], model: Any, *args: Any) -> dict[int, 
     ]
     walk = _Walk()
     walk.run(closed.jaxpr, [_NOTHING] * len(closed.consts), values)
-    return walk.roles()
+    return StepProfile(walk.roles(), tuple(walk.matmuls), _flops(closed.jaxpr, 1))
+
+
+def _nbytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _flops(jaxpr: Jaxpr, trips: int) -> float:
+    """The FLOPs of every `dot_general` in `jaxpr` and the jaxprs it calls, each
+    times the lengths of the scans around it (a `while` loop and each branch of a
+    `cond` count once: an upper bound there)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lc, _), _ = param(eqn, "dimension_numbers")
+            shape = _shape(eqn.invars[0])
+            contracted = int(np.prod([shape[a] for a in lc], dtype=np.int64))
+            out = int(np.prod(_shape(eqn.outvars[0]), dtype=np.int64))
+            total += 2.0 * out * contracted * trips
+            continue
+        inner = trips * int(param(eqn, "length")) if name == "scan" else trips
+        for sub in _subjaxprs(eqn):
+            total += _flops(sub, inner)
+    return total
+
+
+def _shape(var: Any) -> tuple[int, ...]:
+    return tuple(var.aval.shape)
+
+
+def _subjaxprs(eqn: Any) -> list[Jaxpr]:
+    found = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                found.append(item.jaxpr)
+            elif isinstance(item, Jaxpr):
+                found.append(item)
+    return found

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, overload
 
 import numpy as np
 
@@ -49,16 +49,23 @@ if TYPE_CHECKING:
     from .._cost._targets import CompileTarget
     from .._sharding import Devices
 
+    Wanted: TypeAlias = Callable[[int, Sequence[Cost | str | None]], bool] | None
+    Found: TypeAlias = list[Cost | str | None]
+    CompileEach: TypeAlias = Callable[[Sequence[Candidate], str | None, Wanted], Found]
+
 __all__ = [
+    "TOLERANCE",
     "Ranked",
     "Suggestion",
     "communication",
     "compile_in_workers",
+    "in_workers",
     "memory_limit",
     "placement",
     "pool_size",
     "rank",
     "ranked",
+    "search",
     "suggest",
 ]
 
@@ -121,6 +128,15 @@ class Suggestion:
     - `over`: where it does not fit, its peak over the limit (`1.96` for 1.96x).
     - `error`: why it could not be costed, else `None`.
     - `limit`: the memory limit per device it was held to, in bytes, if any.
+    - `proxy`: for a TPU target, XLA:CPU's `Cost` of it on as many simulated devices,
+        where it was compiled there only to be ranked (see "Ranked before compiled"
+        on `eqshard.suggest`); else `None`.
+    - `guess`: the estimate in seconds it was ranked by before it was compiled (the
+        proxy's roofline, else `candidate.estimated`'s), where it has one.
+
+    Its figures are the compiler's where `cost` is set; else only
+    `candidate.estimated`'s exact bytes held (and what `proxy` says) are known, and
+    `fits` is `False` (unknown is never a fit).
     """
 
     candidate: Candidate
@@ -129,6 +145,19 @@ class Suggestion:
     over: float | None = None
     error: str | None = None
     limit: int | None = None
+    proxy: Cost | None = None
+    guess: float | None = None
+
+    @property
+    def figures(self) -> str:
+        """Whose figures the row shows: `"compiled"` (the compiler's), `"XLA:CPU"`
+        (a TPU target's candidate compiled only by XLA:CPU), `"estimated"` (not
+        compiled: exact bytes held, the rest estimated), or `"failed"`."""
+        if self.cost is not None:
+            return "compiled"
+        if self.error is not None:
+            return "failed"
+        return "XLA:CPU" if self.proxy is not None else "estimated"
 
     @property
     def strategy(self) -> str:
@@ -195,6 +224,24 @@ class Suggestion:
             "error": self.error,
             "repairs": list(self.candidate.repairs),
         }
+        entry["figures"] = self.figures
+        figures = self.candidate.estimated
+        if figures is not None:
+            entry["estimated"] = {
+                "arguments": figures.arguments,
+                "parameters": figures.parameters,
+                "state": figures.state,
+                "optimizer": figures.optimizer,
+                "batch": figures.batch,
+                "gradients": figures.gradients,
+                "activations": figures.activations,
+                "peak": figures.peak,
+                "communication": [
+                    {"axes": axes.split("+"), "bytes": n}
+                    for axes, n in figures.communication().items()
+                ],
+                "seconds": self.guess,
+            }
         if self.cost is not None:
             memory, estimate = self.cost.memory, self.cost.estimate()
             entry.update(
@@ -240,6 +287,8 @@ class Ranked(Sequence[Suggestion]):
     - `hardware`: the profile the estimates are on: the target's chip, else an H100.
     - `limit`, `limit_from`: the memory limit per device in bytes, and where it comes
         from (`"max_memory"`, or `"the chip's HBM"`); `None` without one.
+    - `exhaustive`: whether every candidate was compiled; else those the estimates
+        ruled out are listed with their figures marked `estimated`.
 
     !!! info "Dropped candidates"
 
@@ -256,6 +305,7 @@ class Ranked(Sequence[Suggestion]):
     hardware: str = HARDWARE["h100"].name
     limit: int | None = None
     limit_from: str | None = None
+    exhaustive: bool = True
 
     @overload
     def __getitem__(self, index: int) -> Suggestion: ...
@@ -296,13 +346,11 @@ class Ranked(Sequence[Suggestion]):
         table.add_column("communication / step")
         table.add_column(f"estimate ({chip})", justify="right")
         table.add_column("repairs", justify="right")
+        table.add_column("figures", no_wrap=True)
         place = 0
         for s in self.suggestions:
             repairs = str(len(s.candidate.repairs))
-            if s.cost is None:
-                verdict = out_of_memory(s.error or "") or "failed"
-                row = ["-", s.strategy, mesh_text(s.mesh), "-", verdict, "-", "-", repairs]
-            else:
+            if s.cost is not None:
                 place += 1
                 moved = communication(s.cost)
                 row = [
@@ -314,10 +362,43 @@ class Ranked(Sequence[Suggestion]):
                     "\n".join(f"{axes} {_bytes(n)}" for axes, n in moved.items()) or "none",
                     seconds_text(s.cost.estimate().seconds),
                     repairs,
+                    s.figures,
                 ]
+            elif s.error is not None:
+                verdict = out_of_memory(s.error) or "failed"
+                row = [
+                    "-",
+                    s.strategy,
+                    mesh_text(s.mesh),
+                    "-",
+                    verdict,
+                    "-",
+                    "-",
+                    repairs,
+                    "failed",
+                ]
+            else:
+                row = ["-", s.strategy, mesh_text(s.mesh), *self._guessed(s), repairs, s.figures]
             table.add_row(*(Text(cell) for cell in row))
         table.caption = Text("\n".join(self._notes()))
         return table
+
+    def _guessed(self, s: Suggestion) -> list[str]:
+        """A row not compiled for its target: the arguments' bytes (exact, a lower
+        bound of the peak), whether it fits (unknown unless the arguments alone are
+        over), and the estimated communication and seconds, marked `~`."""
+        figures = s.candidate.estimated
+        if figures is None:
+            return ["-", "unknown: not compiled", "-", "-"]
+        held = _bytes(figures.arguments)
+        if s.over is not None and self.limit is not None:
+            fits = f"no: its arguments alone need {held} of {_bytes(self.limit)}"
+        else:
+            fits = "unknown: not compiled"
+        moved = communication(s.proxy) if s.proxy is not None else figures.communication()
+        text = "\n".join(f"~{axes} {_bytes(n)}" for axes, n in moved.items()) or "none"
+        guess = "-" if s.guess is None else "~" + seconds_text(s.guess)
+        return [f">= {held}", fits, text, guess]
 
     def _fits_text(self, s: Suggestion) -> str:
         if self.limit is None:
@@ -352,6 +433,7 @@ class Ranked(Sequence[Suggestion]):
         promoted = next((s.cost.promoted for s in self.suggestions if s.cost), None)
         if promoted is not None:
             notes.append(promoted)
+        notes.append(self._compiled_note())
         best = self.best
         fitting = sum(s.fits and s.cost is not None for s in self.suggestions)
         if best is None:
@@ -364,6 +446,25 @@ class Ranked(Sequence[Suggestion]):
                 brief = brief[: _ERROR_CHARACTERS - 1] + "…"
             notes.append(f"dropped: {name}: {brief}")
         return notes
+
+    def _compiled_note(self) -> str:
+        """How many candidates were compiled, and what the others' figures are."""
+        compiled = sum(s.cost is not None or s.error is not None for s in self.suggestions)
+        if self.exhaustive or compiled == len(self):
+            return f"compiled all {len(self)} candidates"
+        guessed = len(self) - compiled
+        proxied = sum(s.proxy is not None and s.cost is None for s in self.suggestions)
+        how = (
+            f"{proxied} of them ranked by XLA:CPU's figures, the rest estimated"
+            if proxied
+            else "estimated"
+        )
+        return (
+            f"compiled {compiled} of {len(self)} candidates; the other {guessed} were ruled out "
+            f"before compiling ({how}: bytes held exact, '>=' the peak's lower bound, '~' a "
+            "guess): slower than the best by their estimate, or their arguments alone over "
+            "the limit; exhaustive=True (--exhaustive) compiles every one"
+        )
 
     def __str__(self) -> str:
         return as_text(self, WIDTH)
@@ -381,6 +482,7 @@ class Ranked(Sequence[Suggestion]):
             if self.limit is None
             else {"bytes": self.limit, "from": self.limit_from},
             "best": None if best is None else self.suggestions.index(best),
+            "exhaustive": self.exhaustive,
             "suggestions": [s.to_json() for s in self.suggestions],
             "dropped": [{"name": name, "reason": reason} for name, reason in self.dropped],
         }
@@ -450,8 +552,10 @@ def rank(
     max_memory: int | str | None = None,
     workers: int | None = None,
     dropped: Sequence[tuple[str, str]] = (),
+    exhaustive: bool = False,
 ) -> Ranked:
-    """Costs each candidate by compiling the user's step under its rules, and ranks them.
+    """Costs the candidates by compiling the user's step under their rules, and ranks
+    them: those the estimates cannot rule out, or every one with `exhaustive`.
 
     **Example:**
 
@@ -478,6 +582,8 @@ def rank(
         this process, one after another.
     - `dropped`: the candidates the generator dropped, `(name, reason)`, listed with
         the ranking's.
+    - `exhaustive`: compile every candidate, rather than those that the estimates
+        cannot rule out (see `eqshard.suggest`).
 
     **Returns:**
 
@@ -503,18 +609,142 @@ def rank(
         )
     if workers == 0 or listed is not None:
         on_devices = listed if listed is not None else n
-        results = [_cost_one(step, model, args, c.rules, on_devices, target) for c in candidates]
-    else:
-        inputs = {
-            "pickle": pickled(
-                (step, unplaced(model), unplaced(args)),
-                "the step or its arguments",
-                "define the step at the top level of a module, or in the script being run "
-                "(cloudpickle, `pip install 'eqshard[cost]'`, sends the script's by value)",
-            )
-        }
-        results = compile_in_workers(candidates, inputs, n, target, workers)
-    return ranked(candidates, results, n, on, limit, limit_from, dropped)
+
+        def compile_here(chosen: Sequence[Candidate], where: str | None, wanted: Wanted) -> Found:
+            found: list[Cost | str | None] = [None] * len(chosen)
+            for k, c in enumerate(chosen):
+                if wanted is None or wanted(k, found):
+                    found[k] = _cost_one(step, model, args, c.rules, on_devices, where)
+            return found
+
+        return search(candidates, compile_here, n, on, limit, limit_from, dropped, exhaustive)
+    inputs = {
+        "pickle": pickled(
+            (step, unplaced(model), unplaced(args)),
+            "the step or its arguments",
+            "define the step at the top level of a module, or in the script being run "
+            "(cloudpickle, `pip install 'eqshard[cost]'`, sends the script's by value)",
+        )
+    }
+    return search(
+        candidates,
+        in_workers(inputs, n, workers),
+        n,
+        on,
+        limit,
+        limit_from,
+        dropped,
+        exhaustive,
+        proxy=True,
+    )
+
+
+TOLERANCE = 0.05
+"""How much faster than its estimate a candidate may turn out and still be ruled out:
+one is compiled while its estimate, times the lowest ratio of compiled to estimated
+seconds seen (at most 1), times `1 - TOLERANCE`, is below the best compiled one's."""
+
+
+def _compiled(result: Cost | str | None) -> TypeGuard[Cost]:
+    return result is not None and not isinstance(result, str)
+
+
+def in_workers(inputs: Mapping[str, Any], devices: int, workers: int | None) -> CompileEach:
+    """`search`'s way to compile: in a pool of worker processes (`compile_in_workers`),
+    which get the step's inputs as `inputs` says."""
+
+    def compile_there(chosen: Sequence[Candidate], where: str | None, wanted: Wanted) -> Found:
+        return compile_in_workers(chosen, inputs, devices, where, workers, wanted=wanted)
+
+    return compile_there
+
+
+def search(
+    candidates: Sequence[Candidate],
+    compile_each: CompileEach,
+    devices: int,
+    on: CompileTarget | None,
+    limit: int | None,
+    limit_from: str | None,
+    dropped: Sequence[tuple[str, str]] = (),
+    exhaustive: bool = False,
+    *,
+    proxy: bool = False,
+) -> Ranked:
+    """The `Ranked` of `candidates`, compiled by `compile_each(chosen, target, wanted)`
+    (in this process, or in workers: each chosen one's `Cost`, its error, or `None`
+    where `wanted(k, found_so_far)` said no).
+
+    Unless `exhaustive`, those whose arguments alone exceed `limit` are not compiled
+    (their bytes are exact), and the rest are compiled in the order of their estimate
+    (`candidate.estimated`'s roofline; for a TPU target with `proxy`, XLA:CPU's
+    figures on as many simulated devices, a compile of seconds where XLA:TPU takes
+    tens), each only while it could still beat the best that fits (`TOLERANCE`).
+    """
+    hardware = HARDWARE["h100"] if on is None else on.hardware
+    target = None if on is None else on.name
+    n = len(candidates)
+    guesses: list[float | None] = [
+        None if c.estimated is None else c.estimated.estimate(hardware).seconds for c in candidates
+    ]
+    proxies: list[Cost | None] = [None] * n
+    over = [
+        limit is not None and c.estimated is not None and c.estimated.arguments > limit
+        for c in candidates
+    ]
+    if exhaustive:
+        results = compile_each(candidates, target, None)
+        return ranked(candidates, results, devices, on, limit, limit_from, dropped, guesses=guesses)
+    open_ = sorted(
+        (i for i in range(n) if not over[i]),
+        key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i),
+    )
+    if proxy and on is not None and len(open_) > 1:
+        # XLA:CPU's figures, while a candidate's estimate could beat the best of them
+        def promising(k: int, found: Sequence[Cost | str | None]) -> bool:
+            guess = guesses[open_[k]]
+            seen = [r.estimate(hardware).seconds for r in found if _compiled(r)]
+            return guess is None or not seen or guess * (1 - TOLERANCE) < min(seen)
+
+        cheap = compile_each([candidates[i] for i in open_], None, promising)
+        for i, found in zip(open_, cheap):
+            if _compiled(found):
+                proxies[i] = found
+                guesses[i] = found.estimate(hardware).seconds
+    order = sorted(open_, key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i))
+
+    def wanted(k: int, found: Sequence[Cost | str | None]) -> bool:
+        guess = guesses[order[k]]
+        if guess is None:
+            return True
+        best, ratio = None, 1.0
+        for j, result in enumerate(found):
+            if not _compiled(result):
+                continue
+            seconds = result.estimate(hardware).seconds
+            seen = guesses[order[j]]
+            if seen:
+                ratio = min(ratio, seconds / seen)
+            if limit is None or result.memory.peak <= limit:
+                best = seconds if best is None else min(best, seconds)
+        return best is None or guess * ratio * (1 - TOLERANCE) < best
+
+    results: list[Cost | str | None] = [None] * n
+    chosen = compile_each([candidates[i] for i in order], target, wanted)
+    for i, found in zip(order, chosen):
+        results[i] = found
+    return ranked(
+        candidates,
+        results,
+        devices,
+        on,
+        limit,
+        limit_from,
+        dropped,
+        guesses=guesses,
+        proxies=proxies,
+        exhaustive=False,
+    )
 
 
 def _cost_one(
@@ -545,35 +775,57 @@ def _error_text(error: BaseException) -> str:
 
 def ranked(
     candidates: Sequence[Candidate],
-    results: Sequence[Cost | str],
+    results: Sequence[Cost | str | None],
     devices: int,
     on: CompileTarget | None,
     limit: int | None,
     limit_from: str | None,
     dropped: Sequence[tuple[str, str]] = (),
+    *,
+    guesses: Sequence[float | None] | None = None,
+    proxies: Sequence[Cost | None] | None = None,
+    exhaustive: bool = True,
 ) -> Ranked:
-    """The `Ranked` of costed candidates: `results` holds each one's `Cost`, or
-    why it failed. Those that fit go first by their estimate (then their peak, then
-    the generator's order), then the others by how far over they are, then the
-    failures in the generator's order."""
-    fitting, over, failed = [], [], []
+    """The `Ranked` of the candidates: `results` holds each one's `Cost`, why it
+    failed, or `None` where it was not compiled (`guesses` and `proxies` then say
+    what it was ranked by). Those compiled that fit go first by their estimate (then
+    their peak, then the generator's order); then those not compiled, by their
+    guess; then those compiled that do not fit, by how far over they are; then those
+    whose arguments alone are over the limit; then the failures in the generator's
+    order."""
+    fitting, guessed, over, beyond, failed = [], [], [], [], []
     for i, (candidate, result) in enumerate(zip(candidates, results)):
+        guess = None if guesses is None else guesses[i]
+        proxy = None if proxies is None else proxies[i]
         if isinstance(result, str):
-            failed.append(Suggestion(candidate, error=result, limit=limit))
+            failed.append(Suggestion(candidate, error=result, limit=limit, guess=guess))
+            continue
+        if result is None:
+            figures = candidate.estimated
+            held = None if figures is None or limit is None else figures.arguments / limit
+            row = Suggestion(candidate, limit=limit, proxy=proxy, guess=guess)
+            if held is not None and held > 1:
+                beyond.append(((held, i), dataclasses.replace(row, over=held)))
+            else:
+                guessed.append(((guess is None, guess or 0.0, i), row))
             continue
         peak = result.memory.peak
         seconds = result.estimate().seconds
         if limit is None or peak <= limit:
-            fitting.append(((seconds, peak, i), Suggestion(candidate, result, True, limit=limit)))
+            fitting.append(
+                ((seconds, peak, i), Suggestion(candidate, result, True, limit=limit, guess=guess))
+            )
         else:
             ratio = peak / limit
             over.append(
-                ((ratio, seconds, i), Suggestion(candidate, result, False, ratio, None, limit))
+                (
+                    (ratio, seconds, i),
+                    Suggestion(candidate, result, False, ratio, None, limit, guess=guess),
+                )
             )
-    order = [s for _, s in sorted(fitting, key=lambda e: e[0])]
-    order += [s for _, s in sorted(over, key=lambda e: e[0])]
+    order = [s for group in (fitting, guessed, over, beyond) for _, s in sorted(group)]
     order += failed
-    compiler = next((r.compiler for r in results if not isinstance(r, str)), "")
+    compiler = next((r.compiler for r in results if r is not None and not isinstance(r, str)), "")
     if not compiler:
         compiler = on.compiler if on is not None else f"XLA:CPU, {devices} simulated devices"
     return Ranked(
@@ -585,6 +837,7 @@ def ranked(
         (HARDWARE["h100"] if on is None else on.hardware).name,
         limit,
         limit_from,
+        exhaustive,
     )
 
 
@@ -612,8 +865,12 @@ def compile_in_workers(
     devices: int,
     target: str | None,
     workers: int | None = None,
-) -> list[Cost | str]:
-    """Each candidate's `Cost`, or why it failed, compiled in worker processes.
+    *,
+    wanted: Wanted = None,
+) -> Found:
+    """Each candidate's `Cost`, or why it failed, compiled in worker processes; `None`
+    for one never compiled because `wanted(k, found_so_far)` said no, when asked as a
+    worker came free (by default every one is wanted).
 
     `pool_size` workers start at once (by default as many as the cores hold
     compiles), each starting JAX or libtpu and building the step once, then take the
@@ -629,6 +886,15 @@ def compile_in_workers(
     if not candidates:
         return []
     where = _where(devices, target)
+    read: dict[int, Cost | str] = {}
+
+    def still_wanted(k: int, answers: Sequence[Any]) -> bool:
+        assert wanted is not None
+        for j, answer in enumerate(answers):
+            if answer is not None and j not in read:
+                read[j] = _read_answer(answer)
+        return wanted(k, [read.get(j) for j in range(len(answers))])
+
     answers = pool_answers(
         [
             {"rules": pickled(c.rules, "the candidate's rules", "report it as a bug in eqshard")}
@@ -641,16 +907,21 @@ def compile_in_workers(
         timeout=_TIMEOUT_SECONDS,
         doing=[f"costing {_name(c)} on {where}" for c in candidates],
         hint="Cost the candidate with `eqshard.cost` in this process to see why",
+        wanted=None if wanted is None else still_wanted,
     )
-    results: list[Cost | str] = []
-    for answer in answers:
-        if isinstance(answer, EqshardError):  # its worker ended without answering
-            results.append(str(answer))
-        elif answer.get("cost") is None:
-            results.append(str(answer["error"]))
-        else:
-            results.append(unpickled(answer["cost"], "the cost"))
-    return results
+    return [
+        None if answer is None else read[k] if k in read else _read_answer(answer)
+        for k, answer in enumerate(answers)
+    ]
+
+
+def _read_answer(answer: Any) -> Cost | str:
+    """A compile worker's answer: the `Cost`, or why the candidate failed."""
+    if isinstance(answer, EqshardError):  # its worker ended without answering
+        return str(answer)
+    if answer.get("cost") is None:
+        return str(answer["error"])
+    return unpickled(answer["cost"], "the cost")
 
 
 def _worker() -> int:
@@ -725,9 +996,10 @@ def suggest(
     target: str | None = None,
     max_memory: int | str | None = None,
     workers: int | None = None,
+    exhaustive: bool = False,
 ) -> Ranked:
-    """The fastest spec that fits, found by compiling the user's own step under every
-    candidate strategy.
+    """The fastest spec that fits, found by compiling the user's own step under the
+    candidate strategies that estimates cannot rule out.
 
     **Example:**
 
@@ -754,6 +1026,7 @@ def suggest(
         default the target chip's HBM.
     - `workers`: worker processes that compile at once; by default one per core, and `0`
         compiles in this process.
+    - `exhaustive`: compile every candidate (see "Ranked before compiled").
 
     **Returns:**
 
@@ -786,6 +1059,23 @@ def suggest(
         over the limit each is. Then come those that failed to compile, with their
         error. `ranked.dropped` lists the candidates dropped (a split that cannot be
         repaired) and those that failed, with the reasons.
+
+    !!! info "Ranked before compiled"
+
+        Compiling is the slow part: half a minute a candidate for an 8B model on
+        XLA:TPU. So each candidate is first estimated without the compiler
+        (`candidate.estimated`): the bytes each device holds of the parameters, the
+        optimizer state, the `eqx.nn.State` and the batch exactly, from the layouts;
+        the activations, collectives and FLOPs estimated from the layouts and the
+        step's jaxpr. A candidate whose arguments alone exceed the memory limit
+        cannot fit, and is not compiled. For a TPU target, the others are then
+        compiled by XLA:CPU on as many simulated devices (seconds each, with the same
+        SPMD partitioner), whose figures rank them better. Then they are compiled for
+        the target in that order, each only while it could still be faster than the
+        best compiled one that fits (`TOLERANCE`). The rows not compiled say so
+        (`Suggestion.figures`): their bytes held are exact, the rest marked as
+        estimates, and their fit is unknown, never assumed. `exhaustive=True`
+        compiles every candidate.
     """
     n, _ = placement(devices, target)
     kept, dropped = candidates(step, model, *args, devices=n)
@@ -799,4 +1089,5 @@ def suggest(
         max_memory=max_memory,
         workers=workers,
         dropped=dropped,
+        exhaustive=exhaustive,
     )

@@ -71,6 +71,14 @@ def _why(ranked: Ranked) -> str:
         reason = ranked.dropped[0][1] if ranked.dropped else "the generator made none"
         return f"every candidate was dropped; the first: {' '.join(reason.split())}"
     costed = [s for s in ranked if s.cost is not None]
+    beyond = [s for s in ranked if s.cost is None and s.over is not None]
+    if not costed and beyond:  # not compiled: their arguments alone are over the limit
+        closest = min(beyond, key=lambda s: s.over or 0.0)
+        held = closest.candidate.estimated.arguments if closest.candidate.estimated else 0
+        return (
+            f"the closest, {closest.name}, needs at least {human_bytes(held)} (its arguments "
+            f"alone) of {human_bytes(ranked.limit or 0)} per device: {closest.over:.2f}x"
+        )
     if not costed:
         first = ranked.suggestions[0].error or ""
         return out_of_memory(first) or f"no candidate compiled: {' '.join(first.split())}"
@@ -185,6 +193,7 @@ def suggest_targets(
     targets: str | Sequence[str],
     max_memory: int | str | None = None,
     workers: int | None = None,
+    exhaustive: bool = False,
 ) -> Targets:
     """The best spec on each of several TPU slices: `eqshard.suggest` on each, side
     by side.
@@ -208,6 +217,7 @@ def suggest_targets(
     - `targets`: the TPU slices, a list of names or one string separated by commas.
     - `max_memory`: device memory per device on every slice; by default each chip's HBM.
     - `workers`: worker processes that compile at once, as for `eqshard.suggest`.
+    - `exhaustive`: compile every candidate on every slice, as for `eqshard.suggest`.
 
     **Returns:**
 
@@ -225,7 +235,15 @@ def suggest_targets(
     for name in names:  # every name checked before the first slice compiles
         placement(None, name)
     rankings = [
-        suggest(model, *args, step=step, target=name, max_memory=max_memory, workers=workers)
+        suggest(
+            model,
+            *args,
+            step=step,
+            target=name,
+            max_memory=max_memory,
+            workers=workers,
+            exhaustive=exhaustive,
+        )
         for name in names
     ]
     return Targets.of(names, rankings)
