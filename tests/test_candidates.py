@@ -837,3 +837,25 @@ def test_an_8_layer_mlp_is_written_in_at_most_half_as_many_rules_as_leaves(tmp_p
             "column-parallel bias of layers.{0,2,4,6}.weight: split as its output",
         ),
     ]
+
+
+def test_the_candidate_space_is_a_table_of_families_and_a_search_may_name_some(gpt):
+    from eqshard._search._candidates import FAMILIES, STRATEGIES, Family
+
+    assert tuple(f.name for f in FAMILIES) == STRATEGIES
+    assert all(isinstance(f, Family) for f in FAMILIES)
+    args = (gpt["opt_state"], _tokens(8, 16))
+    every, _ = candidates(gpt["step"], gpt["model"], *args, devices=8)
+    some, dropped = candidates(
+        gpt["step"], gpt["model"], *args, devices=8, strategies=["data x tensor", "fsdp"]
+    )
+    assert [c.strategy for c in some] == ["fsdp", "data x tensor", "data x tensor"]
+    assert [c.rules.to_json() for c in some] == [
+        c.rules.to_json() for c in every if c.strategy in ("fsdp", "data x tensor")
+    ]
+    assert all(name.startswith("data x tensor on ") for name, _ in dropped)
+    # one string, separated by commas, as the command line passes it
+    (zero,), _ = candidates(gpt["step"], gpt["model"], *args, devices=8, strategies="zero-1")
+    assert zero.strategy == "zero-1"
+    with pytest.raises(eqshard.EqshardError, match="'fsdp2' is no strategy; the strategies are"):
+        candidates(gpt["step"], gpt["model"], *args, devices=8, strategies=["fsdp2"])

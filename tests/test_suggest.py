@@ -273,8 +273,8 @@ def test_a_spec_file_keeps_its_comments_through_load_and_dump(tmp_path):
 
 
 def _generate(chosen):
-    def candidates(step, model, *args, devices):
-        assert devices == 8
+    def candidates(step, model, *args, devices, strategies=None):
+        assert (devices, strategies) == (8, None)
         return chosen, [("fsdp x tensor (data=1 x model=8)", "made up: it does not divide")]
 
     return candidates
@@ -297,9 +297,13 @@ def test_cli_writes_the_best_and_check_on_it_reports_the_ranking_s_figures(
         eqshard._search._candidates, "candidates", _generate(_mlp_candidates()), False
     )
     path = tmp_path / "best.eqshard.json"
-    done = _suggest(run_cli, "--write", path, "--format", "json", "--max-memory", "16GiB")
+    done = _suggest(
+        run_cli, "--write", path, "--format", "json", "--max-memory", "16GiB", "--exhaustive"
+    )
     assert done.code == 0, done.err
     ranked = json.loads(done.out)
+    assert ranked["exhaustive"] is True
+    assert {s["figures"] for s in ranked["suggestions"]} == {"compiled"}
     assert ranked["written"] == str(path)
     assert ranked["max_memory"] == {"bytes": 16 * 2**30, "from": "max_memory"}
     assert ranked["dropped"] == [
@@ -381,6 +385,14 @@ def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
             "argument --target: not allowed with argument --devices",
         ),
         (("--model", "m:b", "--step", "m:s"), "the following arguments are required: --batch"),
+        (
+            (
+                *("--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
+                *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+                *("--strategies", "fsdp,fsdp2"),
+            ),
+            "'fsdp2' is no strategy; the strategies are 'data parallel', 'fsdp', 'zero-1'",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2_with_the_message(run_cli, args, message):
@@ -533,7 +545,7 @@ def test_suggest_targets_refuses_bad_names_before_compiling():
         eqshard.suggest_targets(object(), step=models.mlp_step, targets=["v5e:2x2", "h100:8"])
 
 
-def _sized(step, model, *args, devices):
+def _sized(step, model, *args, devices, strategies=None):
     """The MLP's hand-made candidates, on `devices`."""
     chosen = [
         dataclasses.replace(c, mesh=tuple((axis, devices) for axis, _ in c.mesh))

@@ -189,6 +189,7 @@ def _suggest_targets(args: argparse.Namespace) -> int:
         "max_memory": args.max_memory,
         "workers": args.workers,
         "exhaustive": args.exhaustive,
+        "strategies": args.strategies,
     }
     found = run("targets", request, here=not in_workers())
     if args.format == "json":
@@ -221,6 +222,7 @@ def suggest(args: argparse.Namespace) -> int:
         "max_memory": args.max_memory,
         "workers": args.workers,
         "exhaustive": args.exhaustive,
+        "strategies": args.strategies,
     }
     ranked = run("suggest", request, here=not in_workers())
     best = ranked.best

@@ -382,7 +382,19 @@ def _suggest(add: _Add) -> None:
         "than the best by their estimate, or over the limit by their arguments alone) are "
         "listed with their estimated figures, not compiled",
     )
+    suggest.add_argument(
+        "--strategies",
+        type=_strategies,
+        metavar="NAME,NAME,...",
+        help="the strategies to try, e.g. 'fsdp,data x tensor' (default: every one: "
+        "data parallel, fsdp, zero-1, megatron, data x tensor, fsdp x tensor)",
+    )
     _format_option(suggest)
+
+
+def _strategies(text: str) -> list[str]:
+    """`--strategies`: names separated by commas (each checked by the generator)."""
+    return [part.strip() for part in text.split(",")]
 
 
 def _diff(add: _Add) -> None:

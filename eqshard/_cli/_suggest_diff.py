@@ -113,7 +113,7 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
     step, model, args = step_arguments(request)
     from .._search._candidates import candidates  # pyright: ignore[reportAttributeAccessIssue]
 
-    kept, dropped = candidates(step, model, *args, devices=n)
+    kept, dropped = candidates(step, model, *args, devices=n, strategies=request.get("strategies"))
     limit, limit_from = memory_limit(request.get("max_memory"), on)
     inputs = {"build": "eqshard._cli._suggest_diff:step_arguments", "request": _names(request)}
     workers = request.get("workers")

@@ -352,6 +352,7 @@ def pool_answers(
     doing: Sequence[str],
     hint: str,
     wanted: Callable[[int, Sequence[Any]], bool] | None = None,
+    warm: Sequence[Worker] = (),
 ) -> list[Any]:
     """Each request's answer, from a pool of workers that take them from one queue:
     each worker starts once (`start_serving`), then is handed the next request as
@@ -374,6 +375,9 @@ def pool_answers(
         where not answered yet): asked each time a worker is free, of the requests
         left in order; the first wanted one is handed out, and the pool ends when no
         request left is wanted and none is being answered. By default every one is.
+    - `warm`: workers started before (`start_serving`) and already asked `first`
+        alone, whose answer is read here before they take requests: they count
+        towards `workers`, and a fresh one starts only past them.
 
     **Returns:**
 
@@ -415,7 +419,11 @@ def pool_answers(
         return True
 
     try:
-        for _ in range(min(max(1, workers), len(requests))):
+        started += warm
+        for worker in warm:
+            worker.answer("starting a worker", hint)  # its inputs read: ready
+            hand(worker)
+        for _ in range(min(max(1, workers), len(requests)) - len(warm)):
             if not hand(None):
                 break
         while busy:

@@ -72,12 +72,8 @@ from .._step import is_built  # a batch is what `cost` (and `eqshard.jit`) take 
 from ._estimate import Estimated, HeldLeaf, estimated
 from ._megatron import Role, StepProfile, abstract_leaf, step_profile
 
-__all__ = ["STRATEGIES", "Candidate", "candidates"]
+__all__ = ["FAMILIES", "STRATEGIES", "Candidate", "Family", "candidates", "families_named"]
 
-STRATEGIES = ("data parallel", "fsdp", "zero-1", "megatron", "data x tensor", "fsdp x tensor")
-"""The strategies, in the order their candidates come."""
-
-_SPLIT_BATCH = {"data parallel", "fsdp", "zero-1", "data x tensor", "fsdp x tensor"}
 _SOURCE = "<candidate>"
 
 
@@ -441,52 +437,125 @@ def _tensor(setup: _Setup, data: int, model: int, fsdp: bool) -> _Draft | str:
     return draft
 
 
-_BUILDERS: dict[str, Callable[[_Setup, int, int], _Draft | str]] = {
-    "data parallel": _data_parallel,
-    "fsdp": _fsdp,
-    "zero-1": _zero_1,
-    "megatron": lambda setup, d, m: _tensor(setup, d, m, fsdp=False),
-    "data x tensor": lambda setup, d, m: _tensor(setup, d, m, fsdp=False),
-    "fsdp x tensor": lambda setup, d, m: _tensor(setup, d, m, fsdp=True),
-}
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One strategy of the candidate space: a row of `FAMILIES`, so that a new one
+    (experts, sequence, pipeline stages) is one more row, not more code here.
 
-_DESCRIPTIONS = {
-    "data parallel": "data parallelism: every leaf whole on every device, the batch split "
-    "over 'data'",
-    "fsdp": "FSDP (ZeRO-3): each leaf split over 'data' along its largest dim that 'data' "
-    "divides, the batch split over 'data'",
-    "zero-1": "ZeRO-1: the parameters whole on every device, their optimizer state split "
-    "over 'data' as FSDP would split them, the batch split over 'data'",
-    "megatron": "Megatron tensor parallelism: column- and row-parallel pairs found in the "
-    "step's jaxpr, the vocabulary and the embedding split over 'model'; the batch whole "
-    "on every device",
-    "data x tensor": "data x tensor parallelism: Megatron's split over 'model', each leaf "
-    "copied over 'data', the batch split over 'data'",
-    "fsdp x tensor": "FSDP x tensor parallelism: Megatron's split over 'model', each leaf "
-    "also split over 'data' by FSDP, the batch split over 'data'",
-}
+    - `name`: how tables and spec files name it (`"fsdp x tensor"`).
+    - `description`: the written spec's comment on it.
+    - `build`: its draft on a `(data, model)` mesh, or why it has none there.
+    - `meshes`: which factorizations of the device count it is tried on: `"data"`
+        (all devices on `data`), `"model"` (all on `model`), or `"both"` (every
+        `data x model`, the tensor degree the smaller first).
+    - `splits_batch`: whether the batch is split over `data`.
+    - `same_as`: for a two-dimensional family, the one-dimensional families it equals
+        where `model`, then `data`, has one device.
+    """
+
+    name: str
+    description: str
+    build: Callable[[_Setup, int, int], _Draft | str]
+    meshes: Literal["data", "model", "both"]
+    splits_batch: bool = True
+    same_as: tuple[str, str] | None = None
 
 
-def _meshes(devices: int) -> list[tuple[str, int, int]]:
-    """Each strategy's factorizations `(strategy, data, model)`, in order."""
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "data parallel",
+        "data parallelism: every leaf whole on every device, the batch split over 'data'",
+        _data_parallel,
+        "data",
+    ),
+    Family(
+        "fsdp",
+        "FSDP (ZeRO-3): each leaf split over 'data' along its largest dim that 'data' "
+        "divides, the batch split over 'data'",
+        _fsdp,
+        "data",
+    ),
+    Family(
+        "zero-1",
+        "ZeRO-1: the parameters whole on every device, their optimizer state split over "
+        "'data' as FSDP would split them, the batch split over 'data'",
+        _zero_1,
+        "data",
+    ),
+    Family(
+        "megatron",
+        "Megatron tensor parallelism: column- and row-parallel pairs found in the step's "
+        "jaxpr, the vocabulary and the embedding split over 'model'; the batch whole on "
+        "every device",
+        lambda setup, d, m: _tensor(setup, d, m, fsdp=False),
+        "model",
+        splits_batch=False,
+    ),
+    Family(
+        "data x tensor",
+        "data x tensor parallelism: Megatron's split over 'model', each leaf copied over "
+        "'data', the batch split over 'data'",
+        lambda setup, d, m: _tensor(setup, d, m, fsdp=False),
+        "both",
+        same_as=("data parallel", "megatron"),
+    ),
+    Family(
+        "fsdp x tensor",
+        "FSDP x tensor parallelism: Megatron's split over 'model', each leaf also split "
+        "over 'data' by FSDP, the batch split over 'data'",
+        lambda setup, d, m: _tensor(setup, d, m, fsdp=True),
+        "both",
+        same_as=("fsdp", "megatron"),
+    ),
+)
+"""The candidate space, in the order its candidates come."""
+
+STRATEGIES = tuple(family.name for family in FAMILIES)
+"""The strategies' names, in the order their candidates come."""
+
+_FAMILY = {family.name: family for family in FAMILIES}
+
+
+def _meshes(families: Sequence[Family], devices: int) -> list[tuple[Family, int, int]]:
+    """Each family's factorizations `(family, data, model)`, in order."""
     divisors = [m for m in range(1, devices + 1) if devices % m == 0]
-    found = [(s, devices, 1) for s in ("data parallel", "fsdp", "zero-1")]
-    found.append(("megatron", 1, devices))
-    for strategy in ("data x tensor", "fsdp x tensor"):
-        found += [(strategy, devices // m, m) for m in divisors]
+    found: list[tuple[Family, int, int]] = []
+    for family in families:
+        if family.meshes == "data":
+            found.append((family, devices, 1))
+        elif family.meshes == "model":
+            found.append((family, 1, devices))
+        else:
+            found += [(family, devices // m, m) for m in divisors]
     return found
 
 
-def _same_as(strategy: str, data: int, model: int) -> str | None:
-    """Why a two-dimensional strategy on a mesh with an axis of size 1 is another."""
-    if strategy not in ("data x tensor", "fsdp x tensor"):
+def _same_as(family: Family, data: int, model: int) -> str | None:
+    """Why a two-dimensional family on a mesh with an axis of size 1 is another."""
+    if family.same_as is None:
         return None
+    over_data, over_model = family.same_as
     if model == 1:
-        other = "data parallel" if strategy == "data x tensor" else "fsdp"
-        return f"the same layout as {_name(other, data, 1)}: nothing is split over 'model'"
+        return f"the same layout as {_name(over_data, data, 1)}: nothing is split over 'model'"
     if data == 1:
-        return f"the same layout as {_name('megatron', 1, model)}: 'data' has one device"
+        return f"the same layout as {_name(over_model, 1, model)}: 'data' has one device"
     return None
+
+
+def families_named(names: Sequence[str] | None) -> tuple[Family, ...]:
+    """The families `names` names (every one for `None`), in `FAMILIES`' order.
+
+    **Raises:** `EqshardError` for a name that is none of them, naming them all.
+    """
+    if names is None:
+        return FAMILIES
+    if isinstance(names, str):
+        names = [part.strip() for part in names.split(",")]
+    unknown = [n for n in names if n not in _FAMILY]
+    if unknown or not names:
+        what = f"{unknown[0]!r} is no strategy" if unknown else "no strategy is named"
+        raise EqshardError(f"{what}; the strategies are {', '.join(map(repr, STRATEGIES))}")
+    return tuple(family for family in FAMILIES if family.name in names)
 
 
 # --------------------------------------------------------------------------- #
@@ -630,7 +699,11 @@ def _batch_fault(setup: _Setup, data: int) -> str | None:
 
 
 def candidates(
-    step: Callable[..., Any], model: Any, *args: Any, devices: int
+    step: Callable[..., Any],
+    model: Any,
+    *args: Any,
+    devices: int,
+    strategies: Sequence[str] | None = None,
 ) -> tuple[list[Candidate], list[tuple[str, str]]]:
     """Every candidate layout for `devices` devices (the kept ones), and the dropped
     ones as `(name, reason)`.
@@ -651,6 +724,8 @@ def candidates(
     - `*args`: the step's other arguments, as `eqshard.cost` takes them: `(opt_state,
         batch)`, or `(state, opt_state, batch)` for a stateful model.
     - `devices`: the device count (no devices are needed).
+    - `strategies`: the names of the families to make candidates of (a list, or one
+        string separated by commas); by default every one of `STRATEGIES`.
 
     **Returns:**
 
@@ -660,26 +735,27 @@ def candidates(
     **Raises:**
 
     `eqshard.StepError` when the step cannot be traced; `eqshard.EqshardError` when
-    `devices` is not a whole number from 1.
+    `devices` is not a whole number from 1, or `strategies` names no strategy.
     """
     whole_number(devices, "`devices`")
+    families = families_named(strategies)
     setup = _setup(step, model, args, devices)
     kept: list[Candidate] = []
     dropped: list[tuple[str, str]] = []
     seen: dict[Any, str] = {}
-    for strategy, data, model_size in _meshes(devices):
-        title = _name(strategy, data, model_size)
-        reason = _same_as(strategy, data, model_size)
-        splits_batch = strategy in _SPLIT_BATCH
+    for family, data, model_size in _meshes(families, devices):
+        title = _name(family.name, data, model_size)
+        reason = _same_as(family, data, model_size)
+        splits_batch = family.splits_batch
         if reason is None and splits_batch:
             reason = _batch_fault(setup, data)
         built: _Draft | str = (
-            reason if reason is not None else _BUILDERS[strategy](setup, data, model_size)
+            reason if reason is not None else family.build(setup, data, model_size)
         )
         if isinstance(built, str):
             dropped.append((title, built))
             continue
-        candidate = _candidate(setup, strategy, data, model_size, built)
+        candidate = _candidate(setup, family, data, model_size, built)
         key, plan, fault = _checked(setup, candidate, splits_batch)
         if fault is not None:
             dropped.append((title, fault))
@@ -693,18 +769,18 @@ def candidates(
     return kept, dropped
 
 
-def _portable_mesh(strategy: str, model: int) -> tuple[tuple[str, int | None], ...]:
+def _portable_mesh(family: Family, model: int) -> tuple[tuple[str, int | None], ...]:
     """The mesh the rules declare: the axis that scales with the device count as `"*"`
     (`None`), the tensor-parallel degree fixed: `data` x `model`, or Megatron's `model`
     alone (`data` has one device)."""
-    if strategy == "megatron":
+    if family.meshes == "model":
         return (("data", 1), ("model", None))
     return (("data", None), ("model", model))
 
 
-def _portable_text(strategy: str, model: int) -> str:
+def _portable_text(family: Family, model: int) -> str:
     """The file comment's sentence on the device counts the rules plan on."""
-    if strategy == "megatron":
+    if family.meshes == "model":
         return (
             " The mesh declares 'model' as \"*\": the rules plan on any device count "
             "where every split dim divides."
@@ -745,12 +821,13 @@ def _estimated(setup: _Setup, candidate: Candidate, plan: Any, splits_batch: boo
     )
 
 
-def _candidate(setup: _Setup, strategy: str, data: int, model: int, draft: _Draft) -> Candidate:
+def _candidate(setup: _Setup, family: Family, data: int, model: int, draft: _Draft) -> Candidate:
+    strategy = family.name
     mesh = (("data", data), ("model", model))
     comment = f"{strategy} on data={data} x model={model} ({setup.devices} devices): "
-    comment += _DESCRIPTIONS[strategy] + "."
-    comment += _portable_text(strategy, model)
-    split = strategy in _SPLIT_BATCH
+    comment += family.description + "."
+    comment += _portable_text(family, model)
+    split = family.splits_batch
     dims = {n: "data" if split and n in setup.batch_names else None for n in setup.activations}
     if dims:
         named = ", ".join(f"{n} over 'data'" if axis else f"{n} whole" for n, axis in dims.items())
@@ -763,7 +840,7 @@ def _candidate(setup: _Setup, strategy: str, data: int, model: int, draft: _Draf
         dims=dims,
         default=draft.default,
         source=_SOURCE,
-        mesh=_portable_mesh(strategy, model),
+        mesh=_portable_mesh(family, model),
         batch=parse(draft.batch),
         optimizer=optimizer,
         comment=comment,

@@ -31,9 +31,11 @@ from .._cost._targets import compile_target
 from .._errors import EqshardError, whole_number
 from .._fit import mesh_text
 from .._process._workers import (
+    Worker,
     pickled,
     pool_answers,
     serve_each,
+    start_serving,
     unpickled,
     without_device_count,
 )
@@ -649,14 +651,39 @@ def _compiled(result: Cost | str | None) -> TypeGuard[Cost]:
     return result is not None and not isinstance(result, str)
 
 
-def in_workers(inputs: Mapping[str, Any], devices: int, workers: int | None) -> CompileEach:
-    """`search`'s way to compile: in a pool of worker processes (`compile_in_workers`),
+def in_workers(inputs: Mapping[str, Any], devices: int, workers: int | None) -> _InWorkers:
+    """`search`'s way to compile: in pools of worker processes (`compile_in_workers`),
     which get the step's inputs as `inputs` says."""
+    return _InWorkers(inputs, devices, workers)
 
-    def compile_there(chosen: Sequence[Candidate], where: str | None, wanted: Wanted) -> Found:
-        return compile_in_workers(chosen, inputs, devices, where, workers, wanted=wanted)
 
-    return compile_there
+class _InWorkers:
+    """Compiles candidates in worker pools; `prepare(target)` starts the target's
+    workers ahead, so they load the compiler and read the inputs while another pool
+    compiles."""
+
+    def __init__(self, inputs: Mapping[str, Any], devices: int, workers: int | None) -> None:
+        self.inputs, self.devices, self.workers = inputs, devices, workers
+        self.warm: dict[str | None, list[Worker]] = {}
+
+    def prepare(self, target: str | None, candidates: int) -> None:
+        first = {"inputs": dict(self.inputs), "devices": self.devices, "target": target}
+        started = []
+        for _ in range(pool_size(candidates, target, self.workers)):
+            worker = start_serving(_ENTRY, without_device_count(os.environ))
+            worker.ask(first, _TIMEOUT_SECONDS)
+            started.append(worker)
+        self.warm[target] = started
+
+    def __call__(self, chosen: Sequence[Candidate], where: str | None, wanted: Wanted) -> Found:
+        warm = self.warm.pop(where, [])
+        try:
+            return compile_in_workers(
+                chosen, self.inputs, self.devices, where, self.workers, wanted=wanted, warm=warm
+            )
+        finally:
+            for worker in warm:
+                worker.stop()
 
 
 def search(
@@ -700,6 +727,10 @@ def search(
         key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i),
     )
     if proxy and on is not None and len(open_) > 1:
+        prepare = getattr(compile_each, "prepare", None)
+        if prepare is not None:  # the target's workers start while XLA:CPU compiles
+            prepare(target, len(open_))
+
         # XLA:CPU's figures, while a candidate's estimate could beat the best of them
         def promising(k: int, found: Sequence[Cost | str | None]) -> bool:
             guess = guesses[open_[k]]
@@ -867,10 +898,12 @@ def compile_in_workers(
     workers: int | None = None,
     *,
     wanted: Wanted = None,
+    warm: Sequence[Worker] = (),
 ) -> Found:
     """Each candidate's `Cost`, or why it failed, compiled in worker processes; `None`
     for one never compiled because `wanted(k, found_so_far)` said no, when asked as a
-    worker came free (by default every one is wanted).
+    worker came free (by default every one is wanted). `warm` workers were started
+    ahead and sent the inputs (`_InWorkers.prepare`).
 
     `pool_size` workers start at once (by default as many as the cores hold
     compiles), each starting JAX or libtpu and building the step once, then take the
@@ -900,7 +933,7 @@ def compile_in_workers(
             {"rules": pickled(c.rules, "the candidate's rules", "report it as a bug in eqshard")}
             for c in candidates
         ],
-        "eqshard._search._suggest:_worker",
+        _ENTRY,
         pool_size(len(candidates), target, workers),
         first={"inputs": dict(inputs), "devices": devices, "target": target},
         env=without_device_count(os.environ),
@@ -908,6 +941,7 @@ def compile_in_workers(
         doing=[f"costing {_name(c)} on {where}" for c in candidates],
         hint="Cost the candidate with `eqshard.cost` in this process to see why",
         wanted=None if wanted is None else still_wanted,
+        warm=warm,
     )
     return [
         None if answer is None else read[k] if k in read else _read_answer(answer)
@@ -922,6 +956,9 @@ def _read_answer(answer: Any) -> Cost | str:
     if answer.get("cost") is None:
         return str(answer["error"])
     return unpickled(answer["cost"], "the cost")
+
+
+_ENTRY = "eqshard._search._suggest:_worker"
 
 
 def _worker() -> int:
@@ -946,6 +983,8 @@ class _Costing:
             self.target = request.get("target")
         if self.inputs is None:
             raise EqshardError("a compile worker's first request carries the step's inputs")
+        if "rules" not in request:  # started ahead (`_InWorkers.prepare`): ready
+            return {"ready": "yes"}
         step, model, args = self.inputs
         rules = unpickled(request["rules"], "the candidate's rules")
         found = _cost_one(step, model, args, rules, self.devices, self.target)
@@ -997,6 +1036,7 @@ def suggest(
     max_memory: int | str | None = None,
     workers: int | None = None,
     exhaustive: bool = False,
+    strategies: Sequence[str] | None = None,
 ) -> Ranked:
     """The fastest spec that fits, found by compiling the user's own step under the
     candidate strategies that estimates cannot rule out.
@@ -1027,6 +1067,8 @@ def suggest(
     - `workers`: worker processes that compile at once; by default one per core, and `0`
         compiles in this process.
     - `exhaustive`: compile every candidate (see "Ranked before compiled").
+    - `strategies`: the strategies to try, by name (`["fsdp", "data x tensor"]`, or one
+        string separated by commas); by default every one.
 
     **Returns:**
 
@@ -1035,8 +1077,8 @@ def suggest(
     **Raises:**
 
     - `eqshard.EqshardError`: `devices` and `target` are both given or neither is,
-        `max_memory` is no size, `target` is no TPU slice, or the step or its arguments
-        cannot be sent to a worker.
+        `max_memory` is no size, `target` is no TPU slice, `strategies` names one that
+        is none, or the step or its arguments cannot be sent to a worker.
     - `eqshard.UsageError`: a `target` without libtpu.
 
     !!! info "Where candidates compile"
@@ -1078,7 +1120,7 @@ def suggest(
         compiles every candidate.
     """
     n, _ = placement(devices, target)
-    kept, dropped = candidates(step, model, *args, devices=n)
+    kept, dropped = candidates(step, model, *args, devices=n, strategies=strategies)
     return rank(
         kept,
         step,
