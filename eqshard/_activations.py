@@ -32,6 +32,7 @@ from typing import Any, Union
 
 import jax
 import jax.core
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._annotation import Annotation
@@ -119,6 +120,21 @@ def recording() -> Iterator[Recorded]:
     finally:
         _ACTIVE.reset(rules)
         _RECORDING.reset(token)
+
+
+RECORDED = "eqshard.activation."
+"""The prefix of the `checkpoint_name` a recorded activation carries in the traced
+step (`marked`), its index in the record after it: how `eqshard suggest`'s jaxpr
+walk finds the value each recorded name labels."""
+
+
+def marked(x: Any) -> Any:
+    """While recording, `x` named for the jaxpr (`jax.ad_checkpoint.checkpoint_name`,
+    the identity) as the last recorded activation; else `x` itself."""
+    record = _RECORDING.get()
+    if record is None or not record or not isinstance(x, jax.core.Tracer):
+        return x
+    return checkpoint_name(x, f"{RECORDED}{len(record) - 1}")
 
 
 def active() -> Active | None:

@@ -10,7 +10,7 @@ import jax.core
 from jax.sharding import AxisType, NamedSharding
 from jaxtyping import Array, ArrayLike, PyTree
 
-from ._activations import activation_sharding, active, is_names
+from ._activations import activation_sharding, active, is_names, marked
 from ._apply import place
 from ._derive import plan_for
 from ._errors import EqshardError, SpecError
@@ -259,7 +259,7 @@ def _named(
     itself where no rules are active."""
     target = activation_sharding(x, names, rules, mesh=mesh, devices=devices)
     if target is None:
-        return x
+        return marked(x)  # while `eqshard suggest` records the names, for its jaxpr walk
     if not isinstance(x, jax.core.Tracer):
         why = unplaceable(x, "`eqshard.constrain`")
         if why is not None:

@@ -6,6 +6,7 @@ and the demo's strategies reproduced device by device.
 Nothing here compiles: the steps are traced to jaxprs, and plans are made for
 device counts (abstract meshes), or on the suite's 8 CPU devices."""
 
+import dataclasses
 import json
 import runpy
 from pathlib import Path
@@ -338,12 +339,15 @@ def test_the_gpt_candidates_on_8_devices(gpt):
         ("**.down.weight", "... o i -> ... o i4*"),  # 128 / 4 = 32, the largest that 2 divides
         ("unembed.weight", "v d -> d* v4"),
     ]
-    # the names the GPT gives its activations: only the batch axis follows the batch
+    # the names the GPT gives its activations: the batch axis follows the batch, and
+    # the logits' vocabulary stays split where the unembedding is split over 'model'
     assert dp.dims == {"batch": "data", "seq": None, "embed": None, "vocab": None}
-    assert dict(by["megatron on data=1, model=8"].dims) == dict.fromkeys(dp.dims)
+    megatron = {**dict.fromkeys(dp.dims), "vocab": "model"}
+    assert dict(by["megatron on data=1, model=8"].dims) == megatron
     assert fsdp_tensor.comment is not None
-    assert "The activations' axes: seq whole, embed whole, batch over 'data', vocab whole." in (
-        fsdp_tensor.comment
+    assert (
+        "The activations' axes: seq whole, embed whole, batch over 'data', vocab over 'model'."
+        in fsdp_tensor.comment
     )
 
 
@@ -859,3 +863,31 @@ def test_the_candidate_space_is_a_table_of_families_and_a_search_may_name_some(g
     assert zero.strategy == "zero-1"
     with pytest.raises(eqshard.EqshardError, match="'fsdp2' is no strategy; the strategies are"):
         candidates(gpt["step"], gpt["model"], *args, devices=8, strategies=["fsdp2"])
+
+
+@pytest.mark.slow  # compiles the step twice on 8 simulated devices
+def test_tensor_candidates_keep_activations_split_where_megatron_splits_them(gpt):
+    """The logits the vocab-parallel unembedding makes are named ("batch", "seq",
+    "vocab"): the tensor candidates map "vocab" to 'model' (the jaxpr walk sees the
+    named value hold that weight's output axis), the residual stream's names whole;
+    and XLA:CPU's compile of the step moves fewer bytes over 'model' so than with
+    the logits gathered whole."""
+    args = (gpt["opt_state"], _tokens(8, 16))
+    kept, _ = candidates(gpt["step"], gpt["model"], *args, devices=8)
+    for c in kept:
+        tensor = dict(c.mesh)["model"] > 1
+        assert c.rules.dims["vocab"] == ("model" if tensor else None), c.name
+        assert (c.rules.dims["seq"], c.rules.dims["embed"]) == (None, None), c.name
+    chosen = next(c for c in kept if c.strategy == "data x tensor")
+    whole = dataclasses.replace(chosen.rules, dims={**chosen.rules.dims, "vocab": None})
+    split, gathered = (
+        eqshard.cost(gpt["model"], *args, step=gpt["step"], spec=rules, devices=8)
+        for rules in (chosen.rules, whole)
+    )
+    assert split.bytes_by_axes().get(("all-reduce", ("model",)), 0) > 0
+    moved = {
+        k: sum(n for (_, axes), n in c.bytes_by_axes().items() if axes == ("model",))
+        for k, c in (("split", split), ("gathered", gathered))
+    }
+    assert moved["split"] < moved["gathered"]
+    assert split.estimate().seconds < gathered.estimate().seconds

@@ -141,6 +141,7 @@ class _Setup:
     devices: int
     activations: tuple[str, ...]  # the names the model gives its activations' axes
     batch_names: frozenset[str]  # those only ever on an activation's batch axis
+    named: tuple[tuple[tuple[Any, ...], tuple[int, ...]], ...]  # each recorded constrain
     profile: StepProfile  # the step's jaxpr, read once
     built: tuple[Any, ...]  # the arguments built from the model (an optimizer state)
     batch_bytes: tuple[int, ...]  # each batch leaf's bytes, whole
@@ -199,6 +200,7 @@ def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: i
         devices,
         activations,
         batch_names,
+        tuple(named),
         profile,
         tuple(built),
         tuple(batch_bytes),
@@ -796,6 +798,28 @@ def _portable_text(family: Family, model: int) -> str:
     )
 
 
+def _over_model(setup: _Setup, draft: _Draft) -> frozenset[str]:
+    """The activations' names that label the output axis of a column- or
+    vocab-parallel weight this draft splits over `model` (`StepProfile.labels`), and
+    never another axis: Megatron keeps those activations split, as the weight makes
+    them (the logits by vocabulary), rather than gathering them whole."""
+    split = {setup.leaves[k].index for k in draft.ruled}
+    kinds = {i: role.kind for i, role in setup.roles.items()}
+    found: set[str] = set()
+    other: set[str] = set()
+    for k, (items, _) in enumerate(setup.named):
+        labelled = {axis: weight for weight, axis in setup.profile.labels.get(k, ())}
+        for position, n in enumerate(items):
+            if not isinstance(n, str):
+                continue
+            weight = labelled.get(position - len(items))
+            if weight in split and kinds.get(weight) in ("column", "vocab"):
+                found.add(n)
+            elif weight is not None:
+                other.add(n)
+    return frozenset(found - other - setup.batch_names)
+
+
 def _estimated(setup: _Setup, candidate: Candidate, plan: Any, splits_batch: bool) -> Estimated:
     """The candidate's figures before any compile (`_estimate.py`)."""
     leaves = [
@@ -828,9 +852,15 @@ def _candidate(setup: _Setup, family: Family, data: int, model: int, draft: _Dra
     comment += family.description + "."
     comment += _portable_text(family, model)
     split = family.splits_batch
-    dims = {n: "data" if split and n in setup.batch_names else None for n in setup.activations}
+    over_model = _over_model(setup, draft) if model > 1 else frozenset()
+    dims: dict[str, str | None] = {
+        n: "data" if split and n in setup.batch_names else "model" if n in over_model else None
+        for n in setup.activations
+    }
     if dims:
-        named = ", ".join(f"{n} over 'data'" if axis else f"{n} whole" for n, axis in dims.items())
+        named = ", ".join(
+            f"{n} over {axis!r}" if axis else f"{n} whole" for n, axis in dims.items()
+        )
         comment += f" The activations' axes: {named}."
     if draft.repairs:
         comment += f" {len(draft.repairs)} leaves did not divide and were replicated."

@@ -45,6 +45,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxprLiteral
 
+from .._activations import RECORDED
 from .._compat import is_transposed, missing, param
 from .._errors import StepError
 from .._process._usercode import with_user_frames
@@ -106,11 +107,15 @@ class StepProfile:
     - `matmuls`: each weight's matrix products in the forward pass.
     - `flops`: the FLOPs of every matrix product of the step (forward and
         gradient), whole, each times the lengths of the scans around it.
+    - `labels`: for each activation the model names (by its index in what
+        `_activations.recording` records), the weights whose output axes it holds:
+        `(weight, axis)`, the axis counted from the end (`-1` the last).
     """
 
     roles: dict[int, Role]
     matmuls: tuple[Matmul, ...]
     flops: float
+    labels: dict[int, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +196,7 @@ class _Walk:
         self.trips = 1  # the product of the lengths of the scans being walked
         self.matmuls: list[Matmul] = []  # a loop's body's, from its last walk only
         self.sources: dict[Any, int] = {}  # an activation's variable -> its number
+        self.labels: dict[int, tuple[tuple[int, int], ...]] = {}  # see StepProfile.labels
 
     def source(self, var: Any) -> int:
         """A number for the value `var` holds, the same each time it is read."""
@@ -317,6 +323,17 @@ class _Walk:
         view = None if x.view is None else (x.view[0], tuple(x.view[1][p] for p in perm))
         features = tuple((w, perm.index(a)) for w, a in x.features)
         return [_Value(view, x.sources, features, x.data)]
+
+    def _name(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        """A `checkpoint_name`, the identity: one eqshard puts on an activation the
+        model names while `eqshard suggest` records (`_activations.marked`) says
+        which weights' outputs the named axes hold."""
+        label = str(param(eqn, "name"))
+        if label.startswith(RECORDED):
+            rank = len(_shape(eqn.outvars[0]))
+            found = tuple((weight, axis - rank) for weight, axis in ins[0].features)
+            self.labels[int(label[len(RECORDED) :])] = found
+        return ins[:1]
 
     def _broadcast_in_dim(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         x = ins[0]
@@ -469,6 +486,7 @@ class _Walk:
 
 _HANDLERS: dict[str, Callable[[_Walk, Any, list[_Value]], list[_Value]]] = {
     "dot_general": _Walk._dot_general,
+    "name": _Walk._name,
     "gather": _Walk._gather,
     "transpose": _Walk._transpose,
     "broadcast_in_dim": _Walk._broadcast_in_dim,
@@ -610,7 +628,7 @@ def step_profile(step: Callable[..., Any], model: Any, *args: Any) -> StepProfil
     ]
     walk = _Walk()
     walk.run(closed.jaxpr, [_NOTHING] * len(closed.consts), values)
-    return StepProfile(walk.roles(), tuple(walk.matmuls), _flops(closed.jaxpr, 1))
+    return StepProfile(walk.roles(), tuple(walk.matmuls), _flops(closed.jaxpr, 1), walk.labels)
 
 
 def _nbytes(aval: Any) -> int:
