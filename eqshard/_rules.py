@@ -3,7 +3,9 @@
 How a leaf gets its expression, in order:
 
 1. **rules**: the first rule whose `path` matches the leaf's dotted path (found
-   through a `PathIndex`, so rules that cannot match cost nothing);
+   through a `PathIndex`, so rules that cannot match cost nothing); a rule that
+   names dims (`"dims": "... hidden embed"`) gives what `dims` give a leaf with
+   that annotation (`dims_expression`), and a leaf of another rank a problem;
 2. **dims**: for a leaf no rule matched, whose field has a jaxtyping annotation
    naming a dim in `dims`: the annotation's dims in order, each with its
    modifier (`{"mlp": "*"}` on `Float[Array, "embed mlp"]` gives
@@ -26,6 +28,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Mapping, Sequence
+from types import EllipsisType
 from typing import Any, Literal, Protocol
 
 import equinox as eqx
@@ -55,6 +58,7 @@ from ._warnings import UnusedRule, UnusedRuleWarning, unused_message
 
 __all__ = [
     "Match",
+    "NamedDims",
     "PathRule",
     "RuleSet",
     "dims_expression",
@@ -66,13 +70,23 @@ __all__ = [
 _REPLICATE = parse("... -> * ...")
 
 
+class NamedDims(Protocol):
+    """What the matcher reads of a rule's `"dims"` (`_specfile.Named`): the dims of
+    the leaves it matches, by name, as a jaxtyping annotation names them."""
+
+    @property
+    def text(self) -> str: ...  # "... hidden embed"
+    @property
+    def items(self) -> tuple[str | EllipsisType | None, ...]: ...  # a name, None (`_`), ...
+
+
 class PathRule(Protocol):
     """What the matcher reads of a path rule (`_specfile.Rule`)."""
 
     @property
     def path(self) -> str: ...
     @property
-    def expr(self) -> Expression | str: ...  # or "fsdp"
+    def expr(self) -> Expression | str | NamedDims: ...  # or "fsdp", or dims by name
     @property
     def index(self) -> int: ...
     @property
@@ -172,6 +186,27 @@ def _from_dims(rules: RuleSet, item: LeafInfo | None, mesh: Any) -> Expression |
     return dims_expression(rules, annotation, item.label, mesh)
 
 
+def _from_rule_dims(
+    rules: RuleSet, rule: PathRule, named: NamedDims, label: str, leaf: Any, mesh: Any
+) -> Expression | Problem:
+    """The expression a rule's `"dims"` gives a leaf: what `dims` give a leaf whose
+    jaxtyping annotation names its dims so (see `dims_expression`); whole where
+    `dims` maps none of them."""
+    shape = tuple(getattr(leaf, "shape", ()))
+    text = f"{rules.at(f'$.rules[{rule.index}]')}.dims {named.text!r}"
+    annotation = for_rank(Annotation(text, named.text, named.items), len(shape))
+    count = sum(1 for item in annotation.items if item is not ...)
+    if count > len(shape) or (... not in annotation.items and count != len(shape)):
+        return Problem(
+            label,
+            f"{rules.where(f'$.rules[{rule.index}]')} names {count} dims ({named.text!r}), "
+            f"and this leaf has {len(shape)} {shape}; name one dim per axis, with '...' "
+            "for leading dims the rule does not name",
+        )
+    expr = dims_expression(rules, annotation, label, mesh)
+    return _REPLICATE if expr is None else expr
+
+
 def is_axis(mapped: str | None) -> bool:
     """Whether a value of `dims` names a mesh axis (a logical axis), rather than
     being a shard modifier (`"*"`, `"4"`) or `None` (JSON `null`: the dim is whole)."""
@@ -260,7 +295,8 @@ def match_rules(
     context = None if target is None else target.context
     flat = list(zip(key_paths(model, context), jax.tree_util.tree_leaves(model)))
     fsdp = rules.default == FSDP_WORD or any(rule.expr == FSDP_WORD for rule in rules.rules)
-    fields = walk_fields(model, context) if rules.dims or fsdp else None
+    named = any(not isinstance(rule.expr, (Expression, str)) for rule in rules.rules)
+    fields = walk_fields(model, context) if rules.dims or fsdp or named else None
     fallback = _REPLICATE if rules.default == "replicate" else None  # "parameter": none
     section = rules.section
     index = _index(rules)
@@ -286,8 +322,18 @@ def match_rules(
             rule = rules.rules[position]
             if isinstance(rule.expr, Expression):
                 expr, how = rule.expr, None
-            else:  # "fsdp"
+            elif isinstance(rule.expr, str):  # "fsdp"
                 expr, how = by_fsdp(i, leaf)
+            else:  # dims by name, laid out through `dims`
+                label = fields[i].label if fields else name
+                found = _from_rule_dims(rules, rule, rule.expr, label, leaf, mesh)
+                if isinstance(found, Problem):
+                    problems.append(found)
+                    matches.append(
+                        Match(name, None, "rule", rule.index, None, rule.memory, section)
+                    )
+                    continue
+                expr, how = found, None
             matches.append(Match(name, expr, "rule", rule.index, how, rule.memory, section))
             continue
         expr = _from_dims(rules, fields[i] if fields else None, mesh)
@@ -418,7 +464,8 @@ def resolve_rules(rules: RuleSet, model: Any, target: Target) -> Resolution:
         failed=frozenset(
             i
             for i, m in enumerate(matches)
-            if m.expr is None and (m.source == "dims" or (m.source == "default" and not follows))
+            if m.expr is None
+            and (m.source in ("dims", "rule") or (m.source == "default" and not follows))
         ),
         origins=[m.origin for m in matches],
         memory=[m.memory for m in matches] if any(m.memory for m in matches) else None,

@@ -231,10 +231,15 @@ INVALID = {
             "or 'fsdp'",
             "",
         ),
-        ("$.rules[2]", "missing key 'expr'", ""),
+        (
+            "$.rules[2]",
+            "missing key 'expr' or 'dims': a rule has one, an einshard expression (or 'fsdp') "
+            "or its leaves' dims by name ('... hidden embed')",
+            "",
+        ),
         (
             "$.rules[3]",
-            "unknown key 'shard'; the keys here are 'path', 'expr', 'comment', 'memory'",
+            "unknown key 'shard'; the keys here are 'path', 'expr', 'dims', 'comment', 'memory'",
             "",
         ),
     ],

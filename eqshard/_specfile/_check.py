@@ -3,7 +3,8 @@
 The schema is checked first, with jsonschema (`iter_errors`: each fault as
 `<file>::<JSON path>: <message>`, in words of the spec-file format rather than the
 schema's); then what the schema cannot say: every expression and rule path parses,
-no rule repeats a path, each dim's modifier reads, and the declared mesh agrees
+a rule's dims by name name each dim once and are all mapped by the `"dims"` beside
+its rules, no rule repeats a path, each dim's modifier reads, and the declared mesh agrees
 with the device count. `load` checks a file this way before it makes `Rules`, and
 `dump` checks what it would write, so it never writes a file that does not load.
 """
@@ -22,7 +23,7 @@ from .._expression import parse
 from .._fsdp import FSDP_WORD
 from .._paths._grammar import parse as parse_path
 from .._problems import Problem, in_file
-from ._model import batch_expression
+from ._model import Named, batch_expression, unmapped_dim
 from ._schema import VERSION, validator
 
 __all__ = ["document_problems"]
@@ -44,6 +45,18 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
         except ExpressionError as bad:
             return Problem.from_error(where, bad)
         return Problem(where, f"{instance!r} is not an einshard expression, nor {FSDP_WORD!r}")
+    if keyword == "oneOf" and len(path) in (2, 3) and path[-2:-1] == ["rules"]:
+        if not isinstance(instance, dict):  # as the schema's type error says it, once
+            return Problem(where, f"{instance!r} is not of type 'object'")
+        one = (
+            f"an einshard expression (or {FSDP_WORD!r}) or its leaves' dims by name "
+            "('... hidden embed')"
+        )
+        if "expr" in instance and "dims" in instance:
+            return Problem(where, f"the rule has both 'expr' and 'dims'; keep one: {one}")
+        return Problem(where, f"missing key 'expr' or 'dims': a rule has one, {one}")
+    if keyword in ("pattern", "type") and path[-1:] == ["dims"] and path[-3:-2] == ["rules"]:
+        return _named_problem(where, instance)
     if keyword == "pattern" and path[-1:] == ["path"]:
         if isinstance(instance, str):
             try:
@@ -105,6 +118,22 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
         hint = ' (the format version: "eqshard": 1)' if missing == "eqshard" else ""
         return Problem(where, f"missing key {missing!r}{hint}")
     return Problem(where, error.message)
+
+
+def _named_problem(where: str, instance: Any) -> Problem:
+    """What is wrong with a rule's `"dims"`: not text, or not dims by name (with a
+    caret under the offending token)."""
+    if not isinstance(instance, str):
+        return Problem(
+            where,
+            f"{instance!r} is not of type 'string'; name the leaf's dims, such as "
+            "'... hidden embed'",
+        )
+    try:
+        Named(instance)
+    except ExpressionError as bad:
+        return Problem.from_error(where, bad)
+    return Problem(where, f"{instance!r} is not dims by name, such as '... hidden embed'")
 
 
 def _batch_problem(where: str, instance: Any) -> Problem:
@@ -186,6 +215,9 @@ def _rules_problems(
                     parse(expr)
                 except ExpressionError as bad:
                     problems.append((order, Problem.from_error(where, bad)))
+        problems += _named_problems(
+            rule, document.get("dims"), name, schema_paths, [*at, "rules", i]
+        )
         path = rule.get("path")
         where = f"{name}::${prefix}.rules[{i}].path"
         order = _order([*at, "rules", i, "path"])
@@ -217,6 +249,31 @@ def _rules_problems(
                 problem = Problem(where, f"{modifier[:24]!r}: {bad.rule}")
                 problems.append((_order([*at, "dims", dim]), problem))
     return problems
+
+
+def _named_problems(
+    rule: Mapping[str, Any], dims: Any, name: str, schema_paths: set[str], at: list[Any]
+) -> list[tuple[list[tuple[int, int, str]], Problem]]:
+    """What the schema cannot say of a rule's `"dims"` (the rule at `at`): it names
+    each dim once, with one `...` at most, and every name is a key of the `"dims"`
+    beside its rules (the file's, or its section's)."""
+    text = rule.get("dims")
+    prefix = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in at)
+    where = f"{name}::${prefix}.dims"
+    if not isinstance(text, str) or where in schema_paths:
+        return []
+    order = _order([*at, "dims"])
+    try:
+        named = Named(text)
+    except ExpressionError as bad:
+        return [(order, Problem.from_error(where, bad))]
+    mapped = dims if isinstance(dims, dict) else {}
+    place = "$" + "".join(f".{key}" for key in at[:-2]) + ".dims"
+    return [
+        (order, Problem(where, unmapped_dim(place, dim)))
+        for dim in named.names
+        if dim not in mapped
+    ]
 
 
 _AXIS_NAME = re.compile(r"[^\W\d]+")

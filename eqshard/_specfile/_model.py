@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
+from types import EllipsisType
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import EqshardError, ExpressionError
-from .._expression import Expression, parse
+from .._expression import Expression, is_name_char, parse
 from .._fit import MeshShape
 from .._fsdp import FSDP, FSDP_WORD
 from .._paths._grammar import parse as parse_path
@@ -29,13 +31,81 @@ if TYPE_CHECKING:
 __all__ = [
     "MEMORY_KINDS",
     "PARAMETER",
+    "Named",
     "Rule",
     "Rules",
     "batch_expression",
+    "unmapped_dim",
 ]
 
 PARAMETER = "parameter"
 """The optimizer section's default: each state leaf takes its parameter's layout."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Named:
+    """A rule's `"dims"`: the dims of the leaves it matches, named as a jaxtyping
+    annotation names them (`Named("... hidden embed")`), each laid out by the file's
+    `"dims"` as an annotated leaf with those names would be.
+
+    **Attributes:**
+
+    - `text`: the dims as written: names (letters and `_`), `_` for a dim with no name
+        (whole), and at most one `...` (any number of dims, such as a stacked layer
+        axis: whole), separated by spaces.
+    - `items`: one per dim: its name, `None` for `_`, or `...`.
+
+    **Raises:** `ExpressionError`, with a caret under the offending token, for text
+    that is not such dims, or names a dim twice.
+    """
+
+    text: str
+    items: tuple[str | EllipsisType | None, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str):
+            raise EqshardError(
+                f"a rule's `dims` is text such as '... hidden embed', not {self.text!r}"
+            )
+        object.__setattr__(self, "items", _named_items(self.text))
+        object.__setattr__(self, "text", " ".join(self.text.split()))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The dim names it uses, in order."""
+        return tuple(item for item in self.items if isinstance(item, str))
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _named_items(text: str) -> tuple[str | EllipsisType | None, ...]:
+    """The dims of a rule's `"dims"` text (see `Named`)."""
+    items: list[str | EllipsisType | None] = []
+    for found in re.finditer(r"\S+", text):
+        token, at = found.group(), found.start()
+        if token == "...":
+            if ... in items:
+                rule = "a second '...': at most one '...' stands for the dims no name covers"
+                raise ExpressionError(text, at, rule, length=3)
+            items.append(...)
+        elif token == "_":
+            items.append(None)
+        elif all(is_name_char(c) for c in token):
+            if token in items:
+                rule = f"{token!r} is named twice; name each dim once, or write '_' for a dim"
+                raise ExpressionError(text, at, rule + " with no name", length=len(token))
+            items.append(token)
+        else:
+            rule = (
+                f"{token!r} is not a dim: write names (letters and '_'), '_' for a dim "
+                "with no name, and at most one '...', separated by spaces"
+            )
+            raise ExpressionError(text, at, rule, length=len(token))
+    if not items:
+        rule = "no dims: name each dim of the leaf ('hidden embed'), '...' for leading dims"
+        raise ExpressionError(text, 0, rule, length=max(1, len(text)))
+    return tuple(items)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +117,10 @@ class Rule:
     - `path`: a rule path (`blocks.*.attn.query_proj.weight`, `**.*_proj.weight`,
         `_weights['w[0,0] 16x0e']`).
     - `expr`: the expression a matching leaf gets, or `"fsdp"` (given as the word or as
-        `eqshard.FSDP`): each matching leaf's own FSDP expression.
+        `eqshard.FSDP`): each matching leaf's own FSDP expression; or, for a rule that
+        names dims (a file's `"dims": "... hidden embed"`), a `Named`: each matching
+        leaf is laid out by the `Rules`' `dims`, as a leaf with the jaxtyping
+        annotation `"... hidden embed"` would be.
     - `comment`: the rule's comment, if any.
     - `index`: its place in the file's `rules` list.
     - `memory`: where the matching leaves are held: `"device"` (the devices' own memory)
@@ -56,7 +129,7 @@ class Rule:
     """
 
     path: str
-    expr: Expression | Literal["fsdp"]
+    expr: Expression | Literal["fsdp"] | Named
     comment: str | None = None
     index: int = 0
     memory: Literal["device", "pinned_host"] | None = None
@@ -73,7 +146,7 @@ class Rule:
             )
         if self.expr is FSDP or (isinstance(self.expr, str) and self.expr == FSDP_WORD):
             object.__setattr__(self, "expr", FSDP_WORD)
-        else:
+        elif not isinstance(self.expr, Named):
             object.__setattr__(self, "expr", parse(self.expr))
 
 
@@ -162,6 +235,12 @@ class Rules:
                     "`Rules.default` is 'parameter' in an optimizer section only; these rules "
                     "lay out the parameters: 'replicate', 'error' or 'fsdp'"
                 )
+        for rule in self.rules:  # a typo must never silently leave a dim whole
+            if isinstance(rule.expr, Named):
+                for name in rule.expr.names:
+                    if name not in self.dims:
+                        where = self.at(f"$.rules[{rule.index}].dims")
+                        raise EqshardError(f"{where}: {unmapped_dim(self.at('$.dims'), name)}")
 
     def where(self, json_path: str) -> str:
         """`file::$.json.path`: where a fault of this spec is, in messages (a path
@@ -236,13 +315,19 @@ class Rules:
         return document
 
 
+def unmapped_dim(dims: str, name: str) -> str:
+    """What is wrong with a rule's `"dims"` that names `name`, which the `"dims"` at
+    the JSON path `dims` (`"$.dims"`) do not map: a typo would leave the dim whole."""
+    return f"`{name}`, which {dims} does not map; map it in {dims} or fix the name"
+
+
 def _rules_json(rules: Rules) -> list[dict[str, Any]]:
-    """The `"rules"` of a spec file's document: each rule's path, expression, memory
-    kind and comment."""
+    """The `"rules"` of a spec file's document: each rule's path, expression (or
+    named dims), memory kind and comment."""
     return [
         {
             "path": r.path,
-            "expr": str(r.expr),
+            ("dims" if isinstance(r.expr, Named) else "expr"): str(r.expr),
             **({"memory": r.memory} if r.memory else {}),
             **({"comment": r.comment} if r.comment else {}),
         }

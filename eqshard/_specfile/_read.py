@@ -19,7 +19,7 @@ from .._errors import EqshardError, SpecError, UnreadableError
 from .._expression import parse
 from .._problems import Problem
 from ._check import document_problems
-from ._model import PARAMETER, Rule, Rules
+from ._model import PARAMETER, Named, Rule, Rules
 
 __all__ = ["MAX_BYTES", "is_regular", "load", "read_path"]
 
@@ -163,7 +163,13 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
 def _rules_of(document: Mapping[str, Any]) -> tuple[Rule, ...]:
     """The `Rule`s of a checked document's (or optimizer section's) `"rules"`."""
     return tuple(
-        Rule(rule["path"], rule["expr"], rule.get("comment"), i, rule.get("memory"))
+        Rule(
+            rule["path"],
+            rule["expr"] if "expr" in rule else Named(rule["dims"]),
+            rule.get("comment"),
+            i,
+            rule.get("memory"),
+        )
         for i, rule in enumerate(document.get("rules", []))
     )
 
