@@ -302,11 +302,17 @@ def suggest_table(found: Found) -> str:
             f"{ranked['target']} (XLA:TPU)" if ranked["target"] else f"{ranked['devices']} devices"
         )
         search, full = run["search"], run["exhaustive"]
+        looser = "; ".join(
+            f"{t['search']:.1f} s, {t['compiled']} compiled, "
+            f"{'same best' if t['same_best'] else '**another best**'}"
+            for t in run.get("tolerances", [])
+        )
         rows.append(
             [
                 f"{run['title'].split(',')[0]}, {where}, within {_bytes(limit['bytes'])}",
                 compiled,
                 f"{search:.1f} s",
+                looser or "-",
                 f"{full:.1f} s ({run['exhaustive_compiled']} compiled)",
                 _x(full / search),
                 "yes" if run["same_best"] else "**no**",
@@ -317,6 +323,7 @@ def suggest_table(found: Found) -> str:
         "search",
         "compiled",
         "suggest",
+        "suggest, tolerance 0.02",
         "exhaustive",
         "exhaustive / suggest",
         "same best",

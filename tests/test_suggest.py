@@ -244,6 +244,8 @@ def test_workers_and_this_process_give_the_same_costs():
         ({}, r"give `devices=` \(how many simulated devices"),
         ({"devices": 8, "max_memory": "lots"}, r"'lots' is not a memory size: write a byte"),
         ({"devices": 8, "workers": -1}, r"`workers`"),
+        ({"devices": 8, "workers": 0, "tolerance": 1.0}, r"`tolerance` is a fraction from 0"),
+        ({"devices": 8, "workers": 0, "tolerance": -0.1}, r"to below 1, such as 0.05, not -0.1"),
     ],
 )
 def test_rank_refuses_what_it_cannot_do(kwargs, message):
@@ -392,6 +394,10 @@ def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
                 *("--strategies", "fsdp,fsdp2"),
             ),
             "'fsdp2' is no strategy; the strategies are 'data parallel', 'fsdp', 'zero-1'",
+        ),
+        (
+            ("--model", "m:b", "--step", "m:s", "--batch", "m:b", "--tolerance", "5%"),
+            "argument --tolerance: '5%' is not a fraction from 0 to below 1, such as 0.05",
         ),
     ],
 )
@@ -734,6 +740,36 @@ def test_the_pruned_search_picks_the_exhaustive_best_for_a_llama_on_a_tpu_slice(
     # the rows not compiled for the slice were ranked by XLA:CPU's figures
     assert {s.figures for s in pruned if s.cost is None} == {"XLA:CPU"}
     assert all(s.proxy is not None and s.proxy.target is None for s in pruned if s.cost is None)
+
+
+def test_xla_cpu_s_guess_halves_promoted_collectives_and_takes_the_smaller_memory_term():
+    """`proxy_guess` on made-up figures: a bfloat16 step's collectives count half
+    (XLA:CPU moved them as float32), and its memory term is the smaller of
+    XLA:CPU's and the layouts' estimate; every change makes the guess faster."""
+    from eqshard._cost._hardware import HARDWARE
+    from eqshard._cost._results import Collective
+    from eqshard._search._estimate import Estimated
+
+    h100 = HARDWARE["h100"]
+    moved = [Collective("all-reduce", 2**30, ("data",), "made up", 1, 8)]
+    proxy = eqshard.Cost(
+        memory=None,  # pyright: ignore[reportArgumentType]
+        collectives=moved,
+        flops=1e12,
+        bytes_accessed=4e10,
+        mesh=None,
+        devices=8,
+        dtype="bfloat16",
+        compiler="XLA:CPU, 8 simulated devices",
+    )
+    figures = Estimated(0, 0, 0, 0, 0, 0, (), 1e12, 1e10, "bfloat16")
+    found = proxy.estimate(h100)
+    guess = suggesting.proxy_guess(proxy, figures, h100)
+    layouts = figures.estimate(h100).memory
+    assert layouts < found.memory
+    assert guess == pytest.approx(max(found.compute, layouts) + found.communication / 2)
+    as_float32 = dataclasses.replace(proxy, dtype="float32")
+    assert suggesting.proxy_guess(as_float32, None, h100) == pytest.approx(found.seconds)
 
 
 @pytest.mark.slow  # compiles in worker processes

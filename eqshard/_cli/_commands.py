@@ -189,6 +189,7 @@ def _suggest_targets(args: argparse.Namespace) -> int:
         "max_memory": args.max_memory,
         "workers": args.workers,
         "exhaustive": args.exhaustive,
+        "tolerance": args.tolerance,
         "strategies": args.strategies,
     }
     found = run("targets", request, here=not in_workers())
@@ -222,6 +223,7 @@ def suggest(args: argparse.Namespace) -> int:
         "max_memory": args.max_memory,
         "workers": args.workers,
         "exhaustive": args.exhaustive,
+        "tolerance": args.tolerance,
         "strategies": args.strategies,
     }
     ranked = run("suggest", request, here=not in_workers())

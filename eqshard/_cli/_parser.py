@@ -383,6 +383,13 @@ def _suggest(add: _Add) -> None:
         "listed with their estimated figures, not compiled",
     )
     suggest.add_argument(
+        "--tolerance",
+        type=_fraction,
+        metavar="F",
+        help="compile a candidate while its estimate is within this fraction of the best "
+        "compiled one's (default 0.05); smaller is faster and riskier",
+    )
+    suggest.add_argument(
         "--strategies",
         type=_strategies,
         metavar="NAME,NAME,...",
@@ -390,6 +397,19 @@ def _suggest(add: _Add) -> None:
         "data parallel, fsdp, zero-1, megatron, data x tensor, fsdp x tensor)",
     )
     _format_option(suggest)
+
+
+def _fraction(text: str) -> float:
+    """`--tolerance`: a fraction from 0 to below 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a fraction from 0 to below 1, such as 0.05"
+        )
+    return value
 
 
 def _strategies(text: str) -> list[str]:

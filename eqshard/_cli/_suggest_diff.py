@@ -105,7 +105,7 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
     the `"target"` slice's), and ranks them in compile workers that build the same
     inputs by name. `"max_memory"` is bytes or `None`, `"workers"` a count or
     `None`, `"exhaustive"` whether to compile every candidate."""
-    from .._search._suggest import in_workers, memory_limit, placement, search
+    from .._search._suggest import TOLERANCE, in_workers, memory_limit, placement, search
 
     devices, target = request.get("devices"), request.get("target")
     n, on = placement(devices, target)
@@ -121,7 +121,19 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
         inputs, n, None if workers is None else whole_number(workers, "`--workers`")
     )
     exhaustive = bool(request.get("exhaustive", False))
-    return search(kept, compile_each, n, on, limit, limit_from, dropped, exhaustive, proxy=True)
+    tolerance = request.get("tolerance")
+    return search(
+        kept,
+        compile_each,
+        n,
+        on,
+        limit,
+        limit_from,
+        dropped,
+        exhaustive,
+        proxy=True,
+        tolerance=TOLERANCE if tolerance is None else float(tolerance),
+    )
 
 
 def suggest_worker() -> int:

@@ -47,9 +47,11 @@ from ._candidates import Candidate, candidates
 if TYPE_CHECKING:
     from rich.table import Table
 
+    from .._cost._hardware import Hardware
     from .._cost._results import Cost
     from .._cost._targets import CompileTarget
     from .._sharding import Devices
+    from ._estimate import Estimated
 
     Wanted: TypeAlias = Callable[[int, Sequence[Cost | str | None]], bool] | None
     Found: TypeAlias = list[Cost | str | None]
@@ -65,6 +67,7 @@ __all__ = [
     "memory_limit",
     "placement",
     "pool_size",
+    "proxy_guess",
     "rank",
     "ranked",
     "search",
@@ -555,6 +558,7 @@ def rank(
     workers: int | None = None,
     dropped: Sequence[tuple[str, str]] = (),
     exhaustive: bool = False,
+    tolerance: float = 0.05,
 ) -> Ranked:
     """Costs the candidates by compiling the user's step under their rules, and ranks
     them: those the estimates cannot rule out, or every one with `exhaustive`.
@@ -586,6 +590,8 @@ def rank(
         the ranking's.
     - `exhaustive`: compile every candidate, rather than those that the estimates
         cannot rule out (see `eqshard.suggest`).
+    - `tolerance`: how close to the best a candidate's estimate must come to be
+        compiled (see `eqshard.suggest`).
 
     **Returns:**
 
@@ -619,7 +625,17 @@ def rank(
                     found[k] = _cost_one(step, model, args, c.rules, on_devices, where)
             return found
 
-        return search(candidates, compile_here, n, on, limit, limit_from, dropped, exhaustive)
+        return search(
+            candidates,
+            compile_here,
+            n,
+            on,
+            limit,
+            limit_from,
+            dropped,
+            exhaustive,
+            tolerance=tolerance,
+        )
     inputs = {
         "pickle": pickled(
             (step, unplaced(model), unplaced(args)),
@@ -638,13 +654,33 @@ def rank(
         dropped,
         exhaustive,
         proxy=True,
+        tolerance=tolerance,
     )
 
 
 TOLERANCE = 0.05
-"""How much faster than its estimate a candidate may turn out and still be ruled out:
-one is compiled while its estimate, times the lowest ratio of compiled to estimated
-seconds seen (at most 1), times `1 - TOLERANCE`, is below the best compiled one's."""
+"""`suggest`'s default `tolerance`: a candidate is compiled while its estimate, times
+the lowest ratio of compiled to estimated seconds seen (at most 1), times
+`1 - tolerance`, is below the best compiled one's seconds."""
+
+
+def proxy_guess(proxy: Cost, figures: Estimated | None, hardware: Hardware) -> float:
+    """The seconds XLA:CPU's figures of a candidate guess for an accelerator's step:
+    its roofline on `hardware`, with two of XLA:CPU's habits taken out, each towards
+    a faster guess (a candidate is then compiled rather than ruled out):
+
+    - it moves 16-bit collectives as float32 copies (`Cost.promoted`), so where the
+        parameters are 16-bit its collectives count half;
+    - it fuses less than an accelerator's compiler, so its bytes accessed overstate
+        theirs, and tensor-parallel programs' more than others' (measured on XLA:TPU):
+        the memory term is the smaller of XLA:CPU's and the layouts' estimate.
+    """
+    found = proxy.estimate(hardware)
+    communication = found.communication * (0.5 if proxy.promoted else 1.0)
+    memory = found.memory
+    if figures is not None:
+        memory = min(memory, figures.estimate(hardware).memory)
+    return max(found.compute, memory) + communication
 
 
 def _compiled(result: Cost | str | None) -> TypeGuard[Cost]:
@@ -697,6 +733,7 @@ def search(
     exhaustive: bool = False,
     *,
     proxy: bool = False,
+    tolerance: float = TOLERANCE,
 ) -> Ranked:
     """The `Ranked` of `candidates`, compiled by `compile_each(chosen, target, wanted)`
     (in this process, or in workers: each chosen one's `Cost`, its error, or `None`
@@ -706,8 +743,16 @@ def search(
     (their bytes are exact), and the rest are compiled in the order of their estimate
     (`candidate.estimated`'s roofline; for a TPU target with `proxy`, XLA:CPU's
     figures on as many simulated devices, a compile of seconds where XLA:TPU takes
-    tens), each only while it could still beat the best that fits (`TOLERANCE`).
+    tens), each only while it could still beat the best that fits, by more than
+    `tolerance` (`TOLERANCE`).
+
+    **Raises:** `EqshardError` for a `tolerance` outside `[0, 1)`.
     """
+    if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < 1):
+        raise EqshardError(
+            f"`tolerance` is a fraction from 0 (compile every candidate that could be "
+            f"the best) to below 1, such as 0.05, not {tolerance!r}"
+        )
     hardware = HARDWARE["h100"] if on is None else on.hardware
     target = None if on is None else on.name
     n = len(candidates)
@@ -735,13 +780,13 @@ def search(
         def promising(k: int, found: Sequence[Cost | str | None]) -> bool:
             guess = guesses[open_[k]]
             seen = [r.estimate(hardware).seconds for r in found if _compiled(r)]
-            return guess is None or not seen or guess * (1 - TOLERANCE) < min(seen)
+            return guess is None or not seen or guess * (1 - tolerance) < min(seen)
 
         cheap = compile_each([candidates[i] for i in open_], None, promising)
         for i, found in zip(open_, cheap):
             if _compiled(found):
                 proxies[i] = found
-                guesses[i] = found.estimate(hardware).seconds
+                guesses[i] = proxy_guess(found, candidates[i].estimated, hardware)
     order = sorted(open_, key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i))
 
     def wanted(k: int, found: Sequence[Cost | str | None]) -> bool:
@@ -758,7 +803,7 @@ def search(
                 ratio = min(ratio, seconds / seen)
             if limit is None or result.memory.peak <= limit:
                 best = seconds if best is None else min(best, seconds)
-        return best is None or guess * ratio * (1 - TOLERANCE) < best
+        return best is None or guess * ratio * (1 - tolerance) < best
 
     results: list[Cost | str | None] = [None] * n
     chosen = compile_each([candidates[i] for i in order], target, wanted)
@@ -1037,6 +1082,7 @@ def suggest(
     workers: int | None = None,
     exhaustive: bool = False,
     strategies: Sequence[str] | None = None,
+    tolerance: float = TOLERANCE,
 ) -> Ranked:
     """The fastest spec that fits, found by compiling the user's own step under the
     candidate strategies that estimates cannot rule out.
@@ -1069,6 +1115,9 @@ def suggest(
     - `exhaustive`: compile every candidate (see "Ranked before compiled").
     - `strategies`: the strategies to try, by name (`["fsdp", "data x tensor"]`, or one
         string separated by commas); by default every one.
+    - `tolerance`: how close to the best compiled one a candidate's estimate must come
+        to be compiled too: `0.05` (the default) compiles those whose estimate is within
+        5% of it; smaller is faster and riskier (see "Ranked before compiled").
 
     **Returns:**
 
@@ -1114,7 +1163,7 @@ def suggest(
         compiled by XLA:CPU on as many simulated devices (seconds each, with the same
         SPMD partitioner), whose figures rank them better. Then they are compiled for
         the target in that order, each only while it could still be faster than the
-        best compiled one that fits (`TOLERANCE`). The rows not compiled say so
+        best compiled one that fits, by more than `tolerance`. The rows not compiled say so
         (`Suggestion.figures`): their bytes held are exact, the rest marked as
         estimates, and their fit is unknown, never assumed. `exhaustive=True`
         compiles every candidate.
@@ -1132,4 +1181,5 @@ def suggest(
         workers=workers,
         dropped=dropped,
         exhaustive=exhaustive,
+        tolerance=tolerance,
     )

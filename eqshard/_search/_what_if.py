@@ -194,6 +194,7 @@ def suggest_targets(
     max_memory: int | str | None = None,
     workers: int | None = None,
     exhaustive: bool = False,
+    tolerance: float = 0.05,
 ) -> Targets:
     """The best spec on each of several TPU slices: `eqshard.suggest` on each, side
     by side.
@@ -218,6 +219,7 @@ def suggest_targets(
     - `max_memory`: device memory per device on every slice; by default each chip's HBM.
     - `workers`: worker processes that compile at once, as for `eqshard.suggest`.
     - `exhaustive`: compile every candidate on every slice, as for `eqshard.suggest`.
+    - `tolerance`: as for `eqshard.suggest`.
 
     **Returns:**
 
@@ -243,6 +245,7 @@ def suggest_targets(
             max_memory=max_memory,
             workers=workers,
             exhaustive=exhaustive,
+            tolerance=tolerance,
         )
         for name in names
     ]
