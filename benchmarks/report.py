@@ -357,8 +357,9 @@ def ranking(run_name: str) -> Callable[[Found], str]:
                 continue
             if s["figures"] != "compiled":  # ruled out before compiling: its estimates
                 guess = s["estimated"]
+                counted = s.get("proxy", guess)["communication"]  # XLA:CPU's, where it has one
                 moved = "<br>".join(
-                    f"~{'+'.join(c['axes'])} {_bytes(c['bytes'])}" for c in guess["communication"]
+                    f"~{'+'.join(c['axes']) or '-'} {_bytes(c['bytes'])}" for c in counted
                 )
                 fits = (
                     "unknown: not compiled"

@@ -247,6 +247,14 @@ class Suggestion:
                 ],
                 "seconds": self.guess,
             }
+        if self.proxy is not None and self.cost is None:  # what XLA:CPU ranked it by
+            entry["proxy"] = {
+                "compiler": self.proxy.compiler,
+                "communication": [
+                    {"axes": [] if axes == "-" else axes.split("+"), "bytes": n}
+                    for axes, n in communication(self.proxy).items()
+                ],
+            }
         if self.cost is not None:
             memory, estimate = self.cost.memory, self.cost.estimate()
             entry.update(
