@@ -140,6 +140,9 @@ def test_apply_keeps_the_values_bit_for_bit(tmp_path):
         assert np.asarray(after).tobytes() == np.asarray(before).tobytes()
 
 
+@pytest.mark.skipif(
+    jax.__version_info__ < (0, 10), reason="host memory needs JAX 0.10 (eqshard refuses it before)"
+)
 def test_whole_dims_replicate_and_memory_is_kept():
     rules = eqshard.load(
         _doc(

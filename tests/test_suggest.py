@@ -447,7 +447,9 @@ def test_a_worker_that_dies_fails_its_candidates_and_the_ranking_goes_on():
 )
 def test_on_a_tpu_slice_the_limit_is_the_chip_s_hbm():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
-    ranked = rank(_mlp_candidates()[:2], models.mlp_step, *mlp, target="v5e:2x4", workers=1)
+    ranked = rank(
+        _mlp_candidates()[:2], models.mlp_step, *mlp, target="v5e:2x4", workers=1, exhaustive=True
+    )
     assert (ranked.limit, ranked.limit_from, ranked.devices) == (16 << 30, "the chip's HBM", 8)
     assert ranked.compiler.startswith("XLA:TPU (libtpu ")
     assert ranked.hardware == "Google Cloud TPU v5e"
@@ -576,13 +578,15 @@ def test_cli_targets_gives_suggest_s_best_per_slice_and_says_where_nothing_fits(
     done = run_cli(
         *("suggest", "--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
         *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
-        *("--targets", ",".join(SLICES), "--workers", 1),
+        *("--targets", ",".join(SLICES), "--workers", 1, "--exhaustive"),
     )
     assert done.code == 0, done.err
     lines = done.out.splitlines()
     assert "eqshard suggest: the best spec on each of 2 targets" in lines[0]
     for target in SLICES:
-        best = eqshard.suggest(*mlp, step=models.mlp_step, target=target, workers=1).best
+        best = eqshard.suggest(
+            *mlp, step=models.mlp_step, target=target, workers=1, exhaustive=True
+        ).best
         assert best is not None
         row = next(line for line in lines if f" {target} " in line)
         assert f" {best.strategy} " in row, row
