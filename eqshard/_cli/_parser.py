@@ -313,16 +313,19 @@ def _check(add: _Add) -> None:
 def _suggest(add: _Add) -> None:
     suggest = add(
         "suggest",
-        help="find the fastest spec that fits, by compiling the step under each strategy",
+        help="find the fastest spec that fits, by compiling the step under the strategies",
         description=(
             "Build the model, the optimizer state and the batch abstractly, generate the "
             "candidate specs (data parallel, FSDP, ZeRO-1, Megatron tensor parallel, "
-            "data x tensor and FSDP x tensor, on every mesh of the device count), compile "
-            "the training step under each in worker processes (on N simulated devices "
-            "with XLA:CPU, or for a TPU slice with XLA:TPU), and print them ranked: those "
-            "that fit --max-memory (by default, with --target, the chip's HBM; without "
-            "either, every one) fastest first by a roofline estimate, then the others, "
-            "with how far over they are. --write saves the best as a spec file (its path "
+            "data x tensor and FSDP x tensor, on every mesh of the device count), estimate "
+            "each (the bytes it holds exactly, the rest from its layouts and the step), "
+            "compile the training step under those the estimates cannot rule out (every "
+            "one with --exhaustive) in worker processes (on N simulated devices with "
+            "XLA:CPU, or for a TPU slice with XLA:TPU, XLA:CPU ranking them first), and "
+            "print them ranked: those compiled that fit --max-memory (by default, with "
+            "--target, the chip's HBM; without either, every one) fastest first by a "
+            "roofline estimate, then those not compiled, marked estimated, then the "
+            "others, with how far over they are. --write saves the best as a spec file (its path "
             "is checked before anything compiles). With --targets, the best on each slice "
             "in one table. Exit 0 "
             "when a candidate fits (with --targets, on some slice), 1 when none does, 2 "
