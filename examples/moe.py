@@ -3,13 +3,15 @@ devices (expert parallelism over `data`, as MaxText's `ep-as-dp`).
 
 The experts' two `eqx.nn.Linear`s are stacked with `eqx.filter_vmap`: weights of
 `(experts, out, in)`. A router picks each token's top two experts, and each expert
-takes at most `capacity` tokens of each group (a sequence), GShard's routing. The
-dispatch is written per group and experts first (`"gsec,gsd->egcd"`): with the
-tokens split over `data` by group and the experts by expert, XLA then moves them with
-one all-to-all each way. The plain `"bsd,bsec->ecd"` would gather every token to
-every device instead. The model names its activations' axes (`"batch"`, `"seq"`,
-`"expert"`, `"embed"`); `specs/moe.eqshard.json` maps `"batch"` and `"expert"` to
-`data`, so each device holds its own expert and its groups.
+takes at most `capacity` tokens of each group (a sequence), GShard's routing. Each
+group's slots are computed where the group is, then handed to the experts by a change
+of layout, from split by group to split by expert (`eqshard.constrain` on
+`("batch", ...)`, then on `("expert", ...)`), which XLA makes one all-to-all; the
+experts' outputs come back the same way. Written as one einsum from the tokens to the
+experts, XLA:TPU gathers every token to every device instead. The model names its
+activations' axes (`"batch"`, `"seq"`, `"expert"`, `"embed"`);
+`specs/moe.eqshard.json` maps `"batch"` and `"expert"` to `data`, so each device holds
+its own expert and its groups.
 
     python examples/moe.py      # trains 3 steps sharded and unsharded, compares
 """
@@ -97,17 +99,20 @@ class Experts(eqx.Module):
         slots = slots.transpose(0, 2, 1, 3, 4)  # (group, seq, k, expert, capacity)
         dispatch = slots.sum(axis=2)
         combine = jnp.einsum("gsk,gskec->gsec", gates, slots)
-        # per group and experts first: one all-to-all to the experts, one back
+        # each group's slots computed where the group is, then handed to the experts:
+        # a change of layout from groups to experts, which XLA makes one all-to-all
         up_bias, down_bias = self.up.bias, self.down.bias
         assert up_bias is not None
         assert down_bias is not None
-        tokens = jnp.einsum("gsec,gsd->egcd", dispatch, x)
-        tokens = eqshard.constrain(tokens, ("expert", None, None, "embed"))
+        local = jnp.einsum("gsec,gsd->gecd", dispatch, x)
+        local = eqshard.constrain(local, ("batch", None, None, "embed"))
+        tokens = eqshard.constrain(local.transpose(1, 0, 2, 3), ("expert", None, None, "embed"))
         up = jnp.einsum("egcd,efd->egcf", tokens, self.up.weight)
         h = jax.nn.gelu(up + up_bias[:, None, None, :])
-        out = jnp.einsum("egcf,edf->egcd", h, self.down.weight)
-        out = eqshard.constrain(out + down_bias[:, None, None, :], ("expert", None, None, "embed"))
-        y = jnp.einsum("gsec,egcd->gsd", combine, out)
+        out = jnp.einsum("egcf,edf->egcd", h, self.down.weight) + down_bias[:, None, None, :]
+        out = eqshard.constrain(out, ("expert", None, None, "embed"))
+        back = eqshard.constrain(out.transpose(1, 0, 2, 3), ("batch", None, None, "embed"))
+        y = jnp.einsum("gsec,gecd->gsd", combine, back)
         return eqshard.constrain(y, ("batch", "seq", "embed"))
 
 

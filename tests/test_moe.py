@@ -2,6 +2,7 @@
 it trains as unsharded, each device holding its own expert, and XLA:CPU moves the
 dispatched tokens with all-to-alls of exactly the bytes counted by hand."""
 
+import importlib.util
 import runpy
 from pathlib import Path
 
@@ -37,36 +38,59 @@ def test_it_trains_as_unsharded_with_each_device_holding_its_own_expert(moe):
             assert leaf.addressable_shards[0].data.shape[0] == 1
 
 
-def test_the_dispatch_and_the_combine_are_all_to_alls_of_the_hand_counted_bytes(moe):
+def _moved(moe, **where):
     sizes = moe["SIZES"]
     model = eqx.filter_eval_shape(moe["build"])
     params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     opt_state = jax.eval_shape(moe["optimizer"]().init, params)
     tokens = jax.ShapeDtypeStruct((sizes.batch, sizes.seq + 1), jnp.int32)
     spec = eqshard.load(moe["SPEC"])
-    found = eqshard.cost(model, opt_state, tokens, step=moe["step"], spec=spec, devices=8)
-    # each device sends its groups' slots of every expert: (experts, batch / 8 groups,
-    # capacity, dim) float32, and receives its expert's slots of every group
-    groups = sizes.batch // 8
+    found = eqshard.cost(model, opt_state, tokens, step=moe["step"], spec=spec, **where)
+    return [
+        (c.kind, c.bytes, c.count, c.axes, c.group_size, "transpose" in c.source)
+        for c in found.collectives
+        if c.kind in ("all-to-all", "all-gather")
+    ]
+
+
+def _hand(moe, itemsize: int = 4) -> int:
+    """What each device sends in one all-to-all: its sequences' slots of every expert,
+    (experts, batch / 8 sequences, capacity, dim), which is also what it receives: its
+    expert's slots of every sequence."""
+    sizes = moe["SIZES"]
     capacity = moe["capacity"](sizes)
     assert capacity == 8  # 2 picks x 16 tokens x 2.0 / 8 experts
-    hand = sizes.experts * groups * capacity * sizes.dim * 4
-    forward = {
-        "dispatch": "jvp(gsec,gsd->egcd)",
-        "combine": "jvp(gsec,egcd->gsd)",
-    }
-    for what, op in forward.items():
-        moved = [
-            c
-            for c in found.collectives
-            if c.kind == "all-to-all" and op in c.source and "transpose" not in c.source
-        ]
-        assert [(c.bytes, c.count, c.axes, c.group_size) for c in moved] == [
-            (hand, 1, ("data",), 8)
-        ], what
-    # no token is gathered to every device on the way to the experts
-    assert not [
-        c
-        for c in found.collectives
-        if c.kind == "all-gather" and "transpose" not in c.source and "egcd" in c.source
+    return sizes.experts * (sizes.batch // 8) * capacity * sizes.dim * itemsize
+
+
+def test_the_tokens_go_to_their_experts_and_back_by_all_to_alls_of_the_hand_count(moe):
+    hand = _hand(moe)
+    assert hand == 8192
+    # forward: to the experts and back; the gradient: the same two, reversed; nothing
+    # gathers the tokens to every device
+    assert _moved(moe, devices=8) == [
+        ("all-to-all", hand, 1, ("data",), 8, False),
+        ("all-to-all", hand, 1, ("data",), 8, False),
+        ("all-to-all", hand, 1, ("data",), 8, True),
+        ("all-to-all", hand, 1, ("data",), 8, True),
     ]
+
+
+@pytest.mark.slow  # compiles the step for a TPU slice, twice
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="the TPU compiler comes with libtpu (eqshard[tpu])",
+)
+def test_on_a_tpu_slice_the_same_all_to_alls_and_bfloat16_at_default_precision(moe):
+    hand = _hand(moe)
+    with jax.default_matmul_precision("highest"):
+        assert sorted(_moved(moe, target="v5e:2x4")) == sorted(
+            [
+                ("all-to-all", hand, 1, ("data",), 8, backward)
+                for backward in (False, False, True, True)
+            ]
+        )
+    # the trap: at default precision XLA:TPU moves the forward tokens as bfloat16
+    default = _moved(moe, target="v5e:2x4")
+    forward = [entry for entry in default if not entry[-1]]
+    assert forward == [("all-to-all", _hand(moe, itemsize=2), 1, ("data",), 8, False)] * 2
