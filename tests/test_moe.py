@@ -22,12 +22,7 @@ def moe():
     return runpy.run_path(str(EXAMPLE), run_name="moe_example")
 
 
-def test_it_trains_as_unsharded_with_each_device_holding_its_own_expert(moe):
-    found = moe["main"](steps=3)
-    np.testing.assert_allclose(found["losses"], found["reference"], rtol=1e-5)
-    experts = found["model"].experts
-    sizes = moe["SIZES"]
-    assert sizes.experts == len(jax.devices()) == 8
+def _each_device_holds_its_own_expert(experts) -> None:
     for name in ("up", "down"):
         for leaf in (getattr(experts, name).weight, getattr(experts, name).bias):
             blocks = leaf.sharding.devices_indices_map(leaf.shape)
@@ -36,6 +31,40 @@ def test_it_trains_as_unsharded_with_each_device_holding_its_own_expert(moe):
                 assert index[0] == slice(expert, expert + 1), (name, device, index)
                 assert all(i == slice(None) for i in index[1:])
             assert leaf.addressable_shards[0].data.shape[0] == 1
+
+
+def test_it_trains_as_unsharded_with_each_device_holding_its_own_expert(moe):
+    found = moe["main"](steps=3)
+    np.testing.assert_allclose(found["losses"], found["reference"], rtol=1e-5)
+    assert moe["SIZES"].experts == len(jax.devices()) == 8
+    _each_device_holds_its_own_expert(found["model"].experts)
+
+
+@pytest.mark.slow  # compiles the step under each of 9 candidates
+def test_suggest_splits_the_experts_within_a_budget_that_replicated_experts_exceed(moe, tmp_path):
+    sizes = moe["SIZES"]
+    model = eqx.filter_eval_shape(moe["build"])
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(moe["optimizer"]().init, params)
+    tokens = jax.ShapeDtypeStruct((sizes.batch, sizes.seq + 1), jnp.int32)
+    ranked = eqshard.suggest(
+        model, opt_state, tokens, step=moe["step"], devices=8, workers=0, max_memory="300KiB"
+    )
+    best = ranked.best
+    assert best is not None
+    assert best.strategy == "expert parallel", str(ranked)
+    for name in ("data parallel", "zero-1"):  # the experts whole on every device
+        (replicated,) = [s for s in ranked if s.strategy == name]
+        assert not replicated.fits, name
+    rules = {(r.path, str(r.expr)) for r in best.rules.rules}
+    assert ("**.up.weight", "e __ ___ -> e* __ ___") in rules
+    assert best.rules.dims["expert"] == "data"
+    # the written spec trains as unsharded, each device holding its own expert
+    path = tmp_path / "best.eqshard.json"
+    eqshard.dump(best.rules, path)
+    found = moe["main"](steps=2, spec=path)
+    np.testing.assert_allclose(found["losses"], found["reference"], rtol=1e-5)
+    _each_device_holds_its_own_expert(found["model"].experts)
 
 
 def _moved(moe, **where):

@@ -397,7 +397,8 @@ def _suggest(add: _Add) -> None:
         type=_strategies,
         metavar="NAME,NAME,...",
         help="the strategies to try, e.g. 'fsdp,data x tensor' (default: every one: "
-        "data parallel, fsdp, zero-1, megatron, data x tensor, fsdp x tensor)",
+        "data parallel, fsdp, zero-1, expert parallel, megatron, data x tensor, "
+        "fsdp x tensor)",
     )
     _format_option(suggest)
 

@@ -8,6 +8,7 @@ One generator gives them all:
 | `"data parallel"` | whole on every device | as the parameters | over `data` |
 | `"fsdp"` | `"default": "fsdp"` over `data` | as the parameters | over `data` |
 | `"zero-1"` | whole on every device | `"optimizer": {"default": "fsdp"}` | over `data` |
+| `"expert parallel"` | stacked experts split by expert over `data`, the rest whole | as the parameters | over `data` |
 | `"megatron"` | column-, row- and vocab-parallel over `model` | as the parameters | whole |
 | `"data x tensor"` | Megatron over `model`, copied over `data` | as the parameters | over `data` |
 | `"fsdp x tensor"` | Megatron over `model`, FSDP over `data` | as the parameters | over `data` |
@@ -439,6 +440,53 @@ def _tensor(setup: _Setup, data: int, model: int, fsdp: bool) -> _Draft | str:
     return draft
 
 
+def _expert_axes(setup: _Setup) -> dict[int, int]:
+    """Each leaf (by its place in `setup.leaves`) stacked over experts, and its expert
+    axis: a weight the step's matmuls batch over one of its axes, and a sibling of
+    its (the same module's bias) with that axis's size on the same axis."""
+    by_index = {leaf.index: k for k, leaf in enumerate(setup.leaves)}
+    found: dict[int, int] = {}
+    for index, axis in setup.profile.experts.items():
+        k = by_index.get(index)
+        if k is None:
+            continue
+        found[k] = axis
+        weight = setup.leaves[k]
+        parent, size = weight.segments[:-1], weight.shape[axis]
+        for j, other in enumerate(setup.leaves):
+            sibling = j not in found and other.segments[:-1] == parent and other.parameter
+            if sibling and len(other.shape) > axis and other.shape[axis] == size:
+                found[j] = axis
+    return found
+
+
+def _expert_parallel(setup: _Setup, data: int, model: int) -> _Draft | str:
+    """Experts split over `data`, each device its own (MaxText's `ep-as-dp`): every
+    leaf stacked over experts split along its expert axis, the rest whole."""
+    if data == 1:
+        return "'data' has one device: nothing to split"
+    stacked = _expert_axes(setup)
+    if not stacked:
+        return "the step's jaxpr shows no weight its matmuls batch over (no stacked experts)"
+    draft = _Draft(batch=_batch(data, model))
+    for k, axis in sorted(stacked.items()):
+        leaf = setup.leaves[k]
+        if leaf.shape[axis] % data:
+            draft.repairs.append(
+                f"{leaf.label}: its {leaf.shape[axis]} experts (dim {axis}) do not divide over "
+                f"data={data}; replicated"
+            )
+            continue
+        names = [f"{'_' * (i + 1)}" for i in range(len(leaf.shape))]
+        names[axis] = "e"
+        rhs = [n + "*" if i == axis else n for i, n in enumerate(names)]
+        expression = f"{' '.join(names)} -> {' '.join(rhs)}"
+        draft.ruled[k] = ("expert-parallel: each device its own experts", expression)
+    if not draft.ruled:
+        return f"no stacked experts divide over data={data}"
+    return draft
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One strategy of the candidate space: a row of `FAMILIES`, so that a new one
@@ -453,6 +501,8 @@ class Family:
     - `splits_batch`: whether the batch is split over `data`.
     - `same_as`: for a two-dimensional family, the one-dimensional families it equals
         where `model`, then `data`, has one device.
+    - `applies`: whether the model has what the family splits (stacked experts);
+        one that does not apply makes no candidate, and is not listed as dropped.
     """
 
     name: str
@@ -461,6 +511,7 @@ class Family:
     meshes: Literal["data", "model", "both"]
     splits_batch: bool = True
     same_as: tuple[str, str] | None = None
+    applies: Callable[[_Setup], bool] = lambda setup: True
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -483,6 +534,15 @@ FAMILIES: tuple[Family, ...] = (
         "'data' as FSDP would split them, the batch split over 'data'",
         _zero_1,
         "data",
+    ),
+    Family(
+        "expert parallel",
+        "expert parallelism over 'data' (ep-as-dp): the experts' stacked weights split "
+        "by expert, each device its own; the batch split over 'data', the tokens handed "
+        "to their experts by all-to-all",
+        _expert_parallel,
+        "data",
+        applies=lambda setup: bool(setup.profile.experts),
     ),
     Family(
         "megatron",
@@ -745,7 +805,8 @@ def candidates(
     kept: list[Candidate] = []
     dropped: list[tuple[str, str]] = []
     seen: dict[Any, str] = {}
-    for family, data, model_size in _meshes(families, devices):
+    applying = [family for family in families if family.applies(setup)]
+    for family, data, model_size in _meshes(applying, devices):
         title = _name(family.name, data, model_size)
         reason = _same_as(family, data, model_size)
         splits_batch = family.splits_batch
@@ -796,6 +857,19 @@ def _portable_text(family: Family, model: int) -> str:
         f" The mesh declares 'data' as \"*\" and 'model' as {model}: the rules plan on "
         f"any multiple of {model} devices where every split dim divides."
     )
+
+
+def _expert_names(setup: _Setup) -> frozenset[str]:
+    """The activations' names on the axes a stacked experts' matmul batches over
+    (`StepProfile.expert_labels`), and never on another axis a matmul shows."""
+    found: set[str] = set()
+    for k, positions in setup.profile.expert_labels.items():
+        items = setup.named[k][0]
+        for position in positions:
+            n = items[position]
+            if isinstance(n, str):
+                found.add(n)
+    return frozenset(found - setup.batch_names)
 
 
 def _over_model(setup: _Setup, draft: _Draft) -> frozenset[str]:
@@ -853,8 +927,13 @@ def _candidate(setup: _Setup, family: Family, data: int, model: int, draft: _Dra
     comment += _portable_text(family, model)
     split = family.splits_batch
     over_model = _over_model(setup, draft) if model > 1 else frozenset()
+    experts = _expert_names(setup) if family.name == "expert parallel" else frozenset()
     dims: dict[str, str | None] = {
-        n: "data" if split and n in setup.batch_names else "model" if n in over_model else None
+        n: "data"
+        if (split and n in setup.batch_names) or n in experts
+        else "model"
+        if n in over_model
+        else None
         for n in setup.activations
     }
     if dims:

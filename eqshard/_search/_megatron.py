@@ -110,12 +110,18 @@ class StepProfile:
     - `labels`: for each activation the model names (by its index in what
         `_activations.recording` records), the weights whose output axes it holds:
         `(weight, axis)`, the axis counted from the end (`-1` the last).
+    - `experts`: each weight used in a matmul batched over one of its axes (stacked
+        experts, each applied to its own tokens), and that axis.
+    - `expert_labels`: for each named activation such a matmul takes, the axes (from
+        the end) it batches over: the named axes that run along the experts.
     """
 
     roles: dict[int, Role]
     matmuls: tuple[Matmul, ...]
     flops: float
     labels: dict[int, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+    experts: dict[int, int] = dataclasses.field(default_factory=dict)
+    expert_labels: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +203,9 @@ class _Walk:
         self.matmuls: list[Matmul] = []  # a loop's body's, from its last walk only
         self.sources: dict[Any, int] = {}  # an activation's variable -> its number
         self.labels: dict[int, tuple[tuple[int, int], ...]] = {}  # see StepProfile.labels
+        self.named_vars: dict[Any, int] = {}  # a named activation's variable -> its index
+        self.experts: dict[int, int] = {}  # see StepProfile.experts
+        self.expert_labels: dict[int, set[int]] = {}  # see StepProfile.expert_labels
 
     def source(self, var: Any) -> int:
         """A number for the value `var` holds, the same each time it is read."""
@@ -282,6 +291,15 @@ class _Walk:
         for source in activation.sources:
             if source != leaf:
                 self.edges.setdefault(source, {})[leaf] = None
+        along = _known(axes, batch)
+        if along:  # batched over one of the weight's axes: a stack of experts
+            self.experts.setdefault(leaf, along[0])
+            other = eqn.invars[0 if not is_lhs else 1]
+            index = None if isinstance(other, JaxprLiteral) else self.named_vars.get(other)
+            if index is not None:
+                rank = len(_shape(other))
+                theirs = rb if is_lhs else lb
+                self.expert_labels.setdefault(index, set()).update(a - rank for a in theirs)
         operand = eqn.invars[1 if is_lhs else 0]
         self.matmuls.append(
             Matmul(
@@ -333,6 +351,7 @@ class _Walk:
             rank = len(_shape(eqn.outvars[0]))
             found = tuple((weight, axis - rank) for weight, axis in ins[0].features)
             self.labels[int(label[len(RECORDED) :])] = found
+            self.named_vars[eqn.outvars[0]] = int(label[len(RECORDED) :])
         return ins[:1]
 
     def _broadcast_in_dim(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
@@ -628,7 +647,14 @@ def step_profile(step: Callable[..., Any], model: Any, *args: Any) -> StepProfil
     ]
     walk = _Walk()
     walk.run(closed.jaxpr, [_NOTHING] * len(closed.consts), values)
-    return StepProfile(walk.roles(), tuple(walk.matmuls), _flops(closed.jaxpr, 1), walk.labels)
+    return StepProfile(
+        walk.roles(),
+        tuple(walk.matmuls),
+        _flops(closed.jaxpr, 1),
+        walk.labels,
+        walk.experts,
+        {k: frozenset(v) for k, v in walk.expert_labels.items()},
+    )
 
 
 def _nbytes(aval: Any) -> int:
