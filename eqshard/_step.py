@@ -49,7 +49,7 @@ from ._derive import plan_for
 from ._errors import EqshardError, ExpressionError, SpecError
 from ._expression import Expression
 from ._fields import is_array_like, is_stateful_pair
-from ._plan import Plan, Planned, plan as make_plan_or_raise
+from ._plan import Plan, Planned, placing, plan as make_plan_or_raise
 from ._problems import Problem
 from ._protocol import is_resolver
 from ._sharding import AnyMesh, mesh_devices, sharding
@@ -394,6 +394,8 @@ class Step:
         spec = self.plan if self.plan is not None else _spec(active())
         if spec is None:
             return self._plain(*args, **kwargs)
+        if isinstance(spec, Plan) and isinstance(spec.devices, int):
+            spec = placing(spec, "`eqshard.jit`")  # made for a count: its first n devices
         program, layout, traced = self._program(spec, args, kwargs, lowering=False)
         _move_batch(traced, layout.batch, program.shardings)
         donated = [traced[i] for i in program.donated]

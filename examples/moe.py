@@ -170,10 +170,10 @@ def main(steps: int = 3, spec: Path = SPEC) -> dict[str, Any]:
         for _ in range(steps):
             value, ref_model, ref_state = step(ref_model, ref_state, tokens)
             reference.append(float(value))
-        plan = eqshard.plan(model, eqshard.load(spec), devices=jax.devices()[:8])
+        plan = eqshard.plan(model, eqshard.load(spec), devices=8)  # the first 8 devices
         with eqshard.use(plan):
             model, opt_state = eqshard.apply(model, plan), eqshard.apply(opt_state, plan)
-            tokens = eqshard.apply(tokens, "b s -> b* s", devices=jax.devices()[:8])
+            tokens = eqshard.apply(tokens, "b s -> b* s", devices=8)
             losses = []
             for _ in range(steps):
                 value, model, opt_state = step(model, opt_state, tokens)
