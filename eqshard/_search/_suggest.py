@@ -719,6 +719,13 @@ class _InWorkers:
             started.append(worker)
         self.warm[target] = started
 
+    def close(self) -> None:
+        """Stops the workers started ahead and not used (a pass before them failed)."""
+        for started in self.warm.values():
+            for worker in started:
+                worker.stop()
+        self.warm.clear()
+
     def __call__(self, chosen: Sequence[Candidate], where: str | None, wanted: Wanted) -> Found:
         warm = self.warm.pop(where, [])
         try:
@@ -767,7 +774,6 @@ def search(
     guesses: list[float | None] = [
         None if c.estimated is None else c.estimated.estimate(hardware).seconds for c in candidates
     ]
-    proxies: list[Cost | None] = [None] * n
     over = [
         limit is not None and c.estimated is not None and c.estimated.arguments > limit
         for c in candidates
@@ -779,6 +785,46 @@ def search(
         (i for i in range(n) if not over[i]),
         key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i),
     )
+    try:
+        return _search_open(
+            candidates,
+            compile_each,
+            devices,
+            on,
+            limit,
+            limit_from,
+            dropped,
+            tolerance,
+            open_,
+            guesses,
+            proxy=proxy,
+        )
+    finally:
+        close = getattr(compile_each, "close", None)
+        if close is not None:  # the target's workers started ahead, if a pass failed
+            close()
+
+
+def _search_open(
+    candidates: Sequence[Candidate],
+    compile_each: CompileEach,
+    devices: int,
+    on: CompileTarget | None,
+    limit: int | None,
+    limit_from: str | None,
+    dropped: Sequence[tuple[str, str]],
+    tolerance: float,
+    open_: list[int],
+    guesses: list[float | None],
+    *,
+    proxy: bool,
+) -> Ranked:
+    """`search`'s passes over the candidates it did not rule out (`open_`, by their
+    guess): XLA:CPU's for a TPU target with `proxy`, then the target's compiler's."""
+    hardware = HARDWARE["h100"] if on is None else on.hardware
+    target = None if on is None else on.name
+    n = len(candidates)
+    proxies: list[Cost | None] = [None] * n
     if proxy and on is not None and len(open_) > 1:
         prepare = getattr(compile_each, "prepare", None)
         if prepare is not None:  # the target's workers start while XLA:CPU compiles
