@@ -786,95 +786,61 @@ def search(
         key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i),
     )
     try:
-        return _search_open(
+        proxies: list[Cost | None] = [None] * n
+        if proxy and on is not None and len(open_) > 1:
+            prepare = getattr(compile_each, "prepare", None)
+            if prepare is not None:  # the target's workers start while XLA:CPU compiles
+                prepare(target, len(open_))
+
+            # XLA:CPU's figures, while a candidate's estimate could beat the best of them
+            def promising(k: int, found: Sequence[Cost | str | None]) -> bool:
+                guess = guesses[open_[k]]
+                seen = [r.estimate(hardware).seconds for r in found if _compiled(r)]
+                return guess is None or not seen or guess * (1 - tolerance) < min(seen)
+
+            cheap = compile_each([candidates[i] for i in open_], None, promising)
+            for i, found in zip(open_, cheap):
+                if _compiled(found):
+                    proxies[i] = found
+                    guesses[i] = proxy_guess(found, candidates[i].estimated, hardware)
+        order = sorted(open_, key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i))
+
+        def wanted(k: int, found: Sequence[Cost | str | None]) -> bool:
+            guess = guesses[order[k]]
+            if guess is None:
+                return True
+            best, ratio = None, 1.0
+            for j, result in enumerate(found):
+                if not _compiled(result):
+                    continue
+                seconds = result.estimate(hardware).seconds
+                seen = guesses[order[j]]
+                if seen:
+                    ratio = min(ratio, seconds / seen)
+                if limit is None or result.memory.peak <= limit:
+                    best = seconds if best is None else min(best, seconds)
+            return best is None or guess * ratio * (1 - tolerance) < best
+
+        results: list[Cost | str | None] = [None] * n
+        chosen = compile_each([candidates[i] for i in order], target, wanted)
+        for i, found in zip(order, chosen):
+            results[i] = found
+        return ranked(
             candidates,
-            compile_each,
+            results,
             devices,
             on,
             limit,
             limit_from,
             dropped,
-            tolerance,
-            open_,
-            guesses,
-            proxy=proxy,
+            guesses=guesses,
+            proxies=proxies,
+            exhaustive=False,
         )
     finally:
         close = getattr(compile_each, "close", None)
         if close is not None:  # the target's workers started ahead, if a pass failed
             close()
-
-
-def _search_open(
-    candidates: Sequence[Candidate],
-    compile_each: CompileEach,
-    devices: int,
-    on: CompileTarget | None,
-    limit: int | None,
-    limit_from: str | None,
-    dropped: Sequence[tuple[str, str]],
-    tolerance: float,
-    open_: list[int],
-    guesses: list[float | None],
-    *,
-    proxy: bool,
-) -> Ranked:
-    """`search`'s passes over the candidates it did not rule out (`open_`, by their
-    guess): XLA:CPU's for a TPU target with `proxy`, then the target's compiler's."""
-    hardware = HARDWARE["h100"] if on is None else on.hardware
-    target = None if on is None else on.name
-    n = len(candidates)
-    proxies: list[Cost | None] = [None] * n
-    if proxy and on is not None and len(open_) > 1:
-        prepare = getattr(compile_each, "prepare", None)
-        if prepare is not None:  # the target's workers start while XLA:CPU compiles
-            prepare(target, len(open_))
-
-        # XLA:CPU's figures, while a candidate's estimate could beat the best of them
-        def promising(k: int, found: Sequence[Cost | str | None]) -> bool:
-            guess = guesses[open_[k]]
-            seen = [r.estimate(hardware).seconds for r in found if _compiled(r)]
-            return guess is None or not seen or guess * (1 - tolerance) < min(seen)
-
-        cheap = compile_each([candidates[i] for i in open_], None, promising)
-        for i, found in zip(open_, cheap):
-            if _compiled(found):
-                proxies[i] = found
-                guesses[i] = proxy_guess(found, candidates[i].estimated, hardware)
-    order = sorted(open_, key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i))
-
-    def wanted(k: int, found: Sequence[Cost | str | None]) -> bool:
-        guess = guesses[order[k]]
-        if guess is None:
-            return True
-        best, ratio = None, 1.0
-        for j, result in enumerate(found):
-            if not _compiled(result):
-                continue
-            seconds = result.estimate(hardware).seconds
-            seen = guesses[order[j]]
-            if seen:
-                ratio = min(ratio, seconds / seen)
-            if limit is None or result.memory.peak <= limit:
-                best = seconds if best is None else min(best, seconds)
-        return best is None or guess * ratio * (1 - tolerance) < best
-
-    results: list[Cost | str | None] = [None] * n
-    chosen = compile_each([candidates[i] for i in order], target, wanted)
-    for i, found in zip(order, chosen):
-        results[i] = found
-    return ranked(
-        candidates,
-        results,
-        devices,
-        on,
-        limit,
-        limit_from,
-        dropped,
-        guesses=guesses,
-        proxies=proxies,
-        exhaustive=False,
-    )
 
 
 def _cost_one(
