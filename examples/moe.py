@@ -9,11 +9,17 @@ of layout, from split by group to split by expert (`eqshard.constrain` on
 `("batch", ...)`, then on `("expert", ...)`), which XLA makes one all-to-all; the
 experts' outputs come back the same way. Written as one einsum from the tokens to the
 experts, XLA:TPU gathers every token to every device instead. The model names its
-activations' axes (`"batch"`, `"seq"`, `"expert"`, `"embed"`);
-`specs/moe.eqshard.json` maps `"batch"` and `"expert"` to `data`, so each device holds
-its own expert and its groups.
+activations' axes (`"batch"`, `"seq"`, `"expert"`, `"embed"`, and `"group"` for the
+groups in the experts' buffers). Two spec files lay it out:
 
-    python examples/moe.py      # trains 3 steps sharded and unsharded, compares
+- `specs/moe.eqshard.json` maps `"batch"` and `"expert"` to `data` (expert
+    parallelism over data, MaxText's `ep-as-dp`): each device holds its own expert and
+    its own groups;
+- `specs/moe.data_expert.eqshard.json` declares a `data x expert` mesh: the experts
+    split over `expert`, the batch over both axes, and in the experts' buffers the
+    groups over `data`, so the all-to-alls run within each `expert` group of devices.
+
+    python examples/moe.py      # trains 3 steps under each spec and unsharded, compares
 """
 
 import math
@@ -35,6 +41,7 @@ from jaxtyping import Array, Float, Int
 import eqshard
 
 SPEC = Path(__file__).parent / "specs" / "moe.eqshard.json"
+DATA_EXPERT = Path(__file__).parent / "specs" / "moe.data_expert.eqshard.json"
 
 
 class Sizes(NamedTuple):
@@ -106,11 +113,12 @@ class Experts(eqx.Module):
         assert down_bias is not None
         local = jnp.einsum("gsec,gsd->gecd", dispatch, x)
         local = eqshard.constrain(local, ("batch", None, None, "embed"))
-        tokens = eqshard.constrain(local.transpose(1, 0, 2, 3), ("expert", None, None, "embed"))
+        buffer = ("expert", "group", None, "embed")  # each expert's slots, by group
+        tokens = eqshard.constrain(local.transpose(1, 0, 2, 3), buffer)
         up = jnp.einsum("egcd,efd->egcf", tokens, self.up.weight)
         h = jax.nn.gelu(up + up_bias[:, None, None, :])
         out = jnp.einsum("egcf,edf->egcd", h, self.down.weight) + down_bias[:, None, None, :]
-        out = eqshard.constrain(out, ("expert", None, None, "embed"))
+        out = eqshard.constrain(out, buffer)
         back = eqshard.constrain(out.transpose(1, 0, 2, 3), ("batch", None, None, "embed"))
         y = jnp.einsum("gsec,gecd->gsd", combine, back)
         return eqshard.constrain(y, ("batch", "seq", "embed"))
@@ -173,16 +181,16 @@ def main(steps: int = 3, spec: Path = SPEC) -> dict[str, Any]:
         plan = eqshard.plan(model, eqshard.load(spec), devices=8)  # the first 8 devices
         with eqshard.use(plan):
             model, opt_state = eqshard.apply(model, plan), eqshard.apply(opt_state, plan)
-            tokens = eqshard.apply(tokens, "b s -> b* s", devices=8)
             losses = []
             for _ in range(steps):
                 value, model, opt_state = step(model, opt_state, tokens)
                 losses.append(float(value))
     for i, (a, b) in enumerate(zip(losses, reference)):
-        print(f"step {i}: loss {a:.6f} (unsharded {b:.6f})")
+        print(f"{spec.name} step {i}: loss {a:.6f} (unsharded {b:.6f})")
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     return {"losses": losses, "reference": reference, "plan": plan, "model": model}
 
 
 if __name__ == "__main__":
-    main()
+    main(spec=SPEC)
+    main(spec=DATA_EXPERT)

@@ -1,6 +1,7 @@
-"""The mixture of experts of examples/moe.py under expert parallelism (issue 32):
-it trains as unsharded, each device holding its own expert, and XLA:CPU moves the
-dispatched tokens with all-to-alls of exactly the bytes counted by hand."""
+"""The mixture of experts of examples/moe.py under expert parallelism (issue 32), over
+`data` and on a `data x expert` mesh: it trains as unsharded, each device holding only
+its own experts, and XLA:CPU moves the dispatched tokens with all-to-alls of exactly
+the bytes counted by hand."""
 
 import importlib.util
 import runpy
@@ -22,15 +23,19 @@ def moe():
     return runpy.run_path(str(EXAMPLE), run_name="moe_example")
 
 
-def _each_device_holds_its_own_expert(experts) -> None:
+def _each_device_holds_its_own_expert(experts, per_device: int = 1, data: int = 1) -> None:
+    """Device `d` holds experts `[e * per_device, (e + 1) * per_device)`, where `e` is
+    its place on the expert axis: `d` itself over `data` alone; `d % 4` on `data=2 x
+    expert=4`, the same experts on both of the `data` axis's devices."""
     for name in ("up", "down"):
         for leaf in (getattr(experts, name).weight, getattr(experts, name).bias):
             blocks = leaf.sharding.devices_indices_map(leaf.shape)
+            assert len(blocks) == 8
             for device, index in blocks.items():
-                expert = jax.devices().index(device)
-                assert index[0] == slice(expert, expert + 1), (name, device, index)
+                e = jax.devices().index(device) % (8 // data)
+                assert index[0] == slice(e * per_device, (e + 1) * per_device), (name, index)
                 assert all(i == slice(None) for i in index[1:])
-            assert leaf.addressable_shards[0].data.shape[0] == 1
+            assert leaf.addressable_shards[0].data.shape[0] == per_device
 
 
 def test_it_trains_as_unsharded_with_each_device_holding_its_own_expert(moe):
@@ -38,6 +43,15 @@ def test_it_trains_as_unsharded_with_each_device_holding_its_own_expert(moe):
     np.testing.assert_allclose(found["losses"], found["reference"], rtol=1e-5)
     assert moe["SIZES"].experts == len(jax.devices()) == 8
     _each_device_holds_its_own_expert(found["model"].experts)
+
+
+def test_on_a_data_x_expert_mesh_it_trains_as_unsharded_each_device_its_two_experts(moe):
+    found = moe["main"](steps=3, spec=moe["DATA_EXPERT"])
+    np.testing.assert_allclose(found["losses"], found["reference"], rtol=1e-5)
+    assert dict(found["plan"].mesh.shape) == {"data": 2, "expert": 4}
+    _each_device_holds_its_own_expert(found["model"].experts, per_device=2, data=2)
+    # the router, the embedding and the head whole on every device
+    assert found["model"].head.weight.sharding.is_fully_replicated
 
 
 @pytest.mark.slow  # compiles the step under each of 9 candidates
@@ -67,18 +81,18 @@ def test_suggest_splits_the_experts_within_a_budget_that_replicated_experts_exce
     _each_device_holds_its_own_expert(found["model"].experts)
 
 
-def _moved(moe, **where):
+def _moved(moe, spec=None, kinds=("all-to-all", "all-gather"), **where):
     sizes = moe["SIZES"]
     model = eqx.filter_eval_shape(moe["build"])
     params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     opt_state = jax.eval_shape(moe["optimizer"]().init, params)
     tokens = jax.ShapeDtypeStruct((sizes.batch, sizes.seq + 1), jnp.int32)
-    spec = eqshard.load(moe["SPEC"])
-    found = eqshard.cost(model, opt_state, tokens, step=moe["step"], spec=spec, **where)
+    rules = eqshard.load(moe["SPEC"] if spec is None else spec)
+    found = eqshard.cost(model, opt_state, tokens, step=moe["step"], spec=rules, **where)
     return [
         (c.kind, c.bytes, c.count, c.axes, c.group_size, "transpose" in c.source)
         for c in found.collectives
-        if c.kind in ("all-to-all", "all-gather")
+        if c.kind in kinds
     ]
 
 
@@ -103,6 +117,31 @@ def test_the_tokens_go_to_their_experts_and_back_by_all_to_alls_of_the_hand_coun
         ("all-to-all", hand, 1, ("data",), 8, True),
         ("all-to-all", hand, 1, ("data",), 8, True),
     ]
+
+
+def test_on_data_x_expert_the_all_to_alls_stay_within_the_expert_axis(moe):
+    """Each device holds one group of the 8 (the batch over both axes), so it sends
+    the same 8 KiB as over `data` alone, to the 4 devices of its `expert` group. The
+    gradients: the experts' all-reduced over `data` (2 experts' up and down, weights
+    and biases, 2 x (64 x 32 + 64 + 32 x 64 + 32) floats), the rest over both axes
+    (router 8 x 32, embedding 64 x 32, head 32 x 64 + 64, and the loss)."""
+    hand = _hand(moe)
+    kinds = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter")
+    found = _moved(moe, moe["DATA_EXPERT"], kinds, devices=8)
+    assert sorted(found) == sorted(
+        [("all-to-all", hand, 1, ("expert",), 4, backward) for backward in (0, 0, 1, 1)]
+        + [
+            ("all-reduce", 2 * (64 * 32 + 64 + 32 * 64 + 32) * 4, 1, ("data",), 2, True),
+            (
+                "all-reduce",
+                (8 * 32 + 64 * 32 + 32 * 64 + 64 + 1) * 4,
+                1,
+                ("data", "expert"),
+                8,
+                True,
+            ),
+        ]
+    )
 
 
 @pytest.mark.slow  # compiles the step for a TPU slice, twice
