@@ -70,6 +70,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
         Target as Target,
     )
     from ._report import Report as Report, report as report
+    from ._ring_attention import ring_attention as ring_attention
     from ._rules import Match as Match
     from ._search._diff import Diff as Diff, LeafChange as LeafChange, diff as diff
     from ._search._suggest import Ranked as Ranked, Suggestion as Suggestion, suggest as suggest
@@ -111,6 +112,7 @@ _LAZY = {
     "Match": "._rules",
     "constrain": "._constrain",
     "shard": "._constrain",
+    "ring_attention": "._ring_attention",
     "sharding": "._sharding",
     "Devices": "._sharding",
     "Step": "._step",
@@ -182,6 +184,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "plan",
     "report",
     "restore",
+    "ring_attention",
     "schema",
     "shard",
     "sharding",
