@@ -118,3 +118,94 @@ def test_sequence_parallel_on_a_tpu_slice_gathers_and_reduce_scatters_over_model
         + [("reduce-scatter", hand, ("model",), False)] * (2 * layers)
     )
     assert all(axes == ("model",) and n == hand for _, n, axes, _ in found)
+
+
+def _abstract(example, sizes=None):
+    sizes = example["SIZES"] if sizes is None else sizes
+    model = eqx.filter_eval_shape(example["build"], sizes)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(example["optimizer"]().init, params)
+    return model, opt_state, jax.ShapeDtypeStruct((sizes.batch, sizes.seq + 1), jnp.int32)
+
+
+def _layouts(plan) -> list:
+    """Each leaf's mesh and `PartitionSpec`: the same pair, the same devices' blocks."""
+    return [(dict(s.mesh.shape), tuple(s.spec)) for s in plan.flat_shardings]
+
+
+def test_suggest_finds_the_sequence_in_the_attention_and_writes_the_spec_by_hand(example):
+    """Attention's matmuls show which names are the queries' sequence (`inner_seq`),
+    the keys' and values' (`kv_seq`, kept whole), and the residual stream's (`seq`, at
+    the same place, of the same length): the `context parallel` candidate on `data=2
+    x context=4` is `specs/long_context.cp.eqshard.json`, leaf by leaf and name by
+    name."""
+    from eqshard._search._candidates import candidates
+
+    model, opt_state, tokens = _abstract(example)
+    kept, dropped = candidates(example["step"], model, opt_state, tokens, devices=8)
+    names = [c.name for c in kept]
+    for name in (
+        "context parallel on data=4, context=2",
+        "context parallel on data=1, context=8",
+        "fsdp x context on data=2, context=4",
+        "fsdp x context on data=4, context=2",
+    ):
+        assert name in names
+    assert (
+        "fsdp x context on data=1, context=8",
+        "the same layout as context parallel on data=1, context=8: 'data' has one device",
+    ) in dropped
+    (found,) = [c for c in kept if c.name == "context parallel on data=2, context=4"]
+    hand = eqshard.load(example["CONTEXT_PARALLEL"])
+    assert found.rules.dims == hand.dims
+    assert found.rules.to_json()["mesh"] == hand.to_json()["mesh"]
+    assert str(found.rules.batch) == str(hand.batch)
+    assert _layouts(eqshard.plan(model, found.rules, devices=8)) == _layouts(
+        eqshard.plan(model, hand, devices=8)
+    )
+    assert not [c for c in kept if "expert" in c.strategy]  # no stacked experts
+
+
+def test_the_fsdp_x_context_spec_suggest_writes_trains_as_unsharded(example, tmp_path):
+    from eqshard._search._candidates import candidates
+
+    model, opt_state, tokens = _abstract(example)
+    kept, _ = candidates(
+        example["step"], model, opt_state, tokens, devices=8, strategies=["fsdp x context"]
+    )
+    (found,) = [c for c in kept if c.name == "fsdp x context on data=2, context=4"]
+    path = tmp_path / "fsdp_context.eqshard.json"
+    eqshard.dump(found.rules, path)
+    trained = example["main"](steps=2, spec=path)
+    np.testing.assert_allclose(trained["losses"], trained["reference"], rtol=1e-5)
+    up = trained["model"].blocks[0].mlp.up.weight  # (64, 32): split over data by FSDP
+    assert up.addressable_shards[0].data.shape == (32, 32)
+
+
+def test_with_ring_attention_it_trains_as_unsharded_and_never_gathers_the_keys(example):
+    """`Sizes(ring=True)` calls `eqshard.ring_attention`: under the same spec the keys
+    and values stay split, and each layer passes its blocks round the 4 `context`
+    devices, 3 times each way: a device's block is 2 sequences x 8 tokens x 32 floats."""
+    sizes = example["Sizes"](ring=True)
+    found = example["main"](steps=3, spec=example["CONTEXT_PARALLEL"], sizes=sizes)
+    np.testing.assert_allclose(found["losses"], found["reference"], rtol=1e-5)
+    model, opt_state, tokens = _abstract(example, sizes)
+    with jax.default_matmul_precision("highest"):
+        cost = eqshard.cost(
+            model,
+            opt_state,
+            tokens,
+            step=example["step"],
+            spec=eqshard.load(example["CONTEXT_PARALLEL"]),
+            devices=8,
+        )
+    block = sizes.batch // 2 * sizes.seq // 4 * sizes.dim * 4
+    assert block == 2048
+    ring = [
+        (c.bytes, c.count, c.axes, "transpose" in c.source)
+        for c in cost.collectives
+        if c.kind == "collective-permute" and "ppermute" in c.source
+    ]
+    forward = [(block, 3, ("context",), False)] * (2 * sizes.layers)
+    assert ring == forward + [(block, 3, ("context",), True)] * (2 * sizes.layers)
+    assert not [c for c in cost.collectives if c.kind in ("all-gather", "all-to-all")]

@@ -162,3 +162,49 @@ def test_on_a_tpu_slice_the_same_all_to_alls_and_bfloat16_at_default_precision(m
     default = _moved(moe, target="v5e:2x4")
     forward = [entry for entry in default if not entry[-1]]
     assert forward == [("all-to-all", _hand(moe, itemsize=2), 1, ("data",), 8, False)] * 2
+
+
+def _abstract(moe):
+    sizes = moe["SIZES"]
+    model = eqx.filter_eval_shape(moe["build"])
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(moe["optimizer"]().init, params)
+    return model, opt_state, jax.ShapeDtypeStruct((sizes.batch, sizes.seq + 1), jnp.int32)
+
+
+def test_suggest_writes_the_data_x_expert_spec_by_hand_and_it_trains(moe, tmp_path):
+    """`suggest`'s `data x expert` family on `data=2 x expert=4` writes what
+    `specs/moe.data_expert.eqshard.json` says: the same layout of every leaf, device
+    by device, and the same names, so it trains as unsharded."""
+    from eqshard._search._candidates import candidates
+
+    model, opt_state, tokens = _abstract(moe)
+    kept, dropped = candidates(moe["step"], model, opt_state, tokens, devices=8)
+    names = [c.name for c in kept]
+    assert "data x expert on data=4, expert=2" in names
+    (found,) = [c for c in kept if c.name == "data x expert on data=2, expert=4"]
+    assert (
+        "data x expert on data=1, expert=8",
+        ("the same layout as expert parallel on data=8, model=1: 'data' has one device"),
+    ) in dropped
+    assert found.rules.dims == {
+        "batch": "*",
+        "seq": None,
+        "embed": None,
+        "expert": "expert",
+        "group": "data",
+    }
+    assert not [c for c in kept if "context" in c.strategy]  # no attention: no sequence
+    hand = eqshard.plan(model, eqshard.load(moe["DATA_EXPERT"]), devices=8)
+    written = eqshard.plan(model, found.rules, devices=8)
+    assert _layouts(written) == _layouts(hand)
+    path = tmp_path / "data_expert.eqshard.json"
+    eqshard.dump(found.rules, path)
+    trained = moe["main"](steps=2, spec=path)
+    np.testing.assert_allclose(trained["losses"], trained["reference"], rtol=1e-5)
+    _each_device_holds_its_own_expert(trained["model"].experts, per_device=2, data=2)
+
+
+def _layouts(plan) -> list:
+    """Each leaf's mesh and `PartitionSpec`: the same pair, the same devices' blocks."""
+    return [(dict(s.mesh.shape), tuple(s.spec)) for s in plan.flat_shardings]

@@ -83,7 +83,8 @@ class Candidate:
     """One candidate layout of `eqshard suggest`.
 
     - `strategy`: one of `STRATEGIES`.
-    - `mesh`: `(("data", d), ("model", m))`, the mesh its rules declare.
+    - `mesh`: `(("data", d), (axis, m))`, the mesh its rules declare: its second axis
+        `"model"`, or `"expert"` or `"context"` for those families.
     - `rules`: a spec file's `Rules`: its declared `"mesh"`, `"batch"`, an
         `"optimizer"` section where the strategy has one, a comment per rule and
         for the file.
@@ -102,11 +103,12 @@ class Candidate:
     @property
     def name(self) -> str:
         """`"fsdp x tensor on data=4, model=2"`: how tables and `dropped` name it."""
-        return _name(self.strategy, dict(self.mesh)["data"], dict(self.mesh)["model"])
+        (_, data), (axis, size) = self.mesh
+        return _name(self.strategy, data, size, axis)
 
 
-def _name(strategy: str, data: int, model: int) -> str:
-    return f"{strategy} on data={data}, model={model}"
+def _name(strategy: str, data: int, model: int, axis: str = "model") -> str:
+    return f"{strategy} on data={data}, {axis}={model}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,26 +467,96 @@ def _expert_parallel(setup: _Setup, data: int, model: int) -> _Draft | str:
     leaf stacked over experts split along its expert axis, the rest whole."""
     if data == 1:
         return "'data' has one device: nothing to split"
+    comment = "expert-parallel: each device its own experts"
+    return _experts_split(setup, _Draft(batch=_batch(data, model)), "data", data, "*", comment)
+
+
+def _data_expert(setup: _Setup, data: int, experts: int) -> _Draft | str:
+    """Experts on an axis of their own: every leaf stacked over experts split along its
+    expert axis over `expert`, copied over `data`; the batch over both axes."""
+    comment = "expert-parallel over 'expert': each device its share"
+    lead = "* " if data > 1 else ""
+    draft = _Draft(batch="b ... -> b* ...")
+    return _experts_split(setup, draft, "expert", experts, str(experts), comment, lead)
+
+
+def _experts_split(
+    setup: _Setup,
+    draft: _Draft,
+    axis_name: str,
+    size: int,
+    modifier: str,
+    comment: str,
+    lead: str = "",
+) -> _Draft | str:
+    """`draft` with every leaf stacked over experts split along its expert axis by
+    `modifier` (over `axis_name`, of `size` devices), after `lead` (`"* "`: copied
+    over `data` first); a leaf whose experts do not divide is repaired, named."""
     stacked = _expert_axes(setup)
     if not stacked:
         return "the step's jaxpr shows no weight its matmuls batch over (no stacked experts)"
-    draft = _Draft(batch=_batch(data, model))
     for k, axis in sorted(stacked.items()):
         leaf = setup.leaves[k]
-        if leaf.shape[axis] % data:
+        if leaf.shape[axis] % size:
             draft.repairs.append(
                 f"{leaf.label}: its {leaf.shape[axis]} experts (dim {axis}) do not divide over "
-                f"data={data}; replicated"
+                f"{axis_name}={size}; replicated"
             )
             continue
         names = [f"{'_' * (i + 1)}" for i in range(len(leaf.shape))]
         names[axis] = "e"
-        rhs = [n + "*" if i == axis else n for i, n in enumerate(names)]
-        expression = f"{' '.join(names)} -> {' '.join(rhs)}"
-        draft.ruled[k] = ("expert-parallel: each device its own experts", expression)
+        rhs = [n + modifier if i == axis else n for i, n in enumerate(names)]
+        draft.ruled[k] = (comment, f"{' '.join(names)} -> {lead}{' '.join(rhs)}")
     if not draft.ruled:
-        return f"no stacked experts divide over data={data}"
+        return f"no stacked experts divide over {axis_name}={size}"
     return draft
+
+
+def _sequence_names(setup: _Setup) -> tuple[frozenset[str], frozenset[str]]:
+    """The names of the activations' sequence axes, and of the keys' and values'.
+
+    Attention's matmuls of two activations show them (`StepProfile.attention_free`
+    and `attention_contracted`): an axis the weighted sum contracts is the values'
+    sequence, and its name the keys' too; an axis of either matmul left free, named
+    otherwise, is the queries' sequence. A name at the same place from the front,
+    of the same size, on another activation (the residual stream's) is a sequence
+    too. The batch's names are neither."""
+    profile = setup.profile
+
+    def names(labels: dict[int, frozenset[int]]) -> set[str]:
+        found: set[str] = set()
+        for k, axes in labels.items():
+            items = setup.named[k][0]
+            found.update(n for n in (items[a] for a in axes) if isinstance(n, str))
+        return found
+
+    keys = names(profile.attention_contracted) - setup.batch_names
+    queries = names(profile.attention_free) - keys - setup.batch_names
+    places = {
+        (i, shape[i]) for items, shape in setup.named for i, n in enumerate(items) if n in queries
+    }
+    found = set(queries)
+    for items, shape in setup.named:
+        found.update(
+            n for i, n in enumerate(items) if isinstance(n, str) and (i, shape[i]) in places
+        )
+    return frozenset(found - keys - setup.batch_names), frozenset(keys)
+
+
+def _context(setup: _Setup, data: int, context: int, fsdp: bool) -> _Draft | str:
+    """Context parallelism: the activations' sequence split over `context`, the keys
+    and values whole (gathered in each layer); the parameters copied (`fsdp=False`)
+    or split by FSDP over `data`; the batch over `data`."""
+    if context == 1:
+        return "'context' has one device: nothing to split"
+    sequence, _ = _sequence_names(setup)
+    lengths = sorted(
+        {shape[i] for items, shape in setup.named for i, n in enumerate(items) if n in sequence}
+    )
+    short = [n for n in lengths if n % context]
+    if short:
+        return f"the sequence ({short[0]}) does not divide over context={context}"
+    return _fsdp(setup, data, context) if fsdp else _Draft(batch=_batch(data, context))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,9 +572,13 @@ class Family:
         `data x model`, the tensor degree the smaller first).
     - `splits_batch`: whether the batch is split over `data`.
     - `same_as`: for a two-dimensional family, the one-dimensional families it equals
-        where `model`, then `data`, has one device.
-    - `applies`: whether the model has what the family splits (stacked experts);
-        one that does not apply makes no candidate, and is not listed as dropped.
+        where `model`, then `data`, has one device (`None`: it equals none there).
+    - `applies`: whether the model has what the family splits (stacked experts, a
+        sequence); one that does not apply makes no candidate, and is not listed as
+        dropped.
+    - `axis`: the name of its second mesh axis: `"model"`, `"expert"` or
+        `"context"`.
+    - `batch_over_both`: whether the batch is split over both axes.
     """
 
     name: str
@@ -510,8 +586,10 @@ class Family:
     build: Callable[[_Setup, int, int], _Draft | str]
     meshes: Literal["data", "model", "both"]
     splits_batch: bool = True
-    same_as: tuple[str, str] | None = None
+    same_as: tuple[str | None, str | None] | None = None
     applies: Callable[[_Setup], bool] = lambda setup: True
+    axis: Literal["model", "expert", "context"] = "model"
+    batch_over_both: bool = False
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -569,6 +647,40 @@ FAMILIES: tuple[Family, ...] = (
         "both",
         same_as=("fsdp", "megatron"),
     ),
+    Family(
+        "data x expert",
+        "expert parallelism on an axis of its own: the experts' stacked weights split "
+        "over 'expert', copied over 'data'; the batch split over both axes, and in the "
+        "experts' buffers the groups over 'data', so the all-to-alls stay within 'expert'",
+        _data_expert,
+        "both",
+        same_as=("data parallel", "expert parallel"),
+        applies=lambda setup: bool(setup.profile.experts),
+        axis="expert",
+        batch_over_both=True,
+    ),
+    Family(
+        "context parallel",
+        "context parallelism: the activations' sequence split over 'context', the keys "
+        "and values gathered whole in each layer; every leaf whole on every device, the "
+        "batch split over 'data'",
+        lambda setup, d, m: _context(setup, d, m, fsdp=False),
+        "both",
+        same_as=("data parallel", None),
+        applies=lambda setup: bool(_sequence_names(setup)[0]),
+        axis="context",
+    ),
+    Family(
+        "fsdp x context",
+        "FSDP x context parallelism: the activations' sequence split over 'context', the "
+        "keys and values gathered whole in each layer; each leaf split over 'data' by "
+        "FSDP, the batch split over 'data'",
+        lambda setup, d, m: _context(setup, d, m, fsdp=True),
+        "both",
+        same_as=("fsdp", "context parallel"),
+        applies=lambda setup: bool(_sequence_names(setup)[0]),
+        axis="context",
+    ),
 )
 """The candidate space, in the order its candidates come."""
 
@@ -597,10 +709,13 @@ def _same_as(family: Family, data: int, model: int) -> str | None:
     if family.same_as is None:
         return None
     over_data, over_model = family.same_as
-    if model == 1:
-        return f"the same layout as {_name(over_data, data, 1)}: nothing is split over 'model'"
-    if data == 1:
-        return f"the same layout as {_name(over_model, 1, model)}: 'data' has one device"
+    if model == 1 and over_data is not None:
+        axis = family.axis
+        return f"the same layout as {_name(over_data, data, 1)}: nothing is split over {axis!r}"
+    if data == 1 and over_model is not None:
+        other = _FAMILY[over_model]
+        on = _name(over_model, *((model, 1) if other.meshes == "data" else (1, model)), other.axis)
+        return f"the same layout as {on}: 'data' has one device"
     return None
 
 
@@ -740,12 +855,14 @@ def _checked(
         faults += [str(w) for w in planned.warnings]
         return None, None, "its rules do not plan: " + "; ".join(faults)
     plan = planned.plan
-    data, model = dict(candidate.mesh)["data"], dict(candidate.mesh)["model"]
+    (_, data), (axis, model) = candidate.mesh
     batch = ((data, model),) if splits_batch and data > 1 else ()
     key = (
         tuple(map(_normal, plan.flat_shardings)),
         tuple(map(_normal, plan.optimizer.flat_shardings)),
         batch,
+        # the activations' layouts set the expert and context families apart
+        () if axis == "model" else (axis, tuple(sorted(candidate.rules.dims.items()))),
     )
     return key, plan, None
 
@@ -807,11 +924,11 @@ def candidates(
     seen: dict[Any, str] = {}
     applying = [family for family in families if family.applies(setup)]
     for family, data, model_size in _meshes(applying, devices):
-        title = _name(family.name, data, model_size)
+        title = _name(family.name, data, model_size, family.axis)
         reason = _same_as(family, data, model_size)
         splits_batch = family.splits_batch
         if reason is None and splits_batch:
-            reason = _batch_fault(setup, data)
+            reason = _batch_fault(setup, data * model_size if family.batch_over_both else data)
         built: _Draft | str = (
             reason if reason is not None else family.build(setup, data, model_size)
         )
@@ -827,18 +944,18 @@ def candidates(
             dropped.append((title, f"the same layout as {seen[key]}"))
             continue
         seen[key] = title
-        figures = _estimated(setup, candidate, plan, splits_batch)
+        figures = _estimated(setup, family, candidate, plan)
         kept.append(dataclasses.replace(candidate, estimated=figures))
     return kept, dropped
 
 
 def _portable_mesh(family: Family, model: int) -> tuple[tuple[str, int | None], ...]:
     """The mesh the rules declare: the axis that scales with the device count as `"*"`
-    (`None`), the tensor-parallel degree fixed: `data` x `model`, or Megatron's `model`
-    alone (`data` has one device)."""
+    (`None`), the tensor-parallel degree fixed: `data` x `model` (or `expert`, or
+    `context`), or Megatron's `model` alone (`data` has one device)."""
     if family.meshes == "model":
         return (("data", 1), ("model", None))
-    return (("data", None), ("model", model))
+    return (("data", None), (family.axis, model))
 
 
 def _portable_text(family: Family, model: int) -> str:
@@ -854,8 +971,8 @@ def _portable_text(family: Family, model: int) -> str:
             "where every split dim divides."
         )
     return (
-        f" The mesh declares 'data' as \"*\" and 'model' as {model}: the rules plan on "
-        f"any multiple of {model} devices where every split dim divides."
+        f" The mesh declares 'data' as \"*\" and {family.axis!r} as {model}: the rules plan "
+        f"on any multiple of {model} devices where every split dim divides."
     )
 
 
@@ -869,7 +986,7 @@ def _expert_names(setup: _Setup) -> frozenset[str]:
             n = items[position]
             if isinstance(n, str):
                 found.add(n)
-    return frozenset(found - setup.batch_names)
+    return frozenset(found)
 
 
 def _over_model(setup: _Setup, draft: _Draft) -> frozenset[str]:
@@ -894,7 +1011,59 @@ def _over_model(setup: _Setup, draft: _Draft) -> frozenset[str]:
     return frozenset(found - other - setup.batch_names)
 
 
-def _estimated(setup: _Setup, candidate: Candidate, plan: Any, splits_batch: bool) -> Estimated:
+def _activation_dims(
+    setup: _Setup, family: Family, draft: _Draft, model: int
+) -> dict[str, str | None]:
+    """The rules' `"dims"` for the names the model gives its activations: the batch's
+    over `data` (over both axes for `data x expert`), the experts' over the axis that
+    splits the experts (else whole), the groups in the experts' buffers over `data`
+    (whole where `data` splits the experts), the sequence over `context`, a
+    column-parallel output over `model`; every other name whole."""
+    # a name on the experts' axis is the experts' (a buffer's leading axis may have
+    # the batch's size)
+    batch = setup.batch_names - _expert_names(setup) if family.splits_batch else frozenset()
+    if family.axis == "expert":
+        experts = _expert_names(setup)
+        groups = _expert_groups(setup, experts)
+        return {
+            n: "*" if n in batch else "expert" if n in experts else "data" if n in groups else None
+            for n in setup.activations
+        }
+    if family.axis == "context":
+        sequence, _ = _sequence_names(setup)
+        return {
+            n: "data" if n in batch else "context" if n in sequence else None
+            for n in setup.activations
+        }
+    over_model = _over_model(setup, draft) if model > 1 else frozenset()
+    experts = _expert_names(setup)
+    if family.name == "expert parallel":  # each device its experts, the groups whole
+        over_data = batch | experts
+    else:  # every expert on every device, each device its groups in the buffers
+        over_data = batch | (_expert_groups(setup, experts) if family.splits_batch else set())
+    return {
+        n: "data" if n in over_data else "model" if n in over_model else None
+        for n in setup.activations
+    }
+
+
+def _expert_groups(setup: _Setup, experts: frozenset[str]) -> frozenset[str]:
+    """The names beside an expert name on one activation (the experts' buffers) whose
+    axis has the batch's size: the groups, split over `data` on a `data x expert`
+    mesh while the experts are split over `expert`."""
+    sizes = {shape[0] for _, shape in setup.batch if shape}
+    found: set[str] = set()
+    for items, shape in setup.named:
+        if any(n in experts for n in items if isinstance(n, str)):
+            found.update(
+                n
+                for n, size in zip(items, shape)
+                if isinstance(n, str) and n not in experts and size in sizes
+            )
+    return frozenset(found - setup.batch_names - experts)
+
+
+def _estimated(setup: _Setup, family: Family, candidate: Candidate, plan: Any) -> Estimated:
     """The candidate's figures before any compile (`_estimate.py`)."""
     leaves = [
         HeldLeaf(
@@ -914,28 +1083,20 @@ def _estimated(setup: _Setup, candidate: Candidate, plan: Any, splits_batch: boo
         setup.batch_bytes,
         setup.profile,
         candidate.mesh,
-        splits_batch=splits_batch,
+        splits_batch=family.splits_batch,
         optimizer_apart=candidate.rules.optimizer is not None,
+        spread=family.axis != "model",
     )
 
 
 def _candidate(setup: _Setup, family: Family, data: int, model: int, draft: _Draft) -> Candidate:
     strategy = family.name
-    mesh = (("data", data), ("model", model))
-    comment = f"{strategy} on data={data} x model={model} ({setup.devices} devices): "
+    axis = family.axis
+    mesh = (("data", data), (axis, model))
+    comment = f"{strategy} on data={data} x {axis}={model} ({setup.devices} devices): "
     comment += family.description + "."
     comment += _portable_text(family, model)
-    split = family.splits_batch
-    over_model = _over_model(setup, draft) if model > 1 else frozenset()
-    experts = _expert_names(setup) if family.name == "expert parallel" else frozenset()
-    dims: dict[str, str | None] = {
-        n: "data"
-        if (split and n in setup.batch_names) or n in experts
-        else "model"
-        if n in over_model
-        else None
-        for n in setup.activations
-    }
+    dims = _activation_dims(setup, family, draft, model)
     if dims:
         named = ", ".join(
             f"{n} over {axis!r}" if axis else f"{n} whole" for n, axis in dims.items()

@@ -26,6 +26,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .._cost._hardware import Estimate, Hardware, Moved, roofline
 from .._report import leaf_rows
 from ._megatron import Role, StepProfile
@@ -124,6 +126,7 @@ def estimated(
     *,
     splits_batch: bool,
     optimizer_apart: bool,
+    spread: bool = False,
 ) -> Estimated:
     """The `Estimated` of one candidate.
 
@@ -142,10 +145,14 @@ def estimated(
     - `optimizer_plans`: the plans of the step's arguments built from the model.
     - `batch`: the bytes of each batch leaf, whole.
     - `profile`: the step's jaxpr, read (`step_profile`).
-    - `mesh`: `(("data", d), ("model", m))`.
+    - `mesh`: `(("data", d), (axis, m))`, the second axis `"model"`, `"expert"` or
+        `"context"`.
     - `splits_batch`: whether the batch is split over `data`.
     - `optimizer_apart`: whether the optimizer state has a layout of its own (ZeRO-1:
         split over `data` while the parameters are whole).
+    - `spread`: whether the activations are split over the second axis too (by
+        expert, or by sequence), so a leaf copied over it has its gradient summed
+        over it as well.
 
     **Returns:**
 
@@ -153,7 +160,8 @@ def estimated(
     """
     sizes = dict(mesh)
     data, model = sizes.get("data", 1), sizes.get("model", 1)
-    devices = data * model
+    devices = int(np.prod([size for _, size in mesh]))
+    ((second, across),) = [(n, size) for n, size in mesh if n != "data"] or [("model", 1)]
     rows = leaf_rows(plan)
     shardings = [
         s for leaf, s in zip(plan.resolved.leaves, plan.flat_shardings) if hasattr(leaf, "shape")
@@ -173,6 +181,12 @@ def estimated(
         if not leaf.inexact:
             continue
         gradients += held
+        if spread and across > 1 and second not in axes:  # summed over the second axis too
+            over = f"data+{second}" if data > 1 and "data" not in axes else second
+            group = across * (data if "+" in over else 1)
+            collectives.append((over, "all-reduce", held, group))
+            if "+" in over:
+                continue
         if data == 1:
             continue
         if "data" in axes:  # FSDP: gathered for use, its gradient scattered back
@@ -188,7 +202,7 @@ def estimated(
         else:
             collectives.append(("data", "all-reduce", held, data))
     optimizer = sum(row.bytes_per_device or 0 for p in optimizer_plans for row in leaf_rows(p))
-    share = data if splits_batch else 1
+    share = (data if splits_batch else 1) * (across if spread else 1)
     held_batch = sum(-(-n // share) for n in batch)
     activations = 0
     grouped: set[tuple[int, int, int]] = set()

@@ -114,6 +114,14 @@ class StepProfile:
         experts, each applied to its own tokens), and that axis.
     - `expert_labels`: for each named activation such a matmul takes, the axes (from
         the end) it batches over: the named axes that run along the experts.
+    - `attention_free`: for each named activation that is an operand of a matmul of
+        two named activations (attention's scores, of the queries and the keys as
+        named), the axes (from the end) that the matmul neither contracts nor batches
+        over: the queries' sequence and the keys'.
+    - `attention_contracted`: for each named activation that is an operand of a
+        matmul of two activations (the scores, or the weighted sum of the values), the
+        axes (from the end) it contracts: the values' sequence (and the queries' and
+        keys' features).
     """
 
     roles: dict[int, Role]
@@ -122,6 +130,8 @@ class StepProfile:
     labels: dict[int, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
     experts: dict[int, int] = dataclasses.field(default_factory=dict)
     expert_labels: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    attention_free: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    attention_contracted: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +216,8 @@ class _Walk:
         self.named_vars: dict[Any, int] = {}  # a named activation's variable -> its index
         self.experts: dict[int, int] = {}  # see StepProfile.experts
         self.expert_labels: dict[int, set[int]] = {}  # see StepProfile.expert_labels
+        self.attention_free: dict[int, set[int]] = {}  # see StepProfile.attention_free
+        self.attention_contracted: dict[int, set[int]] = {}  # and .attention_contracted
 
     def source(self, var: Any) -> int:
         """A number for the value `var` holds, the same each time it is read."""
@@ -273,9 +285,11 @@ class _Walk:
     def _dot_general(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         lhs, rhs = ins[0], ins[1]
         view = lhs.view or rhs.view
+        (lc, rc), (lb, rb) = param(eqn, "dimension_numbers")
+        if view is None and lhs.data and rhs.data:
+            self._attention(eqn, (lc, rc), (lb, rb))
         if view is None or (lhs.view is not None and rhs.view is not None):
             return [_merged(ins)]  # two activations, or two leaves
-        (lc, rc), (lb, rb) = param(eqn, "dimension_numbers")
         is_lhs = lhs.view is not None
         activation = rhs if is_lhs else lhs
         contracting, batch = (lc, lb) if is_lhs else (rc, rb)
@@ -317,6 +331,24 @@ class _Walk:
             at = len(lb) + (0 if is_lhs else lhs_free)
             features = ((leaf, at),)
         return [_Value(None, frozenset({leaf}), features, activation.data)]
+
+    def _attention(self, eqn: Any, contracting: Any, batch: Any) -> None:
+        """A matmul of two activations (attention's scores, or its weighted sum): the
+        named operands' axes it neither contracts nor batches over."""
+        named = [
+            None if isinstance(var, JaxprLiteral) else self.named_vars.get(var)
+            for var in eqn.invars[:2]
+        ]
+        for side, index in enumerate(named):
+            if index is None:
+                continue
+            rank = len(_shape(eqn.invars[side]))
+            if None not in named:  # the scores: queries and keys, each named
+                skip = set(contracting[side]) | set(batch[side])
+                free = {a - rank for a in range(rank) if a not in skip}
+                self.attention_free.setdefault(index, set()).update(free)
+            contracted = {a - rank for a in contracting[side]}
+            self.attention_contracted.setdefault(index, set()).update(contracted)
 
     def _gather(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         operand, indices = ins[0], ins[1]
@@ -654,6 +686,8 @@ def step_profile(step: Callable[..., Any], model: Any, *args: Any) -> StepProfil
         walk.labels,
         walk.experts,
         {k: frozenset(v) for k, v in walk.expert_labels.items()},
+        {k: frozenset(v) for k, v in walk.attention_free.items()},
+        {k: frozenset(v) for k, v in walk.attention_contracted.items()},
     )
 
 
