@@ -1,9 +1,10 @@
 """`eqshard demo`: each strategy trains to the unsharded losses, holds what its spec
 says, and the table reports it.
 
-The five strategies train once, two steps each, in this process on its 8 CPU
-devices (`outcomes`); every test reads those runs. The command line itself runs in
-tests/test_cli.py.
+The seven strategies train once, two steps each, in this process on its 8 CPU
+devices (`outcomes`); every test reads those runs. Two train variants of the GPT, a
+mixture of experts and long sequences, each against its own unsharded run (`refs`).
+The command line itself runs in tests/test_cli.py.
 """
 
 import dataclasses
@@ -35,6 +36,16 @@ def reference(devices):
 
 
 @pytest.fixture(scope="module")
+def refs(devices):
+    return {v.key: _demo.reference(STEPS, devices, variant=v) for v in _demo.VARIANTS.values()}
+
+
+def _reference(name, reference, refs):
+    variant = _demo.variant_of(name)
+    return reference if variant.key == "gpt" else refs[variant.key]
+
+
+@pytest.fixture(scope="module")
 def outcomes(devices):
     return {name: _demo.run(_demo.spec_path(name), STEPS, devices) for name in _demo.STRATEGIES}
 
@@ -51,8 +62,9 @@ def _spec(leaf):
 
 @pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
 @pytest.mark.parametrize("name", _demo.STRATEGIES)
-def test_each_strategy_trains_to_the_unsharded_losses(outcomes, reference, name):
+def test_each_strategy_trains_to_the_unsharded_losses(outcomes, reference, refs, name):
     outcome = outcomes[name]
+    reference = _reference(name, reference, refs)
     assert len(outcome.losses) == STEPS
     np.testing.assert_allclose(outcome.losses, reference.losses, rtol=_demo.TOLERANCE)
     assert outcome.agrees(reference)
@@ -195,6 +207,43 @@ def test_2d_splits_over_model_and_copies_over_data(outcomes):
     assert {axes for _, axes in kinds} == {("data",), ("model",)}
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
+def test_expert_parallel_gives_each_device_its_expert_and_moves_tokens_by_all_to_all(outcomes):
+    """Each device holds its own expert of each layer, and a layer hands the tokens to
+    their experts and back by one all-to-all each way, twice with the gradient: a
+    device sends its 2 rows' slots of every expert, 8 experts x 2 rows x capacity 4
+    (16 tokens x 2.0 / 8) x 64 floats, 16 KiB, in each of the 2 layers."""
+    outcome = outcomes["expert-parallel"]
+    assert outcome.variant is _demo_model.MOE
+    up = outcome.model.blocks.experts.up.weight  # (layers, experts, hidden, dim)
+    assert _spec(up) == P(None, "data", None, None)
+    for shard in up.addressable_shards:
+        k = shard.device.id
+        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(up)[:, k : k + 1])
+    assert outcome.model.blocks.experts.router.weight.sharding.is_fully_replicated
+    hand = 8 * (_demo_model.BATCH // 8) * 4 * _demo_model.DIM * 4
+    assert hand == 16384
+    moved = [(c.kind, c.bytes, c.count) for c in outcome.cost.collectives if c.kind != "all-reduce"]
+    assert moved == [("all-to-all", hand, _demo_model.LAYERS)] * 4
+    assert _demo.per_step(outcome.cost)[("all-to-all", ("data",))] == 4 * 2 * hand
+
+
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
+def test_context_parallel_splits_each_sequence_and_gathers_keys_and_values(outcomes):
+    """Each device holds a quarter of its rows' sequences; each layer gathers its keys
+    and its values over `context`, whole for its 2 rows: 2 x 128 x 64 floats."""
+    outcome = outcomes["context-parallel"]
+    assert outcome.variant is _demo_model.LONG
+    assert outcome.batch == "b ... -> b* ... 4"
+    for leaf in _arrays(outcome.model):
+        assert leaf.sharding.is_fully_replicated
+    hand = 2 * 128 * _demo_model.DIM * 4
+    gathers = [
+        (c.bytes, c.count, c.axes) for c in outcome.cost.collectives if c.kind == "all-gather"
+    ]
+    assert gathers == [(hand, _demo_model.LAYERS, ("context",))] * 2
+
+
 def test_a_spec_that_does_not_fit_is_named(devices):
     with pytest.raises(eqshard.SpecError, match=r"needs a multiple of 4 devices"):
         _demo.fits(_demo.spec_path("2d"), devices[:2])
@@ -202,10 +251,10 @@ def test_a_spec_that_does_not_fit_is_named(devices):
 
 
 @pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
-def test_the_table_and_the_json_report_every_strategy(outcomes, reference, devices):
+def test_the_table_and_the_json_report_every_strategy(outcomes, reference, refs, devices):
     ordered = list(outcomes.values())
     console = Console(file=io.StringIO(), width=250)
-    console.print(_demo.table(ordered, reference, devices))
+    console.print(_demo.table(ordered, reference, devices, refs))
     text = console.file.getvalue()  # pyright: ignore[reportAttributeAccessIssue]
     rows = {
         cells[0]: cells
@@ -224,7 +273,12 @@ def test_the_table_and_the_json_report_every_strategy(outcomes, reference, devic
     assert all(rows[name][7].startswith("yes (") for name in _demo.STRATEGIES)
     assert "No step times: simulated CPU devices" in " ".join(text.split())
 
-    report = _demo.to_json(ordered, reference, devices)
+    assert rows["expert-parallel"][5] == "all-reduce over data: 202.5 KiB"
+    assert rows["context-parallel"][1] == "data=2 x context=4"
+    assert "(8 experts)" in text
+    assert "(seq 128)" in text
+
+    report = _demo.to_json(ordered, reference, devices, refs)
     assert report["ok"] is True
     assert [s["strategy"] for s in report["strategies"]] == list(_demo.STRATEGIES)
     by_name = {s["strategy"]: s for s in report["strategies"]}
@@ -234,6 +288,11 @@ def test_the_table_and_the_json_report_every_strategy(outcomes, reference, devic
         dp["optimizer_bytes_per_device"] - 4
     )
     assert fsdp["seconds_per_step"] is None  # not measured on CPU devices
+    moe = by_name["expert-parallel"]
+    assert moe["model"] == _demo_model.MOE.title
+    assert moe["unsharded_losses"] == list(refs["moe"].losses)
+    # against the GPT's unsharded run, the MoE's losses are another model's
+    assert not _demo.to_json(ordered, reference, devices)["ok"]
 
 
 def test_the_minimal_adamw_is_optax_adamw():

@@ -12,6 +12,11 @@ spec's plan (the state by its optimizer section, where it has one), the batch
 over the mesh's `data` axis, and keeps every layout through the step; `eqshard.cost`
 compiles the same step over the same layouts to say what it holds and moves per
 device. The table compares them, final loss against the reference's.
+
+Two more rows train variants of the same GPT (`_demo_model.Variant`), each against
+its own unsharded run: `expert-parallel`, a GPT whose MLPs are 8 experts (`MOE`),
+each device holding its own expert; and `context-parallel`, the GPT on sequences of
+128 (`LONG`), each device holding a quarter of each sequence.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +46,13 @@ from .._specfile._model import Rules
 from .._specfile._read import load
 from .._step import batch_sharding, data_parallel, jit
 from ._demo_model import (
-    BATCH,
     GPT,
+    GPT_VARIANT,
     LAYERS,
-    SEQ,
+    LONG,
+    MOE,
     AdamState,
+    Variant,
     adamw_init,
     adamw_update,
     build,
@@ -57,6 +64,7 @@ __all__ = [
     "SPECS",
     "STRATEGIES",
     "TOLERANCE",
+    "VARIANTS",
     "Outcome",
     "batch_expression",
     "communication",
@@ -70,14 +78,33 @@ __all__ = [
     "spec_path",
     "table",
     "to_json",
+    "variant_of",
 ]
 
 
 SPECS = Path(__file__).parent.parent / "demo_specs"
 """The strategies' spec files: `eqshard/demo_specs`, a link to `examples/specs/demo`."""
 
-STRATEGIES = ("data-parallel", "zero-1", "fsdp", "megatron", "2d")
+STRATEGIES = (
+    "data-parallel",
+    "zero-1",
+    "fsdp",
+    "megatron",
+    "2d",
+    "expert-parallel",
+    "context-parallel",
+)
 """The strategies the demo runs by default, in order: `SPECS / f"{name}.eqshard.json"`."""
+
+VARIANTS: dict[str, Variant] = {"expert-parallel": MOE, "context-parallel": LONG}
+"""The strategies that train a variant of the GPT, and which; the others train the
+GPT itself (`GPT_VARIANT`), as does a user's own spec file."""
+
+
+def variant_of(name: str) -> Variant:
+    """The model a strategy (or a user's spec file, by its path) trains."""
+    return VARIANTS.get(name, GPT_VARIANT)
+
 
 TOLERANCE = 1e-5
 """The largest relative difference from the unsharded losses that counts as equal.
@@ -182,6 +209,7 @@ class Outcome:
     - `seconds_per_step`: the mean of the steps after the first, measured on
         accelerators only (`None` on CPU devices, whose timings say nothing of them).
     - `skipped`: why the strategy did not run on these devices, else `None`.
+    - `variant`: the model it trained (`GPT_VARIANT`, `MOE`, `LONG`).
     """
 
     name: str
@@ -193,6 +221,7 @@ class Outcome:
     cost: Cost | None = None
     seconds_per_step: float | None = None
     skipped: str | None = None
+    variant: Variant = GPT_VARIANT
 
     def difference(self, reference: Outcome) -> float:
         """The largest relative difference of this run's losses from `reference`'s."""
@@ -235,7 +264,12 @@ def _train(
     return tuple(losses), model, state, seconds
 
 
-def reference(steps: int, devices: Sequence[Any], progress: Progress | None = None) -> Outcome:
+def reference(
+    steps: int,
+    devices: Sequence[Any],
+    progress: Progress | None = None,
+    variant: Variant = GPT_VARIANT,
+) -> Outcome:
     """The unsharded run: the model, the optimizer state and the batch on `devices[0]`.
 
     **Example:**
@@ -250,25 +284,36 @@ def reference(steps: int, devices: Sequence[Any], progress: Progress | None = No
     - `steps`: how many training steps.
     - `devices`: the devices of the sharded runs; the first runs this one.
     - `progress`: called after every step.
+    - `variant`: the model to train; by default the GPT.
 
     **Returns:**
 
-    An `Outcome` named `"unsharded"`.
+    An `Outcome` named `"unsharded"` (`unsharded_label(variant)` for a variant).
     """
+    label = unsharded_label(variant)
     with jax.default_device(devices[0]), jax.default_matmul_precision("highest"):
-        model = build()
+        model = _built(variant)
         state = adamw_init(eqx.filter(model, eqx.is_array))
         losses, model, state, seconds = _train(
-            "unsharded",
+            label,
             make_step(),
             model,
             state,
-            jnp.asarray(tokens()),
+            jnp.asarray(tokens(variant=variant)),
             steps,
             progress,
             devices[0].platform != "cpu",
         )
-    return Outcome("unsharded", losses, model, state, seconds_per_step=seconds)
+    return Outcome(label, losses, model, state, seconds_per_step=seconds, variant=variant)
+
+
+def unsharded_label(variant: Variant) -> str:
+    """How the unsharded run of `variant` is named: `"unsharded"` for the GPT."""
+    return "unsharded" if variant.key == GPT_VARIANT.key else f"unsharded {variant.key}"
+
+
+def _built(variant: Variant) -> GPT:
+    return build(sizes=variant.sizes, names=variant.names, heads=variant.heads)
 
 
 def run(
@@ -278,6 +323,7 @@ def run(
     progress: Progress | None = None,
     *,
     name: str | None = None,
+    variant: Variant | None = None,
 ) -> Outcome:
     """Trains the demo's model under one spec file and says what a step costs.
 
@@ -299,6 +345,7 @@ def run(
     - `devices`: the devices to run on.
     - `progress`: called after every step.
     - `name`: the strategy's name; by default the file's, without `.eqshard.json`.
+    - `variant`: the model to train; by default the strategy's (`variant_of`).
 
     **Returns:**
 
@@ -311,13 +358,14 @@ def run(
     them.
     """
     label = name or _label(Path(spec))
+    variant = variant_of(label) if variant is None else variant
     rules = load(spec)
     with jax.default_device(devices[0]), jax.default_matmul_precision("highest"):
-        model = build()
+        model = _built(variant)
         state = adamw_init(eqx.filter(model, eqx.is_array))
         p = plan(model, rules, devices=devices)
         expr = batch_expression(p)
-        batch = tokens()
+        batch = tokens(variant=variant)
         placed = jax.device_put(batch, batch_sharding(batch.shape, expr, p))
         model, state = apply(model, p), apply(state, p)
         step = make_step()
@@ -326,7 +374,7 @@ def run(
             losses, model, state, seconds = _train(
                 label, step, model, state, placed, steps, progress, devices[0].platform != "cpu"
             )
-    return Outcome(label, losses, model, state, p, expr, summary, seconds)
+    return Outcome(label, losses, model, state, p, expr, summary, seconds, variant=variant)
 
 
 def per_step(c: Cost) -> dict[tuple[str, tuple[str, ...]], int]:
@@ -369,7 +417,12 @@ def _mesh_text(p: Plan | None) -> str:
     return mesh_text(zip(p.mesh.axis_names, p.mesh.axis_sizes))
 
 
-def table(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> Any:
+def table(
+    outcomes: Sequence[Outcome],
+    ref: Outcome,
+    devices: Sequence[Any],
+    refs: Mapping[str, Outcome] | None = None,
+) -> Any:
     """The strategies side by side, as a rich table.
 
     **Example:**
@@ -383,6 +436,8 @@ def table(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> 
     - `outcomes`: the sharded runs.
     - `ref`: the unsharded run.
     - `devices`: the devices they ran on.
+    - `refs`: the unsharded run of each variant of the GPT (`Variant.key`), for the
+        rows that train one.
 
     **Returns:**
 
@@ -402,7 +457,9 @@ def table(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> 
             "and step, from the collectives of the "
             "step as eqshard.cost compiles it (those in the scan over the layers, once "
             f"per layer). = unsharded: every step's loss within {TOLERANCE:g} "
-            "(relative) of the unsharded run's, with the largest difference."
+            "(relative) of the unsharded run's, with the largest difference. "
+            f"expert-parallel trains {MOE.title}, context-parallel {LONG.title}, each "
+            "against its own unsharded run."
             + (
                 ""
                 if timed
@@ -440,16 +497,20 @@ def table(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> 
         *extra,
     )
     for o in outcomes:
+        name = f"{o.name}\n({o.variant.short})" if o.variant.short else o.name
         if o.skipped is not None or o.cost is None:
             gaps = ["-"] * (len(table.columns) - 2)
-            table.add_row(o.name, *gaps[:4], f"skipped: {o.skipped}", *gaps[4:])
+            table.add_row(name, *gaps[:4], f"skipped: {o.skipped}", *gaps[4:])
             continue
         batch = "split over data" if o.batch != "... -> * ..." else "whole"
+        against = _reference_of(o, ref, refs)
         verdict = (
-            f"yes ({o.difference(ref):.0e})" if o.agrees(ref) else f"NO ({o.difference(ref):.1e})"
+            f"yes ({o.difference(against):.0e})"
+            if o.agrees(against)
+            else f"NO ({o.difference(against):.1e})"
         )
         table.add_row(
-            o.name,
+            name,
             _mesh_text(o.plan),
             batch,
             human_bytes(o.cost.memory.parameters),
@@ -460,6 +521,13 @@ def table(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> 
             *([ms(o)] if timed else []),
         )
     return table
+
+
+def _reference_of(o: Outcome, ref: Outcome, refs: Mapping[str, Outcome] | None) -> Outcome:
+    """The unsharded run `o` is compared with: its variant's, else `ref`."""
+    if o.variant.key == GPT_VARIANT.key or refs is None:
+        return ref
+    return refs[o.variant.key]
 
 
 def demo_devices(count: int | None = None) -> list[Any]:
@@ -549,7 +617,7 @@ def main(
     skipped: dict[str, str] = {}  # the strategies that do not fit these devices, and why
     for name in STRATEGIES if spec is None else (spec,):
         try:
-            fits(spec_path(name), chosen)
+            fits(spec_path(name), chosen, variant_of(name))
         except EqshardError as error:
             if spec is not None:
                 raise
@@ -570,9 +638,15 @@ def main(
             f"{steps} steps on {len(chosen)} {chosen[0].platform.upper()} devices"
         )
     labels = {name: _label(spec_path(name)) for name in names}
+    variants = list({variant_of(name).key: variant_of(name) for name in names}.values())
+    variants = [v for v in variants if v.key != GPT_VARIANT.key]
     tasks = {
         label: bar.add_task(label, total=steps, loss="compiling")
-        for label in ("unsharded", *labels.values())
+        for label in (
+            unsharded_label(GPT_VARIANT),
+            *labels.values(),
+            *map(unsharded_label, variants),
+        )
     }
 
     def progress(name: str, done: int, value: float) -> None:
@@ -580,16 +654,22 @@ def main(
 
     with bar:
         ref = reference(steps, chosen, progress)
-        outcomes = {name: run(spec_path(name), steps, chosen, progress) for name in names}
+        refs = {v.key: reference(steps, chosen, progress, v) for v in variants}
+        outcomes = {
+            name: run(spec_path(name), steps, chosen, progress, variant=variant_of(name))
+            for name in names
+        }
     ordered = [
-        outcomes[name] if name in outcomes else Outcome(name, skipped=skipped[name])
+        outcomes[name]
+        if name in outcomes
+        else Outcome(name, skipped=skipped[name], variant=variant_of(name))
         for name in (STRATEGIES if spec is None else (spec,))
     ]
-    ok = all(o.agrees(ref) for o in outcomes.values())
+    ok = all(o.agrees(_reference_of(o, ref, refs)) for o in outcomes.values())
     if emit is not None:
-        emit(to_json(ordered, ref, chosen))
+        emit(to_json(ordered, ref, chosen, refs))
     else:
-        console.print(table(ordered, ref, chosen))
+        console.print(table(ordered, ref, chosen, refs))
         console.print(
             "every strategy trains to the unsharded losses"
             if ok
@@ -598,7 +678,7 @@ def main(
     return 0 if ok else 1
 
 
-def fits(spec: str | Path, devices: Sequence[Any]) -> Plan:
+def fits(spec: str | Path, devices: Sequence[Any], variant: Variant = GPT_VARIANT) -> Plan:
     """Checks, without computing anything, that a spec file lays out the demo's model
     and its batch on `devices`.
 
@@ -612,6 +692,7 @@ def fits(spec: str | Path, devices: Sequence[Any]) -> Plan:
 
     - `spec`: the spec file.
     - `devices`: the devices.
+    - `variant`: the model; by default the GPT.
 
     **Returns:**
 
@@ -622,8 +703,9 @@ def fits(spec: str | Path, devices: Sequence[Any]) -> Plan:
     `eqshard.SpecError` when the file cannot be read or does not lay out the model;
     `eqshard.ExpressionError` when the batch does not split over the `data` axis.
     """
-    p = plan(eqx.filter_eval_shape(GPT, jax.random.key(0)), load(spec), devices=devices)
-    batch_sharding((BATCH, SEQ + 1), batch_expression(p), p)
+    model = eqx.filter_eval_shape(_built, variant)
+    p = plan(model, load(spec), devices=devices)
+    batch_sharding((variant.rows, variant.sizes.seq + 1), batch_expression(p), p)
     return p
 
 
@@ -632,7 +714,12 @@ def _label(spec: Path) -> str:
     return spec.name.removesuffix(".json").removesuffix(".eqshard")
 
 
-def to_json(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -> dict[str, Any]:
+def to_json(
+    outcomes: Sequence[Outcome],
+    ref: Outcome,
+    devices: Sequence[Any],
+    refs: Mapping[str, Outcome] | None = None,
+) -> dict[str, Any]:
     """The results as one JSON-able document: `ok`, the devices, the tolerance, the
     unsharded losses, and for each strategy its mesh, bytes per device,
     communication, losses and whether they equal the unsharded ones (or why it was
@@ -640,9 +727,11 @@ def to_json(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -
 
     def entry(o: Outcome) -> dict[str, Any]:
         if o.skipped is not None or o.cost is None or o.plan is None:
-            return {"strategy": o.name, "skipped": o.skipped}
+            return {"strategy": o.name, "model": o.variant.title, "skipped": o.skipped}
+        against = _reference_of(o, ref, refs)
         return {
             "strategy": o.name,
+            "model": o.variant.title,
             "mesh": dict(zip(o.plan.mesh.axis_names, o.plan.mesh.axis_sizes))
             if o.plan.mesh is not None
             else None,
@@ -654,13 +743,14 @@ def to_json(outcomes: Sequence[Outcome], ref: Outcome, devices: Sequence[Any]) -
                 for (kind, axes), total in per_step(o.cost).items()
             ],
             "losses": list(o.losses),
-            "equals_unsharded": o.agrees(ref),
-            "relative_difference": o.difference(ref),
+            "unsharded_losses": list(against.losses),
+            "equals_unsharded": o.agrees(against),
+            "relative_difference": o.difference(against),
             "seconds_per_step": o.seconds_per_step,
         }
 
     return {
-        "ok": all(o.agrees(ref) for o in outcomes if o.skipped is None),
+        "ok": all(o.agrees(_reference_of(o, ref, refs)) for o in outcomes if o.skipped is None),
         "devices": len(devices),
         "platform": devices[0].platform,
         "tolerance": TOLERANCE,

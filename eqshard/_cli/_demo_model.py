@@ -10,6 +10,7 @@ here in a few lines, since optax is not one of eqshard's dependencies;
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -28,16 +29,21 @@ __all__ = [
     "DIM",
     "EPS",
     "GPT",
+    "GPT_VARIANT",
     "HEADS",
     "HIDDEN",
     "LAYERS",
     "LEARNING_RATE",
+    "LONG",
+    "MOE",
     "SEQ",
     "VOCAB",
     "WEIGHT_DECAY",
     "AdamState",
     "Block",
+    "Experts",
     "Sizes",
+    "Variant",
     "adamw_init",
     "adamw_update",
     "build",
@@ -51,7 +57,8 @@ VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 128, 64, 8, 256, 2, 16, 16
 
 class Sizes(NamedTuple):
     """A GPT's sizes: the vocabulary, the embedding, the attention heads, the MLP's
-    hidden width, the stacked layers, and the longest sequence."""
+    hidden width, the stacked layers, and the longest sequence; with `experts`, each
+    layer's MLP is that many experts (`Experts`), each token routed to one."""
 
     vocab: int = VOCAB
     dim: int = DIM
@@ -59,32 +66,141 @@ class Sizes(NamedTuple):
     hidden: int = HIDDEN
     layers: int = LAYERS
     seq: int = SEQ
+    experts: int = 0
+    capacity_factor: float = 2.0
 
 
 DEMO = Sizes()
 """The demo's sizes."""
 
 
+class Variant(NamedTuple):
+    """One model the demo trains.
+
+    - `key`: its short name (`"moe"`); `short`: how a table row names it (`""` for
+        the GPT itself); `title`: a sentence's name for it.
+    - `sizes`: its sizes; `rows`: the batch's rows.
+    - `names`: whether its blocks name their residual stream; `heads`: their
+        queries, keys and values too (`Block`).
+    """
+
+    key: str
+    short: str
+    title: str
+    sizes: Sizes
+    rows: int
+    names: bool = False
+    heads: bool = False
+
+
+GPT_VARIANT = Variant("gpt", "", f"a {LAYERS}-layer GPT", DEMO, BATCH)
+"""The demo's GPT, which the five classic strategies train."""
+
+MOE = Variant(
+    "moe",
+    "8 experts",
+    f"a {LAYERS}-layer GPT whose MLPs are 8 experts (top-1 routing)",
+    DEMO._replace(experts=8),
+    BATCH,
+    names=True,
+)
+"""The GPT with a mixture of experts in each layer, for expert parallelism."""
+
+LONG = Variant(
+    "long",
+    "seq 128",
+    f"a {LAYERS}-layer GPT on sequences of 128",
+    DEMO._replace(seq=128),
+    4,
+    names=True,
+    heads=True,
+)
+"""The GPT on sequences 8 times as long and a quarter of the rows, for context
+parallelism."""
+
+
+class Experts(eqx.Module):
+    """A mixture of experts (Switch routing): each token goes to its top expert, which
+    takes at most `capacity` tokens of its group (a row of the batch); the experts'
+    MLPs stacked. It runs on the whole batch, `(group, seq, embed)`, so that with
+    `names` each group's slots are computed where the group is, named `("batch", None,
+    None, "embed")`, then handed to the experts, named `("expert", None, None,
+    "embed")`: a layout that splits `"expert"` makes that change one all-to-all."""
+
+    router: eqx.nn.Linear
+    up: eqx.nn.Linear  # stacked: weight (experts, hidden, dim)
+    down: eqx.nn.Linear  # stacked: weight (experts, dim, hidden)
+    capacity: int = eqx.field(static=True)
+    names: bool = eqx.field(static=True)
+
+    def __init__(self, key: Array, sizes: Sizes, names: bool):
+        k_router, k_up, k_down = jax.random.split(key, 3)
+        n = sizes.experts
+        self.router = eqx.nn.Linear(sizes.dim, n, use_bias=False, key=k_router)
+        ups, downs = jax.random.split(k_up, n), jax.random.split(k_down, n)
+        self.up = eqx.filter_vmap(lambda k: eqx.nn.Linear(sizes.dim, sizes.hidden, key=k))(ups)
+        self.down = eqx.filter_vmap(lambda k: eqx.nn.Linear(sizes.hidden, sizes.dim, key=k))(downs)
+        self.capacity = math.ceil(sizes.seq * sizes.capacity_factor / n)
+        self.names = names
+
+    def _named(self, x: Array, names: tuple[Any, ...]) -> Array:
+        return constrain(x, names) if self.names else x
+
+    def __call__(self, x: Float[Array, "group seq embed"]) -> Float[Array, "group seq embed"]:
+        probs = jax.nn.softmax(jnp.einsum("gsd,ed->gse", x, self.router.weight), axis=-1)
+        pick = jax.nn.one_hot(jnp.argmax(probs, axis=-1), probs.shape[-1], dtype=x.dtype)
+        position = jnp.cumsum(pick, axis=1).astype(jnp.int32) - 1  # its place in the buffer
+        kept = pick * (position < self.capacity)  # past the capacity: dropped
+        slots = jax.nn.one_hot(position, self.capacity, dtype=x.dtype) * kept[..., None]
+        local = self._named(jnp.einsum("gsec,gsd->gecd", slots, x), ("batch", None, None, "embed"))
+        buffer = ("expert", None, None, "embed")
+        tokens = self._named(local.transpose(1, 0, 2, 3), buffer)  # to the experts
+        assert self.up.bias is not None
+        assert self.down.bias is not None
+        h = jnp.einsum("egcd,efd->egcf", tokens, self.up.weight) + self.up.bias[:, None, None]
+        out = jnp.einsum("egcf,edf->egcd", jax.nn.gelu(h), self.down.weight)
+        out = self._named(out + self.down.bias[:, None, None], buffer)
+        back = self._named(out.transpose(1, 0, 2, 3), ("batch", None, None, "embed"))
+        gate = jnp.sum(probs * kept, axis=-1)  # the top expert's probability, 0 if dropped
+        return jnp.einsum("gsec,gecd->gsd", slots, back) * gate[..., None]
+
+
 class Block(eqx.Module):
-    """One pre-norm transformer block: causal self-attention, then a GELU MLP. With
-    `names`, it names its residual stream `(..., "seq", "embed")`
-    (`eqshard.constrain`), which the active rules' `"dims"` lay out."""
+    """One pre-norm transformer block: causal self-attention, then a GELU MLP (or,
+    with `sizes.experts`, `Experts`). With `names`, it names its activations' axes
+    (`eqshard.constrain`), which the active rules' `"dims"` lay out: the residual
+    stream `(..., "seq", "embed")`; with `heads` too, the queries `(...,
+    "inner_seq", "heads", None)` and the keys and values `(..., "kv_seq", "heads",
+    None)`."""
 
     norm1: eqx.nn.LayerNorm
     attn: eqx.nn.MultiheadAttention
     norm2: eqx.nn.LayerNorm
-    up: eqx.nn.Linear
-    down: eqx.nn.Linear
+    up: eqx.nn.Linear | None
+    down: eqx.nn.Linear | None
+    experts: Experts | None
     names: bool = eqx.field(static=True)
+    heads: bool = eqx.field(static=True)
 
-    def __init__(self, key: Array, sizes: Sizes = DEMO, names: bool = False):
+    def __init__(self, key: Array, sizes: Sizes = DEMO, names: bool = False, heads: bool = False):
         k1, k2, k3 = jax.random.split(key, 3)
         self.norm1 = eqx.nn.LayerNorm(sizes.dim)
         self.attn = eqx.nn.MultiheadAttention(sizes.heads, sizes.dim, key=k1)
         self.norm2 = eqx.nn.LayerNorm(sizes.dim)
-        self.up = eqx.nn.Linear(sizes.dim, sizes.hidden, key=k2)
-        self.down = eqx.nn.Linear(sizes.hidden, sizes.dim, key=k3)
-        self.names = names
+        if sizes.experts:
+            self.up = self.down = None
+            self.experts = Experts(k2, sizes, names)
+        else:
+            self.up = eqx.nn.Linear(sizes.dim, sizes.hidden, key=k2)
+            self.down = eqx.nn.Linear(sizes.hidden, sizes.dim, key=k3)
+            self.experts = None
+        self.names, self.heads = names, heads
+
+    def _heads(self, q: Array, k: Array, v: Array) -> tuple[Array, Array, Array]:
+        """The queries, keys and values, each (seq, heads, head_dim), named."""
+        q = constrain(q, (..., "inner_seq", "heads", None))
+        kv = (..., "kv_seq", "heads", None)
+        return q, constrain(k, kv), constrain(v, kv)
 
     def __call__(
         self, x: Float[Array, "seq embed"], mask: Bool[Array, "seq seq"]
@@ -92,9 +208,29 @@ class Block(eqx.Module):
         if self.names:
             x = constrain(x, (..., "seq", "embed"))  # laid out by the active rules
         y = jax.vmap(self.norm1)(x)
-        x = x + self.attn(y, y, y, mask=mask)
+        heads = self._heads if self.heads else None
+        x = x + self.attn(y, y, y, mask=mask, process_heads=heads)
+        if self.names:
+            x = constrain(x, (..., "seq", "embed"))
         y = jax.vmap(self.norm2)(x)
+        assert self.up is not None, "a block of experts runs on the batch (`batched`)"
+        assert self.down is not None
         return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(y)))
+
+    def batched(
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "seq seq"]
+    ) -> Float[Array, "batch seq embed"]:
+        """The block of experts on the whole batch: attention per row, the experts on
+        every row's tokens at once."""
+        assert self.experts is not None
+        residual = ("batch", "seq", "embed")
+        if self.names:
+            x = constrain(x, residual)
+        y = jax.vmap(jax.vmap(self.norm1))(x)
+        x = x + jax.vmap(lambda y: self.attn(y, y, y, mask=mask))(y)
+        if self.names:
+            x = constrain(x, residual)
+        return x + self.experts(jax.vmap(jax.vmap(self.norm2))(x))
 
 
 class GPT(eqx.Module):
@@ -107,30 +243,36 @@ class GPT(eqx.Module):
     norm: eqx.nn.LayerNorm
     unembed: eqx.nn.Linear
 
-    def __init__(self, key: Array, sizes: Sizes = DEMO, names: bool = False):
+    def __init__(self, key: Array, sizes: Sizes = DEMO, names: bool = False, heads: bool = False):
         k_embed, k_pos, k_blocks, k_unembed = jax.random.split(key, 4)
         self.embed = eqx.nn.Embedding(sizes.vocab, sizes.dim, key=k_embed)
         self.pos = eqx.nn.Embedding(sizes.seq, sizes.dim, key=k_pos)
         keys = jax.random.split(k_blocks, sizes.layers)
-        self.blocks = eqx.filter_vmap(lambda k: Block(k, sizes, names))(keys)
+        self.blocks = eqx.filter_vmap(lambda k: Block(k, sizes, names, heads))(keys)
         self.norm = eqx.nn.LayerNorm(sizes.dim)
         self.unembed = eqx.nn.Linear(sizes.dim, sizes.vocab, use_bias=False, key=k_unembed)
 
-    def __call__(self, tokens: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
-        n = tokens.shape[0]
-        x = jax.vmap(self.embed)(tokens) + jax.vmap(self.pos)(jnp.arange(n))
+    def __call__(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq vocab"]:
+        """The logits of one sequence, or of a batch of them (a batch of rows runs
+        each row on its own, but for a block of experts, which takes the whole batch)."""
+        if tokens.ndim == 2 and self.blocks.experts is None:
+            return jax.vmap(self)(tokens)
+        n = tokens.shape[-1]
+        x = jnp.vectorize(self.embed, signature="()->(d)")(tokens) + jax.vmap(self.pos)(
+            jnp.arange(n)
+        )
         causal = jnp.tril(jnp.ones((n, n), dtype=bool))
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
-        def layer(x: Float[Array, "seq embed"], block_params: Any) -> tuple[Array, None]:
+        def layer(x: Float[Array, "*batch seq embed"], block_params: Any) -> tuple[Array, None]:
             block = eqx.combine(block_params, static)  # one layer's slice of the stack
-            return block(x, causal), None
+            return (block.batched(x, causal) if x.ndim == 3 else block(x, causal)), None
 
         x, _ = jax.lax.scan(layer, x, params)
-        return jax.vmap(lambda v: self.unembed(self.norm(v)))(x)
+        return jnp.vectorize(lambda v: self.unembed(self.norm(v)), signature="(d)->(v)")(x)
 
 
-def build(seed: int = 0, sizes: Sizes = DEMO, names: bool = False) -> GPT:
+def build(seed: int = 0, sizes: Sizes = DEMO, names: bool = False, heads: bool = False) -> GPT:
     """The demo's model, with GPT-2's initialisation: weights N(0, 0.02), biases 0,
     LayerNorm scales 1.
 
@@ -150,6 +292,7 @@ def build(seed: int = 0, sizes: Sizes = DEMO, names: bool = False) -> GPT:
     - `seed`: the seed of the values.
     - `sizes`: the model's sizes; by default the demo's.
     - `names`: whether each block names its residual stream (`Block`).
+    - `heads`: whether each block names its queries, keys and values too.
 
     **Returns:**
 
@@ -169,19 +312,21 @@ def build(seed: int = 0, sizes: Sizes = DEMO, names: bool = False) -> GPT:
             value = rng.normal(0.0, 0.02, leaf.shape)
         return jnp.asarray(value.astype(leaf.dtype))
 
-    shapes = eqx.filter_eval_shape(GPT, jax.random.key(seed), sizes, names)
+    shapes = eqx.filter_eval_shape(GPT, jax.random.key(seed), sizes, names, heads)
     return jax.tree_util.tree_map_with_path(init, shapes)
 
 
-def tokens(seed: int = 1) -> Int[np.ndarray, "batch seq_plus_1"]:
-    """The fixed batch: `BATCH` rows of `SEQ + 1` deterministic random token ids; the
-    model reads the first `SEQ` of each row and predicts the next token."""
-    return np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQ + 1)).astype(np.int32)
+def tokens(seed: int = 1, variant: Variant = GPT_VARIANT) -> Int[np.ndarray, "batch seq_plus_1"]:
+    """The fixed batch: `variant.rows` rows (`BATCH`) of `seq + 1` (`SEQ + 1`)
+    deterministic random token ids; the model reads the first `seq` of each row and
+    predicts the next token."""
+    shape = (variant.rows, variant.sizes.seq + 1)
+    return np.random.default_rng(seed).integers(0, VOCAB, shape).astype(np.int32)
 
 
 def loss(model: GPT, batch: Int[Array, "batch seq_plus_1"]) -> Float[Array, ""]:
     """Next-token cross-entropy, averaged over the batch and the positions."""
-    logp = jax.nn.log_softmax(jax.vmap(model)(batch[:, :-1]))
+    logp = jax.nn.log_softmax(model(batch[:, :-1]))
     return -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1))
 
 

@@ -193,8 +193,9 @@ def _demo(add: _Add) -> None:
         description=(
             "Train a small GPT (eqx.nn modules, its layers stacked and scanned) with "
             "AdamW for a few steps, unsharded and then under each spec file of "
-            "examples/specs/demo: data parallel, FSDP-style, Megatron tensor parallel "
-            "and 2D (data x model). Print, for each, the bytes per device of the "
+            "examples/specs/demo: data parallel, FSDP-style, Megatron tensor parallel, "
+            "2D (data x model), and expert and context parallelism on a mixture-of-experts "
+            "and a long-sequence variant of the GPT. Print, for each, the bytes per device of the "
             "parameters and the optimizer state, the communication of one step (from "
             "eqshard.cost), the final loss, and whether the losses equal the unsharded "
             "ones. Without --devices it uses the accelerators present, or 8 simulated "
