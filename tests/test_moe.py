@@ -128,18 +128,14 @@ def test_on_data_x_expert_the_all_to_alls_stay_within_the_expert_axis(moe):
     hand = _hand(moe)
     kinds = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter")
     found = _moved(moe, moe["DATA_EXPERT"], kinds, devices=8)
-    assert sorted(found) == sorted(
-        [("all-to-all", hand, 1, ("expert",), 4, backward) for backward in (0, 0, 1, 1)]
-        + [
-            ("all-reduce", 2 * (64 * 32 + 64 + 32 * 64 + 32) * 4, 1, ("data",), 2, True),
-            (
-                "all-reduce",
-                (8 * 32 + 64 * 32 + 32 * 64 + 64 + 1) * 4,
-                1,
-                ("data", "expert"),
-                8,
-                True,
-            ),
+    assert sorted(entry for entry in found if entry[0] == "all-to-all") == sorted(
+        ("all-to-all", hand, 1, ("expert",), 4, backward) for backward in (False, False, True, True)
+    )
+    # the gradients' sums (whose source names the forward or the gradient, by version)
+    assert sorted(entry[:5] for entry in found if entry[0] != "all-to-all") == sorted(
+        [
+            ("all-reduce", 2 * (64 * 32 + 64 + 32 * 64 + 32) * 4, 1, ("data",), 2),
+            ("all-reduce", (8 * 32 + 64 * 32 + 32 * 64 + 64 + 1) * 4, 1, ("data", "expert"), 8),
         ]
     )
 
