@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported lazil
     )
     from ._fields import FROM_FIELDS as FROM_FIELDS, field as field
     from ._init import init as init
+    from ._pipeline import Stages as Stages, pipeline as pipeline
     from ._plan import Plan as Plan, Spec as Spec, plan as plan, spec_tree as spec_tree
     from ._protocol import (
         Resolution as Resolution,
@@ -113,6 +114,8 @@ _LAZY = {
     "constrain": "._constrain",
     "shard": "._constrain",
     "ring_attention": "._ring_attention",
+    "pipeline": "._pipeline",
+    "Stages": "._pipeline",
     "sharding": "._sharding",
     "Devices": "._sharding",
     "Step": "._step",
@@ -159,6 +162,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "Spec",
     "SpecError",
     "SpecLeaf",
+    "Stages",
     "Step",
     "StepError",
     "Suggestion",
@@ -181,6 +185,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "layout",
     "load",
     "parse",
+    "pipeline",
     "plan",
     "report",
     "restore",

@@ -60,6 +60,7 @@ __all__ = [
     "Names",
     "activation_sharding",
     "active",
+    "active_mesh",
     "is_names",
     "recording",
     "use",
@@ -276,6 +277,18 @@ def _mesh(
     if declared is None:
         return None, placed
     return build_mesh(declared.sizes, declared.names, placed), placed
+
+
+def active_mesh(mesh: AnyMesh | None = None) -> AnyMesh | None:
+    """The mesh activations are laid out on now: `mesh=`, else the active plan's, the
+    mesh of `jax.set_mesh`, or the active rules' declared mesh (built as the plan
+    builds it); `None` where there is none."""
+    if mesh is not None:
+        return user_mesh(mesh, None)
+    found = active()
+    if found is None:
+        return user_mesh(None, None)
+    return _mesh(found, None, None)[0]
 
 
 def activation_sharding(

@@ -394,4 +394,18 @@ def _cost_entry(
         "batch": found.batch,
         "unknown": found.unknown_text(),
         "promoted": found.promoted,
+        "pipelines": [
+            {
+                "axis": p.axis,
+                "stages": p.stages,
+                "layers": p.layers,
+                "microbatches": p.microbatches,
+                "schedule": p.schedule,
+                "rounds": p.rounds,
+                "iterations": p.iterations,
+                "bubble": p.bubble,
+            }
+            for p in found.pipelines
+        ],
+        "pipeline": found.pipeline_text(),
     }

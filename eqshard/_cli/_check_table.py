@@ -79,6 +79,7 @@ def cost_line(cost: Mapping[str, Any]) -> str:
         f"{moved} {per}; estimate on {_chip(cost)}: {seconds_text(_estimate(cost))}"
         + ("" if not unknown else f" ({unknown})")
         + ("" if not cost.get("promoted") else f" ({cost['promoted']})")
+        + ("" if not cost.get("pipeline") else f"; {cost['pipeline']}")
     )
 
 

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from .._compat import filter_jit_donation
 from .._errors import EqshardError, StepError
 from .._expression import Expression
+from .._pipeline import recording as recording_pipelines
 from .._plan import Plan, Spec, placing, plan
 from .._process._usercode import with_user_frames
 from .._sharding import AnyMesh, Device, device_count, on_devices
@@ -214,7 +215,8 @@ def cost(
     # The program `eqshard.jit` runs under this plan: the same input and output layouts.
     program = Step(fn, donate=_donation(step), plan=p, batch=batch)
     try:
-        lowered = program.lower(abstract_model, *abstract_args)
+        with recording_pipelines() as pipelines:
+            lowered = program.lower(abstract_model, *abstract_args)
         options = costing_options(_platform(p, on)) if compile_for == "costing" else None
         compiled = compile_step(lowered, options)
     except (EqshardError, KeyboardInterrupt):
@@ -248,6 +250,7 @@ def cost(
         batch=lowered.batch,
         loops=tuple(sorted(set(value_dependent(module).values()))),
         loop_flops=float(value_dependent_flops(module)),
+        pipelines=tuple(pipelines),
     )
 
 

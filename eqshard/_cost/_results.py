@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ._hardware import Estimate, Hardware, Moved, hardware_profile, roofline
 
 if TYPE_CHECKING:
+    from .._pipeline import Stages
     from .._sharding import AnyMesh
 
 __all__ = ["SOURCE_WIDTH", "Collective", "Cost", "Memory", "brief_source"]
@@ -227,6 +228,9 @@ class Cost:
     - `loops`: the `while` loops whose trip count depends on values (an adaptive ODE
         solver, a fixed-point iteration).
     - `loop_flops`: of `flops`, those in `loops`, per trip.
+    - `pipelines`: each `eqshard.pipeline` the step runs over a mesh axis of stages, as
+        its trace recorded it (`Stages`: stages, microbatches, schedule and its
+        `bubble`).
 
     !!! info "FLOPs"
 
@@ -257,6 +261,36 @@ class Cost:
     batch: str | None = None
     loops: tuple[str, ...] = ()
     loop_flops: float = 0.0
+    pipelines: tuple[Stages, ...] = ()
+
+    @property
+    def peak_per_stage(self) -> int | None:
+        """Under a pipeline, the peak memory of each stage's devices: every stage runs
+        the same program (SPMD), so it is the peak per device; `None` with no
+        pipeline."""
+        return self.memory.peak if self.pipelines else None
+
+    def pipeline_text(self) -> str | None:
+        """The pipelines, for tables and messages: the stages, the microbatches, the
+        schedule, its bubble and the permutes between stages; `None` with none."""
+        if not self.pipelines:
+            return None
+        parts = []
+        for p in self.pipelines:
+            moved = sum(
+                c.total_bytes
+                for c in self.collectives
+                if c.kind == "collective-permute" and c.axes == (p.axis,)
+            )
+            rounds = f", {p.rounds} rounds" if p.schedule == "circular" else ""
+            parts.append(
+                f"pipeline over {p.axis!r}: {p.stages} stages of {p.layers // p.stages} "
+                f"layers, {p.microbatches} microbatches, {p.schedule}{rounds}; bubble "
+                f"{p.bubble:.1%} of each stage's time; {moved:,} B permuted over "
+                f"{p.axis!r} per step; peak per stage {self.memory.peak:,} B (each runs "
+                "the same program)"
+            )
+        return "; ".join(parts)
 
     @property
     def promoted(self) -> str | None:

@@ -1,0 +1,254 @@
+"""`eqshard.pipeline` (issue 33): the 8-layer stack of examples/pipeline.py on a
+`stage=4 x data=2` mesh with 8 microbatches trains as the plain scan under GPipe and
+the circular schedule, each device holding only its stage's layers; `cost` counts the
+permutes over `stage` and gives the bubble; with no stage axis it is the scan."""
+
+import runpy
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqshard
+from eqshard._pipeline import Stages, bubble
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "pipeline.py"
+
+
+@pytest.fixture(scope="module")
+def example():
+    return runpy.run_path(str(EXAMPLE), run_name="pipeline_example")
+
+
+def _stage_of(device) -> int:
+    """On `[["stage", 4], ["data", 2]]` over devices 0-7 in order: `d // 2`."""
+    return jax.devices().index(device) // 2
+
+
+def _close(a, b) -> None:
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-6)
+
+
+def _trained_alike(a, b, learning_rate: float = 1e-3) -> None:
+    """Adam moves a parameter by about the learning rate whatever its gradient's size,
+    so where a gradient is near 0 its last bits can move it by as much: compare root
+    mean squares, which one such element barely moves (a wrong gradient moves most
+    parameters by the learning rate)."""
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        rms = float(np.sqrt(np.mean((np.asarray(x) - np.asarray(y)) ** 2)))
+        assert rms < learning_rate / 100, rms
+
+
+def test_gpipe_trains_as_the_plain_scan_each_stage_holding_its_two_layers(example):
+    found = example["main"](steps=3, spec=example["GPIPE"])
+    np.testing.assert_allclose(found["losses"], found["reference"], rtol=1e-5)
+    _trained_alike(eqx.filter(found["model"], eqx.is_array), found["reference_model"])
+    assert dict(found["plan"].mesh.shape) == {"stage": 4, "data": 2}
+    for leaf in jax.tree_util.tree_leaves(found["model"].blocks):  # (8, ...)
+        blocks = leaf.sharding.devices_indices_map(leaf.shape)
+        for device, index in blocks.items():
+            s = _stage_of(device)
+            assert index[0] == slice(2 * s, 2 * s + 2), (leaf.shape, index)
+            assert all(i == slice(None) for i in index[1:])
+        assert leaf.addressable_shards[0].data.shape[0] == 2
+    assert found["model"].head.weight.sharding.is_fully_replicated
+
+
+def test_circular_trains_as_the_plain_scan_stage_s_holding_layers_s_and_s_plus_4(example):
+    found = example["main"](steps=3, spec=example["CIRCULAR"])
+    np.testing.assert_allclose(found["losses"], found["reference"], rtol=1e-5)
+    _trained_alike(eqx.filter(found["model"], eqx.is_array), found["reference_model"])
+    for leaf in jax.tree_util.tree_leaves(found["model"].blocks):  # (2 rounds, 4 stages, ...)
+        for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+            s = _stage_of(device)
+            assert index[:2] == (slice(None), slice(s, s + 1)), (leaf.shape, index)
+
+
+def _cost(example, spec, build="build"):
+    model = eqx.filter_eval_shape(example[build])
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(example["optimizer"]().init, params)
+    sizes = example["SIZES"]
+    data = (
+        jax.ShapeDtypeStruct((sizes.batch, sizes.features), jnp.float32),
+        jax.ShapeDtypeStruct((sizes.batch,), jnp.float32),
+    )
+    with jax.default_matmul_precision("highest"):
+        return eqshard.cost(
+            model, opt_state, data, step=example["step"], spec=eqshard.load(spec), devices=8
+        )
+
+
+@pytest.mark.parametrize(
+    ("schedule", "build", "rounds"), [("gpipe", "build", 1), ("circular", "build_circular", 2)]
+)
+def test_cost_counts_the_permutes_over_stage_and_gives_the_bubble(example, schedule, build, rounds):
+    """Each step of the loop passes every stage's microbatch to the next: one permute
+    of a microbatch's activations on one device, 2 rows / 2 `data` devices x 32
+    floats; the loop runs `rounds x 8 + 4 - 1` steps. The gradient passes them back."""
+    spec = example["GPIPE" if schedule == "gpipe" else "CIRCULAR"]
+    found = _cost(example, spec, build)
+    iterations = rounds * 8 + 3
+    assert found.pipelines == (Stages("stage", 4, 8, rounds, schedule, 8),)
+    (stages,) = found.pipelines
+    assert stages.iterations == iterations
+    assert stages.bubble == 3 / iterations
+    assert stages.bubble == bubble(4, 8, schedule, rounds)
+    hand = 1 * 32 * 4
+    forward = [
+        (c.bytes, c.count, c.axes)
+        for c in found.collectives
+        if c.kind == "collective-permute" and "transpose" not in c.source and c.count > 1
+    ]
+    assert forward == [(hand, iterations, ("stage",))]
+    backward = [
+        c
+        for c in found.collectives
+        if c.kind == "collective-permute" and "transpose" in c.source and c.count > 1
+    ]
+    assert backward
+    assert all(c.axes == ("stage",) and c.count == iterations for c in backward)
+    assert not [c for c in found.collectives if c.kind in ("all-gather", "all-to-all")]
+    text = found.pipeline_text()
+    assert text is not None
+    assert f"bubble {3 / iterations:.1%}" in text
+    assert f"4 stages of 2 layers, 8 microbatches, {schedule}" in text
+    assert found.peak_per_stage == found.memory.peak
+
+
+def test_gpipe_bubble_is_stages_minus_one_over_microbatches_plus_stages_minus_one():
+    for stages, microbatches in [(4, 8), (2, 2), (8, 32), (1, 4)]:
+        want = (stages - 1) / (microbatches + stages - 1)
+        assert bubble(stages, microbatches) == want
+    assert bubble(4, 8, "circular", rounds=2) == 3 / 19
+    assert bubble(4, 8, "gpipe", rounds=2) == 3 / 11  # GPipe has no rounds
+
+
+def test_with_no_stage_axis_it_is_the_plain_scan_bit_for_bit(example):
+    model = example["build"]()
+    x = jax.vmap(model.project)(example["batch"]()[0])
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+
+    def plain(x):
+        return jax.lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)[0]
+
+    def piped(x):
+        return eqshard.pipeline(lambda layer, x: layer(x), model.blocks, x, microbatches=8)
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(piped)(x)), np.asarray(jax.jit(plain)(x)))
+    assert "scan" in str(jax.make_jaxpr(piped)(x))
+    assert "while" not in str(jax.make_jaxpr(piped)(x)).replace("scan", "")
+    # rules whose mesh has no `stage` axis: the plain scan too
+    rules = eqshard.load({"eqshard": 1, "mesh": [["data", 8]], "batch": "b ... -> b* ..."})
+    with eqshard.use(rules):
+        np.testing.assert_array_equal(np.asarray(jax.jit(piped)(x)), np.asarray(plain(x)))
+
+
+def _rules(mesh, expr):
+    return eqshard.load(
+        {"eqshard": 1, "mesh": mesh, "rules": [{"path": "blocks.**", "expr": expr}]}
+    )
+
+
+def test_stages_compose_with_tensor_parallelism_and_data(example):
+    """`stage=2 x data=2 x model=2`: each stage's layers split Megatron-style over
+    `model` (the MLP's hidden units), the batch over `data`: the loss and gradients
+    are the plain scan's, and the up projection is split over both axes."""
+    model = example["build"](example["SIZES"]._replace(stages=2))
+    data = example["batch"]()
+    rules = eqshard.load(
+        {
+            "eqshard": 1,
+            "mesh": [["stage", 2], ["data", 2], ["model", 2]],
+            "rules": [
+                {"path": "blocks.up.weight", "expr": "l o i -> l2 2 o2 i"},
+                {"path": "blocks.up.bias", "expr": "l o -> l2 2 o2"},
+                {"path": "blocks.down.weight", "expr": "l o i -> l2 2 o i2"},
+                {"path": "blocks.**", "expr": "l ... -> l2 ... 4"},
+            ],
+            "batch": "b ... -> 2 b2 ... 2",
+        }
+    )
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(example["loss"]))
+    with jax.default_matmul_precision("highest"):
+        want, want_grads = grad(model, data)
+        plan = eqshard.plan(model, rules)
+        placed = eqshard.apply(model, plan)
+        assert tuple(placed.blocks.up.weight.sharding.spec) == ("stage", "model", None)
+        with eqshard.use(plan):
+            got, got_grads = grad(placed, eqshard.apply(data, "b ... -> 2 b2 ... 2"))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    _close(got_grads, want_grads)
+
+
+@pytest.mark.slow  # compiles in worker processes
+def test_assert_equivalent_covers_a_pipelined_spec(example):
+    from eqshard.testing import assert_equivalent
+
+    assert_equivalent(
+        f"{EXAMPLE}:build",
+        example["GPIPE"],
+        f"{EXAMPLE}:loss",
+        f"{EXAMPLE}:batch",
+        devices=(8,),
+        optimizer=f"{EXAMPLE}:optimizer",
+        max_communication={"all-gather": 0, "all-to-all": 0},
+    )
+
+
+def _layers(example):
+    return example["build"]().blocks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"microbatches": 3}, r"cuts a batch of 16 into 3 microbatches, which does not divide"),
+        ({"microbatches": 8, "schedule": "1f1b"}, r"has no schedule '1f1b'; the schedules are"),
+        (
+            {"microbatches": 8, "schedule": "circular"},
+            r"circular schedule takes layers whose array leaves all have two leading axes",
+        ),
+    ],
+)
+def test_bad_arguments_are_named(example, kwargs, message):
+    x = jnp.zeros((16, 32))
+    with pytest.raises(eqshard.EqshardError, match=message):
+        eqshard.pipeline(lambda layer, x: layer(x), _layers(example), x, **kwargs)
+
+
+def test_layers_that_do_not_divide_over_the_stages_are_named(example):
+    blocks = jax.tree_util.tree_map(lambda a: a[:6], _layers(example))  # 6 layers, 4 stages
+    rules = _rules([["stage", 4], ["data", 2]], "l ... -> l2 ... 4")
+    with (
+        eqshard.use(rules),
+        pytest.raises(
+            eqshard.EqshardError, match=r"splits 6 stacked layers over 4 stages \('stage'\)"
+        ),
+    ):
+        eqshard.pipeline(lambda layer, x: layer(x), blocks, jnp.zeros((16, 32)), microbatches=8)
+
+
+def test_circular_needs_as_many_microbatches_as_stages(example):
+    blocks = example["build_circular"]().blocks
+    rules = _rules([["stage", 4], ["data", 2]], "r s ... -> r s4 ... 2")
+
+    def circular(layers, microbatches):
+        return eqshard.pipeline(
+            lambda layer, x: layer(x),
+            layers,
+            jnp.zeros((16, 32)),
+            microbatches=microbatches,
+            schedule="circular",
+        )
+
+    with eqshard.use(rules):
+        with pytest.raises(eqshard.EqshardError, match=r"at least as many microbatches as"):
+            circular(blocks, 2)
+        flat = jax.tree_util.tree_map(lambda a: a.reshape(4, 2, *a.shape[2:]), blocks)
+        with pytest.raises(eqshard.EqshardError, match=r"stack them \(2, 4\)"):
+            circular(flat, 8)
