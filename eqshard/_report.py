@@ -29,6 +29,8 @@ __all__ = [
     "memory_kind",
     "report",
     "spec_text",
+    "stage_layers",
+    "stage_lines",
     "total_bytes_per_device",
 ]
 
@@ -47,6 +49,9 @@ class LeafRow:
         `"default"`, `"Linear.weight"`), when the spec says.
     - `memory_kind`: where each device's part is held, where that is not the
         device's own memory: `"pinned_host"`; else `None`.
+    - `stages`: for a stack of layers split over the mesh axis `"stage"` (pipeline
+        stages: its first axis, or its second under a first of rounds), the layers
+        each stage holds, stage by stage, counted in the stack's order; else `None`.
     """
 
     path: str
@@ -58,6 +63,7 @@ class LeafRow:
     total_bytes: int = 0
     origin: str | None = None
     memory_kind: str | None = None
+    stages: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def on_host(self) -> bool:
@@ -114,9 +120,85 @@ def leaf_rows(plan: Plan) -> list[LeafRow]:
                 total_bytes=_nbytes(shape, leaf.dtype),
                 origin=resolved.origins[i],
                 memory_kind=memory_kind(sharding),
+                stages=stage_layers(shape, sharding),
             )
         )
     return rows
+
+
+STAGE = "stage"
+"""The mesh axis whose devices hold pipeline stages (`eqshard.pipeline`'s `axis`)."""
+
+
+def stage_layers(shape: tuple[int, ...], sharding: Any) -> tuple[tuple[int, ...], ...] | None:
+    """The layers each stage holds of a stack split over `STAGE`: on its first axis,
+    stage `k` of `S` holds layers `[k L / S, (k + 1) L / S)`; on its second, under a
+    first axis of rounds left whole (`(rounds, stages, ...)`, the circular
+    schedule's), layer `r n + j` for each round `r` and each `j` of its part of the
+    `n`. `None` for any other leaf."""
+    if sharding is None or STAGE not in sharding.mesh.axis_names:
+        return None
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    count = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_sizes))[STAGE]
+    if not shape or count == 1:
+        return None
+    if spec[0] == STAGE:
+        per = shape[0] // count
+        return tuple(tuple(range(k * per, (k + 1) * per)) for k in range(count))
+    if len(shape) > 1 and spec[0] is None and spec[1] == STAGE:
+        rounds, n = shape[0], shape[1]
+        per = n // count
+        return tuple(
+            tuple(r * n + k * per + j for r in range(rounds) for j in range(per))
+            for k in range(count)
+        )
+    return None
+
+
+def stage_lines(rows: list[LeafRow]) -> list[str]:
+    """One line per stack split into pipeline stages: which layers each stage holds,
+    `blocks (8 layers, 6 leaves): stage 0 holds layers 0-1; stage 1 holds 2-3; ...`."""
+    groups: dict[tuple[tuple[int, ...], ...], list[str]] = {}
+    for row in rows:
+        if row.stages is not None:
+            groups.setdefault(row.stages, []).append(row.path)
+    lines = []
+    for stages, paths in groups.items():
+        prefix = _common_prefix(paths)
+        layers = sum(len(held) for held in stages)
+        held = "; ".join(
+            f"stage {k} holds {'layers ' if k == 0 else ''}{_ranges(held)}"
+            for k, held in enumerate(stages)
+        )
+        leaves = f"{len(paths)} leaves" if len(paths) != 1 else "1 leaf"
+        lines.append(f"{prefix} ({layers} layers, {leaves}): {held}")
+    return lines
+
+
+def _common_prefix(paths: list[str]) -> str:
+    parts = [path.split(".") for path in paths]
+    common = []
+    for segments in zip(*parts):
+        if len(set(segments)) != 1:
+            break
+        common.append(segments[0])
+    if len(paths) == 1 or not common:
+        return paths[0] if len(paths) == 1 else "the stacked leaves"
+    return ".".join(common)
+
+
+def _ranges(indices: tuple[int, ...]) -> str:
+    """`0-1`, `0, 4`, or runs: `0-7, 32-39, 64-71, ... (64 layers)` past four runs."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    text = [f"{a}-{b}" if b > a else str(a) for a, b in runs]
+    if len(text) > 4:
+        return ", ".join(text[:3]) + f", ... ({len(indices)} layers)"
+    return ", ".join(text)
 
 
 def memory_kind(sharding: Any) -> str | None:
@@ -227,6 +309,8 @@ class Report:
         )
         if host and per_device is not None:
             table.caption += f", {human_bytes(host)} of it in host memory"
+        for line in stage_lines(self.rows):
+            table.caption += f"\nstages over {STAGE!r}: {line}"
         table.caption_justify = "left"
         return table
 
@@ -239,6 +323,7 @@ class Report:
             "total_bytes": self.total_bytes,
             "bytes_per_device": self.bytes_per_device,
             "host_bytes_per_device": self.host_bytes_per_device,
+            "stages": stage_lines(self.rows),
         }
 
 

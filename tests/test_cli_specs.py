@@ -171,6 +171,7 @@ def test_check_example_on_several_device_counts(run_cli):
         "total_bytes": 65536,
         "origin": "$.rules[4]",
         "memory_kind": None,
+        "stages": None,
     }
     assert leaves["unembed.w"] == {
         "path": "unembed.w",
@@ -182,6 +183,7 @@ def test_check_example_on_several_device_counts(run_cli):
         "total_bytes": 65536,
         "origin": "dims",
         "memory_kind": None,
+        "stages": None,
     }
     assert leaves["norm.weight"] == {
         "path": "norm.weight",
@@ -193,6 +195,7 @@ def test_check_example_on_several_device_counts(run_cli):
         "total_bytes": 256,
         "origin": "default",
         "memory_kind": None,
+        "stages": None,
     }
     assert leaves["blocks.0.attn.output_proj.weight"]["partition_spec"] == "P(None, 'm0')"
     assert {leaf["path"]: leaf["bytes_per_device"] for leaf in two["leaves"]}[

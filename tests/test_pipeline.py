@@ -3,7 +3,11 @@
 the circular schedule, each device holding only its stage's layers; `cost` counts the
 permutes over `stage` and gives the bubble; with no stage axis it is the scan."""
 
+import json
+import os
 import runpy
+import subprocess
+import sys
 from pathlib import Path
 
 import equinox as eqx
@@ -252,3 +256,39 @@ def test_circular_needs_as_many_microbatches_as_stages(example):
         flat = jax.tree_util.tree_map(lambda a: a.reshape(4, 2, *a.shape[2:]), blocks)
         with pytest.raises(eqshard.EqshardError, match=r"stack them \(2, 4\)"):
             circular(flat, 8)
+
+
+def test_report_and_check_say_which_layers_each_stage_holds(example):
+    gpipe = eqshard.report(example["build"](), eqshard.load(example["GPIPE"]))
+    up = next(row for row in gpipe.rows if row.path == "blocks.up.weight")
+    assert up.stages == ((0, 1), (2, 3), (4, 5), (6, 7))
+    line = "blocks (8 layers, 6 leaves): stage 0 holds layers 0-1; stage 1 holds 2-3; "
+    line += "stage 2 holds 4-5; stage 3 holds 6-7"
+    assert gpipe.to_json()["stages"] == [line]
+    assert f"stages over 'stage': {line}" in " ".join(str(gpipe).split()).replace("- ", "-")
+    circular = eqshard.report(example["build_circular"](), eqshard.load(example["CIRCULAR"]))
+    assert circular.to_json()["stages"] == [
+        "blocks (8 layers, 6 leaves): stage 0 holds layers 0, 4; stage 1 holds 1, 5; "
+        "stage 2 holds 2, 6; stage 3 holds 3, 7"
+    ]
+    assert next(r for r in circular.rows if r.path == "head.weight").stages is None
+    check = [sys.executable, "-m", "eqshard", "check", str(example["GPIPE"])]
+    check += ["--model", f"{EXAMPLE}:build", "--devices", "8"]
+    found = subprocess.run(
+        [*check, "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    (result,) = json.loads(found.stdout)["checks"]
+    rows = {row["path"]: row for row in result["leaves"]}
+    assert rows["blocks.down.bias"]["stages"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    text = subprocess.run(
+        check,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "400"},
+    ).stdout
+    assert f"stages over 'stage': {line}" in text

@@ -156,12 +156,15 @@ class CheckResult:
 
 
 def _leaf_row(entry: Mapping[str, Any]) -> LeafRow:
-    """The row a `dataclasses.asdict(row)` entry describes (JSON makes its shape a list)."""
+    """The row a `dataclasses.asdict(row)` entry describes (JSON makes its shape and
+    its stages lists)."""
     from .._report import LeafRow
 
     names = {field.name for field in dataclasses.fields(LeafRow)}
     values = {key: value for key, value in entry.items() if key in names}
     values["shape"] = tuple(values["shape"])
+    if values.get("stages") is not None:
+        values["stages"] = tuple(tuple(held) for held in values["stages"])
     return LeafRow(**values)
 
 

@@ -171,6 +171,7 @@ def _print_result(shown: Any, result: CheckResult) -> None:
     seen), the leaves' summary, the step's cost, the memory, the problems and the
     verdict."""
     from .._problems import problem_lines
+    from .._report import stage_lines
     from ._check import devices_text
     from ._check_table import compiler_line, cost_line, memory_line, result_table, warning_lines
 
@@ -178,6 +179,8 @@ def _print_result(shown: Any, result: CheckResult) -> None:
     for line in warning_lines(result):
         shown.print(styled(safe(line), "bold yellow"), soft_wrap=True)
     out(_leaves_line(result))
+    for line in stage_lines(result.rows):
+        out(f"stages over 'stage': {line}")
     if result.cost is not None:
         out(cost_line(result.cost))
         out(compiler_line(result.cost))
