@@ -42,6 +42,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._activations import active_mesh
@@ -49,7 +50,16 @@ from ._constrain import constrained
 from ._errors import EqshardError
 from ._sharding import AnyMesh
 
-__all__ = ["SCHEDULES", "Schedule", "Stages", "bubble", "pipeline", "recording"]
+__all__ = [
+    "MARKED",
+    "SCHEDULES",
+    "Schedule",
+    "Stages",
+    "bubble",
+    "marking",
+    "pipeline",
+    "recording",
+]
 
 Schedule = Literal["gpipe", "circular"]
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "circular")
@@ -127,6 +137,23 @@ def bubble(stages: int, microbatches: int, schedule: Schedule = "gpipe", rounds:
 _RECORDING: contextvars.ContextVar[list[Stages] | None] = contextvars.ContextVar(
     "eqshard_pipelines", default=None
 )
+_MARKING: contextvars.ContextVar[bool] = contextvars.ContextVar("eqshard_marking", default=False)
+
+MARKED = "eqshard.pipeline."
+"""The prefix of the `checkpoint_name` each stacked layer leaf carries while `suggest`
+traces a step (`marking`), then its stack's depth, schedule and microbatch count,
+`"eqshard.pipeline.1:gpipe:8"`: how `suggest`'s jaxpr walk finds the model's leaves a
+pipeline runs, and so which leaves its pipeline family splits into stages."""
+
+
+@contextlib.contextmanager
+def marking() -> Iterator[None]:
+    """Marks the stacked layers of each pipeline traced inside (`MARKED`)."""
+    token = _MARKING.set(True)
+    try:
+        yield
+    finally:
+        _MARKING.reset(token)
 
 
 @contextlib.contextmanager
@@ -221,6 +248,9 @@ def pipeline(
         return layer(eqx.combine(p, static), x), None
 
     if stages == 1:  # no pipeline mesh: the plain scan, in the stack's order
+        if _MARKING.get():
+            label = f"{MARKED}{depth}:{schedule}:{microbatches}:{axis}"
+            params = jax.tree_util.tree_map(lambda a: checkpoint_name(a, label), params)
         flat = jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[depth:]), params)
         return jax.lax.scan(apply, x, flat)[0]
     assert found is not None

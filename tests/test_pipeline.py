@@ -292,3 +292,72 @@ def test_report_and_check_say_which_layers_each_stage_holds(example):
         env={**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "400"},
     ).stdout
     assert f"stages over 'stage': {line}" in text
+
+
+def _abstract(example, build="build"):
+    model = eqx.filter_eval_shape(example[build])
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(example["optimizer"]().init, params)
+    sizes = example["SIZES"]
+    data = (
+        jax.ShapeDtypeStruct((sizes.batch, sizes.features), jnp.float32),
+        jax.ShapeDtypeStruct((sizes.batch,), jnp.float32),
+    )
+    return model, opt_state, data
+
+
+def test_suggest_splits_the_layers_the_pipeline_runs_and_its_spec_trains(example, tmp_path):
+    """The step's jaxpr shows which leaves `eqshard.pipeline` runs: the `pipeline x
+    data` family splits exactly those over `stage`, on each factorization whose stages
+    divide the 8 layers; its spec trains as the plain scan."""
+    from eqshard._search._candidates import candidates
+
+    model, opt_state, data = _abstract(example)
+    kept, dropped = candidates(example["step"], model, opt_state, data, devices=8)
+    piped = {c.name: c for c in kept if c.strategy == "pipeline x data"}
+    assert sorted(piped) == [
+        "pipeline x data on data=1, stage=8",
+        "pipeline x data on data=2, stage=4",
+        "pipeline x data on data=4, stage=2",
+    ]
+    found = piped["pipeline x data on data=2, stage=4"]
+    plan = eqshard.plan(model, found.rules, devices=8)
+    for row in eqshard.report(model, plan).rows:
+        split = row.path.startswith("blocks.")
+        assert (row.stages == ((0, 1), (2, 3), (4, 5), (6, 7))) is split, row
+    path = tmp_path / "pipeline.eqshard.json"
+    eqshard.dump(found.rules, path)
+    trained = example["main"](steps=2, spec=path)
+    np.testing.assert_allclose(trained["losses"], trained["reference"], rtol=1e-5)
+    # the circular stack of 4 stages: only where 'stage' has 4 devices
+    model, opt_state, data = _abstract(example, "build_circular")
+    kept, dropped = candidates(
+        example["step"], model, opt_state, data, devices=8, strategies=["pipeline x data"]
+    )
+    assert [c.name for c in kept] == ["pipeline x data on data=2, stage=4"]
+    assert (
+        "pipeline x data on data=4, stage=2",
+        "the circular schedule's stack (blocks.norm.weight float32[2, 4, 32]) has 4 stages, "
+        "not stage=2",
+    ) in dropped
+
+
+def test_suggest_compiles_and_ranks_the_pipeline_with_its_bubble(example):
+    model, opt_state, data = _abstract(example)
+    ranked = eqshard.suggest(
+        model,
+        opt_state,
+        data,
+        step=example["step"],
+        devices=8,
+        workers=0,
+        strategies=["pipeline x data", "data parallel"],
+        exhaustive=True,
+    )
+    rows = {s.name: s for s in ranked}
+    piped = rows["pipeline x data (data=2 x stage=4)"]
+    assert piped.figures == "compiled"
+    assert piped.cost is not None
+    assert piped.cost.pipelines == (Stages("stage", 4, 8, 1, "gpipe", 8),)
+    permuted = piped.cost.bytes_by_axes().get(("collective-permute", ("stage",)), 0)
+    assert permuted > 0

@@ -26,12 +26,19 @@ import eqshard
 from eqshard._plan import make_plan
 from eqshard._search._candidates import STRATEGIES, Candidate, _normal, candidates
 
-# the GPT has no stacked experts, and its `eqx.nn.MultiheadAttention` names no queries or
-# keys, which the context families split by
+# the GPT has no stacked experts, its `eqx.nn.MultiheadAttention` names no queries or
+# keys, which the context families split by, and it runs no `eqshard.pipeline`
 GPT_STRATEGIES = [
     s
     for s in STRATEGIES
-    if s not in ("expert parallel", "data x expert", "context parallel", "fsdp x context")
+    if s
+    not in (
+        "expert parallel",
+        "data x expert",
+        "context parallel",
+        "fsdp x context",
+        "pipeline x data",
+    )
 ]
 
 EXAMPLES = Path(__file__).parent.parent / "examples"

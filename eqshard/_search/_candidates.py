@@ -65,13 +65,15 @@ from .._fields import LeafInfo, is_array_like, leaf_name, walk_fields
 from .._fsdp import Over, fsdp_leaf, is_fsdp_replicated
 from .._paths._globs import readable_rules
 from .._paths._names import name, segments
+from .._pipeline import marking
 from .._plan import make_plan
 from .._problems import problem_lines
+from .._report import STAGE
 from .._rules import match_rules
 from .._specfile._model import Rule, Rules
 from .._step import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
 from ._estimate import Estimated, HeldLeaf, estimated
-from ._megatron import Role, StepProfile, abstract_leaf, step_profile
+from ._megatron import Pipelined, Role, StepProfile, abstract_leaf, step_profile
 
 __all__ = ["FAMILIES", "STRATEGIES", "Candidate", "Family", "candidates", "families_named"]
 
@@ -153,7 +155,7 @@ class _Setup:
 def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: int) -> _Setup:
     model = jax.tree_util.tree_map(abstract_leaf, model)
     args = [jax.tree_util.tree_map(abstract_leaf, arg) for arg in args]
-    with recording() as named:
+    with recording() as named, marking():
         profile = step_profile(step, model, *args)
     roles = profile.roles
     state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
@@ -559,6 +561,46 @@ def _context(setup: _Setup, data: int, context: int, fsdp: bool) -> _Draft | str
     return _fsdp(setup, data, context) if fsdp else _Draft(batch=_batch(data, context))
 
 
+def _pipelined(setup: _Setup) -> dict[int, Pipelined]:
+    """The leaves (by their place in `setup.leaves`) that `eqshard.pipeline` runs over
+    the mesh axis the pipeline family lays out, `stage`."""
+    by_index = {leaf.index: k for k, leaf in enumerate(setup.leaves)}
+    return {
+        by_index[index]: how
+        for index, how in setup.profile.pipelined.items()
+        if index in by_index and how.axis == STAGE
+    }
+
+
+def _pipeline_data(setup: _Setup, data: int, stages: int) -> _Draft | str:
+    """Pipeline stages x data: every stacked layer leaf `eqshard.pipeline` runs split
+    over `stage` along its layer axis (GPipe's first, the circular schedule's second),
+    copied over `data`; the batch over `data`."""
+    if stages == 1:
+        return "'stage' has one device: nothing to split"
+    draft = _Draft(batch=_batch(data, stages))
+    lead = "* " if data > 1 else ""
+    for k, how in sorted(_pipelined(setup).items()):
+        leaf = setup.leaves[k]
+        axis = how.depth - 1  # the layers' axis: GPipe's first, circular's second
+        size = leaf.shape[axis]
+        if how.schedule == "circular" and size != stages:
+            return (
+                f"the circular schedule's stack ({leaf.label}) has {size} stages, not "
+                f"stage={stages}"
+            )
+        if how.schedule == "circular" and how.microbatches < stages:
+            return f"{how.microbatches} microbatches, fewer than stage={stages}"
+        if size % stages:
+            return f"{leaf.label}: its {size} layers do not divide over stage={stages}"
+        names = [f"{'_' * (i + 1)}" for i in range(len(leaf.shape))]
+        names[axis] = "l"
+        rhs = [f"{n}{stages}" if i == axis else n for i, n in enumerate(names)]
+        comment = f"pipeline stage: each stage its layers ({how.schedule})"
+        draft.ruled[k] = (comment, f"{' '.join(names)} -> {lead}{' '.join(rhs)}")
+    return draft
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One strategy of the candidate space: a row of `FAMILIES`, so that a new one
@@ -576,8 +618,8 @@ class Family:
     - `applies`: whether the model has what the family splits (stacked experts, a
         sequence); one that does not apply makes no candidate, and is not listed as
         dropped.
-    - `axis`: the name of its second mesh axis: `"model"`, `"expert"` or
-        `"context"`.
+    - `axis`: the name of its second mesh axis: `"model"`, `"expert"`, `"context"`
+        or `"stage"`.
     - `batch_over_both`: whether the batch is split over both axes.
     """
 
@@ -588,7 +630,7 @@ class Family:
     splits_batch: bool = True
     same_as: tuple[str | None, str | None] | None = None
     applies: Callable[[_Setup], bool] = lambda setup: True
-    axis: Literal["model", "expert", "context"] = "model"
+    axis: Literal["model", "expert", "context", "stage"] = "model"
     batch_over_both: bool = False
 
 
@@ -680,6 +722,17 @@ FAMILIES: tuple[Family, ...] = (
         same_as=("fsdp", "context parallel"),
         applies=lambda setup: bool(_sequence_names(setup)[0]),
         axis="context",
+    ),
+    Family(
+        "pipeline x data",
+        "pipeline stages x data parallelism: the layers eqshard.pipeline runs split over "
+        "'stage', each stage its own, copied over 'data'; the rest whole; the batch split "
+        "over 'data'",
+        _pipeline_data,
+        "both",
+        same_as=("data parallel", None),
+        applies=lambda setup: bool(_pipelined(setup)),
+        axis="stage",
     ),
 )
 """The candidate space, in the order its candidates come."""

@@ -48,6 +48,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxprLiteral
 from .._activations import RECORDED
 from .._compat import is_transposed, missing, param
 from .._errors import StepError
+from .._pipeline import MARKED
 from .._process._usercode import with_user_frames
 
 __all__ = ["Matmul", "Role", "StepProfile", "abstract_leaf", "step_profile", "tensor_roles"]
@@ -100,6 +101,18 @@ class Matmul:
 
 
 @dataclasses.dataclass(frozen=True)
+class Pipelined:
+    """How `eqshard.pipeline` runs a stacked leaf: the stack's leading axes (`depth`:
+    1 for GPipe's `(layers, ...)`, 2 for the circular schedule's `(rounds, stages,
+    ...)`), the schedule, the microbatches and the mesh axis of the stages."""
+
+    depth: int
+    schedule: str
+    microbatches: int
+    axis: str
+
+
+@dataclasses.dataclass(frozen=True)
 class StepProfile:
     """What the step's jaxpr shows, for Megatron's roles and for estimates.
 
@@ -122,6 +135,8 @@ class StepProfile:
         matmul of two activations (the scores, or the weighted sum of the values), the
         axes (from the end) it contracts: the values' sequence (and the queries' and
         keys' features).
+    - `pipelined`: each leaf of the model that `eqshard.pipeline` runs as a stack of
+        layers (its marker, `_pipeline.MARKED`), and how.
     """
 
     roles: dict[int, Role]
@@ -132,6 +147,7 @@ class StepProfile:
     expert_labels: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     attention_free: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     attention_contracted: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    pipelined: dict[int, Pipelined] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +234,7 @@ class _Walk:
         self.expert_labels: dict[int, set[int]] = {}  # see StepProfile.expert_labels
         self.attention_free: dict[int, set[int]] = {}  # see StepProfile.attention_free
         self.attention_contracted: dict[int, set[int]] = {}  # and .attention_contracted
+        self.pipelined: dict[int, Pipelined] = {}  # see StepProfile.pipelined
 
     def source(self, var: Any) -> int:
         """A number for the value `var` holds, the same each time it is read."""
@@ -379,6 +396,10 @@ class _Walk:
         model names while `eqshard suggest` records (`_activations.marked`) says
         which weights' outputs the named axes hold."""
         label = str(param(eqn, "name"))
+        if label.startswith(MARKED) and ins[0].view is not None:
+            depth, schedule, microbatches, axis = label[len(MARKED) :].split(":")
+            found = Pipelined(int(depth), schedule, int(microbatches), axis)
+            self.pipelined.setdefault(ins[0].view[0], found)
         if label.startswith(RECORDED):
             rank = len(_shape(eqn.outvars[0]))
             found = tuple((weight, axis - rank) for weight, axis in ins[0].features)
@@ -688,6 +709,7 @@ def step_profile(step: Callable[..., Any], model: Any, *args: Any) -> StepProfil
         {k: frozenset(v) for k, v in walk.expert_labels.items()},
         {k: frozenset(v) for k, v in walk.attention_free.items()},
         {k: frozenset(v) for k, v in walk.attention_contracted.items()},
+        walk.pipelined,
     )
 
 
