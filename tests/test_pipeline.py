@@ -73,14 +73,7 @@ def test_circular_trains_as_the_plain_scan_stage_s_holding_layers_s_and_s_plus_4
 
 
 def _cost(example, spec, build="build"):
-    model = eqx.filter_eval_shape(example[build])
-    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    opt_state = jax.eval_shape(example["optimizer"]().init, params)
-    sizes = example["SIZES"]
-    data = (
-        jax.ShapeDtypeStruct((sizes.batch, sizes.features), jnp.float32),
-        jax.ShapeDtypeStruct((sizes.batch,), jnp.float32),
-    )
+    model, opt_state, data = _abstract(example, build)
     with jax.default_matmul_precision("highest"):
         return eqshard.cost(
             model, opt_state, data, step=example["step"], spec=eqshard.load(spec), devices=8
