@@ -1,9 +1,10 @@
 """`eqshard demo`: each strategy trains to the unsharded losses, holds what its spec
 says, and the table reports it.
 
-The seven strategies train once, two steps each, in this process on its 8 CPU
-devices (`outcomes`); every test reads those runs. Two train variants of the GPT, a
-mixture of experts and long sequences, each against its own unsharded run (`refs`).
+The eight strategies train once, two steps each, in this process on its 8 CPU
+devices (`outcomes`); every test reads those runs. Three train variants of the GPT,
+a mixture of experts, long sequences and layers in pipeline stages, each against its
+own unsharded run (`refs`).
 The command line itself runs in tests/test_cli.py.
 """
 
@@ -244,6 +245,30 @@ def test_context_parallel_splits_each_sequence_and_gathers_keys_and_values(outco
     assert gathers == [(hand, _demo_model.LAYERS, ("context",))] * 2
 
 
+@pytest.mark.slow  # the demo: trains every strategy (the `outcomes` fixture)
+def test_pipeline_gives_each_stage_its_layer_and_permutes_microbatches(outcomes):
+    """4 stages of one layer each, 8 microbatches of 2 rows, each row on its own
+    `data` device: every step of the pipeline's loop (8 + 4 - 1 of them) passes one
+    row's activations, 16 tokens x 64 floats, to the next stage."""
+    outcome = outcomes["pipeline"]
+    assert outcome.variant is _demo_model.PIPELINE
+    up = outcome.model.blocks.up.weight  # (4 layers, hidden, dim)
+    assert _spec(up) == P("stage", None, None)
+    for shard in up.addressable_shards:
+        k = shard.device.id // 2  # stage-major: devices 2k and 2k + 1 hold stage k
+        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(up)[k : k + 1])
+    (stages,) = outcome.cost.pipelines
+    assert (stages.stages, stages.microbatches, stages.iterations) == (4, 8, 11)
+    assert stages.bubble == 3 / 11
+    hand = 16 * _demo_model.DIM * 4
+    forward = [
+        (c.bytes, c.count)
+        for c in outcome.cost.collectives
+        if c.kind == "collective-permute" and "transpose" not in c.source and c.count > 1
+    ]
+    assert forward == [(hand, 11)]
+
+
 def test_a_spec_that_does_not_fit_is_named(devices):
     with pytest.raises(eqshard.SpecError, match=r"needs a multiple of 4 devices"):
         _demo.fits(_demo.spec_path("2d"), devices[:2])
@@ -277,6 +302,7 @@ def test_the_table_and_the_json_report_every_strategy(outcomes, reference, refs,
     assert rows["context-parallel"][1] == "data=2 x context=4"
     assert "(8 experts)" in text
     assert "(seq 128)" in text
+    assert rows["pipeline"][1] == "stage=4 x data=2"
 
     report = _demo.to_json(ordered, reference, devices, refs)
     assert report["ok"] is True

@@ -13,10 +13,12 @@ over the mesh's `data` axis, and keeps every layout through the step; `eqshard.c
 compiles the same step over the same layouts to say what it holds and moves per
 device. The table compares them, final loss against the reference's.
 
-Two more rows train variants of the same GPT (`_demo_model.Variant`), each against
+Three more rows train variants of the same GPT (`_demo_model.Variant`), each against
 its own unsharded run: `expert-parallel`, a GPT whose MLPs are 8 experts (`MOE`),
-each device holding its own expert; and `context-parallel`, the GPT on sequences of
-128 (`LONG`), each device holding a quarter of each sequence.
+each device holding its own expert; `context-parallel`, the GPT on sequences of 128
+(`LONG`), each device holding a quarter of each sequence; and `pipeline`, a 4-layer
+GPT whose layers `eqshard.pipeline` runs in 4 stages of 8 microbatches
+(`PIPELINE`), each stage's devices holding its layer.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from ._demo_model import (
     LAYERS,
     LONG,
     MOE,
+    PIPELINE,
     AdamState,
     Variant,
     adamw_init,
@@ -93,10 +96,15 @@ STRATEGIES = (
     "2d",
     "expert-parallel",
     "context-parallel",
+    "pipeline",
 )
 """The strategies the demo runs by default, in order: `SPECS / f"{name}.eqshard.json"`."""
 
-VARIANTS: dict[str, Variant] = {"expert-parallel": MOE, "context-parallel": LONG}
+VARIANTS: dict[str, Variant] = {
+    "expert-parallel": MOE,
+    "context-parallel": LONG,
+    "pipeline": PIPELINE,
+}
 """The strategies that train a variant of the GPT, and which; the others train the
 GPT itself (`GPT_VARIANT`), as does a user's own spec file."""
 
@@ -458,8 +466,8 @@ def table(
             "step as eqshard.cost compiles it (those in the scan over the layers, once "
             f"per layer). = unsharded: every step's loss within {TOLERANCE:g} "
             "(relative) of the unsharded run's, with the largest difference. "
-            f"expert-parallel trains {MOE.title}, context-parallel {LONG.title}, each "
-            "against its own unsharded run."
+            f"expert-parallel trains {MOE.title}, context-parallel {LONG.title}, "
+            f"pipeline {PIPELINE.title}, each against its own unsharded run."
             + (
                 ""
                 if timed

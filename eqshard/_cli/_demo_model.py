@@ -20,6 +20,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from .._constrain import constrain
+from .._pipeline import pipeline
 
 __all__ = [
     "B1",
@@ -36,6 +37,7 @@ __all__ = [
     "LEARNING_RATE",
     "LONG",
     "MOE",
+    "PIPELINE",
     "SEQ",
     "VOCAB",
     "WEIGHT_DECAY",
@@ -58,7 +60,8 @@ VOCAB, DIM, HEADS, HIDDEN, LAYERS, SEQ, BATCH = 128, 64, 8, 256, 2, 16, 16
 class Sizes(NamedTuple):
     """A GPT's sizes: the vocabulary, the embedding, the attention heads, the MLP's
     hidden width, the stacked layers, and the longest sequence; with `experts`, each
-    layer's MLP is that many experts (`Experts`), each token routed to one."""
+    layer's MLP is that many experts (`Experts`), each token routed to one; with
+    `microbatches`, the layers run by `eqshard.pipeline` in that many microbatches."""
 
     vocab: int = VOCAB
     dim: int = DIM
@@ -68,6 +71,7 @@ class Sizes(NamedTuple):
     seq: int = SEQ
     experts: int = 0
     capacity_factor: float = 2.0
+    microbatches: int = 0
 
 
 DEMO = Sizes()
@@ -117,6 +121,15 @@ LONG = Variant(
 )
 """The GPT on sequences 8 times as long and a quarter of the rows, for context
 parallelism."""
+
+PIPELINE = Variant(
+    "pipeline",
+    "4 layers, 8 microbatches",
+    "a 4-layer GPT whose layers run in pipeline stages, 8 microbatches",
+    DEMO._replace(layers=4, microbatches=8),
+    BATCH,
+)
+"""The GPT with 4 layers run by `eqshard.pipeline`, for pipeline stages."""
 
 
 class Experts(eqx.Module):
@@ -242,6 +255,7 @@ class GPT(eqx.Module):
     blocks: Block  # stacked: every array leaf has a leading axis of `sizes.layers`
     norm: eqx.nn.LayerNorm
     unembed: eqx.nn.Linear
+    microbatches: int = eqx.field(static=True)
 
     def __init__(self, key: Array, sizes: Sizes = DEMO, names: bool = False, heads: bool = False):
         k_embed, k_pos, k_blocks, k_unembed = jax.random.split(key, 4)
@@ -249,26 +263,32 @@ class GPT(eqx.Module):
         self.pos = eqx.nn.Embedding(sizes.seq, sizes.dim, key=k_pos)
         keys = jax.random.split(k_blocks, sizes.layers)
         self.blocks = eqx.filter_vmap(lambda k: Block(k, sizes, names, heads))(keys)
+        self.microbatches = sizes.microbatches
         self.norm = eqx.nn.LayerNorm(sizes.dim)
         self.unembed = eqx.nn.Linear(sizes.dim, sizes.vocab, use_bias=False, key=k_unembed)
 
     def __call__(self, tokens: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq vocab"]:
         """The logits of one sequence, or of a batch of them (a batch of rows runs
-        each row on its own, but for a block of experts, which takes the whole batch)."""
-        if tokens.ndim == 2 and self.blocks.experts is None:
+        each row on its own, but for a block of experts, which takes the whole batch,
+        and for layers in pipeline stages, which take it in microbatches)."""
+        if tokens.ndim == 2 and self.blocks.experts is None and not self.microbatches:
             return jax.vmap(self)(tokens)
         n = tokens.shape[-1]
         x = jnp.vectorize(self.embed, signature="()->(d)")(tokens) + jax.vmap(self.pos)(
             jnp.arange(n)
         )
         causal = jnp.tril(jnp.ones((n, n), dtype=bool))
-        params, static = eqx.partition(self.blocks, eqx.is_array)
+        if self.microbatches:  # the one line that runs the layers in stages
+            rows = lambda block, x: jax.vmap(lambda row: block(row, causal))(x)  # noqa: E731
+            x = pipeline(rows, self.blocks, x, microbatches=self.microbatches)
+        else:
+            params, static = eqx.partition(self.blocks, eqx.is_array)
 
-        def layer(x: Float[Array, "*batch seq embed"], block_params: Any) -> tuple[Array, None]:
-            block = eqx.combine(block_params, static)  # one layer's slice of the stack
-            return (block.batched(x, causal) if x.ndim == 3 else block(x, causal)), None
+            def layer(x: Float[Array, "*batch seq embed"], p: Any) -> tuple[Array, None]:
+                block = eqx.combine(p, static)  # one layer's slice of the stack
+                return (block.batched(x, causal) if x.ndim == 3 else block(x, causal)), None
 
-        x, _ = jax.lax.scan(layer, x, params)
+            x, _ = jax.lax.scan(layer, x, params)
         return jnp.vectorize(lambda v: self.unembed(self.norm(v)), signature="(d)->(v)")(x)
 
 
