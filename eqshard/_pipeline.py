@@ -106,6 +106,31 @@ class Stages:
         """The fraction of each stage's time it waits, forward and backward alike."""
         return bubble(self.stages, self.microbatches, self.schedule, self.rounds)
 
+    def picture(self) -> str:
+        """The forward schedule as text: a row per stage, a column per step of the
+        loop, each cell the microbatch the stage works on (and, for the circular
+        schedule, its round as a letter: `3b` is microbatch 3's second round), `.`
+        where it idles. The gradient runs the same steps backwards."""
+        items = self.rounds * self.microbatches
+        cells = []
+        for s in range(self.stages):
+            row = []
+            for t in range(self.iterations):
+                i = t - s
+                if 0 <= i < items:
+                    m, r = i % self.microbatches, i // self.microbatches
+                    row.append(
+                        f"{m}{'abcdefghijklmnopqrstuvwxyz'[r]}" if self.rounds > 1 else str(m)
+                    )
+                else:
+                    row.append(".")
+            cells.append(row)
+        width = max(len(str(self.iterations - 1)), *(len(c) for row in cells for c in row))
+        lines = ["step    " + " ".join(f"{t:>{width}}" for t in range(self.iterations))]
+        for s, row in enumerate(cells):
+            lines.append(f"stage {s} " + " ".join(f"{c:>{width}}" for c in row))
+        return "\n".join(lines)
+
 
 def bubble(stages: int, microbatches: int, schedule: Schedule = "gpipe", rounds: int = 1) -> float:
     """The fraction of each stage's time in the schedule's bubble: `(S - 1) / (M + S -

@@ -354,3 +354,18 @@ def test_suggest_compiles_and_ranks_the_pipeline_with_its_bubble(example):
     assert piped.cost.pipelines == (Stages("stage", 4, 8, 1, "gpipe", 8),)
     permuted = piped.cost.bytes_by_axes().get(("collective-permute", ("stage",)), 0)
     assert permuted > 0
+
+
+def test_the_picture_shows_each_stage_a_step_later_and_the_bubble_as_dots():
+    gpipe = Stages("stage", 4, 8, 1, "gpipe", 8).picture().splitlines()
+    assert len(gpipe) == 5  # the steps, then a row per stage
+    assert gpipe[0].split()[1:] == [str(t) for t in range(11)]
+    for s, row in enumerate(gpipe[1:]):
+        cells = row.split()[2:]
+        assert cells == ["."] * s + [str(m) for m in range(8)] + ["."] * (3 - s)
+        assert cells.count(".") / len(cells) == 3 / 11  # the bubble, stage by stage
+    circular = Stages("stage", 4, 8, 2, "circular", 8).picture().splitlines()
+    last = circular[4].split()[2:]
+    assert last[:4] == [".", ".", ".", "0a"]
+    assert last[-1] == "7b"
+    assert last.count(".") == 3
