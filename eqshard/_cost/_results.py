@@ -275,6 +275,8 @@ class Cost:
         schedule, its bubble and the permutes between stages; `None` with none."""
         if not self.pipelines:
             return None
+        from .._report import human_bytes
+
         parts = []
         for p in self.pipelines:
             moved = sum(
@@ -286,9 +288,9 @@ class Cost:
             parts.append(
                 f"pipeline over {p.axis!r}: {p.stages} stages of {p.layers // p.stages} "
                 f"layers, {p.microbatches} microbatches, {p.schedule}{rounds}; bubble "
-                f"{p.bubble:.1%} of each stage's time; {moved:,} B permuted over "
-                f"{p.axis!r} per step; peak per stage {self.memory.peak:,} B (each runs "
-                "the same program)"
+                f"{p.bubble:.1%} of each stage's time; {human_bytes(moved)} permuted over "
+                f"{p.axis!r} per step; peak per stage {human_bytes(self.memory.peak)} (each "
+                "runs the same program)"
             )
         return "; ".join(parts)
 
