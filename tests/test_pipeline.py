@@ -151,33 +151,40 @@ def _rules(mesh, expr):
     )
 
 
-def test_stages_compose_with_tensor_parallelism_and_data(example):
+TENSOR = [  # each stage's MLP split Megatron-style over `model`, the rest copied
+    {"path": "blocks.up.weight", "expr": "l o i -> l2 2 o2 i"},
+    {"path": "blocks.up.bias", "expr": "l o -> l2 2 o2"},
+    {"path": "blocks.down.weight", "expr": "l o i -> l2 2 o i2"},
+    {"path": "blocks.**", "expr": "l ... -> l2 ... 4"},
+]
+FSDP = [  # each stage's weights split over `data` too, gathered for use
+    {"path": "blocks.{up,down}.weight", "expr": "l o i -> l2 o i2 2"},
+    {"path": "blocks.**", "expr": "l ... -> l2 ... 4"},
+]
+
+
+@pytest.mark.parametrize(
+    ("rules", "spec"),
+    [(TENSOR, ("stage", "model", None)), (FSDP, ("stage", None, "data"))],
+    ids=["tensor", "fsdp"],
+)
+def test_stages_compose_with_tensor_parallelism_fsdp_and_data(example, rules, spec):
     """`stage=2 x data=2 x model=2`: each stage's layers split Megatron-style over
-    `model` (the MLP's hidden units), the batch over `data`: the loss and gradients
-    are the plain scan's, and the up projection is split over both axes."""
+    `model`, or by FSDP over `data`, the batch over `data`: the loss and gradients
+    are the plain scan's, and the up projection is split as the rules say."""
     model = example["build"](example["SIZES"]._replace(stages=2))
     data = example["batch"]()
-    rules = eqshard.load(
-        {
-            "eqshard": 1,
-            "mesh": [["stage", 2], ["data", 2], ["model", 2]],
-            "rules": [
-                {"path": "blocks.up.weight", "expr": "l o i -> l2 2 o2 i"},
-                {"path": "blocks.up.bias", "expr": "l o -> l2 2 o2"},
-                {"path": "blocks.down.weight", "expr": "l o i -> l2 2 o i2"},
-                {"path": "blocks.**", "expr": "l ... -> l2 ... 4"},
-            ],
-            "batch": "b ... -> 2 b2 ... 2",
-        }
-    )
+    mesh = [["stage", 2], ["data", 2], ["model", 2]]
+    batch = "b ... -> 2 b2 ... 2"
+    spec_file = {"eqshard": 1, "mesh": mesh, "rules": rules, "batch": batch}
     grad = eqx.filter_jit(eqx.filter_value_and_grad(example["loss"]))
     with jax.default_matmul_precision("highest"):
         want, want_grads = grad(model, data)
-        plan = eqshard.plan(model, rules)
+        plan = eqshard.plan(model, eqshard.load(spec_file))
         placed = eqshard.apply(model, plan)
-        assert tuple(placed.blocks.up.weight.sharding.spec) == ("stage", "model", None)
+        assert tuple(placed.blocks.up.weight.sharding.spec) == spec
         with eqshard.use(plan):
-            got, got_grads = grad(placed, eqshard.apply(data, "b ... -> 2 b2 ... 2"))
+            got, got_grads = grad(placed, eqshard.apply(data, batch))
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     _close(got_grads, want_grads)
 
