@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -200,6 +201,7 @@ def pipeline(
     microbatches: int,
     schedule: Schedule = "gpipe",
     axis: str = "stage",
+    batch_axis: str | None = None,
     mesh: AnyMesh | None = None,
 ) -> Any:
     """Runs `x` through a stack of layers, as `jax.lax.scan` would, with the stack's
@@ -234,6 +236,12 @@ def pipeline(
         over `data` splits each microbatch the same way.
     - `schedule`: `"gpipe"` or `"circular"` (see the module's docs).
     - `axis`: the mesh axis that holds the stages.
+    - `batch_axis`: the mesh axis the batch is split over (`"data"`), where each layer
+        computes each row on its own (no batch norm, no routing across rows). Each
+        device then runs its rows with its own copy of its stage's layers, and the
+        weights' gradients are summed over that axis once per step; by default (`None`)
+        XLA sums them in every step of the pipeline's loop. A layer that mixes rows
+        would see only a device's rows: leave it `None` there.
     - `mesh`: the mesh; by default the active plan's (`eqshard.use`), the mesh of
         `jax.set_mesh`, or the active rules' declared mesh.
 
@@ -246,8 +254,9 @@ def pipeline(
 
     `eqshard.EqshardError` for a schedule it does not know, a microbatch count that
     does not divide the batch, layers that do not divide over the stages, a circular
-    stack whose second axis is not the stage count, or fewer microbatches than stages
-    under the circular schedule.
+    stack whose second axis is not the stage count, fewer microbatches than stages
+    under the circular schedule, or a microbatch whose rows do not divide over
+    `batch_axis`.
     """
     if schedule not in SCHEDULES:
         raise EqshardError(
@@ -318,6 +327,24 @@ def pipeline(
             return apply(x, jax.tree_util.tree_map(lambda a: a[r], p))[0]
         return jax.lax.scan(apply, x, p)[0]
 
+    copies = 1 if batch_axis is None else dict(found.shape).get(batch_axis, 1)
+    run = stage
+    if copies > 1:  # each `batch_axis` device its rows, with its own copy of the layers
+        assert batch_axis is not None
+        rows = batch // microbatches
+        if rows % copies:
+            raise EqshardError(
+                f"`eqshard.pipeline` splits each microbatch's {rows} rows over {batch_axis!r} "
+                f"({copies} devices), which does not divide them; give fewer microbatches, "
+                "or batch_axis=None"
+            )
+        by_stage = _Copies(found, axis, batch_axis).hold(
+            jax.tree_util.tree_map(
+                lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], copies, *a.shape[1:])),
+                by_stage,
+            )
+        )
+        run = functools.partial(_by_rows, stage, copies)
     cut = on.whole(_microbatches(x, microbatches))  # every leaf (M, batch / M, ...)
     every = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), cut)
     slots = on.split(jax.tree_util.tree_map(lambda a: a[:, 0], every))
@@ -354,13 +381,42 @@ def pipeline(
             rotated,
         )
         rounds_now = jnp.clip((t - index) // microbatches, 0, rounds - 1)
-        slots = on.split(jax.vmap(stage)(by_stage, on.split(slots), rounds_now))
+        slots = on.split(jax.vmap(run)(by_stage, on.split(slots), rounds_now))
         out = put(out, (t - index) % microbatches, slots)  # each stage its own item's
         return (slots, out, back), None
 
     iterations = rounds * microbatches + stages - 1
     (_, out, _), _ = jax.lax.scan(step, (slots, out, back), jnp.arange(iterations))
     return _whole(jax.tree_util.tree_map(lambda a: a[stages - 1], out))
+
+
+def _by_rows(stage: Callable[..., Any], copies: int, p: Any, x: Any, r: Any) -> Any:
+    """`stage` on each of `copies` parts of the slot's rows, each with its own copy of
+    the layers (`p`: `(copies, ...)`), whose gradients stay apart until the copies are
+    summed, once, outside the loop."""
+    parts = jax.tree_util.tree_map(lambda a: a.reshape(copies, -1, *a.shape[1:]), x)
+    out = jax.vmap(stage, in_axes=(0, 0, None))(p, parts, r)
+    return jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), out)
+
+
+class _Copies:
+    """Holds the layers' copies `(stages, copies, ...)`: the stages over the stage
+    axis, the copies over the batch's."""
+
+    def __init__(self, mesh: AnyMesh, axis: str, batch_axis: str) -> None:
+        self.mesh, self.axis, self.batch_axis = mesh, axis, batch_axis
+
+    def hold(self, tree: Any) -> Any:
+        leaves, structure = jax.tree_util.tree_flatten(tree)
+        free = PartitionSpec.UNCONSTRAINED
+        shardings = [
+            NamedSharding(
+                self.mesh,  # pyright: ignore[reportArgumentType]
+                PartitionSpec(self.axis, self.batch_axis, *[free] * (a.ndim - 2)),
+            )
+            for a in leaves
+        ]
+        return jax.tree_util.tree_unflatten(structure, constrained(leaves, shardings))
 
 
 class _Stage:

@@ -5,7 +5,9 @@ with `eqshard.pipeline`, where a plain model would call `jax.lax.scan`: the one-
 change. The spec file splits the stack's layer axis over the mesh axis `stage`, so
 each of 4 stages holds 2 layers, and the batch over `data`. `pipeline` cuts the
 batch into 8 microbatches and runs them through the stages, one `collective-permute`
-between neighbours per step of its loop. With no `stage` axis it is the plain scan.
+between neighbours per step of its loop. Each layer computes each row on its own, so
+the model passes `batch_axis="data"`: the weights' gradients are summed over `data`
+once per step. With no `stage` axis it is the plain scan.
 
 - `specs/pipeline.gpipe.eqshard.json`: GPipe. Stage `s` holds layers `2s` and `2s +
     1`.
@@ -49,6 +51,7 @@ class Sizes(NamedTuple):
     batch: int = 16
     microbatches: int = 8
     schedule: Literal["gpipe", "circular"] = "gpipe"
+    batch_axis: str | None = "data"  # each row on its own: see eqshard.pipeline
 
 
 SIZES = Sizes()
@@ -79,6 +82,7 @@ class Deep(eqx.Module):
     head: eqx.nn.Linear
     microbatches: int = eqx.field(static=True)
     schedule: str = eqx.field(static=True)
+    batch_axis: str | None = eqx.field(static=True)
 
     def __init__(self, sizes: Sizes = SIZES, key=None):
         keys = jax.random.split(jax.random.key(0) if key is None else key, 3)
@@ -91,6 +95,7 @@ class Deep(eqx.Module):
             self.blocks = eqx.filter_vmap(lambda k: Layer(sizes, k))(layers)
         self.head = eqx.nn.Linear(sizes.dim, 1, key=keys[2])
         self.microbatches, self.schedule = sizes.microbatches, sizes.schedule
+        self.batch_axis = sizes.batch_axis
 
     def __call__(self, x: Float[Array, "batch features"]) -> Float[Array, " batch"]:
         x = jax.vmap(self.project)(x)
@@ -101,6 +106,7 @@ class Deep(eqx.Module):
             x,
             microbatches=self.microbatches,
             schedule=self.schedule,  # pyright: ignore[reportArgumentType]
+            batch_axis=self.batch_axis,  # the layers compute each row on its own
         )
         return jax.vmap(self.head)(x)[:, 0]
 

@@ -376,3 +376,48 @@ def test_the_picture_shows_each_stage_a_step_later_and_the_bubble_as_dots():
     assert last[:4] == [".", ".", ".", "0a"]
     assert last[-1] == "7b"
     assert last.count(".") == 3
+
+
+@pytest.mark.parametrize("batch_axis", ["data", None])
+def test_with_batch_axis_the_weights_gradients_are_summed_over_data_once(example, batch_axis):
+    """A layer of the example holds 32 + 32 + 64 x 32 + 64 + 32 x 64 + 32 floats, a
+    stage 2 layers. With `batch_axis="data"` each `data` device runs its rows with its
+    own copy of its stage's layers, summed once: one all-reduce of the stage's layers,
+    the projection and head (16 x 32 + 32 + 32 + 1) and the loss. Without, XLA sums
+    each layer's gradients in each of the loop's 11 steps."""
+    layer = (32 + 32 + 64 * 32 + 64 + 32 * 64 + 32) * 4
+    ends = (16 * 32 + 32 + 32 + 1) * 4
+    sizes = example["SIZES"]._replace(batch_axis=batch_axis)
+    model = eqx.filter_eval_shape(example["build"], sizes)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(example["optimizer"]().init, params)
+    _, _, data = _abstract(example)
+    found = eqshard.cost(
+        model, opt_state, data, step=example["step"], spec=eqshard.load(example["GPIPE"]), devices=8
+    )
+    over_data = sorted(
+        (c.bytes, c.count)
+        for c in found.collectives
+        if c.kind == "all-reduce" and c.axes == ("data",)
+    )
+    if batch_axis == "data":
+        assert over_data == [(2 * layer + ends + 4, 1)]
+    else:
+        assert over_data == sorted([(layer, 2 * 11), (ends + 4, 1)])
+
+
+def test_batch_axis_needs_each_microbatch_to_split_over_it(example):
+    rules = _rules([["stage", 4], ["data", 2]], "l ... -> l2 ... 4")
+    with (
+        eqshard.use(rules),
+        pytest.raises(
+            eqshard.EqshardError, match=r"splits each microbatch's 1 rows over 'data' \(2 devices\)"
+        ),
+    ):
+        eqshard.pipeline(
+            lambda layer, x: layer(x),
+            _layers(example),
+            jnp.zeros((16, 32)),
+            microbatches=16,
+            batch_axis="data",
+        )

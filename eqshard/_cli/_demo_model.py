@@ -280,7 +280,8 @@ class GPT(eqx.Module):
         causal = jnp.tril(jnp.ones((n, n), dtype=bool))
         if self.microbatches:  # the one line that runs the layers in stages
             rows = lambda block, x: jax.vmap(lambda row: block(row, causal))(x)  # noqa: E731
-            x = pipeline(rows, self.blocks, x, microbatches=self.microbatches)
+            # each row (a sequence) is its own: the weights' gradients summed once
+            x = pipeline(rows, self.blocks, x, microbatches=self.microbatches, batch_axis="data")
         else:
             params, static = eqx.partition(self.blocks, eqx.is_array)
 
