@@ -44,7 +44,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._activations import active_mesh
 from ._constrain import constrained
@@ -167,9 +167,10 @@ _MARKING: contextvars.ContextVar[bool] = contextvars.ContextVar("eqshard_marking
 
 MARKED = "eqshard.pipeline."
 """The prefix of the `checkpoint_name` each stacked layer leaf carries while `suggest`
-traces a step (`marking`), then its stack's depth, schedule and microbatch count,
-`"eqshard.pipeline.1:gpipe:8"`: how `suggest`'s jaxpr walk finds the model's leaves a
-pipeline runs, and so which leaves its pipeline family splits into stages."""
+traces a step (`marking`), then its stack's depth, schedule, microbatch count, stage
+axis, batch axis and batch, `"eqshard.pipeline.1:gpipe:8:stage:data:16"`: how
+`suggest`'s jaxpr walk finds the model's leaves a pipeline runs, and so which leaves
+its pipeline family splits into stages."""
 
 
 @contextlib.contextmanager
@@ -283,7 +284,7 @@ def pipeline(
 
     if stages == 1:  # no pipeline mesh: the plain scan, in the stack's order
         if _MARKING.get():
-            label = f"{MARKED}{depth}:{schedule}:{microbatches}:{axis}"
+            label = f"{MARKED}{depth}:{schedule}:{microbatches}:{axis}:{batch_axis or ''}:{batch}"
             params = jax.tree_util.tree_map(lambda a: checkpoint_name(a, label), params)
         flat = jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[depth:]), params)
         return jax.lax.scan(apply, x, flat)[0]
@@ -312,82 +313,96 @@ def pipeline(
     record = _RECORDING.get()
     if record is not None:
         record.append(Stages(axis, stages, microbatches, rounds, schedule, n_layers))
-    on = _Stage(found, axis, stages)
-    if schedule == "circular":  # (rounds, stages, ...) -> (stages, rounds, ...)
-        by_stage = jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), params)
-    else:  # (layers, ...) -> (stages, layers per stage, ...)
-        by_stage = jax.tree_util.tree_map(
-            lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), params
-        )
-    by_stage = on.split(by_stage)
-
-    def stage(p: Any, x: Any, r: Any) -> Any:
-        """One stage's work on its slot: its layers (GPipe), or its round's layer."""
-        if schedule == "circular":
-            return apply(x, jax.tree_util.tree_map(lambda a: a[r], p))[0]
-        return jax.lax.scan(apply, x, p)[0]
-
     copies = 1 if batch_axis is None else dict(found.shape).get(batch_axis, 1)
-    run = stage
-    if copies > 1:  # each `batch_axis` device its rows, with its own copy of the layers
-        assert batch_axis is not None
-        rows = batch // microbatches
-        if rows % copies:
-            raise EqshardError(
-                f"`eqshard.pipeline` splits each microbatch's {rows} rows over {batch_axis!r} "
-                f"({copies} devices), which does not divide them; give fewer microbatches, "
-                "or batch_axis=None"
-            )
-        by_stage = _Copies(found, axis, batch_axis).hold(
-            jax.tree_util.tree_map(
-                lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], copies, *a.shape[1:])),
-                by_stage,
-            )
-        )
-        run = functools.partial(_by_rows, stage, copies)
-    cut = on.whole(_microbatches(x, microbatches))  # every leaf (M, batch / M, ...)
-    every = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), cut)
-    slots = on.split(jax.tree_util.tree_map(lambda a: a[:, 0], every))
-    # each stage's own buffers, by microbatch: what it finished (`out`), and for the
-    # circular schedule what came round to it (`back`); only the last stage's `out`
-    # and the first stage's `back` are read
-    out = back = on.split(every)
-    index = jnp.arange(stages)
-
-    def each(rows: Any, at: Any) -> Any:
-        """Row `at[s]` of each stage's buffer `rows[s]`."""
-        return jax.tree_util.tree_map(lambda b: jax.vmap(lambda b, i: b[i])(b, at), rows)
-
-    def put(rows: Any, at: Any, values: Any) -> Any:
-        return jax.tree_util.tree_map(
-            lambda b, v: jax.vmap(lambda b, i, v: b.at[i].set(v))(b, at, v), rows, values
+    rows = batch // microbatches
+    if copies > 1 and rows % copies:
+        raise EqshardError(
+            f"`eqshard.pipeline` splits each microbatch's {rows} rows over {batch_axis!r} "
+            f"({copies} devices), which does not divide them; give fewer microbatches, "
+            "or batch_axis=None"
         )
 
-    def step(carry: Any, t: Any) -> tuple[Any, None]:
-        slots, out, back = carry
-        # every stage's slot to the next stage; the last stage's comes round to the first
-        rotated = on.split(jax.tree_util.tree_map(lambda a: jnp.roll(a, 1, axis=0), slots))
-        if schedule == "circular":  # came round: item t - S, for its next round
-            back = put(back, jnp.full_like(index, (t - stages) % microbatches), rotated)
-        m = jnp.full_like(index, t % microbatches)
-        fresh = each(every, m)
-        if schedule == "circular":  # past the first round, what came round to it
-            fresh = jax.tree_util.tree_map(
-                lambda a, b: jnp.where(t < microbatches, a, b), fresh, each(back, m)
+    def staged(mesh: AnyMesh, params: Any, x: Any) -> Any:
+        """The pipeline on `mesh`, whose axes are Auto."""
+        on = _Stage(mesh, axis, stages)
+        if schedule == "circular":  # (rounds, stages, ...) -> (stages, rounds, ...)
+            by_stage = jax.tree_util.tree_map(lambda a: jnp.swapaxes(a, 0, 1), params)
+        else:  # (layers, ...) -> (stages, layers per stage, ...)
+            by_stage = jax.tree_util.tree_map(
+                lambda a: a.reshape(stages, a.shape[0] // stages, *a.shape[1:]), params
             )
-        slots = jax.tree_util.tree_map(  # the first stage takes the fresh microbatch
-            lambda f, r: jnp.where((index == 0).reshape(-1, *[1] * (r.ndim - 1)), f, r),
-            fresh,
-            rotated,
-        )
-        rounds_now = jnp.clip((t - index) // microbatches, 0, rounds - 1)
-        slots = on.split(jax.vmap(run)(by_stage, on.split(slots), rounds_now))
-        out = put(out, (t - index) % microbatches, slots)  # each stage its own item's
-        return (slots, out, back), None
+        by_stage = on.split(by_stage)
 
-    iterations = rounds * microbatches + stages - 1
-    (_, out, _), _ = jax.lax.scan(step, (slots, out, back), jnp.arange(iterations))
-    return _whole(jax.tree_util.tree_map(lambda a: a[stages - 1], out))
+        def stage(p: Any, x: Any, r: Any) -> Any:
+            """One stage's work on its slot: its layers (GPipe), or its round's layer."""
+            if schedule == "circular":
+                return apply(x, jax.tree_util.tree_map(lambda a: a[r], p))[0]
+            return jax.lax.scan(apply, x, p)[0]
+
+        run = stage
+        if copies > 1:  # each `batch_axis` device its rows, with its own copy of the layers
+            assert batch_axis is not None
+            by_stage = _Copies(mesh, axis, batch_axis).hold(
+                jax.tree_util.tree_map(
+                    lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], copies, *a.shape[1:])),
+                    by_stage,
+                )
+            )
+            run = functools.partial(_by_rows, stage, copies)
+        cut = on.whole(_microbatches(x, microbatches))  # every leaf (M, batch / M, ...)
+        every = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (stages, *a.shape)), cut)
+        slots = on.split(jax.tree_util.tree_map(lambda a: a[:, 0], every))
+        # each stage's own buffers, by microbatch: what it finished (`out`), and for the
+        # circular schedule what came round to it (`back`); only the last stage's `out`
+        # and the first stage's `back` are read
+        out = back = on.split(every)
+        index = jnp.arange(stages)
+
+        def each(rows: Any, at: Any) -> Any:
+            """Row `at[s]` of each stage's buffer `rows[s]`."""
+            return jax.tree_util.tree_map(lambda b: jax.vmap(lambda b, i: b[i])(b, at), rows)
+
+        def put(rows: Any, at: Any, values: Any) -> Any:
+            return jax.tree_util.tree_map(
+                lambda b, v: jax.vmap(lambda b, i, v: b.at[i].set(v))(b, at, v), rows, values
+            )
+
+        def step(carry: Any, t: Any) -> tuple[Any, None]:
+            slots, out, back = carry
+            # every stage's slot to the next stage; the last stage's comes round to the first
+            rotated = on.split(jax.tree_util.tree_map(lambda a: jnp.roll(a, 1, axis=0), slots))
+            if schedule == "circular":  # came round: item t - S, for its next round
+                back = put(back, jnp.full_like(index, (t - stages) % microbatches), rotated)
+            m = jnp.full_like(index, t % microbatches)
+            fresh = each(every, m)
+            if schedule == "circular":  # past the first round, what came round to it
+                fresh = jax.tree_util.tree_map(
+                    lambda a, b: jnp.where(t < microbatches, a, b), fresh, each(back, m)
+                )
+            slots = jax.tree_util.tree_map(  # the first stage takes the fresh microbatch
+                lambda f, r: jnp.where((index == 0).reshape(-1, *[1] * (r.ndim - 1)), f, r),
+                fresh,
+                rotated,
+            )
+            rounds_now = jnp.clip((t - index) // microbatches, 0, rounds - 1)
+            slots = on.split(jax.vmap(run)(by_stage, on.split(slots), rounds_now))
+            out = put(out, (t - index) % microbatches, slots)  # each stage its own item's
+            return (slots, out, back), None
+
+        iterations = rounds * microbatches + stages - 1
+        (_, out, _), _ = jax.lax.scan(step, (slots, out, back), jnp.arange(iterations))
+        return _whole(jax.tree_util.tree_map(lambda a: a[stages - 1], out))
+
+    if any(kind == AxisType.Explicit for kind in getattr(found, "axis_types", ())):
+        # JAX's sharding-in-types mode: the pipeline runs on Auto axes inside (as
+        # `eqshard.jit` runs a step), its result laid out as `x` is
+        auto = found.update(axis_types=(AxisType.Auto,) * len(found.axis_names))
+        specs = jax.tree_util.tree_map(lambda a: jax.typeof(a).sharding.spec, x)
+        inside: Callable[..., Any] = jax.sharding.auto_axes(
+            lambda p, y: staged(auto, p, y), out_sharding=specs
+        )
+        return inside(params, x)
+    return staged(found, params, x)
 
 
 def _by_rows(stage: Callable[..., Any], copies: int, p: Any, x: Any, r: Any) -> Any:
@@ -458,7 +473,16 @@ def _stack_shape(leaves: list[Any], depth: int, schedule: str) -> tuple[int, ...
 
 
 def _batch_size(x: Any) -> int:
-    sizes = {a.shape[0] for a in jax.tree_util.tree_leaves(x) if getattr(a, "ndim", 0)}
+    leaves = jax.tree_util.tree_leaves(x)
+    scalars = [a for a in leaves if getattr(a, "ndim", 0) == 0]
+    if scalars:
+        raise EqshardError(
+            "`eqshard.pipeline` takes an input whose arrays all lead with the batch, and "
+            f"{len(scalars)} of its leaves {'is a scalar' if len(scalars) == 1 else 'are scalars'}"
+            ", with no batch to cut into microbatches; pass such a value to the layer "
+            "function by closure"
+        )
+    sizes = {a.shape[0] for a in leaves}
     if len(sizes) != 1:
         raise EqshardError(
             "`eqshard.pipeline` takes an input whose arrays all lead with the batch, and "

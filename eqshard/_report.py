@@ -158,12 +158,13 @@ def stage_layers(shape: tuple[int, ...], sharding: Any) -> tuple[tuple[int, ...]
 def stage_lines(rows: list[LeafRow]) -> list[str]:
     """One line per stack split into pipeline stages: which layers each stage holds,
     `blocks (8 layers, 6 leaves): stage 0 holds layers 0-1; stage 1 holds 2-3; ...`."""
-    groups: dict[tuple[tuple[int, ...], ...], list[str]] = {}
+    groups: dict[tuple[str, tuple[tuple[int, ...], ...]], list[str]] = {}
     for row in rows:
-        if row.stages is not None:
-            groups.setdefault(row.stages, []).append(row.path)
+        if row.stages is not None:  # one line per stack: by its module, then its layout
+            top = row.path.split(".")[0]
+            groups.setdefault((top, tuple(map(tuple, row.stages))), []).append(row.path)
     lines = []
-    for stages, paths in groups.items():
+    for (_, stages), paths in groups.items():
         prefix = _common_prefix(paths)
         layers = sum(len(held) for held in stages)
         held = "; ".join(

@@ -209,3 +209,61 @@ def test_with_ring_attention_it_trains_as_unsharded_and_never_gathers_the_keys(e
     forward = [(block, 3, ("context",), False)] * (2 * sizes.layers)
     assert ring == forward + [(block, 3, ("context",), True)] * (2 * sizes.layers)
     assert not [c for c in cost.collectives if c.kind in ("all-gather", "all-to-all")]
+
+
+def test_a_feature_as_long_as_the_sequence_is_not_taken_for_it():
+    """A pooled `("batch", "embed")` activation puts `embed` where the sequence sits
+    elsewhere, at the sequence's length (16 = 16): a name found anywhere else than a
+    sequence's place is not a sequence, so the context family leaves `embed` whole
+    (mapped to `context` too, the spec would map two names of the residual stream to
+    one mesh axis)."""
+    import optax
+
+    from eqshard._search._candidates import candidates
+
+    T = D = 16
+
+    class Model(eqx.Module):
+        wq: jax.Array
+        wk: jax.Array
+        wv: jax.Array
+        head: jax.Array
+
+        def __call__(self, x):
+            x = eqshard.constrain(x, ("batch", "seq", "embed"))
+            b = x.shape[0]
+            q = eqshard.constrain(
+                (x @ self.wq).reshape(b, T, 2, 8), ("batch", "inner_seq", "heads", None)
+            )
+            k = eqshard.constrain(
+                (x @ self.wk).reshape(b, T, 2, 8), ("batch", "kv_seq", "heads", None)
+            )
+            v = eqshard.constrain(
+                (x @ self.wv).reshape(b, T, 2, 8), ("batch", "kv_seq", "heads", None)
+            )
+            s = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), -1)
+            x = x + jnp.einsum("bhqk,bkhd->bqhd", s, v).reshape(b, T, D)
+            pooled = eqshard.constrain(x.mean(1), ("batch", "embed"))
+            return (pooled @ self.head)[:, 0]
+
+    def loss(model, data):
+        x, y = data
+        return jnp.mean((model(x) - y) ** 2)
+
+    optimizer = optax.sgd(1e-3)
+
+    def step(model, state, data):
+        grads = jax.grad(loss)(model, data)
+        updates, state = optimizer.update(grads, state)
+        return eqx.apply_updates(model, updates), state
+
+    square = jnp.zeros((D, D))
+    model = eqx.filter_eval_shape(lambda: Model(square, square, square, jnp.zeros((D, 1))))
+    state = jax.eval_shape(optimizer.init, model)
+    data = (jax.ShapeDtypeStruct((8, T, D), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.float32))
+    kept, _ = candidates(step, model, state, data, devices=8, strategies=["context parallel"])
+    assert kept
+    for candidate in kept:
+        assert candidate.rules.dims["seq"] == candidate.rules.dims["inner_seq"] == "context"
+        assert candidate.rules.dims["embed"] is None
+        assert candidate.rules.dims["kv_seq"] is None

@@ -49,6 +49,7 @@ the mesh.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -520,9 +521,9 @@ def _sequence_names(setup: _Setup) -> tuple[frozenset[str], frozenset[str]]:
     Attention's matmuls of two activations show them (`StepProfile.attention_free`
     and `attention_contracted`): an axis the weighted sum contracts is the values'
     sequence, and its name the keys' too; an axis of either matmul left free, named
-    otherwise, is the queries' sequence. A name at the same place from the front,
-    of the same size, on another activation (the residual stream's) is a sequence
-    too. The batch's names are neither."""
+    otherwise, is the queries' sequence. A name found only at such places from the
+    front, of the same size, on other activations (the residual stream's) is a
+    sequence too. The batch's names are neither."""
     profile = setup.profile
 
     def names(labels: dict[int, frozenset[int]]) -> set[str]:
@@ -537,11 +538,14 @@ def _sequence_names(setup: _Setup) -> tuple[frozenset[str], frozenset[str]]:
     places = {
         (i, shape[i]) for items, shape in setup.named for i, n in enumerate(items) if n in queries
     }
-    found = set(queries)
+    at: dict[str, set[tuple[int, int]]] = {}  # each name's places, and its axes' sizes
     for items, shape in setup.named:
-        found.update(
-            n for i, n in enumerate(items) if isinstance(n, str) and (i, shape[i]) in places
-        )
+        for i, n in enumerate(items):
+            if isinstance(n, str):
+                at.setdefault(n, set()).add((i, shape[i]))
+    # a name every one of whose places is a sequence's: a feature axis of the same size
+    # (an `embed` as long as the sequence) also sits elsewhere, and is not one
+    found = {n for n, where in at.items() if where <= places} | queries
     return frozenset(found - keys - setup.batch_names), frozenset(keys)
 
 
@@ -579,9 +583,14 @@ def _pipeline_data(setup: _Setup, data: int, stages: int) -> _Draft | str:
     if stages == 1:
         return "'stage' has one device: nothing to split"
     draft = _Draft(batch=_batch(data, stages))
-    lead = "* " if data > 1 else ""
     for k, how in sorted(_pipelined(setup).items()):
         leaf = setup.leaves[k]
+        rows = how.batch // how.microbatches
+        if how.batch_axis == "data" and rows % data:
+            return (
+                f"each of the {how.microbatches} microbatches has {rows} rows, which do not "
+                f"divide over data={data} (the pipeline's batch_axis)"
+            )
         axis = how.depth - 1  # the layers' axis: GPipe's first, circular's second
         size = leaf.shape[axis]
         if how.schedule == "circular" and size != stages:
@@ -597,7 +606,8 @@ def _pipeline_data(setup: _Setup, data: int, stages: int) -> _Draft | str:
         names[axis] = "l"
         rhs = [f"{n}{stages}" if i == axis else n for i, n in enumerate(names)]
         comment = f"pipeline stage: each stage its layers ({how.schedule})"
-        draft.ruled[k] = (comment, f"{' '.join(names)} -> {lead}{' '.join(rhs)}")
+        # copied over `data` (`*`), even of one device: the rules plan on other counts
+        draft.ruled[k] = (comment, f"{' '.join(names)} -> * {' '.join(rhs)}")
     return draft
 
 
@@ -902,6 +912,9 @@ def _checked(
                 "activations' axes apart from the parameters' dims to have it generated"
             ),
         )
+    fault = _activation_fault(setup, candidate)
+    if fault is not None:
+        return None, None, fault
     planned = make_plan(setup.planned_for, candidate.rules, devices=setup.devices)
     if planned.problems or planned.warnings:
         faults = problem_lines(planned.problems) if planned.problems else []
@@ -918,6 +931,34 @@ def _checked(
         () if axis == "model" else (axis, tuple(sorted(candidate.rules.dims.items()))),
     )
     return key, plan, None
+
+
+def _activation_fault(setup: _Setup, candidate: Candidate) -> str | None:
+    """Why the candidate's `"dims"` cannot lay out an activation the step names: two
+    of its names on one mesh axis, or a dim the axes do not divide; else `None`."""
+    sizes = dict(candidate.mesh)
+    dims = candidate.rules.dims
+    for items, shape in setup.named:
+        taken: dict[str, str] = {}
+        for n, size in zip(items, shape):
+            target = dims.get(n) if isinstance(n, str) else None
+            if target is None:
+                continue
+            axes = [a for a, k in candidate.mesh if k > 1] if target == "*" else [target]
+            for axis in axes:
+                if axis in taken:
+                    return (
+                        f'its "dims" map both {taken[axis]!r} and {n!r} of an activation '
+                        f"named {tuple(items)} to the mesh axis {axis!r}"
+                    )
+                taken[axis] = str(n)
+            split = math.prod(sizes.get(a, 1) for a in axes)
+            if size % split:
+                return (
+                    f"an activation named {tuple(items)} has {size} along {n!r}, which does "
+                    f"not divide over {' x '.join(axes)} ({split} devices)"
+                )
+    return None
 
 
 def _batch_fault(setup: _Setup, data: int) -> str | None:
@@ -1088,7 +1129,7 @@ def _activation_dims(
             n: "data" if n in batch else "context" if n in sequence else None
             for n in setup.activations
         }
-    over_model = _over_model(setup, draft) if model > 1 else frozenset()
+    over_model = _over_model(setup, draft) if model > 1 and family.axis == "model" else frozenset()
     experts = _expert_names(setup)
     if family.name == "expert parallel":  # each device its experts, the groups whole
         over_data = batch | experts

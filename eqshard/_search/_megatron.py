@@ -104,12 +104,15 @@ class Matmul:
 class Pipelined:
     """How `eqshard.pipeline` runs a stacked leaf: the stack's leading axes (`depth`:
     1 for GPipe's `(layers, ...)`, 2 for the circular schedule's `(rounds, stages,
-    ...)`), the schedule, the microbatches and the mesh axis of the stages."""
+    ...)`), the schedule, the microbatches, the mesh axis of the stages, the batch's
+    (`batch_axis`, `None` if not given) and the rows of the input it cuts."""
 
     depth: int
     schedule: str
     microbatches: int
     axis: str
+    batch_axis: str | None = None
+    batch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,8 +400,10 @@ class _Walk:
         which weights' outputs the named axes hold."""
         label = str(param(eqn, "name"))
         if label.startswith(MARKED) and ins[0].view is not None:
-            depth, schedule, microbatches, axis = label[len(MARKED) :].split(":")
-            found = Pipelined(int(depth), schedule, int(microbatches), axis)
+            depth, schedule, microbatches, axis, batch_axis, batch = label[len(MARKED) :].split(":")
+            found = Pipelined(
+                int(depth), schedule, int(microbatches), axis, batch_axis or None, int(batch)
+            )
             self.pipelined.setdefault(ins[0].view[0], found)
         if label.startswith(RECORDED):
             rank = len(_shape(eqn.outvars[0]))
