@@ -342,11 +342,13 @@ def pipeline(
         run = stage
         if copies > 1:  # each `batch_axis` device its rows, with its own copy of the layers
             assert batch_axis is not None
-            by_stage = _Copies(mesh, axis, batch_axis).hold(
+            by_stage = on.held(  # (stages, copies, ...): the copies over the batch's axis
                 jax.tree_util.tree_map(
                     lambda a: jnp.broadcast_to(a[:, None], (a.shape[0], copies, *a.shape[1:])),
                     by_stage,
-                )
+                ),
+                axis,
+                batch_axis,
             )
             run = functools.partial(_by_rows, stage, copies)
         cut = on.whole(_microbatches(x, microbatches))  # every leaf (M, batch / M, ...)
@@ -414,46 +416,28 @@ def _by_rows(stage: Callable[..., Any], copies: int, p: Any, x: Any, r: Any) -> 
     return jax.tree_util.tree_map(lambda a: a.reshape(-1, *a.shape[2:]), out)
 
 
-class _Copies:
-    """Holds the layers' copies `(stages, copies, ...)`: the stages over the stage
-    axis, the copies over the batch's."""
-
-    def __init__(self, mesh: AnyMesh, axis: str, batch_axis: str) -> None:
-        self.mesh, self.axis, self.batch_axis = mesh, axis, batch_axis
-
-    def hold(self, tree: Any) -> Any:
-        leaves, structure = jax.tree_util.tree_flatten(tree)
-        free = PartitionSpec.UNCONSTRAINED
-        shardings = [
-            NamedSharding(
-                self.mesh,  # pyright: ignore[reportArgumentType]
-                PartitionSpec(self.axis, self.batch_axis, *[free] * (a.ndim - 2)),
-            )
-            for a in leaves
-        ]
-        return jax.tree_util.tree_unflatten(structure, constrained(leaves, shardings))
-
-
 class _Stage:
-    """Holds a value's leading axis to the stage axis, the others left free."""
+    """Holds a value's leading axes to mesh axes, the others left free."""
 
     def __init__(self, mesh: AnyMesh, axis: str, stages: int) -> None:
         self.mesh, self.axis, self.stages = mesh, axis, stages
 
     def split(self, tree: Any) -> Any:
         """The leading axis over the stages."""
-        return self._held(tree, self.axis)
+        return self.held(tree, self.axis)
 
     def whole(self, tree: Any) -> Any:
         """The leading axis whole on every stage."""
-        return self._held(tree, None)
+        return self.held(tree, None)
 
-    def _held(self, tree: Any, lead: str | None) -> Any:
+    def held(self, tree: Any, *lead: str | None) -> Any:
+        """The leading axes over `lead`'s mesh axes (`None`: whole), the rest free."""
         leaves, structure = jax.tree_util.tree_flatten(tree)
+        free = PartitionSpec.UNCONSTRAINED
         shardings = [
             NamedSharding(
                 self.mesh,  # pyright: ignore[reportArgumentType]
-                PartitionSpec(lead, *[PartitionSpec.UNCONSTRAINED] * (a.ndim - 1)),
+                PartitionSpec(*lead, *[free] * (a.ndim - len(lead))),
             )
             for a in leaves
         ]
