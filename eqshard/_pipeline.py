@@ -110,8 +110,8 @@ class Stages:
     def picture(self) -> str:
         """The forward schedule as text: a row per stage, a column per step of the
         loop, each cell the microbatch the stage works on (and, for the circular
-        schedule, its round as a letter: `3b` is microbatch 3's second round), `.`
-        where it idles. The gradient runs the same steps backwards."""
+        schedule, its round as letters: `3b` is microbatch 3's second round, `3aa` its
+        27th), `.` where it idles. The gradient runs the same steps backwards."""
         items = self.rounds * self.microbatches
         cells = []
         for s in range(self.stages):
@@ -120,17 +120,29 @@ class Stages:
                 i = t - s
                 if 0 <= i < items:
                     m, r = i % self.microbatches, i // self.microbatches
-                    row.append(
-                        f"{m}{'abcdefghijklmnopqrstuvwxyz'[r]}" if self.rounds > 1 else str(m)
-                    )
+                    row.append(f"{m}{_round_letters(r)}" if self.rounds > 1 else str(m))
                 else:
                     row.append(".")
             cells.append(row)
         width = max(len(str(self.iterations - 1)), *(len(c) for row in cells for c in row))
-        lines = ["step    " + " ".join(f"{t:>{width}}" for t in range(self.iterations))]
-        for s, row in enumerate(cells):
-            lines.append(f"stage {s} " + " ".join(f"{c:>{width}}" for c in row))
-        return "\n".join(lines)
+        labels = ["step", *(f"stage {s}" for s in range(self.stages))]
+        label = max(map(len, labels))
+        rows = [[str(t) for t in range(self.iterations)], *cells]
+        return "\n".join(
+            f"{name:<{label}} " + " ".join(f"{c:>{width}}" for c in row)
+            for name, row in zip(labels, rows)
+        )
+
+
+def _round_letters(r: int) -> str:
+    """Round `r` (from 0) as letters, as spreadsheets name columns: `a` to `z`, then
+    `aa`, `ab`, ..."""
+    letters = ""
+    r += 1
+    while r:
+        r, digit = divmod(r - 1, 26)
+        letters = "abcdefghijklmnopqrstuvwxyz"[digit] + letters
+    return letters
 
 
 def bubble(stages: int, microbatches: int, schedule: Schedule = "gpipe", rounds: int = 1) -> float:

@@ -384,6 +384,34 @@ def test_the_picture_shows_each_stage_a_step_later_and_the_bubble_as_dots():
     assert last.count(".") == 3
 
 
+def test_the_picture_keeps_its_columns_for_any_count_of_stages_and_rounds():
+    """Past 26 rounds a round is two letters (`aa` the 27th), and from stage 10 the
+    labels are wider: every row keeps the same width and each cell its column."""
+    stages, microbatches, rounds = 12, 12, 30
+    lines = Stages("stage", stages, microbatches, rounds, "circular", 360).picture().splitlines()
+    assert len(lines) == stages + 1
+    assert len({len(line) for line in lines}) == 1  # every row as wide
+    label = len("stage 11 ")
+    assert [line[:label].rstrip() for line in lines] == ["step"] + [
+        f"stage {s}" for s in range(stages)
+    ]
+    width = len("11ad")  # the widest cell: microbatch 11, round 30
+    iterations = rounds * microbatches + stages - 1
+    columns = [
+        [line[label + (width + 1) * t : label + (width + 1) * t + width] for t in range(iterations)]
+        for line in lines
+    ]
+    assert all(c == c.rjust(width) for row in columns for c in row)  # each in its column
+    steps, *cells = [[c.strip() for c in row] for row in columns]
+    assert steps == [str(t) for t in range(iterations)]
+    for s, row in enumerate(cells):
+        assert row[:s] == ["."] * s
+        assert row[s : s + 2] == ["0a", "1a"]
+        assert row[s + 26 * microbatches] == "0aa"  # the 27th round
+        assert row[s + 29 * microbatches + 11] == "11ad"  # the 30th round's last
+        assert row[s + rounds * microbatches :] == ["."] * (stages - 1 - s)
+
+
 @pytest.mark.parametrize("batch_axis", ["data", None])
 def test_with_batch_axis_the_weights_gradients_are_summed_over_data_once(example, batch_axis):
     """A layer of the example holds 32 + 32 + 64 x 32 + 64 + 32 x 64 + 32 floats, a
