@@ -27,6 +27,7 @@ __all__ = [
     "MAX_DEVICES",
     "MAX_ELEMENTS",
     "Layout",
+    "device_count_of",
     "integer_root",
     "layout",
     "shape_of",
@@ -35,6 +36,22 @@ __all__ = [
 MAX_DEVICES = 2**31 - 1
 """The most devices a plan is made for without devices (`devices=` a count): XLA's
 shardings count devices in 32 bits."""
+
+
+def device_count_of(value: object, what: str) -> int:
+    """`value` if it is a whole number of devices, from 1 to `MAX_DEVICES`.
+
+    **Raises:** `EqshardError` naming `what`: what `whole_number` says, or that JAX's
+    shardings count no more devices.
+    """
+    count = whole_number(value, what)
+    if count > MAX_DEVICES:
+        raise EqshardError(
+            f"{what} is {count}, more than {MAX_DEVICES}, the most devices a JAX sharding "
+            "can describe (it counts them in 32 bits)"
+        )
+    return count
+
 
 MAX_ELEMENTS = 32
 """The most elements a right side may have: one mesh axis each, and JAX allows 32."""

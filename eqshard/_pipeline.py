@@ -48,7 +48,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._activations import active_mesh
 from ._constrain import constrained
-from ._errors import EqshardError
+from ._errors import EqshardError, whole_number
 from ._sharding import AnyMesh
 
 __all__ = [
@@ -96,6 +96,15 @@ class Stages:
     rounds: int
     schedule: Schedule
     layers: int
+
+    def __post_init__(self) -> None:
+        for what in ("stages", "microbatches", "rounds", "layers"):
+            whole_number(getattr(self, what), f"`Stages.{what}`")
+        if self.schedule not in SCHEDULES:
+            raise EqshardError(
+                f"`Stages.schedule` is one of {', '.join(map(repr, SCHEDULES))}, not "
+                f"{self.schedule!r}"
+            )
 
     @property
     def iterations(self) -> int:
@@ -152,8 +161,8 @@ def bubble(stages: int, microbatches: int, schedule: Schedule = "gpipe", rounds:
     **Example:**
 
     ```python
-    eqshard.bubble(4, 8)                          # 3 / 11
-    eqshard.bubble(4, 8, "circular", rounds=2)    # 3 / 19
+    bubble(4, 8)                          # 3 / 11
+    bubble(4, 8, "circular", rounds=2)    # 3 / 19
     ```
 
     **Arguments:**
@@ -266,7 +275,7 @@ def pipeline(
     **Raises:**
 
     `eqshard.EqshardError` for a schedule it does not know, a microbatch count that
-    does not divide the batch, layers that do not divide over the stages, a circular
+    is not a whole number from 1 or does not divide the batch, layers that do not divide over the stages, a circular
     stack whose second axis is not the stage count, fewer microbatches than stages
     under the circular schedule, or a microbatch whose rows do not divide over
     `batch_axis`.
@@ -282,8 +291,9 @@ def pipeline(
         raise EqshardError("`eqshard.pipeline` takes stacked layers, and these hold no array")
     depth = 2 if schedule == "circular" else 1
     stack = _stack_shape(leaves, depth, schedule)
+    microbatches = whole_number(microbatches, "`eqshard.pipeline`'s `microbatches`")
     batch = _batch_size(x)
-    if microbatches < 1 or batch % microbatches:
+    if batch % microbatches:
         raise EqshardError(
             f"`eqshard.pipeline` cuts a batch of {batch} into {microbatches} microbatches, "
             "which does not divide it; give a microbatch count that divides the batch"

@@ -25,7 +25,7 @@ from ._errors import EqshardError, whole_number
 from ._expression import Expression, parse
 from ._fit import fit, mesh_shape_of, misfit
 from ._jit_key import JIT_KEY as JIT_KEY  # made before any step is traced: see _jit_key
-from ._layout import MAX_DEVICES, layout, shape_of
+from ._layout import MAX_DEVICES, device_count_of, layout, shape_of
 
 if TYPE_CHECKING:
     from jaxlib._jax import Device
@@ -66,13 +66,7 @@ def placement(devices: Sequence[Device] | np.ndarray | int | None) -> Placement:
     **Raises:** `EqshardError` for a count below 1, or what `device_tuple` raises.
     """
     if isinstance(devices, (int, np.integer)):
-        count = whole_number(devices if isinstance(devices, bool) else int(devices), "`devices`")
-        if count > MAX_DEVICES:
-            raise EqshardError(
-                f"`devices` is {count}, more than {MAX_DEVICES}, the most devices a JAX "
-                "sharding can describe (it counts them in 32 bits)"
-            )
-        return count
+        return device_count_of(devices if isinstance(devices, bool) else int(devices), "`devices`")
     return device_tuple(devices)
 
 

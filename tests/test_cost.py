@@ -387,3 +387,17 @@ def test_the_stacked_gpt_compiled_only_to_be_costed_has_the_same_figures():
 def test_compile_for_is_running_or_costing():
     with pytest.raises(eqshard.EqshardError, match=r"`compile_for` is 'running' .* not 'fast'"):
         _cost("... -> * ...", "b ... -> b* ...", compile_for="fast")
+
+
+@pytest.mark.parametrize(
+    ("devices", "message"),
+    [
+        (-1, r"`devices` is a whole number from 1, not -1"),  # was the first 7 devices
+        (True, r"`devices` is a whole number from 1, not True"),  # was 1 device
+        (0, r"`devices` is a whole number from 1, not 0"),
+        (2**31, r"`devices` is 2147483648, more than 2147483647, the most devices"),
+    ],
+)
+def test_a_device_count_is_a_whole_number_of_devices(devices, message):
+    with pytest.raises(eqshard.EqshardError, match=message):
+        eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=devices)

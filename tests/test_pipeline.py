@@ -212,6 +212,13 @@ def _layers(example):
     ("kwargs", "message"),
     [
         ({"microbatches": 3}, r"cuts a batch of 16 into 3 microbatches, which does not divide"),
+        (
+            {"microbatches": 2.0},
+            r"`eqshard.pipeline`'s `microbatches` is a whole number from 1, not 2\.0",
+        ),
+        ({"microbatches": "2"}, r"`microbatches` is a whole number from 1, not '2'"),
+        ({"microbatches": True}, r"`microbatches` is a whole number from 1, not True"),
+        ({"microbatches": 0}, r"`microbatches` is a whole number from 1, not 0"),
         ({"microbatches": 8, "schedule": "1f1b"}, r"has no schedule '1f1b'; the schedules are"),
         (
             {"microbatches": 8, "schedule": "circular"},
@@ -223,6 +230,25 @@ def test_bad_arguments_are_named(example, kwargs, message):
     x = jnp.zeros((16, 32))
     with pytest.raises(eqshard.EqshardError, match=message):
         eqshard.pipeline(lambda layer, x: layer(x), _layers(example), x, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("counts", "message"),
+    [
+        ((4, 8.0, 1, 8), r"`Stages.microbatches` is a whole number from 1, not 8\.0"),
+        ((0, 8, 1, 8), r"`Stages.stages` is a whole number from 1, not 0"),
+        ((4, 8, "2", 8), r"`Stages.rounds` is a whole number from 1, not '2'"),
+        ((4, 8, 1, True), r"`Stages.layers` is a whole number from 1, not True"),
+    ],
+)
+def test_stages_counts_are_whole_numbers(counts, message):
+    stages, microbatches, rounds, layers = counts
+    with pytest.raises(eqshard.EqshardError, match=message):
+        Stages("stage", stages, microbatches, rounds, "gpipe", layers)
+    with pytest.raises(
+        eqshard.EqshardError, match=r"`Stages.schedule` is one of 'gpipe', 'circular', not '1f1b'"
+    ):
+        Stages("stage", 4, 8, 1, "1f1b", 8)  # pyright: ignore[reportArgumentType]
 
 
 def test_layers_that_do_not_divide_over_the_stages_are_named(example):

@@ -610,6 +610,29 @@ def test_devices_is_a_whole_number():
         eqshard.load(123)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"devices": 8.0}, r"`Rules.devices` is a whole number from 1, not 8\.0"),
+        ({"devices": True}, r"`Rules.devices` is a whole number from 1, not True"),
+        ({"devices": 2**31}, r"`Rules.devices` is 2147483648, more than 2147483647, the most"),
+        (
+            {"mesh": (("data", 0),)},
+            r"the size of `Rules.mesh`'s axis 'data' is a whole number from 1, not 0",
+        ),
+        (
+            {"mesh": (("data", None), ("model", "2"))},
+            r"axis 'model' is a whole number from 1, not '2'",
+        ),
+    ],
+)
+def test_rules_counts_are_whole_numbers_of_devices(kwargs, message):
+    """A `Rules` built by hand is checked as a spec file's are: its device count and
+    mesh sizes are whole numbers from 1 to `MAX_DEVICES`."""
+    with pytest.raises(EqshardError, match=message):
+        eqshard.Rules(**kwargs)
+
+
 def test_deeply_nested_json_is_an_error_not_a_crash(tmp_path):
     path = tmp_path / "deep.json"
     path.write_text("[" * 100_000 + "]" * 100_000)

@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from .._compat import filter_jit_donation
 from .._errors import EqshardError, StepError
 from .._expression import Expression
+from .._layout import device_count_of
 from .._pipeline import recording as recording_pipelines
 from .._plan import Plan, Spec, placing, plan
 from .._process._usercode import with_user_frames
@@ -197,10 +198,11 @@ def cost(
     on: CompileTarget | None = None
     if target is not None:
         on, mesh, devices = _on_target(target, spec, mesh, devices)
-    elif isinstance(devices, int):
-        if devices > len(jax.devices()):
-            return _in_a_process_of_its_own(step, model, args, spec, batch, devices, compile_for)
-        devices = jax.devices()[:devices]
+    elif isinstance(devices, int):  # a count, which `True` or `-1` is not
+        count = device_count_of(devices, "`devices`")
+        if count > len(jax.devices()):
+            return _in_a_process_of_its_own(step, model, args, spec, batch, count, compile_for)
+        devices = jax.devices()[:count]
     abstract_model = jax.tree_util.tree_map(abstract_array, model)
     abstract_args = [jax.tree_util.tree_map(abstract_array, arg) for arg in args]
     if isinstance(spec, Plan) and on is None:  # made for a count: the first n devices

@@ -20,6 +20,7 @@ from .._errors import EqshardError, ExpressionError
 from .._expression import Expression, is_name_char, parse
 from .._fit import MeshShape
 from .._fsdp import FSDP, FSDP_WORD
+from .._layout import device_count_of
 from .._paths._grammar import parse as parse_path
 from .._problems import Problem
 from ._schema import VERSION
@@ -217,6 +218,11 @@ class Rules:
     def __post_init__(self) -> None:
         if self.comment is not None and not isinstance(self.comment, str):
             raise EqshardError(f"`Rules.comment` is text for the reader, not {self.comment!r}")
+        if self.devices is not None:
+            device_count_of(self.devices, "`Rules.devices`")
+        for name, size in self.mesh or ():
+            if size is not None:
+                device_count_of(size, f"the size of `Rules.mesh`'s axis {name!r}")
         if self.default not in (*_DEFAULTS, PARAMETER):
             raise EqshardError(
                 "`Rules.default` is 'replicate', 'error' or 'fsdp' (or, for the optimizer "
