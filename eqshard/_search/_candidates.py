@@ -445,11 +445,20 @@ def _tensor(setup: _Setup, data: int, model: int, fsdp: bool) -> _Draft | str:
     return draft
 
 
+def _has_experts(setup: _Setup) -> bool:
+    """Whether the step's jaxpr shows stacked experts (`StepProfile.experts`), or a
+    weight stacked over different axes, which the expert families name."""
+    return bool(setup.profile.experts or setup.profile.ambiguous_experts)
+
+
 def _expert_axes(setup: _Setup) -> dict[int, int]:
     """Each leaf (by its place in `setup.leaves`) stacked over experts, and its expert
-    axis: a weight the step's matmuls batch over one of its axes, and a sibling of
-    its (the same module's bias) with that axis's size on the same axis."""
+    axis: a weight whose matmuls batch or group over one of its axes
+    (`StepProfile.experts`: `einsum`, `vmap`, `ragged_dot`), and a sibling of its
+    that is no matmul's operand (the same module's bias) with that axis's size on the
+    same axis."""
     by_index = {leaf.index: k for k, leaf in enumerate(setup.leaves)}
+    operands = {matmul.leaf for matmul in setup.profile.matmuls}
     found: dict[int, int] = {}
     for index, axis in setup.profile.experts.items():
         k = by_index.get(index)
@@ -460,9 +469,26 @@ def _expert_axes(setup: _Setup) -> dict[int, int]:
         parent, size = weight.segments[:-1], weight.shape[axis]
         for j, other in enumerate(setup.leaves):
             sibling = j not in found and other.segments[:-1] == parent and other.parameter
+            sibling = sibling and other.index not in operands
             if sibling and len(other.shape) > axis and other.shape[axis] == size:
                 found[j] = axis
     return found
+
+
+def _ambiguous_experts(setup: _Setup) -> list[str]:
+    """A line for each weight whose matmuls stack it over different axes: which is
+    the experts' is not known, so no expert family splits it."""
+    by_index = {leaf.index: leaf for leaf in setup.leaves}
+    lines = []
+    for index, axes in sorted(setup.profile.ambiguous_experts.items()):
+        leaf = by_index.get(index)
+        if leaf is not None:
+            dims = " and ".join(f"{a} ({leaf.shape[a]})" for a in axes)
+            lines.append(
+                f"{leaf.label}: its matmuls stack it over dims {dims}, so which holds the "
+                "experts is ambiguous; replicated"
+            )
+    return lines
 
 
 def _expert_parallel(setup: _Setup, data: int, model: int) -> _Draft | str:
@@ -496,8 +522,10 @@ def _experts_split(
     `modifier` (over `axis_name`, of `size` devices), after `lead` (`"* "`: copied
     over `data` first); a leaf whose experts do not divide is repaired, named."""
     stacked = _expert_axes(setup)
+    ambiguous = _ambiguous_experts(setup)
     if not stacked:
-        return "the step's jaxpr shows no weight its matmuls batch over (no stacked experts)"
+        return "; ".join(["no stacked experts are known", *ambiguous]) if ambiguous else _NO_EXPERTS
+    draft.repairs.extend(ambiguous)
     for k, axis in sorted(stacked.items()):
         leaf = setup.leaves[k]
         if leaf.shape[axis] % size:
@@ -511,7 +539,7 @@ def _experts_split(
         rhs = [n + modifier if i == axis else n for i, n in enumerate(names)]
         draft.ruled[k] = (comment, f"{' '.join(names)} -> {lead}{' '.join(rhs)}")
     if not draft.ruled:
-        return f"no stacked experts divide over {axis_name}={size}"
+        return "; ".join([f"no stacked experts divide over {axis_name}={size}", *draft.repairs])
     return draft
 
 
@@ -626,8 +654,8 @@ class Family:
     - `same_as`: for a two-dimensional family, the one-dimensional families it equals
         where `model`, then `data`, has one device (`None`: it equals none there).
     - `applies`: whether the model has what the family splits (stacked experts, a
-        sequence); one that does not apply makes no candidate, and is not listed as
-        dropped.
+        sequence); one that does not apply makes no candidate, and is listed as
+        dropped (with `lacks`) only where `strategies` names it.
     - `axis`: the name of its second mesh axis: `"model"`, `"expert"`, `"context"`
         or `"stage"`.
     - `batch_over_both`: whether the batch is split over both axes.
@@ -642,7 +670,16 @@ class Family:
     applies: Callable[[_Setup], bool] = lambda setup: True
     axis: Literal["model", "expert", "context", "stage"] = "model"
     batch_over_both: bool = False
+    lacks: str = "the model has nothing it splits"
 
+
+_NO_EXPERTS = (
+    "the step's jaxpr shows no stacked experts: no weight that a matmul batches over "
+    "(an einsum over the experts, vmap over their stack) or that jax.lax.ragged_dot "
+    "groups by"
+)
+_NO_SEQUENCE = "the step's attention takes no named queries and keys: no sequence to split"
+_NO_PIPELINE = "the step runs no eqshard.pipeline over the mesh axis 'stage'"
 
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -672,7 +709,8 @@ FAMILIES: tuple[Family, ...] = (
         "to their experts by all-to-all",
         _expert_parallel,
         "data",
-        applies=lambda setup: bool(setup.profile.experts),
+        applies=_has_experts,
+        lacks=_NO_EXPERTS,
     ),
     Family(
         "megatron",
@@ -707,7 +745,8 @@ FAMILIES: tuple[Family, ...] = (
         _data_expert,
         "both",
         same_as=("data parallel", "expert parallel"),
-        applies=lambda setup: bool(setup.profile.experts),
+        applies=_has_experts,
+        lacks=_NO_EXPERTS,
         axis="expert",
         batch_over_both=True,
     ),
@@ -720,6 +759,7 @@ FAMILIES: tuple[Family, ...] = (
         "both",
         same_as=("data parallel", None),
         applies=lambda setup: bool(_sequence_names(setup)[0]),
+        lacks=_NO_SEQUENCE,
         axis="context",
     ),
     Family(
@@ -731,6 +771,7 @@ FAMILIES: tuple[Family, ...] = (
         "both",
         same_as=("fsdp", "context parallel"),
         applies=lambda setup: bool(_sequence_names(setup)[0]),
+        lacks=_NO_SEQUENCE,
         axis="context",
     ),
     Family(
@@ -742,6 +783,7 @@ FAMILIES: tuple[Family, ...] = (
         "both",
         same_as=("data parallel", None),
         applies=lambda setup: bool(_pipelined(setup)),
+        lacks=_NO_PIPELINE,
         axis="stage",
     ),
 )
@@ -1003,7 +1045,8 @@ def candidates(
     **Returns:**
 
     The candidates kept, in the order of `STRATEGIES` and, within one, of the size
-    of `model`; and `(name, reason)` for each one dropped.
+    of `model`; and `(name, reason)` for each one dropped, and for each family
+    `strategies` names that finds nothing to split (no stacked experts, say).
 
     **Raises:**
 
@@ -1017,6 +1060,8 @@ def candidates(
     dropped: list[tuple[str, str]] = []
     seen: dict[Any, str] = {}
     applying = [family for family in families if family.applies(setup)]
+    if strategies is not None:  # a family asked for by name says why it made none
+        dropped += [(f.name, f.lacks) for f in families if f not in applying]
     for family, data, model_size in _meshes(applying, devices):
         title = _name(family.name, data, model_size, family.axis)
         reason = _same_as(family, data, model_size)

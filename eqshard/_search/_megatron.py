@@ -26,6 +26,14 @@ the order the forward pass runs them, greedily:
 - a leaf added to a column- or vocab-parallel output along its output axis (the
   layer's bias) is split with it.
 
+A ragged dot (`jax.lax.ragged_dot`: each group of the lhs's rows times its own
+matrix of the rhs's stack) of a leaf and an activation is a weight's matmul too. A
+weight's axis that a matmul batches over (a `dot_general`'s batch dim matched with
+the activation's: an `einsum` over experts, or `vmap` over a stack) or groups by (a
+ragged dot's group dim) is neither output nor contracted: the weight is a stack of
+experts, each applied to its own tokens, and that axis is theirs, the same axis of
+the same leaves whichever of the three forms applies them (`StepProfile.experts`).
+
 Only the forward pass counts. The step's jaxpr also holds the gradient, whose
 transposed matmuls run the weights backwards (the unembedding's gradient reaches
 every weight before it); JAX names each of its operations `transpose(...)` in its
@@ -126,8 +134,10 @@ class StepProfile:
     - `labels`: for each activation the model names (by its index in what
         `_activations.recording` records), the weights whose output axes it holds:
         `(weight, axis)`, the axis counted from the end (`-1` the last).
-    - `experts`: each weight used in a matmul batched over one of its axes (stacked
-        experts, each applied to its own tokens), and that axis.
+    - `experts`: each weight stacked over experts, each applied to its own tokens, and
+        its expert axis: the axis of a `dot_general` batched over it, matched with an
+        activation's (an `einsum` over the experts, or `vmap` over their stack), or a
+        ragged dot's group axis (`jax.lax.ragged_dot`, the rhs's).
     - `expert_labels`: for each named activation such a matmul takes, the axes (from
         the end) it batches over: the named axes that run along the experts.
     - `attention_free`: for each named activation that is an operand of a matmul of
@@ -140,6 +150,8 @@ class StepProfile:
         keys' features).
     - `pipelined`: each leaf of the model that `eqshard.pipeline` runs as a stack of
         layers (its marker, `_pipeline.MARKED`), and how.
+    - `ambiguous_experts`: each weight whose matmuls stack it over different axes, and
+        those axes: which is the experts' is not known, and it is in neither.
     """
 
     roles: dict[int, Role]
@@ -151,6 +163,7 @@ class StepProfile:
     attention_free: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     attention_contracted: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     pipelined: dict[int, Pipelined] = dataclasses.field(default_factory=dict)
+    ambiguous_experts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +223,38 @@ def _is_backward(eqn: Any) -> bool:
     return is_transposed(eqn)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Dot:
+    """A matmul's dimension numbers, as `(lhs, rhs)` pairs: the contracted dims, the
+    batch dims, the rhs's group dims (a ragged dot's stack of matrices, one per group
+    of the lhs's rows) and whether the output leads with a dim of the groups (a ragged
+    dot whose lhs is ragged along a contracted dim)."""
+
+    contracting: tuple[tuple[int, ...], tuple[int, ...]]
+    batch: tuple[tuple[int, ...], tuple[int, ...]]
+    groups: tuple[int, ...] = ()
+    grouped_output: bool = False
+
+
+def _ragged_numbers(eqn: Any) -> _Dot:
+    """A `ragged_dot_general` equation's dimension numbers (its public
+    `jax.lax.RaggedDotDimensionNumbers`).
+
+    **Raises:** `EqshardError` where this JAX writes them otherwise.
+    """
+    numbers = param(eqn, "ragged_dot_dimension_numbers")
+    if not isinstance(numbers, jax.lax.RaggedDotDimensionNumbers):
+        raise missing("a `ragged_dot_general` equation's `RaggedDotDimensionNumbers`")
+    (lc, rc), (lb, rb) = numbers.dot_dimension_numbers
+    ragged = tuple(int(a) for a in numbers.lhs_ragged_dimensions)
+    return _Dot(
+        (tuple(lc), tuple(rc)),
+        (tuple(lb), tuple(rb)),
+        tuple(int(a) for a in numbers.rhs_group_dimensions),
+        any(a in lc for a in ragged),
+    )
+
+
 @dataclasses.dataclass
 class _Use:
     """How a weight is first used in a matmul."""
@@ -233,7 +278,7 @@ class _Walk:
         self.sources: dict[Any, int] = {}  # an activation's variable -> its number
         self.labels: dict[int, tuple[tuple[int, int], ...]] = {}  # see StepProfile.labels
         self.named_vars: dict[Any, int] = {}  # a named activation's variable -> its index
-        self.experts: dict[int, int] = {}  # see StepProfile.experts
+        self.experts: dict[int, dict[int, None]] = {}  # each stack's expert axes, in order
         self.expert_labels: dict[int, set[int]] = {}  # see StepProfile.expert_labels
         self.attention_free: dict[int, set[int]] = {}  # see StepProfile.attention_free
         self.attention_contracted: dict[int, set[int]] = {}  # and .attention_contracted
@@ -304,37 +349,51 @@ class _Walk:
 
     def _dot_general(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
         lhs, rhs = ins[0], ins[1]
-        view = lhs.view or rhs.view
         (lc, rc), (lb, rb) = param(eqn, "dimension_numbers")
-        if view is None and lhs.data and rhs.data:
+        if lhs.view is None and rhs.view is None and lhs.data and rhs.data:
             self._attention(eqn, (lc, rc), (lb, rb))
+        return self._matmul(eqn, ins, _Dot((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))))
+
+    def _ragged_dot(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+        """`jax.lax.ragged_dot`: each group of the lhs's rows (`group_sizes`, its third
+        operand) times its own matrix of the rhs's stack, the rhs's group dim."""
+        return self._matmul(eqn, ins, _ragged_numbers(eqn))
+
+    def _matmul(self, eqn: Any, ins: list[_Value], dot: _Dot) -> list[_Value]:
+        """A matmul of a leaf and an activation: the leaf is a weight. Its axes that the
+        matmul batches over (a `dot_general`'s batch dims, matched with the
+        activation's) or groups by (a ragged dot's group dims) are a stack of experts,
+        each applied to its own tokens: neither output nor contracted."""
+        lhs, rhs = ins[0], ins[1]
+        view = lhs.view or rhs.view
         if view is None or (lhs.view is not None and rhs.view is not None):
             return [_merged(ins)]  # two activations, or two leaves
-        is_lhs = lhs.view is not None
-        activation = rhs if is_lhs else lhs
-        contracting, batch = (lc, lb) if is_lhs else (rc, rb)
+        side = 0 if lhs.view is not None else 1
+        activation = ins[1 - side]
+        contracting = dot.contracting[side]
+        stacked = (*dot.batch[side], *(dot.groups if side == 1 else ()))
         leaf, axes = view
-        free = [a for a in range(len(axes)) if a not in contracting and a not in batch]
+        free = [a for a in range(len(axes)) if a not in contracting and a not in stacked]
         if leaf not in self.uses:
             self.order.append(leaf)
             self.uses[leaf] = _Use(
                 _known(axes, free),
                 _known(axes, contracting),
-                tuple(sorted(_known(axes, [i for i in range(len(axes)) if i not in batch]))),
+                tuple(sorted(_known(axes, [i for i in range(len(axes)) if i not in stacked]))),
             )
         for source in activation.sources:
             if source != leaf:
                 self.edges.setdefault(source, {})[leaf] = None
-        along = _known(axes, batch)
-        if along:  # batched over one of the weight's axes: a stack of experts
-            self.experts.setdefault(leaf, along[0])
-            other = eqn.invars[0 if not is_lhs else 1]
+        along = _known(axes, stacked)
+        if along:  # batched or grouped over one of the weight's axes: a stack of experts
+            self.experts.setdefault(leaf, {})[along[0]] = None
+            other = eqn.invars[1 - side]
             index = None if isinstance(other, JaxprLiteral) else self.named_vars.get(other)
-            if index is not None:
+            theirs = dot.batch[1 - side]
+            if index is not None and theirs:
                 rank = len(_shape(other))
-                theirs = rb if is_lhs else lb
                 self.expert_labels.setdefault(index, set()).update(a - rank for a in theirs)
-        operand = eqn.invars[1 if is_lhs else 0]
+        operand = eqn.invars[1 - side]
         self.matmuls.append(
             Matmul(
                 leaf,
@@ -344,13 +403,16 @@ class _Walk:
                 self.source(operand),
             )
         )
-        # the dot's output: its batch dims, the lhs's free dims, then the rhs's
+        # the output: a ragged contraction's groups, the batch dims, the lhs's free
+        # dims, then the rhs's
+        (lc, _), (lb, _) = dot.contracting, dot.batch
         lhs_free = len(eqn.invars[0].aval.shape) - len(lc) - len(lb)
         features: tuple[tuple[int, int], ...] = ()
         if free and axes[free[0]] is not None:
-            at = len(lb) + (0 if is_lhs else lhs_free)
+            at = dot.grouped_output + len(lb) + (0 if side == 0 else lhs_free)
             features = ((leaf, at),)
-        return [_Value(None, frozenset({leaf}), features, activation.data)]
+        data = activation.data or any(v.data for v in ins[2:])  # a ragged dot's groups
+        return [_Value(None, frozenset({leaf}), features, data)]
 
     def _attention(self, eqn: Any, contracting: Any, batch: Any) -> None:
         """A matmul of two activations (attention's scores, or its weighted sum): the
@@ -563,6 +625,7 @@ class _Walk:
 
 _HANDLERS: dict[str, Callable[[_Walk, Any, list[_Value]], list[_Value]]] = {
     "dot_general": _Walk._dot_general,
+    "ragged_dot_general": _Walk._ragged_dot,
     "name": _Walk._name,
     "gather": _Walk._gather,
     "transpose": _Walk._transpose,
@@ -710,11 +773,12 @@ def step_profile(step: Callable[..., Any], model: Any, *args: Any) -> StepProfil
         tuple(walk.matmuls),
         _flops(closed.jaxpr, 1),
         walk.labels,
-        walk.experts,
+        {leaf: next(iter(axes)) for leaf, axes in walk.experts.items() if len(axes) == 1},
         {k: frozenset(v) for k, v in walk.expert_labels.items()},
         {k: frozenset(v) for k, v in walk.attention_free.items()},
         {k: frozenset(v) for k, v in walk.attention_contracted.items()},
         walk.pipelined,
+        {leaf: tuple(axes) for leaf, axes in walk.experts.items() if len(axes) > 1},
     )
 
 
@@ -723,18 +787,28 @@ def _nbytes(aval: Any) -> int:
 
 
 def _flops(jaxpr: Jaxpr, trips: int) -> float:
-    """The FLOPs of every `dot_general` in `jaxpr` and the jaxprs it calls, each
-    times the lengths of the scans around it (a `while` loop and each branch of a
-    `cond` count once: an upper bound there)."""
+    """The FLOPs of every `dot_general` and ragged dot in `jaxpr` and the jaxprs it
+    calls, each times the lengths of the scans around it (a `while` loop and each
+    branch of a `cond` count once: an upper bound there). A ragged dot counts each of
+    the lhs's rows once, by its own group's matrix (not what a compiler that writes it
+    dense computes)."""
     total = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name == "dot_general":
-            (lc, _), _ = param(eqn, "dimension_numbers")
+        if name in ("dot_general", "ragged_dot_general"):
+            ragged = name == "ragged_dot_general"
+            if ragged:
+                dot = _ragged_numbers(eqn)
+                lc, groups = dot.contracting[0], dot.grouped_output
+            else:
+                (lc, _), _ = param(eqn, "dimension_numbers")
+                groups = False
             shape = _shape(eqn.invars[0])
             contracted = int(np.prod([shape[a] for a in lc], dtype=np.int64))
             out = int(np.prod(_shape(eqn.outvars[0]), dtype=np.int64))
-            total += 2.0 * out * contracted * trips
+            # a ragged contraction's output holds a matrix per group, each of its rows'
+            per = _shape(eqn.outvars[0])[0] if groups else 1
+            total += 2.0 * out * contracted * trips / per
             continue
         inner = trips * int(param(eqn, "length")) if name == "scan" else trips
         for sub in _subjaxprs(eqn):
