@@ -211,6 +211,12 @@ def is_name_char(c: str) -> bool:
     return c == "_" or unicodedata.category(c)[0] == "L"
 
 
+def is_name(text: str) -> bool:
+    """Whether `text` is an einshard name, as of a dim or a mesh axis: letters (Unicode's
+    category L) and `_`, at least one."""
+    return bool(text) and all(map(is_name_char, text))
+
+
 def _is_ascii_digit(c: str) -> bool:
     return "0" <= c <= "9"
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Mapping, Sequence
 from types import EllipsisType
 from typing import Any, Literal, Protocol
@@ -37,7 +36,7 @@ import numpy as np
 
 from ._annotation import Annotation, complete, for_rank
 from ._errors import ExpressionError
-from ._expression import Expression, parse
+from ._expression import Expression, is_name, parse
 from ._fields import (
     LeafInfo,
     is_array_like,
@@ -175,9 +174,6 @@ def _index(rules: RuleSet) -> PathIndex:
     return PathIndex([rule.path for rule in rules.rules])
 
 
-_AXIS_NAME = re.compile(r"[^\W\d]+")
-
-
 def _from_dims(rules: RuleSet, item: LeafInfo | None, mesh: Any) -> Expression | Problem | None:
     """The expression `dims` give a leaf, from its annotation (see `dims_expression`)."""
     if item is None or item.annotation is None:
@@ -210,7 +206,7 @@ def _from_rule_dims(
 def is_axis(mapped: str | None) -> bool:
     """Whether a value of `dims` names a mesh axis (a logical axis), rather than
     being a shard modifier (`"*"`, `"4"`) or `None` (JSON `null`: the dim is whole)."""
-    return mapped is not None and _AXIS_NAME.fullmatch(mapped) is not None
+    return mapped is not None and is_name(mapped)
 
 
 def dims_expression(

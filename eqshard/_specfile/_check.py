@@ -12,14 +12,13 @@ with the device count. `load` checks a file this way before it makes `Rules`, an
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jsonschema.exceptions import ValidationError
 
 from .._errors import ExpressionError, PathError
-from .._expression import parse
+from .._expression import is_name, parse
 from .._fsdp import FSDP_WORD
 from .._paths._grammar import parse as parse_path
 from .._problems import Problem, in_file
@@ -87,6 +86,8 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
             f"{instance!r} is not a memory kind: 'device' (the default) or 'pinned_host' "
             "(host memory)",
         )
+    if keyword == "pattern" and len(path) == 3 and path[0] == "mesh" and path[2] == 0:
+        return Problem(where, f"{instance!r} is not a mesh axis name: write letters and '_'")
     if "propertyNames" in error.schema_path:
         return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
     if keyword == "anyOf" and path[:1] == ["dims"]:
@@ -241,7 +242,7 @@ def _rules_problems(
     for dim, modifier in dims.items() if isinstance(dims, dict) else ():
         where = f"{name}::${prefix}.dims.{dim}"
         if isinstance(modifier, str) and where not in schema_paths:
-            if _AXIS_NAME.fullmatch(modifier):
+            if is_name(modifier):
                 continue  # a logical axis: checked against the mesh it is laid out on
             try:
                 parse(f"x{modifier}")
@@ -274,9 +275,6 @@ def _named_problems(
         for dim in named.names
         if dim not in mapped
     ]
-
-
-_AXIS_NAME = re.compile(r"[^\W\d]+")
 
 
 def _mesh_problems(document: dict[str, Any], name: str) -> list[tuple[list[Any], Problem]]:
