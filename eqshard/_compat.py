@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
+import logging
 import math
 import os
 import threading
@@ -28,11 +29,13 @@ from ._errors import EqshardError
 from ._warnings import EqshardWarning, warn
 
 __all__ = [
+    "EQUINOX_JIT_ID",
     "LARGE",
     "MemoryStats",
     "VersionWarning",
     "backends_started",
     "dce_jaxpr",
+    "equinox_runtime_error",
     "exclude_from_tracebacks",
     "filter_jit_donation",
     "hide_eqshard_frames",
@@ -40,6 +43,8 @@ __all__ = [
     "memory_stats",
     "missing",
     "param",
+    "quiet_callback_failures",
+    "sharding_type_error",
     "subjaxprs",
     "unrolled_threefry",
     "version",
@@ -110,6 +115,19 @@ def exclude_from_tracebacks(path: str) -> None:
     register(path)
 
 
+def sharding_type_error() -> type[Exception]:
+    """JAX's error for an operation that a mesh's Explicit axes cannot type, such as a
+    matmul that contracts a split dim with no `out_sharding` (`core.ShardingTypeError`).
+
+    **Raises:** `EqshardError` where this JAX keeps it elsewhere.
+    """
+    try:
+        found = importlib.import_module("jax._src.core").ShardingTypeError
+    except (ImportError, AttributeError):
+        raise missing("its error for Explicit axes (core.ShardingTypeError)") from None
+    return found
+
+
 @functools.cache
 def hide_eqshard_frames() -> None:
     """Hides eqshard's own frames from the tracebacks JAX filters, as Equinox hides
@@ -145,6 +163,65 @@ def filter_jit_donation(step: Any) -> tuple[bool, bool] | None:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+class _CallbackFailures(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            record.name == "jax._src.callback" and record.getMessage() == "jax.pure_callback failed"
+        )
+
+
+@contextlib.contextmanager
+def quiet_callback_failures() -> Iterator[None]:
+    """Leaves out of JAX's log the traceback of a host callback that raised, as
+    `eqx.filter_jit` does while it runs a step: an `eqx.error_if` that fires raises
+    its own error, with the user's message."""
+    logger = logging.getLogger("jax._src.callback")
+    quiet = _CallbackFailures()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+EQUINOX_JIT_ID = "__equinox_jit_id__"
+"""The local that marks a frame as `eqx.filter_jit`'s call: `eqx.error_if` records the
+stack it is traced under up to that frame, for the message of the error it raises."""
+
+
+def equinox_runtime_error(error: BaseException, jit_id: bytes) -> BaseException | None:
+    """The `EquinoxRuntimeError` that `eqx.filter_jit` raises for `error`, JAX's
+    runtime error from a compiled program where an `eqx.error_if` fired: the user's
+    message and the stack inside the step, as Equinox writes them. `None` where
+    `error` is not one (any other runtime error is the user's to see as it is).
+
+    `jit_id` is the bytes the calling frame holds in its local `EQUINOX_JIT_ID`,
+    as `eqx.filter_jit`'s own call does.
+
+    **Raises:** `EqshardError` where this Equinox keeps its last runtime error, its
+    message or its exception class elsewhere.
+    """
+    if "_EquinoxRuntimeError: " not in str(error):
+        return None
+    try:
+        jit = importlib.import_module("equinox._jit")
+        last = jit.last_error_info
+        template: str = jit._on_error_msg
+        runtime: type[BaseException] = jit.EquinoxRuntimeError
+    except (ImportError, AttributeError):
+        raise missing("the message of an eqx.error_if that fired", "equinox") from None
+    if last is None:
+        return None
+    message, stack = last
+    pieces: list[str] = []
+    for piece in stack:  # innermost first, up to the frame of this call
+        if type(piece) is str:
+            pieces.append(piece)
+        elif piece == jit_id:
+            break
+    return runtime(template.format(msg=message, stack="".join(reversed(pieces))))
 
 
 # The compiler's memory analysis ----------------------------------------------------

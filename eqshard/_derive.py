@@ -69,7 +69,7 @@ from ._specfile._model import Rules
 from ._specfile._read import read_path
 from ._warnings import EqshardWarning, UnusedRule, UnusedRuleWarning, unused_message
 
-__all__ = ["REPLICATED", "plan_for", "unmatched_copies"]
+__all__ = ["REPLICATED", "plan_for", "plan_for_outputs", "unmatched_copies"]
 
 REPLICATED = "replicated: no parameter here"
 """The origin of a leaf that sits in no subtree shaped like the plan's model."""
@@ -611,3 +611,16 @@ def plan_for(
     if same is not None:
         return same
     return _by_structure(tree, spec)
+
+
+def plan_for_outputs(tree: PyTree[Any], given: Plan) -> Planned:
+    """The plan that lays out a step's output `tree` by `given`'s structure, as
+    `plan_for` does, except that a tree is built from the model only where its shapes
+    say so too: a leaf at a parameter's place with another shape (the scalar a
+    one-array model's step returns, a slice of a parameter) is replicated, as any
+    other output, not refused. Problems remain for an `eqx.nn.State` the plan cannot
+    lay out."""
+    same = _same_structure(tree, given)
+    if same is not None and not same.problems:
+        return same
+    return _by_structure(tree, given)

@@ -19,13 +19,22 @@ word on an output's layout.
 One `jax.jit` is made per plan and per structure of the arguments, on the first call
 that needs it. The structure is their tree, their non-array leaves, their shapes, and
 the shardings of batch leaves already placed. `jax.jit` keeps its own cache beside it.
-So a step is traced once per plan. Called under another plan, it is traced again, for
-that plan. With no plan it is `eqx.filter_jit` itself.
+Leaves not yet placed (fresh from a constructor) are moved into the program's layouts
+before the call, so the first call traces the program that later calls, given its
+placed outputs, run. So a step is traced and compiled once per plan. Called under
+another plan, it is traced again, for that plan. With no plan it is `eqx.filter_jit`
+itself.
 
-On a mesh of Explicit axes (`jax.make_mesh`'s default since JAX 0.9), the step's body
-runs with those axes made Auto, as `jax.sharding.auto_axes` runs a function. So plain
-`eqx.nn` layers split Megatron-style trace. The step's inputs and outputs keep the
+The body is traced on the plan's mesh as it is, as the user's own `jax.jit` traces
+it, so their `jax.shard_map` over that mesh runs. On a mesh of Explicit axes
+(`jax.make_mesh`'s default since JAX 0.9), where JAX refuses an operation of the body
+(plain `eqx.nn` layers split Megatron-style contract a split dim with no
+`out_sharding`), the body is traced again with those axes made Auto, as
+`jax.sharding.auto_axes` runs a function. The step's inputs and outputs keep the
 plan's shardings and axis types.
+
+An `eqx.error_if` that fires raises `eqx.EquinoxRuntimeError`, as under
+`eqx.filter_jit` (`_compat.equinox_runtime_error`).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -43,9 +53,10 @@ import jax.core
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from . import _compat
 from ._activations import Active, active, using
 from ._constrain import constrained
-from ._derive import plan_for
+from ._derive import plan_for, plan_for_outputs
 from ._errors import EqshardError, ExpressionError, SpecError
 from ._expression import Expression
 from ._fields import is_array_like, is_stateful_pair
@@ -276,7 +287,7 @@ def planned_for(model: Any, args: Sequence[Any], spec: Any) -> Any:
 def _outputs(out: Any, p: Plan, name: str) -> list[Any]:
     """The sharding of each leaf of a step's output, by structure (see the module's
     notes): anything that holds nothing of the model's, replicated."""
-    planned = plan_for(out, p)
+    planned = plan_for_outputs(out, p)
     if planned.problems and planned.matched:
         raise SpecError(
             [dataclasses.replace(q, where=f"output {q.where}") for q in planned.problems],
@@ -294,6 +305,18 @@ class _Static:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+
+@functools.cache
+def _explicit_refusals() -> tuple[type[Exception], ...]:
+    """JAX's error for an operation its Explicit axes cannot type: the body is then
+    traced again on Auto axes. Where this JAX keeps it elsewhere, no error: every body
+    on an Explicit mesh runs on Auto axes, as before eqshard ran it on Explicit ones."""
+    try:
+        return (_compat.sharding_type_error(),)
+    except EqshardError as error:
+        _compat.warn_once(error, "runs every step's body on Auto axes")
+        return ()
 
 
 def _auto(mesh: AnyMesh | None) -> Any:
@@ -332,6 +355,7 @@ class _Layout:
     programs: dict[tuple[Any, ...], _Program]
     arguments: list[Argument]  # as the first call's batch placed them
     batches: Batches
+    auto: bool = False  # the body runs with the mesh's Explicit axes made Auto
 
 
 class Step:
@@ -391,32 +415,46 @@ class Step:
         return (_rebuilt, (self.__wrapped__, self.donate, self.batch))
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._call(args, kwargs)
+        except eqx.EquinoxRuntimeError as error:
+            error.__traceback__ = None  # as eqx.filter_jit: the message holds the stacks
+            raise
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         spec = self.plan if self.plan is not None else _spec(active())
         if spec is None:
             return self._plain(*args, **kwargs)
         if isinstance(spec, Plan) and isinstance(spec.devices, int):
             spec = placing(spec, "`eqshard.jit`")  # made for a count: its first n devices
+        # As in eqx.filter_jit's own call: `eqx.error_if` records the stack it is traced
+        # under up to the frame that holds this local, for its error's message.
+        __equinox_jit_id__ = os.urandom(16)
         program, layout, traced = self._program(spec, args, kwargs, lowering=False)
-        _move_batch(traced, layout.batch, program.shardings)
+        _move(traced, layout.batch, program.shardings)
         donated = [traced[i] for i in program.donated]
         kept = [traced[i] for i in program.kept]
         try:
-            if self._quiet:
-                with warnings.catch_warnings():
+            with _compat.quiet_callback_failures(), warnings.catch_warnings():
+                if self._quiet:
                     warnings.filterwarnings(
                         "ignore", message="Some donated buffers were not usable"
                     )
-                    out, static = program.jitted(donated, kept)
-            else:
-                out, static = program.jitted(donated, kept)
-        except ValueError as error:
-            if "does not match the sharding" not in str(error):
-                raise
-            raise self._misplaced(program, args, kwargs, traced) from None
-        if out and isinstance(out[0], jax.Array) and not isinstance(out[0], jax.core.Tracer):
-            # As eqx.filter_jit waits for each call: runs that pile up can deadlock
-            # XLA:CPU's collectives across simulated devices.
-            out[0].block_until_ready()
+                (out, static), program = self._traced(
+                    layout, program, lambda p: p.jitted(donated, kept), args, kwargs, traced
+                )
+            if out and isinstance(out[0], jax.Array) and not isinstance(out[0], jax.core.Tracer):
+                # As eqx.filter_jit waits for each call: runs that pile up can deadlock
+                # XLA:CPU's collectives across simulated devices. An `eqx.error_if`
+                # that fired is raised here.
+                out[0].block_until_ready()
+        except (ValueError, jax.errors.JaxRuntimeError) as error:
+            runtime = _compat.equinox_runtime_error(error, __equinox_jit_id__)
+            if runtime is not None:
+                raise runtime from None  # JAX's long message says nothing more
+            if isinstance(error, ValueError) and "does not match the sharding" in str(error):
+                raise self._misplaced(program, args, kwargs, traced) from None
+            raise
         return _combined(out, static)
 
     def lower(self, /, *args: Any, **kwargs: Any) -> Lowered:
@@ -433,11 +471,14 @@ class Step:
                 "`lower` lays the step out by a plan, and none is active: call it inside "
                 "`with eqshard.use(plan):`, or make the step with `eqshard.jit(fn, plan=plan)`"
             )
-        program, _, traced = self._program(spec, args, kwargs, lowering=True)
+        program, layout, traced = self._program(spec, args, kwargs, lowering=True)
         abstract = [_abstract(x, s) for x, s in zip(traced, program.shardings)]
         donated = [abstract[i] for i in program.donated]
         kept = [abstract[i] for i in program.kept]
-        return Lowered(program.jitted.lower(donated, kept), program, self, abstract)
+        lowered, program = self._traced(
+            layout, program, lambda p: p.jitted.lower(donated, kept), args, kwargs, traced
+        )
+        return Lowered(lowered, program, self, abstract)
 
     # -- internals
 
@@ -493,7 +534,8 @@ class Step:
         kinds = [a.kind for a in arguments for _ in a.shardings]  # per leaf of (args, kwargs)
         traced_kinds = [kind for kind, x in zip(kinds, static) if x is _TRACED]
         batch = [k for k, kind in enumerate(traced_kinds) if kind == "batch"]
-        return _Layout(p, on, treedef, static, batch, {}, arguments, batches)
+        auto = not _explicit_refusals()  # see `_traced`
+        return _Layout(p, on, treedef, static, batch, {}, arguments, batches, auto)
 
     def _arguments(self, p: Plan, args: Any, kwargs: Any) -> tuple[list[Argument], Batches]:
         names = self._names(len(args))
@@ -539,6 +581,42 @@ class Step:
             donate_argnums=(0,) if donated else (),
         )
         return _Program(jitted, shardings, donated, kept, arguments, batches)
+
+    def _traced(
+        self,
+        layout: _Layout,
+        program: _Program,
+        attempt: Callable[[_Program], Any],
+        args: Any,
+        kwargs: Any,
+        traced: list[Any],
+    ) -> tuple[Any, _Program]:
+        """`attempt(program)` (a call or a lowering, which traces the body first), with
+        the body on the plan's Explicit axes as the user's own `jax.jit` runs it; where
+        JAX refuses an operation there (a matmul that contracts a split dim with no
+        `out_sharding`, as plain `eqx.nn` layers split Megatron-style do), once more with
+        the body on Auto axes, as `jax.sharding.auto_axes` runs it. The first trace
+        failed before anything ran, so nothing was donated. Where the body ran on Auto
+        axes already, or the mesh has no Explicit axes, JAX's error is the user's."""
+        try:
+            return attempt(program), program
+        except _explicit_refusals() as error:
+            if layout.auto or _auto(layout.plan.mesh) is None:
+                raise
+            refused = error
+        layout.auto = True
+        layout.programs.clear()
+        args, kwargs = self._bound(args, kwargs)
+        placed = tuple(_placed(traced[i]) for i in layout.batch)
+        program = layout.programs[placed] = self._compile(layout, args, kwargs, traced)
+        try:
+            return attempt(program), program
+        except Exception as error:
+            error.add_note(
+                "eqshard traced the step's body on Auto axes since, on the plan's Explicit "
+                f"axes, JAX refused it: {refused}"
+            )
+            raise
 
     def _misplaced(
         self, program: _Program, args: Any, kwargs: Any, traced: list[Any]
@@ -589,18 +667,34 @@ def _active_of(p: Plan) -> Active:
     return Active(rules, p.mesh if p.mesh_is_given else None, p.devices, p)
 
 
-def _move_batch(traced: list[Any], batch: list[int], shardings: list[Any]) -> None:
-    """Each batch leaf committed to other devices or another layout than the
-    program's (a loader's `jax.device_put(x, jax.devices()[0])`, or any layout under
-    `batch=`) moved into the program's, as `jax.jit` moves an uncommitted one: the
-    batch is new each step, so moving it is the step's own work."""
-    for i in batch:
-        x, target = traced[i], shardings[i]
-        have = getattr(x, "sharding", None)
-        if target is None or have is None or have is target or have == target:
+def _move(traced: list[Any], batch: list[int], shardings: list[Any]) -> None:
+    """Each traced leaf that `jax.jit` would move, moved into the program's layout
+    first, in one `jax.device_put`: a leaf not yet placed (a NumPy array, or a JAX
+    array left uncommitted, as a model fresh from its constructor is), and a batch leaf
+    committed to other devices or another layout (a loader's
+    `jax.device_put(x, jax.devices()[0])`, or any layout under `batch=`): the batch is
+    new each step, so moving it is the step's own work.
+
+    So the first call of a step traces and compiles the program that every later call,
+    given the first's placed outputs, runs: the arrays' abstract values (which carry
+    their mesh) are the same. A leaf of the model committed elsewhere is left for
+    `jax.jit` to refuse, and `Step._misplaced` to name."""
+    moved: list[int] = []
+    batch_leaves = set(batch)
+    for i, (x, target) in enumerate(zip(traced, shardings)):
+        if target is None:
             continue
-        if not have.is_equivalent_to(target, np.ndim(x)):
-            traced[i] = jax.device_put(x, target)
+        have = getattr(x, "sharding", None)
+        if have is None:  # NumPy: not placed
+            moved.append(i)
+        elif have is target or have == target or have.is_equivalent_to(target, np.ndim(x)):
+            continue
+        elif i in batch_leaves or not getattr(x, "committed", True):
+            moved.append(i)
+    if moved:
+        placed = jax.device_put([traced[i] for i in moved], [shardings[i] for i in moved])
+        for i, x in zip(moved, placed):
+            traced[i] = x
 
 
 def _placed(x: Any) -> Any:
@@ -644,7 +738,7 @@ def _traced_body(fn: Callable[..., Any], layout: _Layout, donated: list[int], ke
     """The function `jax.jit` traces: the step over its arguments rebuilt, with the
     plan active; its outputs held to the plan's layouts."""
     p = layout.plan
-    auto = _auto(p.mesh)
+    auto = _auto(p.mesh) if layout.auto else None
     name = getattr(fn, "__qualname__", type(fn).__name__)
 
     def run(donated_leaves: list[Any], kept_leaves: list[Any]) -> tuple[list[Any], _Static]:
@@ -840,10 +934,18 @@ def jit(
 
     !!! info "Tracing"
 
-        The step is traced once per plan. The plan is active while it is traced, so
-        named activations and `eqshard.constrain(tree)` follow it. On a mesh of Explicit
-        axes, the body runs with them Auto, as under `jax.sharding.auto_axes`. The
-        outputs keep the plan's axis types.
+        The step is traced and compiled once per plan, however the first call's
+        arguments are placed. The plan is active while it is traced, so named
+        activations and `eqshard.constrain(tree)` follow it. The body runs on the
+        plan's mesh as it is, so the user's own `jax.shard_map` over it runs. Where JAX
+        refuses an operation on Explicit axes (a matmul contracting a split dim with no
+        `out_sharding`), the body is traced once more with them Auto, as under
+        `jax.sharding.auto_axes`. The outputs keep the plan's axis types.
+
+    !!! info "Runtime errors"
+
+        An `eqx.error_if` that fires raises `eqx.EquinoxRuntimeError` with the
+        user's message, as under `eqx.filter_jit`.
 
     !!! info "Errors"
 

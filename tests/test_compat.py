@@ -168,3 +168,32 @@ def test_init_without_the_lowering_table_warns_and_gives_the_same_values(monkeyp
 def test_version_is_the_installed_one():
     assert version() == jax.__version__
     assert version("equinox") == eqx.__version__
+
+
+def test_sharding_type_error_is_what_explicit_axes_raise():
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    w = jax.device_put(
+        jnp.ones((8, 8)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "d"))
+    )
+    x = jax.device_put(
+        jnp.ones((8, 8)), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "d"))
+    )
+    with jax.set_mesh(mesh), pytest.raises(_compat.sharding_type_error(), match="out_sharding"):
+        jax.jit(lambda w, x: x @ w.T)(w, x)
+
+
+def test_sharding_type_error_names_the_version_where_jax_moved_it(monkeypatch):
+    monkeypatch.delattr(importlib.import_module("jax._src.core"), "ShardingTypeError")
+    with pytest.raises(eqshard.EqshardError, match=rf"Explicit axes .* {JAX}"):
+        _compat.sharding_type_error()
+
+
+def test_equinox_runtime_error_is_none_for_any_other_error():
+    assert _compat.equinox_runtime_error(ValueError("another"), b"id") is None
+
+
+def test_equinox_runtime_error_names_the_version_where_equinox_moved_it(monkeypatch):
+    monkeypatch.delattr(importlib.import_module("equinox._jit"), "last_error_info")
+    error = RuntimeError("_EquinoxRuntimeError: the message")
+    with pytest.raises(eqshard.EqshardError, match=r"eqx\.error_if .* equinox \d"):
+        _compat.equinox_runtime_error(error, b"id")

@@ -4,10 +4,14 @@ traces once; and `cost` compiles the same program."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -482,16 +486,62 @@ def test_a_module_that_constrains_itself_by_its_fields_runs_under_a_plan(tmp_pat
 
 
 def test_a_batch_committed_elsewhere_is_moved_as_jit_moves_an_uncommitted_one(tmp_path):
+    """A loader's batch, committed to one device, runs the very program an uncommitted
+    batch runs: the same layouts, the same values bit for bit, one compile."""
     model = _model()
     p = eqshard.plan(model, _rules("data parallel", tmp_path))
-    x = jax.device_put(_batch()[0], jax.devices()[0])  # a loader's: committed to one device
+    x = _batch()[0]  # uncommitted: jax.jit would move it
+    committed = jax.device_put(x, jax.devices()[0])  # a loader's
     step = eqshard.jit(lambda m, x: jax.vmap(m)(x))
-    with eqshard.use(p):
-        got = step(eqshard.apply(model, p), x)
-        by = eqshard.jit(lambda m, x: jax.vmap(m)(x), batch="... -> * ...")
-        whole = by(eqshard.apply(model, p), eqshard.shard(x, "b ... -> b* ...", mesh=p.mesh))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(whole), rtol=1e-6)
-    assert not x.is_deleted()
+    with eqshard.use(p), _compiles() as compiled:
+        placed = eqshard.apply(model, p)
+        got = step(placed, committed)
+        want = step(placed, x)
+    assert compiled.count("<lambda>") == 1
+    assert got.sharding == want.sharding
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not committed.is_deleted()
+
+
+@contextlib.contextmanager
+def _compiles() -> Iterator[list[str]]:
+    """The names of the programs XLA compiles inside the block, as `jax_log_compiles`
+    logs them."""
+    names: list[str] = []
+
+    class Compiles(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            found = re.match(r"Compiling jit\((\S+?)\)", record.getMessage())
+            if found:
+                names.append(found.group(1))
+
+    handler = Compiles(logging.DEBUG)
+    loggers = [logging.getLogger(n) for n in ("jax._src.interpreters.pxla", "jax._src.dispatch")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        with jax.log_compiles(True):
+            yield names
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("placed", ["unplaced", "placed"])
+def test_a_step_compiles_once_per_plan_however_its_first_arguments_are_placed(placed, tmp_path):
+    """As a drop-in for `eqx.filter_jit`, the first call may get the model and its
+    optimizer state fresh from their constructors: the step still traces and compiles
+    once, not again when the second call gets the first's placed outputs."""
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+    if placed == "placed":
+        model, opt_state = eqshard.apply((model, opt_state), p)
+    TRACES.clear()
+    with eqshard.use(p), _compiles() as compiled:
+        _train(eqshard.jit(plain_step), model, opt_state, steps=3)
+    assert TRACES == ["plain"]
+    assert compiled.count("plain_step") == 1
 
 
 def test_numpy_outputs_come_back_as_arrays(tmp_path):
@@ -513,3 +563,76 @@ def test_a_compiled_step_names_an_argument_placed_otherwise(tmp_path):
         compiled = eqshard.jit(plain_step).lower(model, opt_state, x, y).compile()
     with pytest.raises(eqshard.SpecError, match=r"the step's `model` \.layers\[1\]\.bias"):
         compiled(eqshard.apply(model, other), eqshard.apply(opt_state, p), x, y)
+
+
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_a_step_with_the_users_own_shard_map_runs_and_is_costed_on_their_mesh(kind):
+    """The user's `jax.shard_map` over their own mesh runs inside `eqshard.jit` and
+    `cost` as under plain `jax.jit`: on Explicit axes the body is not switched to
+    Auto ones, which `shard_map` would refuse as another mesh."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(kind,))
+    model = eqx.nn.Linear(16, 16, key=jax.random.key(0))
+    p = eqshard.plan(model, jax.tree_util.tree_map(lambda _: None, model), mesh=mesh)
+    x = _batch()[0]
+
+    def step(model: Any, x: Any) -> Any:
+        squares = lambda y: jax.lax.psum(jnp.sum(y**2), "d")  # noqa: E731
+        y = jax.vmap(model)(x)
+        return jax.shard_map(
+            squares, mesh=mesh, in_specs=PartitionSpec("d"), out_specs=PartitionSpec()
+        )(y)
+
+    with jax.default_matmul_precision("highest"):
+        want = jnp.sum(jax.vmap(model)(x) ** 2)
+        with eqshard.use(p):
+            got = eqshard.jit(step)(eqshard.apply(model, p), x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+    c = eqshard.cost(model, x, step=step, spec=p)
+    assert [(k.kind, k.axes, k.bytes) for k in c.collectives] == [("all-reduce", ("d",), 4)]
+
+
+@pytest.mark.parametrize(
+    ("step", "shape"),
+    [(lambda w: (w @ w).sum(), ()), (lambda w: w[:4], (4, 8)), (lambda w: w.T, (8, 8))],
+    ids=["scalar", "slice", "transpose"],
+)
+def test_an_output_that_only_shares_a_one_array_models_structure_is_laid_out_as_any(step, shape):
+    """The JAX tutorials' model is one array: every array a step returns then has the
+    model's structure, and only its shape says whether it is built from the model. A
+    scalar and a slice are replicated as any other output; an array of the model's
+    shape takes its layout."""
+    w = jnp.arange(64.0).reshape(8, 8)
+    p = eqshard.plan(w, "a b -> a* b")
+    with eqshard.use(p):
+        got = eqshard.jit(step)(eqshard.apply(w, p))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(step(w)))
+    assert got.shape == shape
+    if shape == w.shape:
+        assert _same_blocks(got, p.flat_shardings[0])
+    else:
+        assert got.sharding.is_fully_replicated
+    c = eqshard.cost(w, step=step, spec="a b -> a* b")
+    assert c.memory.parameters == w.nbytes // 8
+
+
+def test_an_error_if_that_fires_raises_what_eqx_filter_jit_raises():
+    """`eqx.error_if` inside the step: the same `EquinoxRuntimeError`, with the user's
+    message and the stack inside the step, as under `eqx.filter_jit` (on one device:
+    on several simulated ones, XLA:CPU's collectives wait on the device that raised,
+    under `eqx.filter_jit` too)."""
+    model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+    p = eqshard.plan(model, eqshard.spec_tree(model), devices=1)
+    x = jnp.ones((4, 8))
+
+    def step(model: Any, x: Any) -> Any:
+        y = jnp.sum(jax.vmap(model)(x))
+        return eqx.error_if(y, jnp.isfinite(y), "the loss is finite, which this step refuses")
+
+    raised = []
+    with eqshard.use(p):
+        for jit in (eqx.filter_jit, eqshard.jit):
+            with pytest.raises(eqx.EquinoxRuntimeError, match="the loss is finite") as caught:
+                jit(step)(eqshard.apply(model, p), x)
+            raised.append(str(caught.value))
+    assert raised[0] == raised[1]
+    assert "test_jit.py" in raised[1]  # the user's frame inside the step

@@ -282,3 +282,30 @@ def test_bad_shapes_and_names_are_refused(shapes, names, message):
     q, k, v = (jnp.zeros(shape) for shape in shapes)
     with pytest.raises(EqshardError, match=message):
         ring_attention(q, k, v, names)
+
+
+def test_inside_eqshard_jit_on_a_mesh_of_explicit_axes_it_equals_plain_attention():
+    """A plan on the user's Explicit mesh (`jax.make_mesh`'s default from JAX 0.9):
+    the step's body keeps those axes, so ring attention's `shard_map` over that mesh
+    runs, and equals plain attention."""
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Explicit,))
+    model = eqx.nn.Linear(8, 24, key=jax.random.key(1))  # head_dim -> q, k, v
+    x = _qkv()[0]
+
+    def step(model, x):
+        q, k, v = jnp.split(jax.vmap(jax.vmap(jax.vmap(model)))(x), 3, axis=-1)
+        return ring_attention(q, k, v, NAMES, causal=True)
+
+    def plain(model, x):
+        q, k, v = jnp.split(jax.vmap(jax.vmap(jax.vmap(model)))(x), 3, axis=-1)
+        return _plain(q, k, v, causal=True)
+
+    p = eqshard.plan(model, _rules([["context", 8]], CONTEXT), mesh=mesh)
+    with jax.default_matmul_precision("highest"):
+        want = plain(model, x)
+        with eqshard.use(p):
+            got = eqshard.jit(step, batch="b s h d -> b s* h d")(eqshard.apply(model, p), x)
+    assert got.sharding.mesh.axis_types == (AxisType.Explicit,)  # an output: replicated
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
