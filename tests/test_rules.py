@@ -217,7 +217,12 @@ INVALID = {
             "",
         ),
         ("$.default", "'maybe' is not one of ['replicate', 'error', 'fsdp']", ""),
-        ("$.devices", "0 is less than the minimum of 1", ""),
+        (
+            "$.devices",
+            "0 is not a device count: a whole number from 1 to 2147483647, the most devices a "
+            "JAX sharding can describe",
+            "",
+        ),
         ("$.dims", "dim name 'd1' is not an einshard name (letters and '_')", ""),
         (
             "$.dims.mlp",
@@ -610,7 +615,7 @@ def test_schema_patterns_refuse_a_trailing_newline():
 
 def test_devices_is_a_whole_number():
     assert eqshard.load({"eqshard": 1, "devices": 8.0}).devices == 8
-    with pytest.raises(SpecError, match="is not of type 'integer'"):
+    with pytest.raises(SpecError, match=r"\$\.devices: 8\.5 is not a device count: a whole number"):
         eqshard.load({"eqshard": 1, "devices": 8.5})
     with pytest.raises(eqshard.EqshardError, match="takes a path or a mapping, not int"):
         eqshard.load(123)  # type: ignore[arg-type]
@@ -637,6 +642,33 @@ def test_rules_counts_are_whole_numbers_of_devices(kwargs, message):
     mesh sizes are whole numbers from 1 to `MAX_DEVICES`."""
     with pytest.raises(EqshardError, match=message):
         eqshard.Rules(**kwargs)
+
+
+@pytest.mark.parametrize("size", [0, 10**20, 2.5, "x", True])
+def test_a_mesh_size_is_a_whole_number_of_devices(tmp_path, size):
+    """The schema's anyOf (a size, or '*') said only 'is not valid under any of the
+    given schemas'."""
+    path = tmp_path / "mesh.eqshard.json"
+    path.write_text(json.dumps({"eqshard": 1, "mesh": [["data", "*"], ["model", size]]}))
+    with pytest.raises(SpecError) as caught:
+        eqshard.load(path)
+    assert caught.value.problems[0].where == f"{path}::$.mesh[1][1]"
+    message = (
+        f"{path}::$.mesh[1][1]: {size!r} is not a mesh axis size: a whole number from 1 to "
+        "2147483647, the most devices a JAX sharding can describe, or '*' for what the "
+        "device count leaves"
+    )
+    assert str(caught.value).splitlines()[1:] == [f"  {message}"]
+
+
+def test_the_schemas_counts_go_up_to_max_devices():
+    from eqshard._layout import MAX_DEVICES
+
+    schema = eqshard.schema()
+    size = schema["$defs"]["mesh_axis"]["prefixItems"][1]["anyOf"][0]
+    assert size["maximum"] == schema["properties"]["devices"]["maximum"] == MAX_DEVICES
+    rules = eqshard.load({"eqshard": 1, "devices": MAX_DEVICES, "mesh": [["d", MAX_DEVICES]]})
+    assert rules.mesh == (("d", MAX_DEVICES),)
 
 
 def test_deeply_nested_json_is_an_error_not_a_crash(tmp_path):
@@ -780,7 +812,6 @@ def test_dump_to_a_directory_is_an_eqshard_error(tmp_path: Path):
 @pytest.mark.parametrize(
     ("spec", "devices", "message"),
     [
-        (ONE_RULE, 2**21, r"\$\.devices: 2097152 is greater than the maximum of 1048576"),
         (
             eqshard.Rules(
                 (
@@ -792,7 +823,7 @@ def test_dump_to_a_directory_is_an_eqshard_error(tmp_path: Path):
             r"\$\.rules\[1\]\.path: this rule can never match: \$\.rules\[0\] has the same path",
         ),
     ],
-    ids=["devices over the maximum", "paths that print alike"],
+    ids=["paths that print alike"],
 )
 def test_dump_never_writes_a_file_load_would_reject(existing: Path, spec, devices, message):
     source = spec if isinstance(spec, eqshard.Rules) else eqshard.load(spec)
@@ -809,8 +840,12 @@ def test_dump_never_writes_a_file_load_would_reject(existing: Path, spec, device
             lambda: eqshard.dump({"w": "a -> a*"}, "x.json", devices=True),
             "whole number from 1, not True",
         ),
+        (
+            lambda: eqshard.dump(eqshard.load(ONE_RULE), "x.json", devices=2**31),
+            r"`devices` is 2147483648, more than 2147483647, the most devices a JAX sharding",
+        ),
     ],
-    ids=["no path", "a bool count"],
+    ids=["no path", "a bool count", "devices over the maximum"],
 )
 def test_bad_arguments_to_dump_are_eqshard_errors(call, message):
     with pytest.raises(EqshardError, match=message):

@@ -20,12 +20,16 @@ from jsonschema.exceptions import ValidationError
 from .._errors import ExpressionError, PathError
 from .._expression import is_name, parse
 from .._fsdp import FSDP_WORD
+from .._layout import MAX_DEVICES
 from .._paths._grammar import parse as parse_path
 from .._problems import Problem, in_file
 from ._model import Named, batch_expression, unmapped_dim
 from ._schema import VERSION, validator
 
 __all__ = ["document_problems"]
+
+
+_COUNT = f"a whole number from 1 to {MAX_DEVICES}, the most devices a JAX sharding can describe"
 
 
 def _schema_problem(name: str, error: ValidationError) -> Problem:
@@ -88,6 +92,14 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
         )
     if keyword == "pattern" and len(path) == 3 and path[0] == "mesh" and path[2] == 0:
         return Problem(where, f"{instance!r} is not a mesh axis name: write letters and '_'")
+    if keyword == "anyOf" and len(path) == 3 and path[0] == "mesh" and path[2] == 1:
+        return Problem(
+            where,
+            f"{instance!r} is not a mesh axis size: {_COUNT}, or '*' for what the device "
+            "count leaves",
+        )
+    if path == ["devices"] and keyword in ("type", "minimum", "maximum"):
+        return Problem(where, f"{instance!r} is not a device count: {_COUNT}")
     if "propertyNames" in error.schema_path:
         return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
     if keyword == "anyOf" and path[:1] == ["dims"]:

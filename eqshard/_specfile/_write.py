@@ -21,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._errors import EqshardError, SpecError, whole_number
+from .._errors import EqshardError, SpecError
 from .._expression import Expression, parse
+from .._layout import device_count_of
 from .._problems import Problem
 from ._check import document_problems
 from ._model import Rule, Rules
@@ -71,7 +72,7 @@ def dump(
         has none.
     """
     if devices is not None:
-        whole_number(devices, "`devices`")
+        device_count_of(devices, "`devices`")
     if not isinstance(path, (str, os.PathLike)):
         raise EqshardError(f"`eqshard.dump` writes to a path, not {type(path).__name__}")
     if isinstance(spec_or_rules, Rules):
