@@ -41,7 +41,7 @@ from ._expression import Expression
 from ._jit_key import JIT_KEY
 from ._plan import Plan, declared_mesh
 from ._problems import Problem
-from ._rules import dims_expression, is_axis
+from ._rules import MeshRefused, dims_expression, is_axis
 from ._sharding import (
     AnyMesh,
     Device,
@@ -359,8 +359,8 @@ def activation_sharding(
     expr = dims_expression(named, annotation, label, on, noun="array")
     if isinstance(expr, Problem):
         raise SpecError([expr], headline)
-    if expr is None:  # not reached: every name given is mapped
-        return None
+    if expr is None or isinstance(expr, MeshRefused):  # not reached: every name given is
+        return None  # mapped, and `_mesh` raised the problem of a declared mesh refused
     target = _laid_out(expr, shape, on, placed, label, headline, source)
     return _free(x, target, [i for i, n in enumerate(items) if not isinstance(n, str)])
 

@@ -26,6 +26,7 @@ from ._layout import Layout, layout
 __all__ = [
     "MeshShape",
     "cut_points",
+    "declared_sizes",
     "fit",
     "grouping",
     "groupings",
@@ -147,6 +148,17 @@ def reordered(expr: Expression, shape: tuple[int, ...], mesh: MeshShape) -> Expr
         if fit(layout(candidate, shape, mesh.size), mesh) is not None:
             return candidate
     return None
+
+
+def declared_sizes(axes: Sequence[tuple[str, int | None]], devices: int) -> tuple[int, ...] | None:
+    """The sizes of a declared mesh's axes on `devices` devices (an axis of size `None`,
+    a spec file's `"*"`, takes what the others leave), or `None` where they do not
+    multiply to it."""
+    fixed = math.prod(size for _, size in axes if size is not None)
+    star = any(size is None for _, size in axes)
+    if (devices % fixed) if star else (devices != fixed):
+        return None
+    return tuple(devices // fixed if size is None else size for _, size in axes)
 
 
 def mesh_shape_of(names: Sequence[str], sizes: Sequence[int]) -> MeshShape:

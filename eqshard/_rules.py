@@ -46,6 +46,7 @@ from ._fields import (
     state_leaf_names,
     walk_fields,
 )
+from ._fit import declared_sizes
 from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
 from ._paths._closest import Guesses
 from ._paths._match import PathIndex, match
@@ -56,7 +57,9 @@ from ._sharding import device_tuple
 from ._warnings import UnusedRule, UnusedRuleWarning, unused_message
 
 __all__ = [
+    "MESH_REFUSED",
     "Match",
+    "MeshRefused",
     "NamedDims",
     "PathRule",
     "RuleSet",
@@ -67,6 +70,19 @@ __all__ = [
 ]
 
 _REPLICATE = parse("... -> * ...")
+
+
+class MeshRefused:
+    """What `dims` give a leaf whose dims they map to mesh axes where the spec declares
+    a mesh that the device count refuses: no expression, and no problem of the leaf's
+    own, as the mesh's own problem (`__eqshard_mesh__`, at `$.mesh`) says what is wrong
+    and how to fix it. `MESH_REFUSED` is the one value."""
+
+    def __repr__(self) -> str:
+        return "MESH_REFUSED"
+
+
+MESH_REFUSED = MeshRefused()
 
 
 class NamedDims(Protocol):
@@ -108,6 +124,8 @@ class RuleSet(Protocol):
     def source(self) -> str: ...
     @property
     def section(self) -> str: ...
+    @property
+    def mesh(self) -> Sequence[tuple[str, int | None]] | None: ...  # the declared mesh
     def where(self, json_path: str) -> str: ...
     def at(self, json_path: str) -> str: ...
 
@@ -174,7 +192,9 @@ def _index(rules: RuleSet) -> PathIndex:
     return PathIndex([rule.path for rule in rules.rules])
 
 
-def _from_dims(rules: RuleSet, item: LeafInfo | None, mesh: Any) -> Expression | Problem | None:
+def _from_dims(
+    rules: RuleSet, item: LeafInfo | None, mesh: Any
+) -> Expression | Problem | MeshRefused | None:
     """The expression `dims` give a leaf, from its annotation (see `dims_expression`)."""
     if item is None or item.annotation is None:
         return None
@@ -184,7 +204,7 @@ def _from_dims(rules: RuleSet, item: LeafInfo | None, mesh: Any) -> Expression |
 
 def _from_rule_dims(
     rules: RuleSet, rule: PathRule, named: NamedDims, label: str, leaf: Any, mesh: Any
-) -> Expression | Problem:
+) -> Expression | Problem | MeshRefused:
     """The expression a rule's `"dims"` gives a leaf: what `dims` give a leaf whose
     jaxtyping annotation names its dims so (see `dims_expression`); whole where
     `dims` maps none of them."""
@@ -211,13 +231,15 @@ def is_axis(mapped: str | None) -> bool:
 
 def dims_expression(
     rules: RuleSet, annotation: Annotation, label: str, mesh: Any, noun: str = "leaf"
-) -> Expression | Problem | None:
+) -> Expression | Problem | MeshRefused | None:
     """The expression `dims` give the array `label` whose dims `annotation` names:
     modifiers in the annotation's order, or logical axes laid out in the order of
     `mesh`'s axes; a dim mapped to `None` (JSON `null`) and a dim `dims` leaves out
     are whole. `None` where `dims` maps none of its dims. A parameter's annotation
     and an activation's names (`eqshard.constrain(x, ("batch", "embed"))`) go
-    through here alike; `noun` names the array in messages ("leaf", "array")."""
+    through here alike; `noun` names the array in messages ("leaf", "array").
+    `MESH_REFUSED` where a dim is mapped to a mesh axis and the spec's declared mesh
+    does not fit the device count."""
     names = [d for d in annotation.items if isinstance(d, str)]
     mapped = {d: rules.dims[d] for d in names if d in rules.dims}
     if not mapped:
@@ -227,7 +249,7 @@ def dims_expression(
     if logical:
         alone = all(m is None or d in logical for d, m in mapped.items())
         short = _logical(rules, label, logical, alone, mesh, noun)
-        if isinstance(short, Problem):
+        if isinstance(short, (Problem, MeshRefused)):
             return short
     else:  # modifiers in the annotation's order; only whole dims: replicated
         whole = all(m is None for m in mapped.values())
@@ -240,7 +262,7 @@ def dims_expression(
 
 def _logical(
     rules: RuleSet, label: str, logical: dict[str, str], alone: bool, mesh: Any, noun: str
-) -> str | Problem:
+) -> str | Problem | MeshRefused:
     """The short form that splits each dim over its mesh axis, in the mesh's order,
     and replicates over the other axes."""
     where = ", ".join(f"{rules.at('$.dims')}.{d}" for d in logical)
@@ -250,6 +272,8 @@ def _logical(
             f"{rules.source}::{where} map dims of this {noun} to mesh axes, and other dims "
             f"of it to shard modifiers; map every dim of one {noun} the same way",
         )
+    if isinstance(mesh, MeshRefused):
+        return mesh
     if mesh is None:
         dim, axis = next(iter(logical.items()))
         return Problem(
@@ -297,6 +321,10 @@ def match_rules(
     section = rules.section
     index = _index(rules)
     mesh = None if target is None else target.mesh
+    declared = rules.mesh
+    if target is not None and mesh is None and declared is not None:
+        refused = declared_sizes(declared, target.devices) is None
+        mesh = MESH_REFUSED if refused else None  # refused: the mesh's own problem says so
 
     @functools.cache
     def split() -> Over:  # what FSDP splits over, once, where a leaf needs it
@@ -323,8 +351,9 @@ def match_rules(
             else:  # dims by name, laid out through `dims`
                 label = fields[i].label if fields else name
                 found = _from_rule_dims(rules, rule, rule.expr, label, leaf, mesh)
-                if isinstance(found, Problem):
-                    problems.append(found)
+                if isinstance(found, (Problem, MeshRefused)):
+                    if isinstance(found, Problem):
+                        problems.append(found)
                     matches.append(
                         Match(name, None, "rule", rule.index, None, rule.memory, section)
                     )
@@ -333,8 +362,9 @@ def match_rules(
             matches.append(Match(name, expr, "rule", rule.index, how, rule.memory, section))
             continue
         expr = _from_dims(rules, fields[i] if fields else None, mesh)
-        if isinstance(expr, Problem):
-            problems.append(expr)
+        if isinstance(expr, (Problem, MeshRefused)):
+            if isinstance(expr, Problem):
+                problems.append(expr)
             matches.append(Match(name, None, "dims", section=section))
             continue
         if expr is not None:

@@ -386,6 +386,48 @@ def test_logical_dims_need_a_mesh_and_one_dim_per_axis():
         eqshard.plan(Block(jax.random.key(0)), unknown)
 
 
+REFUSED = (
+    "the mesh ('data': *, 'model': 4) needs a multiple of 4 devices, and the spec is laid "
+    'out on 6; use a multiple of 4 devices, or change "mesh"'
+)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        LOGICAL,
+        {
+            **LOGICAL,
+            "dims": {"heads": "model", "embed": None},
+            "rules": [{"path": "qkv", "dims": "embed heads"}],
+        },
+        {**LOGICAL, "optimizer": {"dims": {"heads": "model"}}},
+    ],
+    ids=["dims", "a rule's dims", "the optimizer section's dims"],
+)
+def test_a_mesh_the_device_count_refuses_is_the_one_problem(spec):
+    """Its logical dims cannot be laid out, and were each a second problem: "there is no
+    mesh; declare "mesh"", where the file declares one."""
+    with pytest.raises(SpecError) as info:
+        eqshard.plan(Block(jax.random.key(0)), eqshard.load(spec), devices=jax.devices()[:6])
+    assert [(p.where, p.message) for p in info.value.problems] == [("<mapping>::$.mesh", REFUSED)]
+
+
+def test_check_says_only_that_the_mesh_does_not_fit(run_cli, tmp_path):
+    spec = tmp_path / "logical.eqshard.json"
+    spec.write_text(json.dumps(LOGICAL))
+    model = tmp_path / "block_model.py"
+    model.write_text(
+        "import jax\nfrom test_mesh import Block\n\ndef build():\n    return Block(jax.random.key(0))\n"
+    )
+    result = run_cli("check", spec, "--model", f"{model}:build", "--devices", "6")
+    assert result.code == 1, result.err
+    assert [line for line in result.out.splitlines() if "::" in line] == [
+        f"{spec}::$.mesh: {REFUSED}"
+    ]
+    assert "there is no mesh" not in result.out + result.err
+
+
 def test_check_verifies_layouts_against_the_declared_mesh(run_cli, tmp_path):
     spec = tmp_path / "logical.eqshard.json"
     spec.write_text(json.dumps({**LOGICAL, "rules": [{"path": "up", "expr": "a b -> a4 b2"}]}))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import EqshardError, ExpressionError
 from .._expression import Expression, is_name_char, parse
-from .._fit import MeshShape
+from .._fit import MeshShape, declared_sizes
 from .._fsdp import FSDP, FSDP_WORD
 from .._layout import device_count_of
 from .._paths._grammar import parse as parse_path
@@ -174,7 +174,7 @@ class Rules:
         "Dims").
     - `source`: the file name, for messages.
     - `mesh`: the declared mesh: each axis's name and size (`None` for the one `"*"`
-        axis); or `None`.
+        axis); or `None`. The optimizer section shares its file's.
     - `batch`: the complete `Expression` the step's batch is laid out by (see "The
         batch").
     - `optimizer`: the file's `"optimizer"` section, itself a `Rules` (see "The
@@ -241,6 +241,9 @@ class Rules:
                     "`Rules.default` is 'parameter' in an optimizer section only; these rules "
                     "lay out the parameters: 'replicate', 'error' or 'fsdp'"
                 )
+            if self.optimizer.mesh is None and self.mesh is not None:  # the file's mesh
+                section = dataclasses.replace(self.optimizer, mesh=self.mesh)
+                object.__setattr__(self, "optimizer", section)
         for rule in self.rules:  # a typo must never silently leave a dim whole
             if isinstance(rule.expr, Named):
                 for name in rule.expr.names:
@@ -278,9 +281,10 @@ class Rules:
         if self.mesh is None:
             return None, []
         names = tuple(name for name, _ in self.mesh)
-        fixed = math.prod(size for _, size in self.mesh if size is not None)
-        star = any(size is None for _, size in self.mesh)
-        if devices % fixed if star else devices != fixed:
+        sizes = declared_sizes(self.mesh, devices)
+        if sizes is None:
+            fixed = math.prod(size for _, size in self.mesh if size is not None)
+            star = any(size is None for _, size in self.mesh)
             need = f"a multiple of {fixed}" if star else str(fixed)
             return None, [
                 Problem(
@@ -290,7 +294,6 @@ class Rules:
                     file=self.source,
                 )
             ]
-        sizes = tuple(devices // fixed if size is None else size for _, size in self.mesh)
         return MeshShape(names, sizes), []
 
     def to_json(self) -> dict[str, Any]:
