@@ -336,3 +336,180 @@ def test_a_serving_worker_answers_each_request_in_turn(pool_module):
     finally:
         worker.stop()
     assert not worker.running
+
+
+# --------------------------------------------------------------------------- #
+# A user's script: its model classes live in `__main__`, which cloudpickle sends by
+# value. Each Equinox class must rebuild, in the worker, as a pytree of its fields.
+# --------------------------------------------------------------------------- #
+
+SCRIPT = '''
+"""python script.py DEVICES MODE: a user's script, its model classes its own."""
+
+import json
+import sys
+
+import jax
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+
+import equinox as eqx
+import jax.numpy as jnp
+import optax
+
+import eqshard
+
+
+class Block(eqx.Module):  # an __init__ of its own, a static field
+    weight: jax.Array
+    bias: jax.Array
+    activation: str = eqx.field(static=True)
+
+    def __init__(self, size, key, activation="relu"):
+        self.weight = jax.random.normal(key, (size, size)) / size
+        self.bias = jnp.zeros(size)
+        self.activation = activation
+
+    def __call__(self, x):
+        y = self.weight @ x + self.bias
+        return jax.nn.relu(y) if self.activation == "relu" else jnp.tanh(y)
+
+
+class Scaled(eqx.Module):
+    scale: float = eqx.field(static=True, default=2.0, kw_only=True)
+
+    def scaled(self, x):
+        return self.scale * x
+
+
+class Net(Scaled):  # the dataclass's __init__, a base of the script's, nested Blocks
+    blocks: list
+    head: jax.Array
+    names: dict = eqx.field(static=True, default_factory=dict)
+    tag: str = eqx.field(static=True, default="")
+
+    def __post_init__(self):
+        self.tag = f"{len(self.blocks)} blocks"
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return super().scaled(self.head @ x)
+
+
+OPTIMIZER = optax.adam(1e-3)
+
+
+def build():
+    keys = jax.random.split(jax.random.key(0), 3)
+    blocks = [Block(64, keys[0]), Block(64, keys[1], "tanh")]
+    return Net(blocks=blocks, head=jax.random.normal(keys[2], (8, 64)))
+
+
+def loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def step(model, state, x):
+    value, grads = eqx.filter_value_and_grad(loss)(model, x)
+    updates, state = OPTIMIZER.update(grads, state)
+    return eqx.apply_updates(model, updates), state, value
+
+
+if sys.argv[2] == "pickle":  # the model, its classes, and what they give here
+    from eqshard._process._workers import pickled
+
+    net = build()
+    here = {
+        "structure": str(jax.tree_util.tree_structure(net)),
+        "shapes": [list(leaf.shape) for leaf in jax.tree_util.tree_leaves(net)],
+        "output": net(jnp.ones(64)).tolist(),
+    }
+    print(json.dumps({"here": here, "pickle": pickled((net, Net, Block), "the model", "")}))
+    raise SystemExit(0)
+
+model = eqx.filter_eval_shape(build)
+params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+state = jax.eval_shape(OPTIMIZER.init, params)
+batch = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+c = eqshard.cost(model, state, batch, step=step, spec=eqshard.FSDP, devices=16)
+found = {
+    "devices": c.devices,
+    "memory": [c.memory.parameters, c.memory.optimizer, c.memory.peak],
+    "flops": c.flops,
+    "collectives": sorted([k.kind, k.bytes, list(k.axes)] for k in c.collectives),
+}
+if sys.argv[2] == "suggest":
+    ranked = eqshard.suggest(
+        model, state, batch, step=step, devices=4, workers=1, strategies="fsdp,data parallel"
+    )
+    found["best"] = None if ranked.best is None else ranked.best.name
+    found["ranked"] = len(ranked)
+    found["errors"] = [s.error for s in ranked if s.error is not None]
+print(json.dumps(found))
+'''
+
+# the other side: the script's model and classes read back in a fresh process
+REBUILT = """
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from eqshard._process._workers import unpickled
+
+net, Net, Block = unpickled(json.load(sys.stdin)["pickle"], "the model")
+made = Net(blocks=[Block(64, jax.random.key(0))], head=jnp.ones((8, 64)))
+print(json.dumps({
+    "structure": str(jax.tree_util.tree_structure(net)),
+    "shapes": [list(leaf.shape) for leaf in jax.tree_util.tree_leaves(net)],
+    "output": net(jnp.ones(64)).tolist(),
+    "jitted": jax.jit(lambda m, x: m(x))(net, jnp.ones(64)).tolist(),
+    "classes": [type(net) is Net, type(net.blocks[0]) is Block],
+    "made": [made.scale, made.names, made.tag, made.blocks[0].activation],
+}))
+"""
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _ran(result):
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow  # two fresh interpreters
+def test_a_script_s_module_classes_rebuild_in_another_process_with_their_fields(run_python, script):
+    sent = run_python([str(script), "1", "pickle"])
+    there = _ran(run_python(["-c", REBUILT], stdin=sent.stdout))
+    here = _ran(sent)["here"]
+    assert there["structure"] == here["structure"]  # static fields among the aux data
+    assert "'tanh'" in there["structure"]
+    assert there["shapes"] == here["shapes"] == [[64, 64], [64], [64, 64], [64], [8, 64]]
+    assert there["output"] == here["output"]
+    assert there["jitted"] == pytest.approx(here["output"], rel=1e-6)
+    assert there["classes"] == [True, True]  # one class each, however often it is met
+    assert there["made"] == [2.0, {}, "1 blocks", "relu"]  # its defaults and methods
+
+
+@pytest.mark.slow  # compiles in worker processes, from two fresh interpreters
+def test_a_script_s_model_costs_on_more_devices_and_suggest_ranks_it(run_python, script):
+    """`cost(devices=16)` beyond the script's one device compiles in a worker, which
+    rebuilds the script's classes with their fields: the same figures as on 16
+    devices in the script's own process; and `suggest`'s workers rank it."""
+    in_a_worker = _ran(run_python([str(script), "1", "suggest"]))
+    here = _ran(run_python([str(script), "16", "cost"]))
+    assert in_a_worker["errors"] == []
+    assert in_a_worker["ranked"] == 2
+    assert in_a_worker["best"] is not None
+    del in_a_worker["errors"], in_a_worker["ranked"], in_a_worker["best"]
+    assert in_a_worker == here
+    assert here["devices"] == 16
+    assert here["memory"][0] > 0
