@@ -18,8 +18,8 @@ import optax
 EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt_stacked.py"
 _GPT = runpy.run_path(str(EXAMPLE), run_name=__name__)
 # every function by name here (the model's classes live in eqshard._cli._demo_model, which
-# workers import by name: a class a worker cannot find by name is sent by value, and
-# Equinox's fields do not survive that)
+# workers import by name; a class a worker cannot find by name is sent by value, rebuilt
+# there by eqshard's pickler with its fields: tests/test_workers.py)
 globals().update({name: value for name, value in _GPT.items() if not name.startswith("__")})
 GPT = _GPT["GPT"]
 build = _GPT["build"]
@@ -58,7 +58,17 @@ def failing_step(model, opt_state, x):
 
 
 def dying_step(model, opt_state, x):
+    os.write(2, b"F0000 the compiler's last words\n")
     os._exit(3)  # as a compiler killed for its memory would: no answer
+
+
+NOISE = "W0000 00:00:00.0 noise.cc:1] what XLA's C++ writes on fd 2"
+
+
+def noisy_step(model, opt_state, x):
+    """`mlp_step`, writing on fd 2 as XLA's C++ does, wherever it is traced."""
+    os.write(2, (NOISE + "\n").encode())
+    return mlp_step(model, opt_state, x)
 
 
 # examples/llama_8b.py, run in this module's name as the GPT is: its classes are found

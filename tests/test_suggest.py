@@ -20,6 +20,7 @@ import suggest_model as models
 import eqshard
 import eqshard._search._candidates
 import eqshard._search._suggest as suggesting
+from eqshard._fit import mesh_text
 from eqshard._report import human_bytes
 from eqshard._search._candidates import Candidate
 from eqshard._search._suggest import Suggestion, communication, rank, ranked
@@ -365,10 +366,11 @@ def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
     monkeypatch.setattr(eqshard._search._candidates, "candidates", _generate([]), False)
     done = _suggest(run_cli, "--workers", 1)
     assert done.code == 2
-    assert done.err.strip() == (
+    assert done.err.strip().splitlines() == [
+        "eqshard suggest: building the model and the candidates on 8 devices",  # progress
         "eqshard suggest: error: every candidate was dropped; the first: made up: it does "
-        "not divide"
-    )
+        "not divide",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -436,6 +438,9 @@ def test_a_worker_that_dies_fails_its_candidates_and_the_ranking_goes_on():
     assert [s.cost for s in ranked] == [None, None]
     for s in ranked:  # each in a worker of its own: the first's died with it
         assert f"costing {s.name} on 8 devices: its process ended (exit code 3)" in str(s.error)
+        # its stderr was kept from this process's, and its end says why it died
+        assert "the last it wrote on stderr:\n" in str(s.error)
+        assert "F0000 the compiler's last words\n" in str(s.error)
     assert ranked.best is None
     assert "nothing fits" in str(ranked)
 
@@ -583,6 +588,13 @@ def test_cli_targets_gives_suggest_s_best_per_slice_and_says_where_nothing_fits(
     assert done.code == 0, done.err
     lines = done.out.splitlines()
     assert "eqshard suggest: the best spec on each of 2 targets" in lines[0]
+    progress = done.err.splitlines()  # each slice's compiles, as lines (not a terminal)
+    assert (
+        progress[0]
+        == f"eqshard suggest: building the model and the candidates for {', '.join(SLICES)}"
+    )
+    for target, n in zip(SLICES, (4, 8)):
+        assert f"eqshard suggest: compiled all 3 candidates on {target} ({n} devices)" in progress
     for target in SLICES:
         best = eqshard.suggest(
             *mlp, step=models.mlp_step, target=target, workers=1, exhaustive=True
@@ -793,3 +805,56 @@ def test_compile_workers_compile_only_the_candidates_still_wanted():
     # one worker: each later candidate is asked about once the earlier ones answered
     assert asked[0] == (0, 0)
     assert (2, 1) in asked
+
+
+def test_progress_is_told_as_each_pass_starts_as_each_candidate_compiles_and_as_it_ends():
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    chosen = _mlp_candidates()[:2]
+    heard: list[suggesting.Progress] = []
+    ranked = rank(chosen, models.mlp_step, *mlp, devices=8, workers=0, progress=heard.append)
+    assert len(ranked) == 2
+    first, second = (f"{c.strategy} ({mesh_text(c.mesh)})" for c in chosen)
+    assert heard == [
+        suggesting.Progress(0, 2, "8 devices"),
+        suggesting.Progress(1, 2, "8 devices", first),
+        suggesting.Progress(2, 2, "8 devices", second),
+        suggesting.Progress(2, 2, "8 devices", finished=True),
+    ]
+    assert [str(p) for p in heard] == [
+        "compiling 2 candidates on 8 devices",
+        f"compiled 1 of 2 candidates on 8 devices (the last: {first})",
+        f"compiled 2 of 2 candidates on 8 devices (the last: {second})",
+        "compiled all 2 candidates on 8 devices",
+    ]
+    ruled_out = suggesting.Progress(1, 3, "v5e:2x4 (8 devices)", finished=True)
+    assert str(ruled_out) == (
+        "compiled 1 of 3 candidates on v5e:2x4 (8 devices); the other 2 ruled out by their "
+        "estimates"
+    )
+
+
+@pytest.mark.slow  # `python -m eqshard suggest` twice, each with its worker processes
+def test_cli_keeps_the_workers_stderr_out_of_its_output_unless_verbose(run_python):
+    """What the workers write on fd 2 (XLA's C++ warnings; here the step's) is kept
+    from the command's output; `--verbose` shows it on stderr. The progress is told
+    on stderr, a line each where stderr is no terminal; the table alone is on stdout."""
+    command = [
+        *("-m", "eqshard", "suggest", "--devices", "2", "--workers", "1"),
+        *("--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:noisy_step"),
+        *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+        *("--strategies", "fsdp"),
+    ]
+    for verbose in (False, True):
+        done = run_python([*command, *(["--verbose"] if verbose else [])])
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.startswith("eqshard suggest: 1 candidates on 2 devices")
+        assert models.NOISE not in done.stdout
+        assert (models.NOISE in done.stderr) is verbose, done.stderr[-3000:]
+        progress = [line for line in done.stderr.splitlines() if line.startswith("eqshard")]
+        assert progress == [
+            "eqshard suggest: building the model and the candidates on 2 devices",
+            "eqshard suggest: compiling 1 candidate on 2 devices",
+            "eqshard suggest: compiled 1 of 1 candidate on 2 devices (the last: fsdp "
+            "(data=2 x model=1))",
+            "eqshard suggest: compiled the 1 candidate on 2 devices",
+        ]

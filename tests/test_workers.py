@@ -19,7 +19,7 @@ import pytest
 import eqshard
 from eqshard._cli._check_workers import check_in_processes
 from eqshard._cost import _driver as _cost
-from eqshard._process._workers import pool_answers, start_serving
+from eqshard._process._workers import pool_answers, start_serving, start_worker, worker_answer
 from eqshard.testing import assert_layouts
 
 # A user's own module, importable only through a folder the test puts on `sys.path`.
@@ -234,11 +234,21 @@ import os
 import time
 from pathlib import Path
 
-from eqshard._process._workers import serve_each
+from eqshard._process._workers import serve, serve_each, tell
 
 
 def main():
     return serve_each(answer)
+
+
+def telling():  # tells three events, writes on fd 2 as XLA's C++ does, then answers
+    def handle(request):
+        for n in range(3):
+            tell({"n": n})
+        os.write(2, b"W0000 a C++ warning\\n")
+        return "done"
+
+    return serve(handle)
 
 
 def answer(request):
@@ -249,6 +259,7 @@ def answer(request):
                 break
             time.sleep(0.05)
     if request.get("die"):
+        os.write(2, b"F0000 out of memory\\n")
         os._exit(5)  # as a compiler killed for its memory would: no answer
     if request.get("raise"):
         raise KeyError("no such request")
@@ -268,7 +279,7 @@ def pool_module(tmp_path, monkeypatch):
     return "eqshard_pool_worker:main"
 
 
-def _pool(entry, requests, workers, timeout=120.0):
+def _pool(entry, requests, workers, timeout=120.0, **options):
     return pool_answers(
         requests,
         entry,
@@ -277,6 +288,7 @@ def _pool(entry, requests, workers, timeout=120.0):
         timeout=timeout,
         doing=[f"request {r['i']}" for r in requests],
         hint="Try it alone.",
+        **options,
     )
 
 
@@ -309,6 +321,39 @@ def test_a_worker_that_dies_fails_only_its_request_and_a_fresh_one_goes_on(pool_
     assert [a["i"] for a in answers[:2] + answers[3:]] == [0, 1, 3, 4, 5]
     assert len({a["pid"] for a in answers[:2] + answers[3:]}) <= 3  # two, and one fresh
     assert [a["first"] for a in answers if isinstance(a, dict)].count(True) >= 2
+
+
+@pytest.mark.slow  # starts worker processes
+def test_quiet_workers_keep_their_stderr_and_one_that_dies_is_said_with_its_end(pool_module, capfd):
+    requests = [{"i": i} for i in range(4)]
+    requests[1]["die"] = True
+    answered = []
+    answers = _pool(pool_module, requests, 2, quiet=True, answered=answered.append)
+    assert sorted(answered) == [0, 1, 2, 3]  # each once, as it was answered
+    error = answers[1]
+    assert isinstance(error, eqshard.ModelError)
+    assert str(error).startswith("request 1: its process ended (exit code 5) without an answer")
+    assert "; the last it wrote on stderr:\n" in str(error)
+    assert "\nF0000 out of memory\n" in str(error)
+    assert str(error).endswith("Try it alone.")
+    assert [a["i"] for a in answers if isinstance(a, dict)] == [0, 2, 3]
+    written = capfd.readouterr().err
+    assert "noise on stdout" not in written  # what the workers wrote, kept from this process
+    assert "F0000 out of memory" not in written
+
+
+@pytest.mark.slow  # starts a worker process
+def test_a_worker_tells_its_events_as_it_works_and_each_arrives_before_its_answer(
+    pool_module, capfd
+):
+    heard = []
+    worker = start_worker(
+        {}, pool_module.replace(":main", ":telling"), quiet=True, events=heard.append
+    )
+    assert worker_answer(worker, 120.0, "telling", "")["result"] == "done"
+    assert heard == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert "W0000 a C++ warning" not in capfd.readouterr().err
+    assert worker.last_words() == "W0000 a C++ warning"
 
 
 @pytest.mark.slow  # starts worker processes

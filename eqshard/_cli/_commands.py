@@ -15,7 +15,7 @@ import os
 import sys
 
 from .._errors import EqshardError, SpecError, UnreadableError
-from ._output import EVERY_ONE, console, emit_json, err, out
+from ._output import EVERY_ONE, console, emit_json, err, out, progress
 from ._parser import MAX_SIMULATED, BadUsage
 
 __all__ = [
@@ -191,8 +191,11 @@ def _suggest_targets(args: argparse.Namespace) -> int:
         "exhaustive": args.exhaustive,
         "tolerance": args.tolerance,
         "strategies": args.strategies,
+        "verbose": args.verbose,
     }
-    found = run("targets", request, here=not in_workers())
+    starting = f"building the model and the candidates for {', '.join(args.targets)}"
+    with progress("eqshard suggest", starting, plain=args.verbose) as show:
+        found = run("targets", request, here=not in_workers(), progress=show)
     if args.format == "json":
         emit_json({"ok": bool(found.fitting), **found.to_json()})
     else:
@@ -225,8 +228,12 @@ def suggest(args: argparse.Namespace) -> int:
         "exhaustive": args.exhaustive,
         "tolerance": args.tolerance,
         "strategies": args.strategies,
+        "verbose": args.verbose,
     }
-    ranked = run("suggest", request, here=not in_workers())
+    where = args.target or f"{args.devices} devices"
+    starting = f"building the model and the candidates on {where}"
+    with progress("eqshard suggest", starting, plain=args.verbose) as show:
+        ranked = run("suggest", request, here=not in_workers(), progress=show)
     best = ranked.best
     written = None
     if args.write is not None and best is not None:

@@ -1,13 +1,15 @@
 """What the command line prints: user text made safe for a terminal, rich consoles,
-and JSON documents. Every command prints through here."""
+JSON documents, and a long command's progress. Every command prints through here."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["EVERY_ONE", "console", "emit_json", "err", "out", "safe", "styled"]
+__all__ = ["EVERY_ONE", "console", "emit_json", "err", "out", "progress", "safe", "styled"]
 
 EVERY_ONE = "--format json lists every one"  # where to see the problems text only counts
 
@@ -52,3 +54,51 @@ def styled(text: str, style: str) -> Any:
     from rich.text import Text
 
     return Text(text, style=style)
+
+
+@contextlib.contextmanager
+def progress(
+    command: str, starting: str, plain: bool = False
+) -> Iterator[Callable[[Mapping[str, Any]], None]]:
+    """What a long command says of its progress, on stderr: a callback for each event
+    (its line as `"text"`, its `"done"` of `"total"`), shown by a rich progress
+    display that is gone when the command ends, where stderr is a terminal; else, or
+    `plain`, as a line each. `starting` is said first.
+
+    **Example:**
+
+    ```python
+    with progress("eqshard suggest", "building the candidates") as show:
+        show({"text": "compiling 9 candidates on 8 devices", "done": 0, "total": 9})
+    ```
+    """
+    if plain or not sys.stderr.isatty():
+
+        def line(event: Mapping[str, Any]) -> None:
+            err(f"{command}: {event['text']}")
+
+        line({"text": starting})
+        yield line
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+
+    shown = Console(stderr=True, markup=False, emoji=False, highlight=False)
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        console=shown,
+        transient=True,
+    ) as display:
+        task = display.add_task(safe(f"{command}: {starting}"), total=None)
+
+        def show(event: Mapping[str, Any]) -> None:
+            display.update(
+                task,
+                description=safe(f"{command}: {event['text']}"),
+                completed=event.get("done", 0),
+                total=event.get("total") or None,
+            )
+
+        yield show

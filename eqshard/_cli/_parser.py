@@ -402,6 +402,13 @@ def _suggest(add: _Add) -> None:
         "data parallel, fsdp, zero-1, expert parallel, megatron, data x tensor, "
         "fsdp x tensor)",
     )
+    suggest.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show on stderr what the worker processes write there (XLA's warnings, the "
+        "step's prints), and the progress as plain lines; by default it is kept from the "
+        "output, and a candidate whose worker died is listed with the end of it",
+    )
     _format_option(suggest)
 
 

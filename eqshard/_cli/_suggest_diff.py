@@ -9,12 +9,18 @@ asks the candidate generator for the candidates, then ranks them
 (`_suggest.compile_in_workers`), each of its compile workers building the step's
 inputs from the same names (`step_arguments`) once. Where JAX is already imported
 (eqshard used as a library, the tests), the same work runs in this process.
+
+`suggest` tells its progress (`_suggest.Progress`, as an event: its fields and its
+line) to the caller's `progress`: from its worker through `_workers.tell`. The
+workers' stderr (XLA's warnings) is kept from this process's, unless the request is
+`"verbose"`; a worker that dies is said with the end of it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import EqshardError, whole_number
@@ -22,6 +28,7 @@ from .._process._workers import (
     pickled,
     serve,
     start_worker,
+    tell,
     unpickled,
     without_device_count,
     worker_answer,
@@ -30,12 +37,15 @@ from .._process._workers import (
 if TYPE_CHECKING:
     from .._process._usercode import StepInputs
     from .._search._diff import Diff
-    from .._search._suggest import Ranked
+    from .._search._suggest import Progress, Ranked
+
+    Told = Callable[[Progress], None] | None
     from .._search._what_if import Targets
 
 __all__ = [
     "diff_here",
     "diff_worker",
+    "event",
     "run",
     "step_arguments",
     "suggest_here",
@@ -99,12 +109,13 @@ def _start_jax(devices: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", devices)
 
 
-def suggest_here(request: Mapping[str, Any]) -> Ranked:
+def suggest_here(request: Mapping[str, Any], progress: Told = None) -> Ranked:
     """`eqshard suggest` in this process: builds the step's inputs from the request's
     names, asks the generator for the candidates on the request's `"devices"` (or
     the `"target"` slice's), and ranks them in compile workers that build the same
-    inputs by name. `"max_memory"` is bytes or `None`, `"workers"` a count or
-    `None`, `"exhaustive"` whether to compile every candidate."""
+    inputs by name, telling `progress` as they compile. `"max_memory"` is bytes or
+    `None`, `"workers"` a count or `None`, `"exhaustive"` whether to compile every
+    candidate, `"verbose"` whether the workers' stderr reaches this process's."""
     from .._search._suggest import TOLERANCE, in_workers, memory_limit, placement, search
 
     devices, target = request.get("devices"), request.get("target")
@@ -118,7 +129,10 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
     inputs = {"build": "eqshard._cli._suggest_diff:step_arguments", "request": _names(request)}
     workers = request.get("workers")
     compile_each = in_workers(
-        inputs, n, None if workers is None else whole_number(workers, "`--workers`")
+        inputs,
+        n,
+        None if workers is None else whole_number(workers, "`--workers`"),
+        quiet=not request.get("verbose", False),
     )
     exhaustive = bool(request.get("exhaustive", False))
     tolerance = request.get("tolerance")
@@ -133,15 +147,27 @@ def suggest_here(request: Mapping[str, Any]) -> Ranked:
         exhaustive,
         proxy=True,
         tolerance=TOLERANCE if tolerance is None else float(tolerance),
+        progress=progress,
     )
 
 
+def event(progress: Progress) -> dict[str, Any]:
+    """A `Progress` as the command line's display takes it, and a worker sends it
+    (JSON): its fields, and its line as `"text"`."""
+    return {**dataclasses.asdict(progress), "text": str(progress)}
+
+
+def _tell(progress: Progress) -> None:
+    """In a command's worker: `progress` sent to the command line (`_workers.tell`)."""
+    tell(event(progress))
+
+
 def suggest_worker() -> int:
-    """A worker's entry: `suggest_here`, answered pickled."""
-    return serve(lambda request: pickled(suggest_here(request), "the ranking", "report it"))
+    """A worker's entry: `suggest_here`, its progress told, answered pickled."""
+    return serve(lambda request: pickled(suggest_here(request, _tell), "the ranking", "report it"))
 
 
-def targets_here(request: Mapping[str, Any]) -> Targets:
+def targets_here(request: Mapping[str, Any], progress: Told = None) -> Targets:
     """`eqshard suggest --targets` in this process: every slice of the request's
     `"targets"` (a list of names) checked first, then `suggest_here` on each in
     turn, the rows built as `eqshard.suggest_targets` builds them."""
@@ -151,13 +177,15 @@ def targets_here(request: Mapping[str, Any]) -> Targets:
     names = target_names(request["targets"])
     for name in names:  # a bad name is said before the first slice compiles
         placement(None, name)
-    rankings = [suggest_here({**request, "devices": None, "target": name}) for name in names]
+    rankings = [
+        suggest_here({**request, "devices": None, "target": name}, progress) for name in names
+    ]
     return Targets.of(names, rankings)
 
 
 def targets_worker() -> int:
-    """A worker's entry: `targets_here`, answered pickled."""
-    return serve(lambda request: pickled(targets_here(request), "the rankings", "report it"))
+    """A worker's entry: `targets_here`, its progress told, answered pickled."""
+    return serve(lambda request: pickled(targets_here(request, _tell), "the rankings", "report it"))
 
 
 def diff_here(request: Mapping[str, Any]) -> Diff:
@@ -222,15 +250,29 @@ _COMMANDS = {  # each command's worker, what it answers, and what to try when it
 }
 
 
-def run(command: str, request: Mapping[str, Any], here: bool) -> Any:
+def run(
+    command: str,
+    request: Mapping[str, Any],
+    here: bool,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+) -> Any:
     """`suggest_here`, `targets_here` or `diff_here` (`command`: `"suggest"`,
     `"targets"` or `"diff"`), in this process (`here`), else in a worker process of
-    its own, which starts JAX for it and answers the result pickled."""
+    its own, which starts JAX for it and answers the result pickled. `suggest`'s
+    progress goes to `progress`, each as an `event`; its workers' stderr is kept
+    from this process's unless the request is `"verbose"`."""
+    if here and command == "diff":
+        return diff_here(request)
     if here:
-        return {"suggest": suggest_here, "targets": targets_here, "diff": diff_here}[command](
-            request
-        )
+        told = None if progress is None else lambda p: progress(event(p))
+        return (suggest_here if command == "suggest" else targets_here)(request, told)
     entry, what, hint = _COMMANDS[command]
-    worker = start_worker(request, entry, without_device_count(os.environ))
+    worker = start_worker(
+        request,
+        entry,
+        without_device_count(os.environ),
+        quiet=command != "diff" and not request.get("verbose", False),
+        events=progress,
+    )
     document = worker_answer(worker, _TIMEOUT_SECONDS, f"eqshard {command}", hint)
     return unpickled(document["result"], what)

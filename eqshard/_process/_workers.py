@@ -14,6 +14,10 @@
     and `pool_answers` hands a pool of them one request at a time from a shared
     queue, each worker taking the next as it finishes the last, a worker that dies
     failing only the request it held (a fresh one takes its place);
+- a worker started `quiet` writes its stderr (XLA's warnings, the user's prints) to
+    a file of its own rather than this process's stderr, and a worker that ends
+    without an answer is said with the end of it; a worker started with `events`
+    sends this process lines as it works (`tell`), on a pipe of their own;
 - `pickled` and `unpickled` carry what JSON cannot (a step, abstract arguments, a
     spec) inside the request or the answer, as base64 text.
 
@@ -64,6 +68,7 @@ __all__ = [
     "serve_each",
     "start_serving",
     "start_worker",
+    "tell",
     "unpickled",
     "without_device_count",
     "worker_answer",
@@ -92,9 +97,19 @@ class Worker:
     this process ends, however it ends (SIGKILL included). The worker then ends
     at once, rather than running on with no one to answer."""
 
-    def __init__(self, process: subprocess.Popen[bytes], lifeline: int) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen[bytes],
+        lifeline: int,
+        log: Any = None,
+        listener: threading.Thread | None = None,
+    ) -> None:
         self.process = process
         self._lifeline = lifeline
+        self._log = log  # the file its stderr goes to, where it was started `quiet`
+        self.quiet = log is not None  # its stderr is its own (`last_words`), not this process's
+        self._said: str | None = None  # the end of the log, read as it was stopped
+        self._listener = listener  # the thread reading its events, if it sends any
         self._read = b""  # what it has answered past the last whole line (`start_serving`'s)
         self._timeout = 0.0  # the seconds the last `ask` allows, from `deadline`
         self.deadline = 0.0  # when its answer to the last `ask` is due (`time.monotonic`)
@@ -109,6 +124,22 @@ class Worker:
         """Whether the worker still runs (after `answer` raised: it answered an error,
         rather than ending or being stopped)."""
         return self.process.poll() is None
+
+    def last_words(self) -> str:
+        """The end of what it wrote on stderr, where it was started `quiet`: its last
+        `LAST_LINES` lines, at most `LAST_CHARACTERS` characters; empty otherwise."""
+        if self._said is not None:
+            return self._said
+        if self._log is None:
+            return ""
+        with contextlib.suppress(OSError, ValueError):
+            size = os.fstat(self._log.fileno()).st_size
+            data = os.pread(
+                self._log.fileno(), LAST_CHARACTERS * 4, max(0, size - LAST_CHARACTERS * 4)
+            )
+            lines = data.decode("utf-8", "replace").strip().splitlines()[-LAST_LINES:]
+            return "\n".join(lines)[-LAST_CHARACTERS:]
+        return ""
 
     def fileno(self) -> int:
         """Its answers' end, for `select`."""
@@ -172,6 +203,14 @@ class Worker:
             if pipe is not None:
                 with contextlib.suppress(OSError, ValueError):
                     pipe.close()
+        if self._listener is not None:  # every event it sent, delivered before it is gone
+            self._listener.join(5)
+            self._listener = None
+        if self._log is not None:
+            self._said = self.last_words()
+            with contextlib.suppress(OSError):
+                self._log.close()
+            self._log = None
         if self._lifeline >= 0:
             _LIFELINES.discard(self._lifeline)
             with contextlib.suppress(OSError):
@@ -179,16 +218,26 @@ class Worker:
             self._lifeline = -1
 
 
+LAST_LINES = 12  # of a quiet worker's stderr, in the message when it ends unanswered
+LAST_CHARACTERS = 2000
+
 _PROGRAM = """\
 import sys
 sys.path[:] = {path!r}
 from eqshard._process._workers import _worker_main
-raise SystemExit(_worker_main({lifeline}, {entry!r}, {main_thread!r}))
+raise SystemExit(_worker_main({lifeline}, {entry!r}, {main_thread!r}, {events}))
 """
+
+_EVENTS = -1  # in a worker started with `events`: the pipe its `tell` writes to
 
 
 def start_worker(
-    request: Mapping[str, Any], entry: str, env: Mapping[str, str] | None = None
+    request: Mapping[str, Any],
+    entry: str,
+    env: Mapping[str, str] | None = None,
+    *,
+    quiet: bool = False,
+    events: Callable[[dict[str, Any]], None] | None = None,
 ) -> Worker:
     """A fresh Python process running `entry`, with this process's `sys.path`, so
     it imports what this one would (the user's modules, a folder a script added).
@@ -205,6 +254,11 @@ def start_worker(
     - `entry`: `module:function`, whose function answers one JSON document on
         stdout (`serve`) and returns the exit code.
     - `env`: the worker's environment; by default this process's.
+    - `quiet`: its stderr (and its children's) goes to a file of its own, not to
+        this process's stderr; `Worker.last_words` reads its end.
+    - `events`: called, on a thread of this process, with each event the worker
+        sends (`tell`), as it works; every one is delivered before `worker_answer`
+        returns.
 
     **Returns:**
 
@@ -213,10 +267,12 @@ def start_worker(
     with tempfile.TemporaryFile() as stdin:  # a file, not a pipe: nothing to feed or close
         stdin.write(json.dumps(request, ensure_ascii=True).encode("ascii"))
         stdin.seek(0)
-        return _started(stdin, entry, env)
+        return _started(stdin, entry, env, quiet, events)
 
 
-def start_serving(entry: str, env: Mapping[str, str] | None = None) -> Worker:
+def start_serving(
+    entry: str, env: Mapping[str, str] | None = None, *, quiet: bool = False
+) -> Worker:
     """A fresh Python process running `entry`, as `start_worker` starts one (this
     process's `sys.path`, dying with it), that answers several requests in turn:
     `Worker.ask` sends one, `Worker.answer` reads its answer, and `Worker.stop`
@@ -228,27 +284,38 @@ def start_serving(entry: str, env: Mapping[str, str] | None = None) -> Worker:
         stdin with one on stdout, until stdin ends (`serve_each`), and returns the
         exit code.
     - `env`: the worker's environment; by default this process's.
+    - `quiet`: as for `start_worker`.
     """
-    return _started(subprocess.PIPE, entry, env)
+    return _started(subprocess.PIPE, entry, env, quiet)
 
 
-def _started(stdin: Any, entry: str, env: Mapping[str, str] | None) -> Worker:
+def _started(
+    stdin: Any,
+    entry: str,
+    env: Mapping[str, str] | None,
+    quiet: bool = False,
+    events: Callable[[dict[str, Any]], None] | None = None,
+) -> Worker:
     """`start_worker`'s and `start_serving`'s process, reading `stdin`."""
     read_end, write_end = os.pipe()  # neither is inherited by what this process runs
+    heard, told = os.pipe() if events is not None else (-1, -1)
     _LIFELINES.add(write_end)
     program = _PROGRAM.format(
         path=sys.path,
         lifeline=read_end,
         entry=entry,
         main_thread=threading.current_thread() is threading.main_thread(),
+        events=told,
     )
+    log = tempfile.TemporaryFile() if quiet else None  # noqa: SIM115 (`Worker.stop` closes it)
     try:
         process = subprocess.Popen(
             [sys.executable, "-c", program],
             stdin=stdin,
             stdout=subprocess.PIPE,
+            stderr=log,
             env=None if env is None else dict(env),
-            pass_fds=(read_end,),
+            pass_fds=(read_end,) if told < 0 else (read_end, told),
             # Ctrl-C reaches this process alone, which stops the workers (killing a
             # worker halfway through starting Python or importing NumPy would
             # print tracebacks)
@@ -257,16 +324,50 @@ def _started(stdin: Any, entry: str, env: Mapping[str, str] | None) -> Worker:
     except BaseException:
         _LIFELINES.discard(write_end)
         os.close(write_end)
+        if log is not None:
+            log.close()
+        if heard >= 0:
+            os.close(heard)
         raise
     finally:
-        os.close(read_end)  # the worker's end: this process keeps none of it
-    return Worker(process, write_end)
+        os.close(read_end)  # the worker's ends: this process keeps none of them
+        if told >= 0:
+            os.close(told)
+    listener = None
+    if events is not None:
+        listener = threading.Thread(
+            target=_listen, args=(heard, events), name="eqshard-events", daemon=True
+        )
+        listener.start()
+    return Worker(process, write_end, log, listener)
 
 
-def _worker_main(lifeline: int, entry: str, main_thread: bool) -> int:
+def _listen(heard: int, events: Callable[[dict[str, Any]], None]) -> None:
+    """Hands `events` each line a worker `tell`s, until it ends."""
+    with os.fdopen(heard, "rb") as lines:
+        for line in lines:
+            with contextlib.suppress(Exception):  # a display that fails stops no work
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    events(event)
+
+
+def tell(event: Mapping[str, Any]) -> None:
+    """In a worker started with `events` (`start_worker`), sends its parent `event`
+    (JSON), which its `events` gets as it comes; elsewhere it does nothing."""
+    if _EVENTS >= 0:
+        with contextlib.suppress(OSError, TypeError, ValueError):  # the parent has gone
+            os.write(_EVENTS, (json.dumps(event, ensure_ascii=True) + "\n").encode("ascii"))
+
+
+def _worker_main(lifeline: int, entry: str, main_thread: bool, events: int = -1) -> int:
     """A worker's first steps, before anything slow: it dies with its parent, then
     runs `entry` (`start_worker`'s program calls it)."""
+    global _EVENTS
     os.set_inheritable(lifeline, False)  # the worker's own children do not hold it
+    if events >= 0:
+        os.set_inheritable(events, False)
+        _EVENTS = events
     if main_thread and sys.platform == "linux":
         # The kernel kills the worker when the thread that started it ends: only
         # the main thread, whose end is the process's, so it never fires early.
@@ -339,12 +440,22 @@ def _document(out: bytes, worker: Worker, doing: str, hint: str) -> dict[str, An
         code = worker.process.returncode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         raise ModelError(
-            f"{doing}: its process ended ({how}) without an answer; what it printed is "
-            f"above. {hint}"
+            f"{doing}: its process ended ({how}) without an answer; {_said(worker)} {hint}"
         )
     if "error" in document:
         raise rebuilt_error(document["error"])
     return document
+
+
+def _said(worker: Worker) -> str:
+    """What a worker that ended unanswered wrote on stderr, for the message: above,
+    or (quiet) its last lines, or that it wrote nothing."""
+    if not worker.quiet:
+        return "what it printed is above."
+    last = worker.last_words()
+    if not last:
+        return "it wrote nothing on stderr."
+    return f"the last it wrote on stderr:\n{last}\n"
 
 
 def pool_answers(
@@ -359,6 +470,8 @@ def pool_answers(
     hint: str,
     wanted: Callable[[int, Sequence[Any]], bool] | None = None,
     warm: Sequence[Worker] = (),
+    quiet: bool = False,
+    answered: Callable[[int], None] | None = None,
 ) -> list[Any]:
     """Each request's answer, from a pool of workers that take them from one queue:
     each worker starts once (`start_serving`), then is handed the next request as
@@ -384,6 +497,8 @@ def pool_answers(
     - `warm`: workers started before (`start_serving`) and already asked `first`
         alone, whose answer is read here before they take requests: they count
         towards `workers`, and a fresh one starts only past them.
+    - `quiet`: the workers' stderr each goes to a file of their own (`start_worker`).
+    - `answered`: called with `i` as request `i` gets its result or fails.
 
     **Returns:**
 
@@ -417,7 +532,7 @@ def pool_answers(
             return False
         fresh = worker is None
         if worker is None:
-            worker = start_serving(entry, env)
+            worker = start_serving(entry, env, quiet=quiet)
             started.append(worker)
         request = {**(first or {}), **requests[i]} if fresh else requests[i]
         worker.ask(request, timeout)
@@ -444,9 +559,13 @@ def pool_answers(
                     if worker.running:  # it answered this error: raised here
                         raise
                     results[i] = error  # it ended without answering: this request fails
+                    if answered is not None:
+                        answered(i)
                     if queue and not idle:
                         hand(None)
                     continue
+                if answered is not None:
+                    answered(i)
                 hand(worker)
             while idle and queue and hand(idle.pop()):  # an answer may want more
                 pass

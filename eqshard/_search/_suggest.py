@@ -55,10 +55,12 @@ if TYPE_CHECKING:
 
     Wanted: TypeAlias = Callable[[int, Sequence[Cost | str | None]], bool] | None
     Found: TypeAlias = list[Cost | str | None]
-    CompileEach: TypeAlias = Callable[[Sequence[Candidate], str | None, Wanted], Found]
+    Answered: TypeAlias = Callable[[int], None] | None
+    CompileEach: TypeAlias = Callable[[Sequence[Candidate], str | None, Wanted, Answered], Found]
 
 __all__ = [
     "TOLERANCE",
+    "Progress",
     "Ranked",
     "Suggestion",
     "communication",
@@ -118,6 +120,43 @@ def communication(found: Cost) -> dict[str, int]:
 def _bytes(n: int) -> str:
 
     return human_bytes(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """How far `eqshard.suggest` has come, as `progress=` is told: at the start of each
+    pass of compiles, as each candidate of it is compiled (or fails), and at its end.
+    `str(progress)` is the line the command line shows.
+
+    **Attributes:**
+
+    - `done`: the candidates of this pass compiled so far (failures included).
+    - `total`: those this pass may compile; the estimates may rule some out on the way.
+    - `where`: what they compile for (`"8 devices"`, `"v5e:2x4 (8 devices)"`, or XLA:CPU's
+        simulated devices, ranking them first for a TPU slice).
+    - `candidate`: the one just compiled, by name; `None` at the start and the end.
+    - `finished`: whether the pass has ended (`done` is then how many it compiled).
+    """
+
+    done: int
+    total: int
+    where: str
+    candidate: str | None = None
+    finished: bool = False
+
+    def __str__(self) -> str:
+        some = "1 candidate" if self.total == 1 else f"{self.total} candidates"
+        if self.finished:
+            left = self.total - self.done
+            if not left:
+                return f"compiled {'the' if self.total == 1 else 'all'} {some} on {self.where}"
+            return (
+                f"compiled {self.done} of {some} on {self.where}; the other {left} ruled out "
+                "by their estimates"
+            )
+        if self.candidate is None:
+            return f"compiling {some} on {self.where}"
+        return f"compiled {self.done} of {some} on {self.where} (the last: {self.candidate})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -567,6 +606,7 @@ def rank(
     dropped: Sequence[tuple[str, str]] = (),
     exhaustive: bool = False,
     tolerance: float = 0.05,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Ranked:
     """Costs the candidates by compiling the user's step under their rules, and ranks
     them: those the estimates cannot rule out, or every one with `exhaustive`.
@@ -600,6 +640,7 @@ def rank(
         cannot rule out (see `eqshard.suggest`).
     - `tolerance`: how close to the best a candidate's estimate must come to be
         compiled (see `eqshard.suggest`).
+    - `progress`: called with a `Progress` as the compiles go (see `eqshard.suggest`).
 
     **Returns:**
 
@@ -626,11 +667,15 @@ def rank(
     if workers == 0 or listed is not None:
         on_devices = listed if listed is not None else n
 
-        def compile_here(chosen: Sequence[Candidate], where: str | None, wanted: Wanted) -> Found:
+        def compile_here(
+            chosen: Sequence[Candidate], where: str | None, wanted: Wanted, answered: Answered
+        ) -> Found:
             found: list[Cost | str | None] = [None] * len(chosen)
             for k, c in enumerate(chosen):
                 if wanted is None or wanted(k, found):
                     found[k] = _cost_one(step, model, args, c.rules, on_devices, where)
+                    if answered is not None:
+                        answered(k)
             return found
 
         return search(
@@ -643,6 +688,7 @@ def rank(
             dropped,
             exhaustive,
             tolerance=tolerance,
+            progress=progress,
         )
     inputs = {
         "pickle": pickled(
@@ -663,6 +709,7 @@ def rank(
         exhaustive,
         proxy=True,
         tolerance=tolerance,
+        progress=progress,
     )
 
 
@@ -695,10 +742,13 @@ def _compiled(result: Cost | str | None) -> TypeGuard[Cost]:
     return result is not None and not isinstance(result, str)
 
 
-def in_workers(inputs: Mapping[str, Any], devices: int, workers: int | None) -> _InWorkers:
+def in_workers(
+    inputs: Mapping[str, Any], devices: int, workers: int | None, quiet: bool = True
+) -> _InWorkers:
     """`search`'s way to compile: in pools of worker processes (`compile_in_workers`),
-    which get the step's inputs as `inputs` says."""
-    return _InWorkers(inputs, devices, workers)
+    which get the step's inputs as `inputs` says; `quiet`, their stderr kept to
+    themselves (said where one dies)."""
+    return _InWorkers(inputs, devices, workers, quiet)
 
 
 class _InWorkers:
@@ -706,15 +756,18 @@ class _InWorkers:
     workers ahead, so they load the compiler and read the inputs while another pool
     compiles."""
 
-    def __init__(self, inputs: Mapping[str, Any], devices: int, workers: int | None) -> None:
+    def __init__(
+        self, inputs: Mapping[str, Any], devices: int, workers: int | None, quiet: bool
+    ) -> None:
         self.inputs, self.devices, self.workers = inputs, devices, workers
+        self.quiet = quiet
         self.warm: dict[str | None, list[Worker]] = {}
 
     def prepare(self, target: str | None, candidates: int) -> None:
         first = {"inputs": dict(self.inputs), "devices": self.devices, "target": target}
         started = []
         for _ in range(pool_size(candidates, target, self.workers)):
-            worker = start_serving(_ENTRY, without_device_count(os.environ))
+            worker = start_serving(_ENTRY, without_device_count(os.environ), quiet=self.quiet)
             worker.ask(first, _TIMEOUT_SECONDS)
             started.append(worker)
         self.warm[target] = started
@@ -726,11 +779,21 @@ class _InWorkers:
                 worker.stop()
         self.warm.clear()
 
-    def __call__(self, chosen: Sequence[Candidate], where: str | None, wanted: Wanted) -> Found:
+    def __call__(
+        self, chosen: Sequence[Candidate], where: str | None, wanted: Wanted, answered: Answered
+    ) -> Found:
         warm = self.warm.pop(where, [])
         try:
             return compile_in_workers(
-                chosen, self.inputs, self.devices, where, self.workers, wanted=wanted, warm=warm
+                chosen,
+                self.inputs,
+                self.devices,
+                where,
+                self.workers,
+                wanted=wanted,
+                warm=warm,
+                quiet=self.quiet,
+                answered=answered,
             )
         finally:
             for worker in warm:
@@ -749,10 +812,12 @@ def search(
     *,
     proxy: bool = False,
     tolerance: float = TOLERANCE,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Ranked:
-    """The `Ranked` of `candidates`, compiled by `compile_each(chosen, target, wanted)`
-    (in this process, or in workers: each chosen one's `Cost`, its error, or `None`
-    where `wanted(k, found_so_far)` said no).
+    """The `Ranked` of `candidates`, compiled by `compile_each(chosen, target, wanted,
+    answered)` (in this process, or in workers: each chosen one's `Cost`, its error, or
+    `None` where `wanted(k, found_so_far)` said no; `answered(k)` as each is done), each
+    pass told to `progress` (`Progress`).
 
     Unless `exhaustive`, those whose arguments alone exceed `limit` are not compiled
     (their bytes are exact), and the rest are compiled in the order of their estimate
@@ -771,6 +836,7 @@ def search(
     hardware = HARDWARE["h100"] if on is None else on.hardware
     target = None if on is None else on.name
     n = len(candidates)
+    compile_each = _told(compile_each, progress, devices, target)
     guesses: list[float | None] = [
         None if c.estimated is None else c.estimated.estimate(hardware).seconds for c in candidates
     ]
@@ -779,7 +845,7 @@ def search(
         for c in candidates
     ]
     if exhaustive:
-        results = compile_each(candidates, target, None)
+        results = compile_each(candidates, target, None, None)
         return ranked(candidates, results, devices, on, limit, limit_from, dropped, guesses=guesses)
     open_ = sorted(
         (i for i in range(n) if not over[i]),
@@ -798,7 +864,7 @@ def search(
                 seen = [r.estimate(hardware).seconds for r in found if _compiled(r)]
                 return guess is None or not seen or guess * (1 - tolerance) < min(seen)
 
-            cheap = compile_each([candidates[i] for i in open_], None, promising)
+            cheap = compile_each([candidates[i] for i in open_], None, promising, None)
             for i, found in zip(open_, cheap):
                 if _compiled(found):
                     proxies[i] = found
@@ -822,7 +888,7 @@ def search(
             return best is None or guess * ratio * (1 - tolerance) < best
 
         results: list[Cost | str | None] = [None] * n
-        chosen = compile_each([candidates[i] for i in order], target, wanted)
+        chosen = compile_each([candidates[i] for i in order], target, wanted, None)
         for i, found in zip(order, chosen):
             results[i] = found
         return ranked(
@@ -841,6 +907,43 @@ def search(
         close = getattr(compile_each, "close", None)
         if close is not None:  # the target's workers started ahead, if a pass failed
             close()
+
+
+def _told(
+    compile_each: CompileEach,
+    progress: Callable[[Progress], None] | None,
+    devices: int,
+    target: str | None,
+) -> CompileEach:
+    """`compile_each`, each pass of it told to `progress`: its start, each candidate
+    compiled, its end. A pass for no target ranks a TPU target's candidates first
+    (`search`'s `proxy`)."""
+    if progress is None:
+        return compile_each
+    tell = progress
+
+    def told(chosen: Sequence[Candidate], where: str | None, wanted: Wanted, _: Answered) -> Found:
+        if not chosen:
+            return compile_each(chosen, where, wanted, None)
+        on = _where(devices, where)
+        if where is None and target is not None:
+            on = f"{devices} simulated devices with XLA:CPU, ranking them for {target}"
+        done = 0
+
+        def answered(k: int) -> None:
+            nonlocal done
+            done += 1
+            tell(Progress(done, len(chosen), on, _name(chosen[k])))
+
+        tell(Progress(0, len(chosen), on))
+        found = compile_each(chosen, where, wanted, answered)
+        tell(Progress(sum(r is not None for r in found), len(chosen), on, finished=True))
+        return found
+
+    for name in ("prepare", "close"):  # `_InWorkers`'s, where it has them
+        if hasattr(compile_each, name):
+            setattr(told, name, getattr(compile_each, name))
+    return told
 
 
 def _cost_one(
@@ -864,9 +967,12 @@ def _cost_one(
 def _error_text(error: BaseException) -> str:
     """An error as a failed candidate's reason: eqshard's own by their message (which
     names the step and the spec), anything else with its class."""
+    text = str(error).strip()
+    if not text:  # a reason is never empty
+        return f"{type(error).__name__}, with no message"
     if isinstance(error, EqshardError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
+        return text
+    return f"{type(error).__name__}: {text}"
 
 
 def ranked(
@@ -964,6 +1070,8 @@ def compile_in_workers(
     *,
     wanted: Wanted = None,
     warm: Sequence[Worker] = (),
+    quiet: bool = True,
+    answered: Answered = None,
 ) -> Found:
     """Each candidate's `Cost`, or why it failed, compiled in worker processes; `None`
     for one never compiled because `wanted(k, found_so_far)` said no, when asked as a
@@ -980,6 +1088,9 @@ def compile_in_workers(
     A worker that ends without an answer (killed, out of memory, past its time)
     fails the candidate it was compiling, with that message, and a fresh worker takes
     the next; an error it answers (its inputs cannot be read or built) is raised here.
+    `quiet` keeps what the workers write on stderr (XLA's warnings) off this
+    process's, and in the failure of a worker that dies; `answered(k)` is called as
+    candidate `k` is done.
     """
     if not candidates:
         return []
@@ -1007,6 +1118,8 @@ def compile_in_workers(
         hint="Cost the candidate with `eqshard.cost` in this process to see why",
         wanted=None if wanted is None else still_wanted,
         warm=warm,
+        quiet=quiet,
+        answered=answered,
     )
     return [
         None if answer is None else read[k] if k in read else _read_answer(answer)
@@ -1019,7 +1132,7 @@ def _read_answer(answer: Any) -> Cost | str:
     if isinstance(answer, EqshardError):  # its worker ended without answering
         return str(answer)
     if answer.get("cost") is None:
-        return str(answer["error"])
+        return str(answer["error"]) or "its worker answered an error with no message"
     return unpickled(answer["cost"], "the cost")
 
 
@@ -1103,6 +1216,7 @@ def suggest(
     exhaustive: bool = False,
     strategies: Sequence[str] | None = None,
     tolerance: float = TOLERANCE,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Ranked:
     """The fastest spec that fits, found by compiling the user's own step under the
     candidate strategies that estimates cannot rule out.
@@ -1138,6 +1252,8 @@ def suggest(
     - `tolerance`: how close to the best compiled one a candidate's estimate must come
         to be compiled too: `0.05` (the default) compiles those whose estimate is within
         5% of it; smaller is faster and riskier (see "Ranked before compiled").
+    - `progress`: called with a `Progress` at the start of each pass of compiles, as
+        each candidate is compiled, and at its end (`print` shows each as a line).
 
     **Returns:**
 
@@ -1156,7 +1272,9 @@ def suggest(
         simulated CPU devices. With a list of this process's devices, each is compiled
         here, for them (on a GPU, by its compiler). With a `target`, each is compiled
         for the slice's devices by XLA:TPU, through libtpu
-        (`pip install 'eqshard[tpu]'`).
+        (`pip install 'eqshard[tpu]'`). What the workers write on stderr (XLA's
+        warnings) is kept from this process's; a candidate whose worker died is
+        listed with the last lines it wrote.
 
     !!! info "Memory"
 
@@ -1202,4 +1320,5 @@ def suggest(
         dropped=dropped,
         exhaustive=exhaustive,
         tolerance=tolerance,
+        progress=progress,
     )

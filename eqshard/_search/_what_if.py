@@ -10,14 +10,14 @@ and why none did, and `Targets` shows the rows as one table. The command line's
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._cost._hardware import seconds_text
 from .._errors import EqshardError
 from .._fit import mesh_text
 from .._report import as_text, human_bytes
-from ._suggest import WIDTH, Ranked, Suggestion, out_of_memory, placement, suggest
+from ._suggest import WIDTH, Progress, Ranked, Suggestion, out_of_memory, placement, suggest
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -195,6 +195,7 @@ def suggest_targets(
     workers: int | None = None,
     exhaustive: bool = False,
     tolerance: float = 0.05,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Targets:
     """The best spec on each of several TPU slices: `eqshard.suggest` on each, side
     by side.
@@ -220,6 +221,7 @@ def suggest_targets(
     - `workers`: worker processes that compile at once, as for `eqshard.suggest`.
     - `exhaustive`: compile every candidate on every slice, as for `eqshard.suggest`.
     - `tolerance`: as for `eqshard.suggest`.
+    - `progress`: as for `eqshard.suggest`: each slice's passes in turn.
 
     **Returns:**
 
@@ -246,6 +248,7 @@ def suggest_targets(
             workers=workers,
             exhaustive=exhaustive,
             tolerance=tolerance,
+            progress=progress,
         )
         for name in names
     ]
