@@ -18,6 +18,7 @@ import pytest
 
 import eqshard
 from eqshard._pipeline import Stages, bubble
+from eqshard._report import human_bytes
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "pipeline.py"
 
@@ -110,8 +111,25 @@ def test_cost_counts_the_permutes_over_stage_and_gives_the_bubble(example, sched
     assert backward
     assert all(c.axes == ("stage",) and c.count == iterations for c in backward)
     assert not [c for c in found.collectives if c.kind in ("all-gather", "all-to-all")]
+    # docs/pipeline.md's hand count: a row each step forward, two permutes of it back
+    # (the roll's gradient: stages 1-3 to the one before, and stage 0 round to 3), and
+    # the last stage's results (8 microbatches of a row) to the first stage and back
+    results = 8 * 1 * 32 * 4
+    permutes = [c for c in found.collectives if c.kind == "collective-permute"]
+    each = [(hand, iterations, False), (hand, iterations, True), (hand, iterations, True)]
+    once = [(results, 1, False), (results, 1, True)]
+    assert sorted((c.bytes, c.count, "transpose" in c.source) for c in permutes) == sorted(
+        [*each, *once]
+    )
+    moved = 3 * iterations * hand + 2 * results
+    assert found.bytes_by_axes()[("collective-permute", ("stage",))] == moved
     text = found.pipeline_text()
     assert text is not None
+    assert f"{human_bytes(moved)} permuted over 'stage' per step" in text
+    if schedule == "gpipe":
+        page = (EXAMPLE.parent.parent / "docs" / "pipeline.md").read_text()
+        assert f"3 x {iterations * hand} B + 2 x {results} B = {moved:,} B" in page
+        assert f"the {human_bytes(moved)} `cost` gives" in page
     assert f"bubble {3 / iterations:.1%}" in text
     assert f"4 stages of 2 layers, 8 microbatches, {schedule}" in text
     assert found.peak_per_stage == found.memory.peak
