@@ -134,8 +134,9 @@ def memory_line(result: CheckResult) -> str | None:
 def summary_table(results: Sequence[CheckResult]) -> Table:
     """The checks side by side: spec, devices (and the TPU slice), whether it fits,
     what the model holds per device (its parameters, and its `eqx.nn.State` and the
-    optimizer state where there are, as the column's title says), the peak (a lower
-    bound from XLA:CPU), communication per step and the estimate on an H100, or on
+    optimizer state where there are, as the column's title says), the peak (what
+    XLA:CPU allocates, or XLA:TPU's own on a slice: `Memory.peak_includes`),
+    communication per step and the estimate on an H100, or on
     each slice's chip (the last three with a step to compile)."""
     from rich.table import Table
     from rich.text import Text

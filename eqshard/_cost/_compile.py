@@ -192,9 +192,10 @@ def _bytes(rows: Any) -> int:
     return sum(row.bytes_per_device or 0 for row in rows)
 
 
-def read_memory(held: Held, compiled: Compiled) -> Memory:
+def read_memory(held: Held, compiled: Compiled, platform: str) -> Memory:
     """The step's memory per device: the layouts' bytes by part, and XLA's memory
-    analysis split into device and host memory (see `Memory`)."""
+    analysis split into device and host memory, read as `platform`'s compiler (`"cpu"`,
+    `"tpu"`, `"gpu"`) reports it (see `Memory`, whose `peak` follows the compiler)."""
     stats = memory_stats(compiled.memory)
     arguments = stats.arguments
     outputs = stats.outputs - stats.aliased
@@ -221,4 +222,5 @@ def read_memory(held: Held, compiled: Compiled) -> Memory:
         host_arguments=max(host_arguments, 0),
         host_outputs=max(host_outputs, 0),
         reported_peak=None if reported is None else max(int(reported), 0),
+        platform=platform,
     )

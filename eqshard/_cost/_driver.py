@@ -8,7 +8,8 @@ text (`_hlo/`, pure text), bytes accessed and XLA's memory analysis from the
 compiler, and a roofline estimate on a hardware profile (`_hardware.py`); what it
 gives is `_results.py`'s `Cost`. XLA's SPMD partitioner runs the same on simulated
 CPU devices as on accelerators, so the communication is known from a laptop;
-XLA:CPU reports hardly any temporaries, so the peak it gives is a lower bound. More
+XLA:CPU's own peak leaves out the temporaries it allocates, so `Memory.peak` counts
+them (what each compiler's peak is: `_results.py`'s `PEAK_RULES`). More
 devices than this process has are costed in a worker (`_process/_workers.py`).
 """
 
@@ -219,7 +220,8 @@ def cost(
     try:
         with recording_pipelines() as pipelines:
             lowered = program.lower(abstract_model, *abstract_args)
-        options = costing_options(_platform(p, on)) if compile_for == "costing" else None
+        platform = _platform(p, on)
+        options = costing_options(platform) if compile_for == "costing" else None
         compiled = compile_step(lowered, options)
     except (EqshardError, KeyboardInterrupt):
         raise
@@ -237,7 +239,7 @@ def cost(
     module = parse_hlo(compiled.text, p.mesh)
     dtypes = [row.dtype for row in held.parameters]
     return Cost(
-        memory=read_memory(held, compiled),
+        memory=read_memory(held, compiled, platform),
         collectives=read_collectives(module, p.mesh),
         flops=float(flops(module)),
         bytes_accessed=float(compiled.costs.get("bytes accessed", 0.0)),
