@@ -15,8 +15,12 @@ import jax.numpy as jnp
 import pytest
 
 import eqshard
+from eqshard._report import human_bytes
 
 MODULE = """
+import os
+import signal
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -61,6 +65,14 @@ class Stop(BaseException):
 
 def stopping_step(model, opt_state, x):
     raise Stop("a BaseException of the user's own")
+
+
+def rows():  # a batch whose activations outweigh the parameters
+    return jnp.zeros((4096, 64))
+
+
+def aborting_step(model, opt_state, x):  # a process death in the step's compile
+    os.kill(os.getpid(), signal.SIGABRT)
 
 
 def numpy_batch():  # NumPy on a JAX array: it needs values, not a trace
@@ -195,6 +207,63 @@ def test_more_than_max_memory_does_not_fit(run_cli, files):
     (check,) = json.loads(as_json.out)["checks"]
     assert check["ok"] is False
     assert check["problems"] == [{"where": specs[0], "message": message.split(": ", 1)[1]}]
+
+
+def test_max_memory_counts_the_temporaries_xla_cpu_allocates(run_cli, files):
+    """XLA:CPU's own peak is its arguments and outputs: a step whose activations
+    outweigh them needs its temporaries too, and a limit below the arguments and
+    the temporaries does not fit (it did, by the compiler's own peak)."""
+    specs, module = files
+    args = _step_args(module)
+    args[args.index(f"{module}:batch")] = f"{module}:rows"
+    _, (found,) = _checks(run_cli("check", specs[0], *args, "--format", "json"))
+    cost = found["cost"]
+    allocated = cost["arguments"] + cost["outputs"] + cost["temporaries"]
+    assert cost["peak"] == max(allocated, cost["reported_peak"]) == allocated
+    assert cost["peak_includes"].startswith("arguments + outputs + temporaries: XLA:CPU's own")
+    limit = cost["arguments"] + cost["temporaries"] - 1
+    assert cost["reported_peak"] <= limit  # what the compiler's own peak passed
+    result = run_cli("check", specs[0], *args, "--max-memory", limit)
+    assert result.code == 1
+    message = (
+        f"{specs[0]}: the step needs, by XLA:CPU, {human_bytes(cost['peak'])} per device on "
+        f"8 devices, more than --max-memory {human_bytes(limit).replace('.0 ', ' ')}: it does "
+        "not fit"
+    )
+    assert message in result.out
+    result, (bounded,) = _checks(
+        run_cli("check", specs[0], *args, "--max-memory", limit, "--format", "json")
+    )
+    assert result.code == 1
+    assert bounded["max_memory"] == {
+        "bytes": limit,
+        "from": "--max-memory",
+        "needed": cost["peak"],
+        "fits": False,
+    }
+
+
+def _checks(result):
+    return result, json.loads(result.out)["checks"]
+
+
+@pytest.mark.slow  # `python -m eqshard check --step` in a fresh interpreter
+def test_a_worker_killed_while_compiling_names_the_signal_and_the_spec(run_python, files):
+    """The step's compile ends the worker's process with SIGABRT, as XLA does where a
+    check of its own fails (here the step kills its own process while it is traced):
+    the error names the signal, and the spec and devices it was compiling under."""
+    specs, module = files
+    args = _step_args(module, "aborting_step")
+    result = run_python(["-m", "eqshard", "check", specs[0], *args, "--devices", "8"])
+    assert result.returncode == 2, result.stderr
+    assert (
+        "eqshard check: error: checking on 8 devices: the compiler aborted (SIGABRT, "
+        f"signal 6) while compiling the step under {specs[0]} on 8 devices, and its "
+        "process died without an answer; what it printed is above. XLA aborts where a "
+        "check of its own fails, as its SPMD partitioner can for a layout it cannot "
+        "partition"
+    ) in result.stderr
+    assert "Run the model's build" not in result.stderr
 
 
 @pytest.mark.parametrize("size", ["12XB", "1.5", "GB", "-1GB", "0"])

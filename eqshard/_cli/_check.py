@@ -16,7 +16,7 @@ lines (`_check_table.py`). This module imports JAX only when a check runs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import EqshardError
@@ -55,8 +55,10 @@ class CheckResult:
     `parameters`, `state` (the model's `eqx.nn.State`), `optimizer`, `gradients`,
     `host` (what of those is held in host memory), `host_arguments` and
     `host_outputs` (the step's, in host memory) and `peak` in bytes, device
-    memory only (`peak_lower_bound`, the same figure, kept for earlier readers: the compiler's own, XLA:CPU's
-    and exact from XLA:TPU), `flops` and `bytes_accessed`, `communication`
+    memory only (`peak_lower_bound`, the same figure, kept for earlier readers), with
+    `reported_peak` (the compiler's own) and `peak_includes` (what `peak` counts, as
+    `Memory.peak_includes` says: on XLA:CPU its arguments, outputs and temporaries,
+    on XLA:TPU its own peak), `flops` and `bytes_accessed`, `communication`
     (a list of `{"kind", "axes", "bytes"}`, one per kind of collective and mesh
     axes), `estimate_h100_seconds` and `estimate` (`{"hardware", "seconds"}`, on
     the target's chip, else an H100); `compiler` (whose figures these are),
@@ -192,6 +194,7 @@ def check(
     step: StepInputs | None = None,
     max_memory: int | None = None,
     batch: str | None = None,
+    compiling: Callable[[str | None], None] | None = None,
 ) -> list[CheckResult]:
     """Lays out `model` under `rules` on each device count; collects every fault.
 
@@ -208,6 +211,9 @@ def check(
     device), or on a slice without it its chip's HBM, a check whose peak (without
     `step`: its parameters per device) is more has a problem; both count device
     memory only, not leaves a rule holds in host memory (`"pinned_host"`).
+    `compiling`, where given, is told what step is compiled while it is (`"the step
+    under spec.json on 8 devices"`), then `None`: a worker that dies meanwhile (XLA
+    aborting it) is said to die compiling it (`_check_workers.py`).
     """
     import jax
 
@@ -243,7 +249,12 @@ def check(
         cost = None
         if step is not None and not planned.problems:  # one that cannot be laid out: no step
             spec = rules if on is not None else planned.plan  # a slice plans on its devices
-            cost = _cost_entry(step, model, spec, n, None if on is None else on.name, batch)
+            target = None if on is None else on.name
+            if compiling is not None:
+                compiling(f"the step under {rules.source} on {devices_text(n, target)}")
+            cost = _cost_entry(step, model, spec, n, target, batch)
+            if compiling is not None:
+                compiling(None)
         limit = _limit(max_memory, on)
         if limit is not None:
             needed = cost["peak"] if cost is not None else device_bytes_per_device(rows)
@@ -318,8 +329,8 @@ def devices_text(devices: int, target: str | None) -> str:
 
 
 def needed_text(cost: Mapping[str, Any] | None, state_leaves: int) -> str:
-    """What a check's memory is: the step's peak (the compiler's own: XLA:TPU's on a
-    slice, else XLA:CPU's), else what its parameters (and state) take."""
+    """What a check's memory is: the step's peak (`Memory.peak`: XLA:TPU's own on a
+    slice, else what XLA:CPU allocates), else what its parameters (and state) take."""
     if cost is not None:
         return "the step needs" if cost.get("target") else "the step needs, by XLA:CPU,"
     return "the parameters and state take" if state_leaves else "the parameters alone take"
@@ -382,6 +393,7 @@ def _cost_entry(
         "reported_peak": memory.reported_peak,
         "peak": memory.peak,
         "peak_lower_bound": memory.peak,
+        "peak_includes": memory.peak_includes,
         "flops": found.flops,
         "bytes_accessed": found.bytes_accessed,
         "communication": [

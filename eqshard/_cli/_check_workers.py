@@ -9,16 +9,24 @@ started on that many simulated devices (a model that sets its own device count a
 import works); TPU slices, every slice in one worker, which loads libtpu once and
 builds the model (and the step's inputs) once. This module imports JAX only in a
 worker, so the process that starts the workers never pays for it up front.
+
+A worker that compiles a step writes which one to a note file while it does
+(`check`'s `compiling`): where XLA aborts the worker's process (SIGABRT, as its
+partitioner can on a layout it cannot partition), the error names the signal and
+the spec it was compiling under, not the model's build.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+import signal
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._errors import EqshardError, whole_number
+from .._errors import EqshardError, ModelError, whole_number
 from .._process._usercode import abstract_model, step_inputs
 from .._process._workers import Worker, serve, start_worker, worker_answer
 from ._check import CheckResult, check, check_slices
@@ -121,11 +129,13 @@ def _in_one_process(
     for source, n in each:
         wanted.setdefault(source, []).append(n)
     checks = [{"spec": source, "devices": counts} for source, counts in wanted.items()]
-    worker = start_worker({**request, "checks": checks}, _ENTRY)
+    note = _note_file()
+    worker = start_worker({**request, "checks": checks, "note": note}, _ENTRY)
     from .. import _report  # noqa: F401  (JAX, for the results' rows, while it runs)
 
     counts = ", ".join(map(str, dict.fromkeys(n for _, n in each)))
-    found = _answer(f"checking on {counts}{' devices' * _all_counts(each)}", worker, timeout)
+    doing = f"checking on {counts}{' devices' * _all_counts(each)}"
+    found = _answer(doing, worker, timeout, note)
     return dict(zip([(source, n) for source, ns in wanted.items() for n in ns], found))
 
 
@@ -137,24 +147,22 @@ def _steps_in_processes(
     at_once = max(1, min(WORKERS, os.cpu_count() or 1))
     results: dict[_Key, CheckResult] = {}
     for start in range(0, len(each), at_once):
-        running = [
-            (
-                key,
-                start_worker(
-                    {**request, "checks": [{"spec": key[0], "devices": [key[1]]}]},
-                    _ENTRY,
-                ),
+        running = []
+        for key in each[start : start + at_once]:
+            note = _note_file()
+            checks = [{"spec": key[0], "devices": [key[1]]}]
+            running.append(
+                (key, start_worker({**request, "checks": checks, "note": note}, _ENTRY), note)
             )
-            for key in each[start : start + at_once]
-        ]
         try:
             if not results:  # JAX, for the results' rows, imported while the workers run
                 from .. import _report  # noqa: F401
-            for key, worker in running:
-                (results[key],) = _answer(f"checking on {key[1]} devices", worker, timeout)
+            for key, worker, note in running:
+                (results[key],) = _answer(f"checking on {key[1]} devices", worker, timeout, note)
         finally:
-            for _, worker in running:  # after an error, the rest are not needed
+            for _, worker, note in running:  # after an error, the rest are not needed
                 worker.stop()
+                _remove(note)
     return results
 
 
@@ -162,10 +170,88 @@ def _all_counts(each: Sequence[_Key]) -> bool:
     return all(isinstance(n, int) for _, n in each)
 
 
-def _answer(doing: str, worker: Worker, timeout: float) -> list[CheckResult]:
-    """The worker's results, or its error raised here."""
-    document = worker_answer(worker, timeout, doing, "Run the model's build in Python to see why")
+def _answer(doing: str, worker: Worker, timeout: float, note: str) -> list[CheckResult]:
+    """The worker's results, or its error raised here; where it died of a signal while
+    compiling a step (its `note` file names the step), a `ModelError` that says so."""
+    try:
+        document = worker_answer(
+            worker, timeout, doing, "Run the model's build in Python to see why"
+        )
+    except ModelError as error:
+        died = _died_compiling(doing, worker.process.returncode, _read(note))
+        if died is None:
+            raise
+        raise died from error
+    finally:
+        _remove(note)
     return [CheckResult.from_json(entry) for entry in document["result"]]
+
+
+# What a worker's death by a signal while it compiles most often means: the fix
+_SIGNALS: dict[int, str] = {
+    signal.SIGABRT: "XLA aborts where a check of its own fails, as its SPMD partitioner can "
+    "for a layout it cannot partition (a convolution's input split over its height or "
+    "width, say): try another layout in that spec, or report what XLA printed to JAX",
+    signal.SIGKILL: "The system kills a process so when memory runs out: check fewer "
+    "device counts at once, or on a machine with more memory",
+    signal.SIGSEGV: "The compiler crashed: report what it printed to JAX",
+}
+
+
+def _died_compiling(doing: str, code: int | None, compiling: str) -> ModelError | None:
+    """The error for a worker that ended with `code` while compiling `compiling` (the
+    step, its spec and devices): `None` where it did not die of a signal then."""
+    if code is None or code >= 0 or not compiling:
+        return None
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "an unknown signal"
+    fix = _SIGNALS.get(
+        -code, "Compile the step under that spec in Python (`eqshard.cost`) to see why"
+    )
+    if -code == signal.SIGABRT:
+        return ModelError(
+            f"{doing}: the compiler aborted ({name}, signal {-code}) while compiling "
+            f"{compiling}, and its process died without an answer; what it printed is "
+            f"above. {fix}"
+        )
+    return ModelError(
+        f"{doing}: its process died of {name} (signal {-code}) while compiling {compiling}, "
+        f"without an answer; what it printed is above. {fix}"
+    )
+
+
+def _note_file() -> str:
+    """A fresh, empty file for a worker's note of the step it compiles."""
+    handle, path = tempfile.mkstemp(prefix="eqshard-compiling-", suffix=".txt")
+    os.close(handle)
+    return path
+
+
+def _noting(path: str | None) -> Callable[[str | None], None] | None:
+    """In a worker, `check`'s `compiling`: what it compiles, written to `path` (the
+    request's `"note"`) while it does, then nothing."""
+    if path is None:
+        return None
+
+    def note(compiling: str | None) -> None:
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(compiling or "")
+
+    return note
+
+
+def _read(path: str) -> str:
+    """A worker's note: the step it was compiling, or empty."""
+    with contextlib.suppress(OSError), open(path, encoding="utf-8") as file:
+        return file.read().strip()
+    return ""
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def main_worker() -> int:
@@ -253,6 +339,7 @@ def _check_all(request: Mapping[str, Any]) -> list[CheckResult]:
             modules=modules,
         )
     limit = request.get("max_memory")
+    compiling = _noting(request.get("note"))
     results: list[CheckResult] = []
     for rules, (_, counts) in zip(specs, checks):
         results += check(
@@ -263,6 +350,7 @@ def _check_all(request: Mapping[str, Any]) -> list[CheckResult]:
             step=step,
             max_memory=None if limit is None else whole_number(limit, "max_memory"),
             batch=None if request.get("batch_spec") is None else str(request["batch_spec"]),
+            compiling=compiling,
         )
     return results
 
