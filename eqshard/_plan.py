@@ -39,6 +39,7 @@ from ._sharding import (
     AnyMesh,
     Device,
     Placement,
+    abstract_mesh,
     device_count,
     local_devices,
     mesh as build_mesh,
@@ -700,7 +701,11 @@ def spec_tree(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression
     if isinstance(spec, Plan):
         return spec.expressions
     source = FROM_FIELDS if spec is None else spec
-    resolved, problems, found = resolve(model, source, Target(len(device_tuple(None))))
+    n = len(device_tuple(None))
+    declared, problems = declared_mesh(source, n)  # its logical dims are laid out on it
+    on = None if declared is None else abstract_mesh(declared.sizes, declared.names)
+    resolved, resolving, found = resolve(model, source, Target(n, on))
+    problems += resolving
     if problems:
         raise SpecError(problems)
     warn(found)

@@ -413,6 +413,18 @@ def test_a_mesh_the_device_count_refuses_is_the_one_problem(spec):
     assert [(p.where, p.message) for p in info.value.problems] == [("<mapping>::$.mesh", REFUSED)]
 
 
+def test_spec_tree_lays_logical_dims_out_on_the_declared_mesh():
+    """As `plan` does: it said "there is no mesh; declare "mesh"" of a file declaring one,
+    and of one the device count refuses, which is now the one problem."""
+    tree = eqshard.spec_tree(Block(jax.random.key(0)), eqshard.load(LOGICAL))
+    assert str(tree.qkv) == "embed heads -> 2 heads4 embed"
+    refused = eqshard.load({**LOGICAL, "mesh": [["data", "*"], ["model", 3]]})
+    with pytest.raises(SpecError) as info:
+        eqshard.spec_tree(Block(jax.random.key(0)), refused)
+    assert [p.where for p in info.value.problems] == ["<mapping>::$.mesh"]
+    assert "needs a multiple of 3 devices, and the spec is laid out on 8" in str(info.value)
+
+
 def test_check_says_only_that_the_mesh_does_not_fit(run_cli, tmp_path):
     spec = tmp_path / "logical.eqshard.json"
     spec.write_text(json.dumps(LOGICAL))
