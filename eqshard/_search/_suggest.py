@@ -383,7 +383,7 @@ class Ranked(Sequence[Suggestion]):
         from rich.table import Table
         from rich.text import Text
 
-        on_cpu = self.target is None  # XLA:CPU's own peak, not an accelerator's
+        on_cpu = self.target is None  # XLA:CPU's peak, not an accelerator's
         peak = "peak (XLA:CPU) / device" if on_cpu else "peak / device"
         if self.limit is not None:
             peak += f" (limit {_bytes(self.limit)})"
@@ -475,7 +475,7 @@ class Ranked(Sequence[Suggestion]):
         else:
             limit = _bytes(self.limit)
             source = f"{HBM}, {limit}" if self.limit_from == HBM else f"{limit} (given)"
-            bound = ", by XLA:CPU's own peak" if self.target is None else ""
+            bound = ", by XLA:CPU's peak" if self.target is None else ""
             notes.append(f"max memory: {source} per device{bound}")
         unknown = next(
             (s.cost.unknown_text() for s in self.suggestions if s.cost and not s.cost.known), None
@@ -625,7 +625,7 @@ def rank(
     - `step`, `model`, `*args`: as for `eqshard.cost`, concrete or abstract: they
         travel to the workers abstract, once per worker.
     - `devices`: compile each candidate on this many simulated CPU devices
-        (XLA:CPU, whose peak is XLA:CPU's own).
+        (XLA:CPU, whose peak is what XLA:CPU allocates: `Memory.peak`).
     - `target`: or for this TPU slice (`"v5p:4x4x4"`), with XLA:TPU through libtpu.
     - `max_memory`: device memory per device: bytes, or a size such as `"80GB"` or
         `"75GiB"` (as `eqshard check --max-memory` reads it). By default the target
