@@ -16,12 +16,20 @@ Each is called in rounds, the three interleaved, every call waited on; the table
 gives the median seconds per call, its ratio to the floor, and how many times each
 step was traced over all its calls (once is the aim).
 
+Then a fresh `eqshard.jit(step)` is called three times as a drop-in for
+`eqx.filter_jit` is: its first call given the model, optimizer state and batch not yet
+placed, fresh from their constructors, each later call the last one's outputs. The
+line gives the seconds of those three calls against the same three from placed
+arguments (`eqshard.apply` first, inside the time), and the step's traces and compiles (`jax_log_compiles`) in each: one is
+the aim, whatever the first call's placement.
+
 Models: (a) `eqx.nn.MLP(16, 16, 32, 2)`, 6 arrays, where a call is mostly dispatch;
 (b) the demo's GPT (`eqshard demo`), 4 stacked blocks of `eqx.nn` layers, a real step.
 """
 
 import argparse
 import json
+import logging
 import statistics
 import time
 
@@ -84,6 +92,10 @@ def steps(loss, plan):
 def bench(name, model, loss, batch, rounds, calls):
     spec = eqshard.load({"eqshard": 1, "mesh": [["data", "*"]], "default": "fsdp", "rules": []})
     plan = eqshard.plan(model, spec)
+    first = {
+        label: first_calls(model, loss, batch, plan, placed)
+        for label, placed in (("unplaced", False), ("placed", True))
+    }
     optimizer, fns, traces = steps(loss, plan)
     state = eqshard.apply(optimizer.init(eqx.filter(model, eqx.is_array)), plan)
     model = eqshard.apply(model, plan)
@@ -106,13 +118,60 @@ def bench(name, model, loss, batch, rounds, calls):
     for label in fns:
         t = statistics.median(times[label])
         print(f"  {label:<14} {t * 1e6:>10.1f}us {t / floor:>8.3f} {traces[label]:>7}")
+    print(f"  {'first 3 calls':<14} {'seconds':>12} {'x placed':>8} {'traces':>7} {'compiles':>8}")
+    for label, (seconds, traced, compiled) in first.items():
+        ratio = seconds / first["placed"][0]
+        print(f"  {label:<14} {seconds:>11.2f}s {ratio:>8.3f} {traced:>7} {compiled:>8}")
     return {
         "arrays": arrays,
         "rounds": rounds,
         "calls": calls,
         "seconds": {label: statistics.median(times[label]) for label in fns},
         "traces": dict(traces),
+        "first_calls": {
+            label: {"seconds": seconds, "traces": traced, "compiles": compiled}
+            for label, (seconds, traced, compiled) in first.items()
+        },
     }
+
+
+class _Compiles(logging.Handler):
+    """Counts the compiles of programs named `name` that `jax_log_compiles` logs."""
+
+    def __init__(self, name):
+        super().__init__(logging.DEBUG)
+        self.name, self.count = name, 0
+
+    def emit(self, record):
+        if record.getMessage().startswith(f"Compiling jit({self.name})"):
+            self.count += 1
+
+
+def first_calls(model, loss, batch, plan, placed):
+    """Three calls of a fresh `eqshard.jit` step, the first given the arguments as
+    their constructors made them, or placed first by `eqshard.apply` (inside the time):
+    (seconds, traces, compiles)."""
+    optimizer, fns, traces = steps(loss, plan)
+    state = optimizer.init(eqx.filter(model, eqx.is_array))
+    counted = _Compiles("new")
+    loggers = [logging.getLogger(n) for n in ("jax._src.interpreters.pxla", "jax._src.dispatch")]
+    for logger in loggers:  # counted here, not printed
+        logger.addHandler(counted)
+        logger.propagate = False
+    try:
+        with jax.log_compiles(True), eqshard.use(plan):
+            start = time.perf_counter()
+            if placed:
+                model, state = eqshard.apply((model, state), plan)
+            for _ in range(3):
+                model, state, _ = fns["eqshard.jit"](model, state, batch)
+            jax.block_until_ready((model, state))
+            seconds = time.perf_counter() - start
+    finally:
+        for logger in loggers:
+            logger.removeHandler(counted)
+            logger.propagate = True
+    return seconds, traces["eqshard.jit"], counted.count
 
 
 def main():

@@ -154,6 +154,12 @@ def jit_table(found: Found) -> str:
     for name, r in found.items():
         s = r["seconds"]
         traces = ", ".join(str(r["traces"][label]) for label in s)
+        first = r.get("first_calls")  # absent from runs before the column
+        unplaced = placed = "unknown"
+        if first is not None:
+            f, p = first["unplaced"], first["placed"]
+            unplaced = f"{f['seconds']:.2f} s, {f['traces']} trace, {f['compiles']} compile"
+            placed = f"{p['seconds']:.2f} s ({_x(f['seconds'] / p['seconds'])})"
         rows.append(
             [
                 f"{name}, {r['arrays']} arrays",
@@ -162,10 +168,13 @@ def jit_table(found: Found) -> str:
                 _us(s["eqshard.jit"]),
                 _x(s["eqshard.jit"] / s["floor"]),
                 traces,
+                unplaced,
+                placed,
             ]
         )
     header = ["model", "floor", "old pattern", "`eqshard.jit`", "`eqshard.jit` / floor"]
-    return _table([*header, "traces"], rows)
+    firsts = ["first 3 calls, unplaced", "placed by `apply` first (unplaced / placed)"]
+    return _table([*header, "traces", *firsts], rows)
 
 
 def _rules_case(name: str) -> str:

@@ -66,6 +66,7 @@ from ._protocol import is_resolver
 from ._sharding import AnyMesh, mesh_devices, sharding
 from ._specfile._model import Rules, batch_expression
 from ._specfile._read import read_path
+from ._values import source_for
 
 __all__ = [
     "Argument",
@@ -692,7 +693,9 @@ def _move(traced: list[Any], batch: list[int], shardings: list[Any]) -> None:
         elif i in batch_leaves or not getattr(x, "committed", True):
             moved.append(i)
     if moved:
-        placed = jax.device_put([traced[i] for i in moved], [shardings[i] for i in moved])
+        targets = [shardings[i] for i in moved]
+        sources = [source_for(traced[i], target) for i, target in zip(moved, targets)]
+        placed = jax.device_put(sources, targets)  # as `eqshard.apply` places them
         for i, x in zip(moved, placed):
             traced[i] = x
 
