@@ -26,7 +26,7 @@ from types import EllipsisType
 
 from jaxtyping import AbstractArray
 
-from ._expression import Element, Expression, LeftItem, is_name_char
+from ._expression import Element, Expression, LeftItem, is_name_char, item_text
 
 __all__ = [
     "Annotation",
@@ -254,13 +254,14 @@ def contradiction(expr: Expression, annotation: Annotation) -> str | None:
     if lhs is None:
         return None
 
-    def spelled(items: Sequence[object]) -> str:
-        return " ".join("..." if i is ... else "_" if i is None else str(i) for i in items)
+    def spelled(items: Sequence[LeftItem | None]) -> str:
+        return " ".join("_" if i is None else item_text(i) for i in items)
 
     if ... in lhs or ... in annotation.items:
         return None
-    agree = len(lhs) == len(annotation.items) and all(
-        want is None or want == got for want, got in zip(annotation.items, lhs)
+    agree = len(lhs) == len(annotation.items) and all(  # a group's names are the mesh's
+        want is None or want == got or isinstance(got, tuple)
+        for want, got in zip(annotation.items, lhs)
     )
     if agree:
         return None

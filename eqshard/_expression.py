@@ -4,12 +4,21 @@ The grammar is einshard's:
 
 ```
 expression  := side "->" side  |  side          (the second form is the short form)
-left side   := (name | "...") separated by white space
+left side   := (name | group | "...") separated by white space
+group       := "(" name (white space name)* ")"
 right side  := (element | "...") separated by white space
 element     := name [count] ["*"]  |  count ["*"]  |  "*"
 name        := one or more Unicode letters or "_"
 count       := a positive integer in ASCII digits, no leading zero
 ```
+
+A group is eqshard's one addition to einshard's grammar. The array dim it stands for
+is split over each of its names' elements on the right, the first name the major one,
+as `PartitionSpec(("fsdp", "sequence"))` splits a dim over two mesh axes. So
+`"(f s) e -> f2 e s4"` cuts dim 0 into 8 blocks, and the device at `(f, e, s)` holds
+block `4 * f + s`. A group's elements need not be next to each other on the right,
+nor in the group's order. An expression without a group means exactly what it means
+to einshard 0.2.0.
 
 The parser is one hand-written loop over the characters (as in einops), so an
 error can point at the exact token that is wrong. Parsing is cached.
@@ -26,7 +35,7 @@ from typing import Literal, NamedTuple, Union
 
 from ._errors import EqshardError, ExpressionError, whole_number
 
-__all__ = ["Element", "Expression", "parse"]
+__all__ = ["Element", "Expression", "item_text", "left_names", "parse"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +65,30 @@ class Element:
         return f"{self.name or ''}{count}{'*' if self.star else ''}"
 
 
-LeftItem = Union[str, EllipsisType]
+LeftItem = Union[str, tuple[str, ...], EllipsisType]
+"""A left side's item: an axis name, a group of names (one dim over several mesh
+axes, the first the major one), or `...`."""
 RightItem = Union[Element, EllipsisType]
 
 
-def _item_text(item: LeftItem | RightItem) -> str:
-    return "..." if item is ... else str(item)
+def item_text(item: LeftItem | RightItem) -> str:
+    """An item of either side as an expression writes it: `...`, `a`, `(a b)`, `a2*`."""
+    if item is ...:
+        return "..."
+    if isinstance(item, tuple):
+        return f"({' '.join(item)})"
+    return str(item)
+
+
+def left_names(lhs: Sequence[LeftItem]) -> list[str]:
+    """Every name of a left side, a group's members in order, without `...`."""
+    names: list[str] = []
+    for item in lhs:
+        if isinstance(item, tuple):
+            names += item
+        elif isinstance(item, str):
+            names.append(item)
+    return names
 
 
 def _hash_of(expression: Expression) -> int:
@@ -155,10 +182,10 @@ class Expression:
         return (parse, (self.text or str(self),))
 
     def __str__(self) -> str:
-        rhs = " ".join(_item_text(item) for item in self.rhs)
+        rhs = " ".join(item_text(item) for item in self.rhs)
         if self.lhs is None:
             return rhs
-        lhs = " ".join(_item_text(item) for item in self.lhs)
+        lhs = " ".join(item_text(item) for item in self.lhs)
         return f"{lhs} -> {rhs}"
 
     def __repr__(self) -> str:
@@ -197,7 +224,7 @@ class Expression:
 # The tokenizer.
 # --------------------------------------------------------------------------- #
 
-_Kind = Literal["name", "count", "star", "ellipsis", "arrow", "space"]
+_Kind = Literal["name", "count", "star", "ellipsis", "arrow", "space", "open", "close"]
 
 
 class _Token(NamedTuple):
@@ -250,6 +277,9 @@ def _tokens(text: str) -> Iterator[_Token]:
         elif text.startswith("->", i):
             j = i + 2
             yield _Token("arrow", "->", i, j)
+        elif c in "()":
+            j = i + 1
+            yield _Token("open" if c == "(" else "close", c, i, j)
         else:
             raise ExpressionError(text, i, _unexpected_character(text, i))
         i = j
@@ -266,10 +296,10 @@ def _unexpected_character(text: str, i: int) -> str:
             f"{c!r} is not an ASCII digit; write counts with the digits 0-9 "
             f"(it reads as {unicodedata.digit(c, '?')})"
         )
-    if c in ",()[]{}":
+    if c in ",[]{}":
         return (
             f"unexpected character {c!r}; einshard expressions separate axes with "
-            "spaces and do not group them"
+            "spaces, and group names only with '(' and ')' on the left side"
         )
     return (
         f"unexpected character {c!r}; an expression holds axis names (letters and "
@@ -287,7 +317,7 @@ def _at(text: str, token: _Token, rule: str) -> ExpressionError:
     return ExpressionError(text, token.start, rule, length=token.end - token.start)
 
 
-def _groups(text: str, tokens: Sequence[_Token]) -> list[list[_Token]]:
+def _runs(text: str, tokens: Sequence[_Token]) -> list[list[_Token]]:
     """Splits one side's tokens into elements at white space."""
     groups: list[list[_Token]] = []
     current: list[_Token] = []
@@ -301,6 +331,77 @@ def _groups(text: str, tokens: Sequence[_Token]) -> list[list[_Token]]:
     if current:
         groups.append(current)
     return groups
+
+
+_APART = ("space", "open", "close")  # what may touch a parenthesis
+
+
+def _left_side(
+    text: str, tokens: Sequence[_Token]
+) -> tuple[tuple[LeftItem, ...], tuple[tuple[int, int], ...]]:
+    """The left side's items, groups among them, and each item's span."""
+    for before, token, after in zip([None, *tokens], tokens, [*tokens[1:], None]):
+        if token.kind == "open" and before is not None and before.kind not in _APART:
+            raise _missing_space(text, token)
+        if token.kind == "close" and after is not None and after.kind not in _APART:
+            raise _missing_space(text, after)
+    items: list[LeftItem] = []
+    spans: list[tuple[int, int]] = []
+    opened: _Token | None = None
+    members: list[str] = []
+    for run in _runs(text, _spaced(tokens)):
+        first = run[0]
+        if first.kind == "open":
+            if opened is not None:
+                raise _at(text, first, "a group inside a group; a group is one level of names")
+            opened, members = first, []
+            continue
+        if first.kind == "close":
+            if opened is None:
+                raise _at(text, first, "')' closes no group; open it with '(' before its names")
+            if not members:
+                raise ExpressionError(
+                    text,
+                    opened.start,
+                    "an empty group '()'; name the axes its dim is split over, or drop it",
+                    length=first.end - opened.start,
+                )
+            items.append(members[0] if len(members) == 1 else tuple(members))
+            spans.append((opened.start, first.end))
+            opened = None
+            continue
+        item = _parse_left(text, run)
+        if opened is None:
+            items.append(item)
+            spans.append((first.start, run[-1].end))
+        elif item is ...:
+            raise _at(
+                text,
+                first,
+                "'...' inside a group; a group names the axes one dim is split over",
+            )
+        else:
+            assert isinstance(item, str)
+            members.append(item)
+    if opened is not None:
+        raise _at(text, opened, "'(' is never closed; end the group with ')'")
+    return tuple(items), tuple(spans)
+
+
+def _spaced(tokens: Sequence[_Token]) -> list[_Token]:
+    """`tokens` with a space token around each parenthesis, so that `_runs` gives
+    each its own run: inside a group, `(a b)` and `( a b )` are one."""
+    spaced: list[_Token] = []
+    for token in tokens:
+        if token.kind in ("open", "close"):
+            spaced += [
+                _Token("space", "", token.start, token.start),
+                token,
+                _Token("space", "", token.end, token.end),
+            ]
+        else:
+            spaced.append(token)
+    return spaced
 
 
 def _parse_left(text: str, group: list[_Token]) -> LeftItem:
@@ -363,6 +464,14 @@ _ORDER = {"name": 0, "count": 1, "star": 2}
 
 
 def _parse_right(text: str, group: list[_Token]) -> RightItem:
+    for token in group:
+        if token.kind in ("open", "close"):
+            raise _at(
+                text,
+                token,
+                f"{token.text!r} on the right side; a group is written on the left, "
+                "'(a b) c', and each of its names is an element on the right, 'a2 c b4'",
+            )
     if group[0].kind == "ellipsis":
         if len(group) > 1:
             raise _missing_space(text, group[1])
@@ -448,6 +557,20 @@ def _check_unique(text: str, names: Sequence[str | None], spans, side: str) -> N
         seen.add(name)
 
 
+def _left_names_at(
+    text: str, lhs: Sequence[LeftItem], spans: Sequence[tuple[int, int]]
+) -> tuple[str, list[str | None], list[tuple[int, int]]]:
+    """`text`, the left side's names (a group's members each) and their spans (a
+    member's, its group's), as `_check_unique` takes them."""
+    names: list[str | None] = []
+    at: list[tuple[int, int]] = []
+    for item, span in zip(lhs, spans):
+        members = item if isinstance(item, tuple) else (item if isinstance(item, str) else None,)
+        names += members
+        at += [span] * len(members)
+    return text, names, at
+
+
 def _check_sides_agree(
     text: str,
     lhs: tuple[LeftItem, ...],
@@ -456,9 +579,9 @@ def _check_sides_agree(
     rhs_spans,
 ) -> None:
     right_names = {item.name for item in rhs if isinstance(item, Element)}
-    left_names = {item for item in lhs if isinstance(item, str)}
+    on_left = set(left_names(lhs))
     for item, (start, end) in zip(rhs, rhs_spans):
-        if isinstance(item, Element) and item.name is not None and item.name not in left_names:
+        if isinstance(item, Element) and item.name is not None and item.name not in on_left:
             raise ExpressionError(
                 text,
                 start,
@@ -475,6 +598,16 @@ def _check_sides_agree(
                 f"right too (write {item!r} to leave it whole)",
                 length=end - start,
             )
+        if isinstance(item, tuple):
+            for member in item:
+                if member not in right_names:
+                    raise ExpressionError(
+                        text,
+                        start,
+                        f"{member!r} of the group {item_text(item)} is not on the right; "
+                        "name each of a group's axes on the right, with its count",
+                        length=end - start,
+                    )
     if (... in lhs) != (... in rhs):
         side, items, spans = ("left", lhs, lhs_spans) if ... in lhs else ("right", rhs, rhs_spans)
         start = spans[items.index(...)][0]
@@ -510,13 +643,11 @@ def _parse_text(text: str) -> Expression:
     lhs: tuple[LeftItem, ...] | None = None
     lhs_spans: tuple[tuple[int, int], ...] = ()
     if left_tokens is not None:
-        left_groups = _groups(text, left_tokens)
-        if not left_groups:
+        lhs, lhs_spans = _left_side(text, left_tokens)
+        if not lhs:
             raise _side_error(text, max(arrow_end - 2, 0), "left")
-        lhs = tuple(_parse_left(text, group) for group in left_groups)
-        lhs_spans = tuple((group[0].start, group[-1].end) for group in left_groups)
 
-    right_groups = _groups(text, right_tokens)
+    right_groups = _runs(text, right_tokens)
     if not right_groups:
         if left_tokens is None:
             raise ExpressionError(
@@ -534,7 +665,7 @@ def _parse_text(text: str) -> Expression:
     )
     if lhs is not None:
         _check_ellipses(text, lhs, lhs_spans, "left")
-        _check_unique(text, [e if isinstance(e, str) else None for e in lhs], lhs_spans, "left")
+        _check_unique(*_left_names_at(text, lhs, lhs_spans), "left")
         _check_sides_agree(text, lhs, lhs_spans, rhs, rhs_spans)
     return Expression._parsed(lhs, rhs, text, lhs_spans, rhs_spans)
 

@@ -21,7 +21,7 @@ import operator
 from collections.abc import Iterable, Sequence
 
 from ._expression import Element, Expression
-from ._layout import Layout, layout
+from ._layout import Layout, axes_of, layout
 
 __all__ = [
     "MeshShape",
@@ -55,7 +55,7 @@ class MeshShape:
 
 def _ranges(lay: Layout) -> dict[str, tuple[int, int]]:
     """Each sharded axis of `lay` (used by a dim, of size > 1), as its range of strides."""
-    used = {axis for axis in lay.spec if axis is not None}
+    used = {axis for entry in lay.spec for axis in axes_of(entry)}
     ranges, before = {}, 1
     for axis, size in zip(lay.mesh_axes, lay.mesh_shape):
         if axis in used and size > 1:
@@ -75,16 +75,16 @@ def fit(lay: Layout, mesh: MeshShape) -> tuple[str | tuple[str, ...] | None, ...
     ends = list(itertools.accumulate(mesh.sizes, operator.mul))
     starts = [1, *ends[:-1]]
     splits = {1, *ends}
-    axes_of: dict[str, tuple[str, ...]] = {}
+    on_mesh: dict[str, tuple[str, ...]] = {}
     for axis, (lo, hi) in _ranges(lay).items():
         if lo not in splits or hi not in splits:
             return None
-        axes_of[axis] = tuple(
+        on_mesh[axis] = tuple(
             name for name, start, end in zip(mesh.names, starts, ends) if lo <= start < end <= hi
         )
     spec: list[str | tuple[str, ...] | None] = []
-    for axis in lay.spec:
-        names = axes_of.get(axis, ()) if axis is not None else ()
+    for entry in lay.spec:  # a group's axes in its order, each as the mesh axes it covers
+        names = tuple(name for axis in axes_of(entry) for name in on_mesh.get(axis, ()))
         spec.append(None if not names else names[0] if len(names) == 1 else names)
     return tuple(spec)
 

@@ -11,6 +11,10 @@ einshard's rules, which `layout` follows to the device:
    `r ** (number of stars) == devices / prod(fixed) / prod(starred counts)`.
 4. Devices fill the mesh in row-major order, and each array axis is split over the
    mesh axis of the same name. Unnamed elements replicate.
+
+And eqshard's one extension: an array axis written as a group on the left, `(a b)`, is
+split over the mesh axes of each of its names, the first the major one, as a
+`PartitionSpec` entry `("a", "b")` splits it.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import operator
 from collections.abc import Sequence
 
 from ._errors import EqshardError, whole_number
-from ._expression import Element, Expression, parse
+from ._expression import Element, Expression, item_text, parse
 
 __all__ = [
     "MAX_DEVICES",
     "MAX_ELEMENTS",
     "Layout",
+    "axes_of",
     "device_count_of",
     "integer_root",
     "layout",
@@ -67,19 +72,27 @@ class Layout:
     - `mesh_axes`: the name of each mesh axis: the element's own name, or `_<i>` for the
         i-th element of the right side when it is a standalone replication element. `_0`
         can never clash with an axis name, which has no digits.
-    - `spec`: for each array dimension, the mesh axis it is split over, or `None` for
-        the dimensions that `...` stands for.
+    - `spec`: for each array dimension, the mesh axis it is split over, the mesh axes
+        of a group (a tuple, the major first), or `None` for the dimensions that `...`
+        stands for: a `PartitionSpec`'s entries on the layout's own mesh.
     """
 
     mesh_shape: tuple[int, ...]
     mesh_axes: tuple[str, ...]
-    spec: tuple[str | None, ...]
+    spec: tuple[str | tuple[str, ...] | None, ...]
 
     @property
     def shards(self) -> tuple[int, ...]:
         """How many pieces each array dimension is cut into."""
         sizes = dict(zip(self.mesh_axes, self.mesh_shape))
-        return tuple(1 if axis is None else sizes[axis] for axis in self.spec)
+        return tuple(math.prod(sizes[axis] for axis in axes_of(entry)) for entry in self.spec)
+
+
+def axes_of(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one entry of a spec, the major first: none for `None`."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else entry
 
 
 def integer_root(value: int, degree: int) -> int | None:
@@ -200,8 +213,8 @@ def _check_rank(expr: Expression, lhs: tuple, shape: tuple[int, ...]) -> None:
             "use '...' for the rest"
         )
         if named < len(shape):  # as in a stack of layers, whose axis comes first
-            rhs = " ".join("..." if item is ... else str(item) for item in expr.rhs)
-            lhs_text = " ".join(str(name) for name in lhs)
+            rhs = " ".join(item_text(item) for item in expr.rhs)
+            lhs_text = " ".join(item_text(item) for item in lhs)
             rule += f" (for a stack of layers: '... {lhs_text} -> ... {rhs}')"
     raise expr.error(rule, _lhs_span(expr))
 
@@ -263,22 +276,36 @@ def layout(expr: str | Expression, shape: Sequence[int], n_devices: int) -> Layo
         mesh_shape.append(size)
         mesh_axes.append(axis)
 
-    spec: list[str | None] = []
-    names: list[str | None] = [name if isinstance(name, str) else None for name in expr.lhs]
+    spec: list[str | tuple[str, ...] | None] = []
+    items: list[str | tuple[str, ...] | None] = [None if i is ... else i for i in expr.lhs]
+    spans: list[tuple[int, int] | None] = list(expr.lhs_spans) or [None] * len(expr.lhs)
     if ... in expr.lhs:
         at = expr.lhs.index(...)
-        names[at : at + 1] = [None] * (len(shape) - len(expr.lhs) + 1)
-    for dim, (name, size) in enumerate(zip(names, shape)):
-        if not isinstance(name, str):
+        items[at : at + 1] = [None] * (len(shape) - len(expr.lhs) + 1)
+        spans[at : at + 1] = [None] * (len(shape) - len(expr.lhs) + 1)
+    for dim, (item, size, span) in enumerate(zip(items, shape, spans)):
+        if item is None:
             spec.append(None)
             continue
-        index, shards = axis_of[name]
+        if isinstance(item, str):
+            index, shards = axis_of[item]
+            if size % shards:
+                raise expr.error(
+                    f"axis {item!r} (dimension {dim} of shape {shape}) has size {size}, "
+                    f"which does not split into {shards} equal shards; choose a count "
+                    f"that divides {size}",
+                    expr.span_of_rhs(index),
+                )
+            spec.append(item)
+            continue
+        shards = math.prod(axis_of[name][1] for name in item)
         if size % shards:
+            parts = " x ".join(f"{name}{axis_of[name][1]}" for name in item)
             raise expr.error(
-                f"axis {name!r} (dimension {dim} of shape {shape}) has size {size}, "
-                f"which does not split into {shards} equal shards; choose a count "
-                f"that divides {size}",
-                expr.span_of_rhs(index),
+                f"the group {item_text(item)} (dimension {dim} of shape {shape}) has size "
+                f"{size}, which does not split into {parts} = {shards} equal shards; "
+                f"choose counts whose product divides {size}",
+                span,
             )
-        spec.append(name)
+        spec.append(item)
     return Layout(tuple(mesh_shape), tuple(mesh_axes), tuple(spec))

@@ -206,7 +206,7 @@ INVALID = {
         ),
         (
             "$.rules[2].expr",
-            "unexpected character ','; einshard expressions separate axes with spaces and do not group them",
+            "unexpected character ','; einshard expressions separate axes with spaces, and group names only with '(' and ')' on the left side",
             "    x, y -> x y\n     ^",
         ),
     ],

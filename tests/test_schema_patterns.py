@@ -61,19 +61,21 @@ def _escape(point: int) -> str:
 
 LETTERS = _class_body(is_name_char, chr)  # the letters as themselves, and '_'
 WHITE_SPACE = _class_body(str.isspace, _escape)
-NAME_CHAR = rf"[^0-9{WHITE_SPACE}*.>\-]"  # in a text of `characters`: a letter or '_'
+NAME_CHAR = rf"[^0-9{WHITE_SPACE}*.>\-()]"  # in a text of `characters`: a letter or '_'
 SPACE = f"[{WHITE_SPACE}]"
 
 
 def patterns() -> dict[str, str]:
     """Each `$defs` entry's pattern, as this Python's Unicode data makes it."""
     element = rf"(?:{NAME_CHAR}+(?:[1-9][0-9]*)?\*?|[1-9][0-9]*\*?|\*|\.\.\.)"
+    group = rf"\({SPACE}*{NAME_CHAR}+(?:{SPACE}+{NAME_CHAR}+)*{SPACE}*\)"
     left = rf"(?:{NAME_CHAR}+|\.\.\.)"
+    left_or_group = rf"(?:{NAME_CHAR}+|\.\.\.|{group})"
     return {
-        "characters": rf"^[{LETTERS}0-9{WHITE_SPACE}*.>\-]*{END}",
+        "characters": rf"^[{LETTERS}0-9{WHITE_SPACE}*.>\-()]*{END}",
         "name": f"^{NAME_CHAR}+{END}",
         "expression": (
-            rf"^{SPACE}*(?:{left}(?:{SPACE}+{left})*{SPACE}*->{SPACE}*)?"
+            rf"^{SPACE}*(?:{left_or_group}(?:{SPACE}+{left_or_group})*{SPACE}*->{SPACE}*)?"
             rf"{element}(?:{SPACE}+{element})*{SPACE}*{END}"
         ),
         "named_dims": rf"^{SPACE}*{left}(?:{SPACE}+{left})*{SPACE}*{END}",
@@ -157,7 +159,7 @@ def test_the_characters_are_the_parsers_letters_digits_white_space_and_signs():
     for a, b in _ranges(lambda c: True):
         for point in range(a, b + 1):
             c = chr(point)
-            takes = is_name_char(c) or "0" <= c <= "9" or c.isspace() or c in "*.>-"
+            takes = is_name_char(c) or "0" <= c <= "9" or c.isspace() or c in "*.>-()"
             assert (pattern.search(c) is not None) is takes, hex(point)
 
 
@@ -174,6 +176,9 @@ EXPRESSIONS = [
     "ⅷ -> ⅷ*", "a² -> a²", "a -> a٣", "a -> a*\n", "a\x1c->\x1ca*", "a\x85-> a*",
     "a\ufeff-> a*", "a\u2028->\u2028a*", "a -> a0", "a -> a 2 3*", "a b -> a $",
     "\U0001d465 -> \U0001d465*", "a - > a", "a -> a**", "a -> .. a",
+    "(a b) c -> a2 c b4", "( a b ) -> a2 b4", "(a) -> a2", "(a b)c -> a b c",
+    "c(a b) -> a b c", "() -> a", "(a (b c)) -> a b c", "(a ...) -> a ...",
+    "a b -> (a b)", "(é ω) -> ω* é", "(a\x1cb) -> a b",
 ]  # fmt: skip
 NAMED = [
     "... hidden embed", "hidden embed", "_ _ x", "é ω", "ⅷ", "a² b", "x1", " a ",
