@@ -32,8 +32,9 @@ from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like, is_stateful_pair
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
+from ._partition import sharding_meshes
 from ._problems import Problem
-from ._protocol import Resolver, SpecLeaf, Target
+from ._protocol import Resolver, SpecLeaf, Target, is_resolver, is_spec_leaf
 from ._resolve import Resolved, resolve
 from ._sharding import (
     AnyMesh,
@@ -331,6 +332,32 @@ def optimizer_spec(spec: Any, optimizer: Any) -> Any:
     return optimizer if optimizer is not None else declared
 
 
+def _sharding_mesh(tree: Any, devices: object) -> AnyMesh | None:
+    """The mesh of the `NamedSharding`s in a spec tree, which the plan is then made
+    on, as they hold their devices; `None` where the tree holds none.
+
+    **Raises:** `EqshardError` where they are on several meshes, or `devices=` is
+    given too.
+    """
+    meshes = sharding_meshes(jax.tree_util.tree_leaves(tree, is_leaf=is_spec_leaf))
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        shown = "; ".join(
+            " x ".join(f"{n}={s}" for n, s in zip(m.axis_names, m.axis_sizes)) for m in meshes
+        )
+        raise EqshardError(
+            f"the spec's NamedShardings are on {len(meshes)} meshes ({shown}); a plan "
+            "places every leaf on one mesh: give them one, or pass `mesh=`"
+        )
+    if devices is not None:
+        raise EqshardError(
+            "`devices=` is given, and the spec's NamedShardings hold their own devices; "
+            "pass one or the other"
+        )
+    return meshes[0]
+
+
 def make_plan(
     model: PyTree[Any],
     spec: Spec = FROM_FIELDS,
@@ -357,6 +384,8 @@ def make_plan(
     spec = read_path(spec)
     section_spec = optimizer_spec(spec, optimizer)
     target_mesh = user_mesh(mesh, devices)
+    if target_mesh is None and not (is_resolver(spec) or isinstance(spec, (str, Expression))):
+        target_mesh = _sharding_mesh(spec, devices)
     problems: list[Problem] = []
     placed_on: Placement | None
     if target_mesh is None:

@@ -12,6 +12,7 @@ raises them together.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
@@ -20,7 +21,7 @@ from ._problems import Problem
 from ._warnings import EqshardWarning
 
 if TYPE_CHECKING:
-    from jax.sharding import AbstractMesh, Mesh
+    from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 
 __all__ = [
@@ -32,13 +33,18 @@ __all__ = [
     "is_spec_leaf",
 ]
 
-SpecLeaf = Union[Expression, str, None]
-"""A leaf of a spec tree: an expression, its text, or `None` (no expression)."""
+SpecLeaf = Union[Expression, str, "PartitionSpec", "NamedSharding", None]
+"""A leaf of a spec tree: an expression, its text, JAX's own layout (a `PartitionSpec`
+on the plan's mesh, or a `NamedSharding`), or `None` (no expression)."""
 
 
 def is_spec_leaf(x: object) -> bool:
-    """Whether `x` is a leaf of a spec tree: an expression, its text, or `None`."""
-    return x is None or isinstance(x, (Expression, str))
+    """Whether `x` is a leaf of a spec tree: an expression, its text, a `PartitionSpec`,
+    a `NamedSharding`, or `None`."""
+    if x is None or isinstance(x, (Expression, str)):
+        return True
+    sharding = sys.modules.get("jax.sharding")  # no JAX imported: no JAX layout either
+    return sharding is not None and isinstance(x, (sharding.PartitionSpec, sharding.NamedSharding))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +73,9 @@ class Resolution:
     **Attributes:**
 
     - `exprs`: one spec leaf per leaf of `jax.tree_util.tree_leaves(model)`, in that
-        order: an `Expression`, its text (full or short form), or `None`. Entries for
-        leaves that are not arrays are ignored.
+        order: an `Expression`, its text (full or short form), a `PartitionSpec` (on
+        the target's mesh) or a `NamedSharding`, or `None`. Entries for leaves that are
+        not arrays are ignored.
     - `problems`: every fault found, each naming its leaf or `file::$.json.path`.
     - `warnings`: faults that do not stop the work (a rule that matched nothing).
     - `failed`: the indices of leaves that a problem leaves without an expression. They

@@ -14,12 +14,14 @@ from typing import Any
 import jax
 import jax.core
 import numpy as np
+from jax.sharding import NamedSharding
 
 from ._annotation import complete, for_rank
 from ._errors import EqshardError, ExpressionError
 from ._expression import Expression, parse
 from ._fields import LeafInfo, is_array_like, leaf_name, walk_fields
 from ._fsdp import FSDP_WORD
+from ._partition import device_count, expression_of, is_jax_layout, same_mesh, text_of
 from ._problems import Problem
 from ._protocol import Resolver, Target, is_resolver
 from ._spectree import SpecTree, not_a_spec_leaf
@@ -127,6 +129,38 @@ def _completed(item: LeafInfo, expr: Expression) -> Expression | Problem:
         return Problem.from_error(item.label, error, repr(error.expression))
 
 
+def _written(layout: Any, leaf: Any, target: Target) -> Expression | str:
+    """JAX's own layout of `leaf` (a `PartitionSpec` on the target's mesh, or a
+    `NamedSharding`) as the expression that lays it out the same way, or what is wrong."""
+    shown = text_of(layout)
+    if isinstance(layout, NamedSharding):
+        mesh, spec = layout.mesh, layout.spec
+        if target.mesh is not None and not same_mesh(mesh, target.mesh):
+            return (
+                f"{shown} is on another mesh than the plan's ("
+                + " x ".join(
+                    f"{n}={s}" for n, s in zip(target.mesh.axis_names, target.mesh.axis_sizes)
+                )
+                + "); give every leaf's sharding the plan's mesh, or write its PartitionSpec"
+            )
+    else:
+        mesh, spec = target.mesh, layout
+        if mesh is None:
+            return (
+                f"{shown} names mesh axes, and the plan has no mesh; pass `mesh=` (or "
+                "use `jax.set_mesh`), or write the leaf as an einshard expression"
+            )
+    if device_count(mesh) != target.devices:
+        return (
+            f"{shown} is on a mesh of {device_count(mesh)} devices, and the plan lays out "
+            f"{target.devices}; give the plan that mesh (`mesh=`)"
+        )
+    try:
+        return expression_of(spec, mesh.axis_names, mesh.axis_sizes, np.shape(leaf))
+    except EqshardError as error:
+        return str(error)
+
+
 def resolve(
     model: Any, spec: Any, target: Target
 ) -> tuple[Resolved, list[Problem], list[EqshardWarning]]:
@@ -170,6 +204,20 @@ def resolve(
             continue
         if isinstance(spec_leaf, Expression):
             expr = spec_leaf
+        elif is_jax_layout(spec_leaf):
+            written = _written(spec_leaf, leaves[i], target)
+            if isinstance(written, str):
+                problems.append(Problem(resolved.where(i), written))
+                resolved.failed.add(i)
+                continue
+            expr = written
+            if origins[i] is None:
+                origins[i] = text_of(spec_leaf)
+            kind = getattr(spec_leaf, "memory_kind", None)
+            if kind not in (None, "device"):  # a NamedSharding's memory is the leaf's
+                held: list[str | None] = resolved.memory or [None] * len(leaves)
+                held[i] = kind
+                resolved.memory = held
         elif isinstance(spec_leaf, str):
             try:
                 expr = parse(spec_leaf)

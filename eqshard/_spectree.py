@@ -1,4 +1,5 @@
-"""Spec trees: the model's structure with an expression at each array leaf.
+"""Spec trees: the model's structure with an expression (or JAX's own layout, a
+`PartitionSpec` or a `NamedSharding`: `_partition.py`) at each array leaf.
 
 A spec tree may be a prefix of the model, as `in_shardings` is for `jax.jit`: a
 single expression or `None` stands for a whole subtree, and one expression stands
@@ -24,12 +25,13 @@ _flatten_one = jax.tree_util.default_registry.flatten_one_level_with_keys
 
 
 def not_a_spec_leaf(x: Any) -> str:
-    """The message for a spec leaf that is neither an expression nor `None`."""
+    """The message for a spec leaf that is none of what a spec leaf may be."""
     text = repr(x)
     if len(text) > 80:
         text = f"{text[:77]}..."
     return (
-        f"the spec holds {type(x).__name__} {text}; a spec leaf is an expression, its text, or None"
+        f"the spec holds {type(x).__name__} {text}; a spec leaf is an expression, its text, "
+        "a PartitionSpec, a NamedSharding, or None"
     )
 
 

@@ -214,7 +214,7 @@ def test_structure_mismatch_names_the_first_differing_path():
     with pytest.raises(SpecError) as info:
         eqshard.plan({"a": jnp.ones(8)}, {"a": 3})
     assert str(info.value).endswith(
-        "a: the spec holds int 3; a spec leaf is an expression, its text, or None"
+        "a: the spec holds int 3; a spec leaf is an expression, its text, a PartitionSpec, a NamedSharding, or None"
     )
     with pytest.raises(SpecError) as info:
         eqshard.plan([jnp.ones(8)], (None,))
