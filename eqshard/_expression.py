@@ -8,7 +8,8 @@ left side   := (name | group | "...") separated by white space
 group       := "(" name (white space name)* ")"
 right side  := (element | "...") separated by white space
 element     := name [count] ["*"]  |  count ["*"]  |  "*"
-name        := one or more Unicode letters or "_"
+name        := one or more Unicode letters or "_"  |  "'" a letter or "_", then
+               letters, "_", ASCII digits, "-" or "." "'"
 count       := a positive integer in ASCII digits, no leading zero
 ```
 
@@ -35,7 +36,15 @@ from typing import Literal, NamedTuple, Union
 
 from ._errors import EqshardError, ExpressionError, whole_number
 
-__all__ = ["Element", "Expression", "item_text", "left_names", "parse"]
+__all__ = [
+    "Element",
+    "Expression",
+    "is_logical_name",
+    "item_text",
+    "left_names",
+    "name_text",
+    "parse",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +71,8 @@ class Element:
         # A count of 1 is implied, except for a lone "1", which needs its digit.
         implied = self.count == 1 and (self.name is not None or self.star)
         count = "" if implied else str(self.count)
-        return f"{self.name or ''}{count}{'*' if self.star else ''}"
+        name = "" if self.name is None else name_text(self.name)
+        return f"{name}{count}{'*' if self.star else ''}"
 
 
 LeftItem = Union[str, tuple[str, ...], EllipsisType]
@@ -71,12 +81,22 @@ axes, the first the major one), or `...`."""
 RightItem = Union[Element, EllipsisType]
 
 
+def name_text(name: str) -> str:
+    """A name as an expression writes it: as it is where it is letters and `_`, else
+    quoted (`'dim1'`, `'row-alias'`), so that no digit of it reads as a count. A name
+    with other characters cannot be written (the parser says so)."""
+    return name if is_name(name) else f"'{name}'"
+
+
 def item_text(item: LeftItem | RightItem) -> str:
-    """An item of either side as an expression writes it: `...`, `a`, `(a b)`, `a2*`."""
+    """An item of either side as an expression writes it: `...`, `a`, `(a b)`, `a2*`,
+    `'dim1'`."""
     if item is ...:
         return "..."
     if isinstance(item, tuple):
-        return f"({' '.join(item)})"
+        return f"({' '.join(map(name_text, item))})"
+    if isinstance(item, str):
+        return name_text(item)
     return str(item)
 
 
@@ -238,6 +258,13 @@ def is_name_char(c: str) -> bool:
     return c == "_" or unicodedata.category(c)[0] == "L"
 
 
+def is_logical_name(text: str) -> bool:
+    """Whether `text` is a logical name, as of a dim in `dims` or an annotation: a
+    letter or `_`, then letters, `_`, ASCII digits, `-` or `.` (`dim1`, `row-alias`).
+    An expression writes one that is not also a name quoted (`'dim1'`)."""
+    return bool(text) and is_name_char(text[0]) and all(map(is_quoted_char, text))
+
+
 def is_name(text: str) -> bool:
     """Whether `text` is an einshard name, as of a dim or a mesh axis: letters (Unicode's
     category L) and `_`, at least one."""
@@ -246,6 +273,11 @@ def is_name(text: str) -> bool:
 
 def _is_ascii_digit(c: str) -> bool:
     return "0" <= c <= "9"
+
+
+def is_quoted_char(c: str) -> bool:
+    """Whether a quoted name may hold `c`: a letter, `_`, an ASCII digit, `-` or `.`."""
+    return is_name_char(c) or _is_ascii_digit(c) or c in "-."
 
 
 def _scan_run(text: str, i: int, pred) -> int:
@@ -280,9 +312,52 @@ def _tokens(text: str) -> Iterator[_Token]:
         elif c in "()":
             j = i + 1
             yield _Token("open" if c == "(" else "close", c, i, j)
+        elif c == "'":
+            j = _quoted_end(text, i)
+            yield _Token("name", text[i + 1 : j - 1], i, j)
         else:
             raise ExpressionError(text, i, _unexpected_character(text, i))
         i = j
+
+
+def _quoted_end(text: str, i: int) -> int:
+    """The end of the quoted name that starts at `i`, past its closing quote.
+
+    **Raises:** `ExpressionError` for a quote never closed, an empty name, a character
+    a quoted name does not hold, or `_0`, `_1`, ..., the names of replication
+    elements' mesh axes."""
+    j = i + 1
+    while j < len(text) and is_quoted_char(text[j]):
+        j += 1
+    if j == len(text):
+        raise ExpressionError(
+            text, i, "the quote is never closed; write a quoted name as 'dim1'", length=j - i
+        )
+    if text[j] != "'":
+        raise ExpressionError(
+            text,
+            j,
+            f"{text[j]!r} in a quoted name, which holds letters, '_', digits, '-' and '.'; "
+            "close it with ' before this",
+        )
+    name = text[i + 1 : j]
+    if not name:
+        raise ExpressionError(text, i, "an empty quoted name ''; write the name inside", length=2)
+    if not is_name_char(name[0]):
+        raise ExpressionError(
+            text,
+            i + 1,
+            f"the quoted name {name!r} starts with {name[0]!r}; a name starts with a letter or '_'",
+        )
+    if name[0] == "_" and name[1:].isdigit() and name[1:].isascii():
+        raise ExpressionError(
+            text,
+            i,
+            f"{name!r} is the name eqshard gives the mesh axis of a replication element; "
+            "choose another name",
+            length=j + 1 - i,
+        )
+    return j + 1
 
 
 def _unexpected_character(text: str, i: int) -> str:

@@ -8,8 +8,9 @@ one mesh axis is named after it, a dim split over several is a group of them in 
 count (consecutive ones merged, size-1 ones left out). So `P(("fsdp", "data"),
 "tensor")` on the mesh `(data=2, tensor=2, fsdp=2)` is `"(fsdp data) tensor -> data2
 tensor2 fsdp2"`, and `P("data")` for a matrix on `(data=4, model=2)` is
-`"data a -> data4 2"`. Fitted back onto the mesh, it is that `PartitionSpec` again.
-Where a mesh axis's name is not an einshard name (`"x0"`), every dim gets a letter.
+`"data a -> data4 2 a"`. Fitted back onto the mesh, it is that `PartitionSpec` again.
+A mesh axis's name that is not letters and `_` is quoted (`'x0'`); where one cannot
+name a dim at all (it holds a quote or white space), every dim gets a letter.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._errors import EqshardError
-from ._expression import Expression, is_name, parse
+from ._expression import Expression, name_text, parse
 
 __all__ = [
     "device_count",
@@ -51,6 +52,19 @@ def text_of(x: PartitionSpec | NamedSharding) -> str:
         axes = " x ".join(f"{n}={s}" for n, s in zip(x.mesh.axis_names, x.mesh.axis_sizes))
         return f"NamedSharding(P({entries}) on {axes})"
     return f"P({entries})"
+
+
+def _writable(axis: object) -> bool:
+    """Whether a mesh axis's name can name a dim in an expression (quoted where it is
+    not letters and `_`): the parser says, as it takes no quote or white space in a
+    name, nor `_0`, `_1`, ..."""
+    if not isinstance(axis, str):
+        return False
+    try:
+        parse(f"{name_text(axis)} -> {name_text(axis)}")
+    except EqshardError:
+        return False
+    return True
 
 
 def _fresh(taken: set[str]) -> str:
@@ -115,9 +129,9 @@ def expression_of(
                 f"sizes multiply to a divisor of {shape[dim]}"
             )
         groups.append(axes)
-    named = all(is_name(axis) for axis in used)
+    named = all(_writable(axis) for axis in used)
     taken: set[str] = set(names) if named else set()
-    label = {axis: axis if named else _fresh(taken) for axis in names if axis in used}
+    label = {axis: name_text(axis) if named else _fresh(taken) for axis in names if axis in used}
     lhs: list[str] = []
     whole: list[str] = []
     for axes in groups:

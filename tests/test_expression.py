@@ -195,6 +195,27 @@ ERRORS = [
     ),
     ("(a b) a -> a b", 6, 1, "axis 'a' appears twice on the left; name each axis once"),
     (
+        "'dim1 -> a",
+        5,
+        1,
+        "' ' in a quoted name, which holds letters, '_', digits, '-' and '.'; close it with ' before this",
+    ),
+    (
+        "'a/b' -> a",
+        2,
+        1,
+        "'/' in a quoted name, which holds letters, '_', digits, '-' and '.'; close it with ' before this",
+    ),
+    ("a -> 'a", 5, 2, "the quote is never closed; write a quoted name as 'dim1'"),
+    ("'' -> a", 0, 2, "an empty quoted name ''; write the name inside"),
+    ("'1a' -> a", 1, 1, "the quoted name '1a' starts with '1'; a name starts with a letter or '_'"),
+    (
+        "'_0' -> '_0'2",
+        0,
+        4,
+        "'_0' is the name eqshard gives the mesh axis of a replication element; choose another name",
+    ),
+    (
         "(a b)c -> a b c",
         5,
         1,

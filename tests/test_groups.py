@@ -36,9 +36,14 @@ def _blocks(sharding, shape):
         ("(a) b -> a2 b4", "a b -> a2 b4", ("a", "b")),  # a group of one is its name
         ("... (s f) -> ... f2 s4", "... (s f) -> ... f2 s4", (..., ("s", "f"))),
         ("(a b c) -> b2 c2 a2", "(a b c) -> b2 c2 a2", (("a", "b", "c"),)),
+        # quoted names: digits and '-' that no count can be read into
+        ("'dim1' 'row-alias' -> 'dim1'2 'row-alias'4*", None, ("dim1", "row-alias")),
+        ("('x0' 'x1') -> 'x1'2 'x0'4", None, (("x0", "x1"),)),
+        ("'a' -> 'a'2", "a -> a2", ("a",)),  # a plain name needs no quotes
     ],
 )
-def test_a_group_parses_and_prints_back(text, canonical, lhs):
+def test_a_group_or_a_quoted_name_parses_and_prints_back(text, canonical, lhs):
+    canonical = canonical or text
     expr = eqshard.parse(text)
     assert str(expr) == canonical
     assert expr.lhs == lhs

@@ -52,7 +52,8 @@ def _blocks(sharding, shape):
             "fsdp tensor -> fsdp8 tensor",
         ),
         # a mesh axis name that is no einshard name
-        ((4, 2), ("x0", "x1"), P("x1", "x0"), (8, 8), "b a -> a4 b2"),
+        ((4, 2), ("x0", "x1"), P("x1", "x0"), (8, 8), "'x1' 'x0' -> 'x0'4 'x1'2"),
+        ((4, 2), ("x 0", "x1"), P("x1", "x 0"), (8, 8), "b a -> a4 b2"),
     ],
 )
 def test_a_partition_spec_is_laid_out_as_jax_lays_it_out(

@@ -61,18 +61,20 @@ def _escape(point: int) -> str:
 
 LETTERS = _class_body(is_name_char, chr)  # the letters as themselves, and '_'
 WHITE_SPACE = _class_body(str.isspace, _escape)
-NAME_CHAR = rf"[^0-9{WHITE_SPACE}*.>\-()]"  # in a text of `characters`: a letter or '_'
+NAME_CHAR = rf"[^0-9{WHITE_SPACE}*.>\-()']"  # in a text of `characters`: a letter or '_'
 SPACE = f"[{WHITE_SPACE}]"
 
 
 def patterns() -> dict[str, str]:
     """Each `$defs` entry's pattern, as this Python's Unicode data makes it."""
-    element = rf"(?:{NAME_CHAR}+(?:[1-9][0-9]*)?\*?|[1-9][0-9]*\*?|\*|\.\.\.)"
-    group = rf"\({SPACE}*{NAME_CHAR}+(?:{SPACE}+{NAME_CHAR}+)*{SPACE}*\)"
+    quoted = rf"'(?!_[0-9]+')[^0-9{WHITE_SPACE}*.>\-()'][^{WHITE_SPACE}*>()']*'"
+    name = rf"(?:{NAME_CHAR}+|{quoted})"
+    element = rf"(?:{name}(?:[1-9][0-9]*)?\*?|[1-9][0-9]*\*?|\*|\.\.\.)"
+    group = rf"\({SPACE}*{name}(?:{SPACE}+{name})*{SPACE}*\)"
     left = rf"(?:{NAME_CHAR}+|\.\.\.)"
-    left_or_group = rf"(?:{NAME_CHAR}+|\.\.\.|{group})"
+    left_or_group = rf"(?:{name}|\.\.\.|{group})"
     return {
-        "characters": rf"^[{LETTERS}0-9{WHITE_SPACE}*.>\-()]*{END}",
+        "characters": rf"^[{LETTERS}0-9{WHITE_SPACE}*.>\-()']*{END}",
         "name": f"^{NAME_CHAR}+{END}",
         "expression": (
             rf"^{SPACE}*(?:{left_or_group}(?:{SPACE}+{left_or_group})*{SPACE}*->{SPACE}*)?"
@@ -159,7 +161,7 @@ def test_the_characters_are_the_parsers_letters_digits_white_space_and_signs():
     for a, b in _ranges(lambda c: True):
         for point in range(a, b + 1):
             c = chr(point)
-            takes = is_name_char(c) or "0" <= c <= "9" or c.isspace() or c in "*.>-()"
+            takes = is_name_char(c) or "0" <= c <= "9" or c.isspace() or c in "*.>-()'"
             assert (pattern.search(c) is not None) is takes, hex(point)
 
 
@@ -179,6 +181,9 @@ EXPRESSIONS = [
     "(a b) c -> a2 c b4", "( a b ) -> a2 b4", "(a) -> a2", "(a b)c -> a b c",
     "c(a b) -> a b c", "() -> a", "(a (b c)) -> a b c", "(a ...) -> a ...",
     "a b -> (a b)", "(é ω) -> ω* é", "(a\x1cb) -> a b",
+    "'dim1' 'row-alias' -> 'dim1'2 'row-alias'4*", "'a.b' -> 'a.b'", "'1a' -> '1a'",
+    "'_0' -> '_0'", "'_0a' -> '_0a'", "'' -> a", "'a b' -> a", "'a/b' -> 'a/b'",
+    "('x0' 'x1') -> 'x1'2 'x0'4", "'a*' -> a", "'a -> a", "'é-1' -> 'é-1'2",
 ]  # fmt: skip
 NAMED = [
     "... hidden embed", "hidden embed", "_ _ x", "é ω", "ⅷ", "a² b", "x1", " a ",
