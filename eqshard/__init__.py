@@ -29,12 +29,13 @@ from ._fsdp import FSDP as FSDP
 from ._layout import Layout as Layout, layout as layout
 from ._problems import Problem as Problem
 from ._protocol import SpecLeaf as SpecLeaf
-from ._specfile._model import Rule as Rule, Rules as Rules
+from ._specfile._model import BatchRules as BatchRules, Rule as Rule, Rules as Rules
 from ._specfile._read import load as load
 from ._specfile._schema import schema as schema
 from ._specfile._write import dump as dump
 from ._warnings import (
     EqshardWarning as EqshardWarning,
+    IndivisibleBatchWarning as IndivisibleBatchWarning,
     MeshWarning as MeshWarning,
     UnusedRule as UnusedRule,
     UnusedRuleWarning as UnusedRuleWarning,
@@ -133,6 +134,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "FROM_FIELDS",
     "FSDP",
     "HARDWARE",
+    "BatchRules",
     "Collective",
     "Cost",
     "Devices",
@@ -144,6 +146,7 @@ __all__ = [  # the public API: `help(eqshard)` and `dir(eqshard)` list it
     "Expression",
     "ExpressionError",
     "Hardware",
+    "IndivisibleBatchWarning",
     "Layout",
     "LeafChange",
     "Match",

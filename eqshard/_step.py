@@ -8,8 +8,10 @@ like it take them too. In an optimizer state they take the optimizer section's. 
 model's `eqx.nn.State` takes its own layouts. An argument that holds nothing of the
 model's is the batch (`Batches`). A batch leaf the data loader already placed on the
 plan's devices keeps its sharding. The others take `batch=`, else the spec file's
-`"batch"`, else data parallel. These are the compiled program's input shardings
-(`jax.jit`'s `in_shardings`).
+`"batch"`, else data parallel: an expression for every leaf, or `BatchRules`, leaf by
+leaf by its path within its argument (the rules' paths matched by `_paths`' one
+matcher, as a file's top-level rules are). These are the compiled program's input
+shardings (`jax.jit`'s `in_shardings`).
 
 The outputs are laid out the same way, by structure; anything that holds nothing of the
 model's is replicated. They are held there by a constraint at the end of the traced
@@ -59,14 +61,24 @@ from ._constrain import constrained
 from ._derive import plan_for, plan_for_outputs
 from ._errors import EqshardError, ExpressionError, SpecError
 from ._expression import Expression
-from ._fields import is_array_like, is_stateful_pair
+from ._fields import is_array_like, is_stateful_pair, leaf_name
+from ._paths._closest import Guesses
+from ._paths._names import name as path_name, segments
 from ._plan import Plan, Planned, placing, plan as make_plan_or_raise
-from ._problems import Problem
+from ._problems import Problem, named
 from ._protocol import is_resolver
-from ._sharding import AnyMesh, mesh_devices, sharding
-from ._specfile._model import Rules, batch_expression
+from ._sharding import AnyMesh, device_count, mesh_devices, sharding
+from ._specfile._model import BatchRules, Rule, Rules, batch_expression
 from ._specfile._read import read_path
 from ._values import source_for
+from ._warnings import (
+    EqshardWarning,
+    IndivisibleBatchWarning,
+    UnusedRule,
+    UnusedRuleWarning,
+    unused_message,
+    warn,
+)
 
 __all__ = [
     "Argument",
@@ -74,6 +86,7 @@ __all__ = [
     "Donate",
     "Step",
     "abstract_array",
+    "batch_layout",
     "batch_sharding",
     "data_parallel",
     "is_built",
@@ -132,27 +145,146 @@ def batch_sharding(shape: tuple[int, ...], expr: str | None, p: Plan) -> NamedSh
 class Batches:
     """Lays out a step's batch: by `batch=` where it is given; else a leaf already
     placed on the plan's devices keeps its sharding, and the others follow the spec
-    file's `"batch"`, else `data_parallel`. `used` is the expression that laid out a
-    leaf, if any did."""
+    file's `"batch"`, else `data_parallel`. A layout is one expression for every
+    leaf, or `BatchRules`: each leaf by the first rule whose path matches its path
+    within its argument, else by their default (`expr`; `None` under `"error"`),
+    and a leaf that layout does not divide as their `indivisible` says.
 
-    def __init__(self, batch: str | None, p: Plan) -> None:
+    `used` is what laid out a leaf, if anything did: the expression, or the rules'
+    place (`model.eqshard.json::$.batch`). `whole` names the leaves the rules left
+    whole; `warnings()` gives them, and the rules that matched no leaf."""
+
+    def __init__(self, batch: str | Expression | BatchRules | None, p: Plan) -> None:
         self.given = batch is not None
         if batch is None:  # a plan made from `Rules` (or `cost`'s spec, planned here)
-            declared = p.spec.batch if isinstance(p.spec, Rules) else None
-            batch = data_parallel(p) if declared is None else str(declared)
-        self.expr = str(batch)
+            batch = p.spec.batch if isinstance(p.spec, Rules) else None
+        self.rules = batch if isinstance(batch, BatchRules) else None
+        default: Any = batch if self.rules is None else self.rules.default
+        self.expr: str | None = (
+            data_parallel(p)
+            if default is None
+            else "... -> * ..."
+            if default == "replicate"
+            else None
+            if default == "error"
+            else str(default)
+        )
         self.plan = p
         self.devices = mesh_devices(p.mesh) if p.mesh is not None else p.devices
         self.used: str | None = None
+        self.whole: list[tuple[str, str]] = []  # (where, what and by what)
+        self._matched: set[int] = set()
+        self._paths: list[tuple[str, ...]] = []
 
-    def sharding(self, x: Any) -> Any:
-        """The sharding of one batch leaf (`x` a concrete or abstract array)."""
+    def sharding(self, x: Any, path: tuple[Any, ...] = (), where: str = "the batch") -> Any:
+        """The sharding of one batch leaf (`x` a concrete or abstract array, at `path`
+        within its argument, `where` in messages), or the `Problem` that says why it
+        cannot be laid out."""
+        rule = None
+        if self.rules is not None:
+            found = segments(path)
+            self._paths.append(found)
+            rule = self.rules.rule_for(found)
+            if rule is not None:
+                self._matched.add(rule.index)
         placed = getattr(x, "sharding", None)
         if not self.given and self.placed(placed):
             return placed
-        if x.shape:  # a scalar is whole on every device, whatever the expression
-            self.used = self.expr
-        return batch_sharding(tuple(x.shape), self.expr, self.plan)
+        shape = tuple(x.shape)
+        if not shape:  # a scalar is whole on every device, whatever the expression
+            return self.plan.replicated()
+        expr = self.expr if rule is None else str(rule.expr)
+        if expr is None:  # the rules' "default": "error"
+            assert self.rules is not None
+            return Problem(
+                where,
+                f"no rule of {self.rules.where('$')} matches the batch leaf "
+                f'{leaf_name(path)} ({_what(x)}), and its "default" is "error"; add '
+                f"a rule whose path matches {leaf_name(path)!r}, or give a default",
+            )
+        try:
+            laid = batch_sharding(shape, expr, self.plan)
+        except ExpressionError as error:
+            return self._refused(x, where, expr, rule, error)
+        self.used = expr if self.rules is None else self.rules.where("$")
+        return laid
+
+    def _refused(
+        self, x: Any, where: str, expr: str, rule: Rule | None, error: ExpressionError
+    ) -> Any:
+        """A leaf `expr` cannot lay out: whole where the rules say so and the fault is
+        only that it does not divide; else the `Problem` naming it and the rule."""
+        if self.rules is None:
+            context = (
+                f"the batch {_what(x)} cannot be laid out by {expr!r}; pass "
+                "eqshard.jit(..., batch=...) an expression that splits it, or place it first"
+            )
+            return Problem.from_error(where, error, context)
+        if rule is not None:
+            place = f"$.rules[{rule.index}]"
+        else:
+            place = "$" if self.rules.default is None else "$.default"
+        by = f"{self.rules.where(place)} ({expr!r})"
+        if place == "$":
+            by = f"data parallel, the default of {by}"
+        n = self._count()
+        if not self._indivisible(tuple(x.shape), expr, n):
+            context = (
+                f"the batch {_what(x)} cannot be laid out by {by}; give it a rule that fits it"
+            )
+            return Problem.from_error(where, error, context)
+        if self.rules.indivisible == "replicate":
+            short = "data parallel" if place == "$" else f"{self.rules.section}{place[1:]}"
+            self.whole.append((where, f"{_what(x)} by {short} ({expr!r})"))
+            return self.plan.replicated()
+        context = (
+            f"the batch {_what(x)} is laid out by {by}, which does not divide it over {n} "
+            f'devices; set "indivisible": "replicate" in {self.rules.where("$")} to leave '
+            "such a leaf whole, or give it a rule that divides it (or '... -> * ...')"
+        )
+        return Problem.from_error(where, error, context)
+
+    def _count(self) -> int:
+        p = self.plan
+        return device_count(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
+
+    def _indivisible(self, shape: tuple[int, ...], expr: str, n: int) -> bool:
+        """Whether `expr` fails on `shape` only because its sizes do not divide: it
+        lays out the same rank with every size `n` times larger, which every count of
+        an expression over `n` devices divides."""
+        try:
+            batch_sharding(tuple(size * n for size in shape), expr, self.plan)
+        except ExpressionError:
+            return False
+        return True
+
+    def warnings(self) -> list[EqshardWarning]:
+        """The leaves the rules left whole, and the rules that matched no leaf (with
+        the closest rule path that matches some: a typo's fix)."""
+        if self.rules is None:
+            return []
+        found: list[EqshardWarning] = []
+        if self.whole:
+            found.append(IndivisibleBatchWarning(self.rules.where("$"), self.whole))
+        unused = [rule for rule in self.rules.rules if rule.index not in self._matched]
+        if unused and self._paths:
+            guesses = Guesses(self._paths)
+            entries = []
+            for rule in unused:
+                message = unused_message(rule.path, "the batch")
+                close = guesses.closest(rule.path)
+                if not close:
+                    entries.append(UnusedRule(rule.index, rule.path, message))
+                    continue
+                best, at = close[0]
+                leaves = tuple(dict.fromkeys(path_name(self._paths[i]) or "''" for i in at))
+                message += f"; did you mean {best!r}, which matches {named(leaves)}?"
+                suggestions = tuple(text for text, _ in close)
+                entries.append(UnusedRule(rule.index, rule.path, message, suggestions, leaves))
+            found.append(
+                UnusedRuleWarning(self.rules.source, entries, tree="the batch", section="$.batch")
+            )
+        return found
 
     def placed(self, placed: Any) -> bool:
         """Whether `placed` (a leaf's sharding) lays it out on the plan's devices,
@@ -160,6 +292,28 @@ class Batches:
         if not isinstance(placed, NamedSharding) or not isinstance(placed.mesh, Mesh):
             return False
         return isinstance(self.devices, tuple) and tuple(placed.mesh.devices.flat) == self.devices
+
+
+def batch_layout(batch: Any) -> str | BatchRules | None:
+    """`batch=` as `eqshard.jit` and `eqshard.cost` take it, checked: a complete
+    expression (as text), `BatchRules`, or `None`.
+
+    **Raises:** `ExpressionError`, with a caret, for a malformed or short
+    expression; `EqshardError` for anything else.
+    """
+    if batch is None or isinstance(batch, BatchRules):
+        return batch
+    if not isinstance(batch, (str, Expression)):
+        raise EqshardError(
+            "`batch=` is a complete expression such as 'b ... -> b* ...', or "
+            f"`eqshard.BatchRules` (rules over the batch's paths), not {type(batch).__name__}"
+        )
+    return str(batch_expression(batch))
+
+
+def _what(x: Any) -> str:
+    """A leaf's dtype and shape, as messages give them: `float32[3, 2]`."""
+    return f"{np.dtype(x.dtype).name}{list(x.shape)}"
 
 
 # -- the arguments -----------------------------------------------------------------
@@ -215,17 +369,11 @@ def _argument(
         if not is_array_like(leaf):
             shardings.append(None)
             continue
-        try:
-            shardings.append(batches.sharding(leaf))
-        except ExpressionError as error:
-            where = f"{name}{jax.tree_util.keystr(path)}"
-            context = (
-                f"the batch {np.dtype(leaf.dtype).name}{list(leaf.shape)} cannot be laid out "
-                f"by {batches.expr!r}; pass eqshard.jit(..., batch=...) an expression that "
-                "splits it, or place it first"
-            )
-            problems.append(Problem.from_error(where, error, context))
-            shardings.append(None)
+        found = batches.sharding(leaf, path, f"{name}{jax.tree_util.keystr(path)}")
+        if isinstance(found, Problem):
+            problems.append(found)
+            found = None
+        shardings.append(found)
     return Argument("batch", None, shardings), problems
 
 
@@ -239,19 +387,20 @@ def _is_model(value: Any, p: Plan) -> bool:
 
 
 def lay_out_arguments(
-    p: Plan, arguments: Sequence[tuple[str, Any]], batch: str | None = None
+    p: Plan, arguments: Sequence[tuple[str, Any]], batch: str | BatchRules | None = None
 ) -> tuple[list[Argument], Batches]:
     """Each of a step's arguments laid out by the plan (see the module's notes), the
-    first as the model where it has the model's structure.
+    first as the model where it has the model's structure; warns of batch leaves
+    that batch rules left whole, and of batch rules that matched no leaf.
 
     **Arguments:** `p`, the plan; `arguments`, `(name, value)` pairs in order;
-    `batch`, the batch's expression, if given.
+    `batch`, the batch's expression or rules, if given.
 
     **Returns:** an `Argument` for each, and the `Batches` that laid out the batch.
 
     **Raises:** `SpecError` naming each argument that the plan cannot lay out: a
     model or optimizer state whose shapes differ from the plan's, or a batch leaf
-    the batch's expression cannot split.
+    the batch's layout cannot split.
     """
     batches = Batches(batch, p)
     laid: list[Argument] = []
@@ -270,6 +419,7 @@ def lay_out_arguments(
         )
     if problems:
         raise SpecError(problems, "the step's arguments cannot be laid out by the plan")
+    warn(batches.warnings())
     return laid, batches
 
 
@@ -367,7 +517,7 @@ class Step:
     - `__wrapped__`: the function.
     - `donate`: as given to `eqshard.jit`.
     - `plan`: the plan given to `eqshard.jit`, or `None`: the active one.
-    - `batch`: the batch's expression, or `None`.
+    - `batch`: the batch's expression, its `BatchRules`, or `None`.
     """
 
     def __init__(
@@ -376,7 +526,7 @@ class Step:
         *,
         donate: Donate = "none",
         plan: Plan | None = None,
-        batch: str | Expression | None = None,
+        batch: str | Expression | BatchRules | None = None,
     ) -> None:
         if not callable(fn):
             raise EqshardError(f"`eqshard.jit` takes a function, not {type(fn).__name__}")
@@ -395,7 +545,7 @@ class Step:
         self.donate: Donate = donate
         self.donate_first, self.donate_rest, self._quiet = _DONATE[donate]
         self.plan = plan
-        self.batch = None if batch is None else str(batch_expression(batch))
+        self.batch = batch_layout(batch)
         self._plain = eqx.filter_jit(fn, donate=donate)
         try:
             self._signature: inspect.Signature | None = inspect.signature(fn)
@@ -652,7 +802,7 @@ _TRACED = object()  # a traced leaf's place among the static ones
 _CACHED = 256  # layouts kept per step, the oldest dropped first
 
 
-def _rebuilt(fn: Any, donate: Donate, batch: str | None) -> Step:
+def _rebuilt(fn: Any, donate: Donate, batch: str | BatchRules | None) -> Step:
     return Step(fn, donate=donate, batch=batch)
 
 
@@ -815,7 +965,8 @@ class Lowered:
 
     @property
     def batch(self) -> str | None:
-        """The expression that laid out a batch leaf, if any did."""
+        """The expression that laid out a batch leaf, or the place of the batch rules
+        that did (`model.eqshard.json::$.batch`); `None` where none was laid out."""
         return self.program.batches.used
 
     def __getattr__(self, name: str) -> Any:  # `cost_analysis`, `compiler_ir`, ...
@@ -864,7 +1015,7 @@ def jit(
     *,
     donate: Donate = "none",
     plan: Plan | None = None,
-    batch: str | Expression | None = None,
+    batch: str | Expression | BatchRules | None = None,
 ) -> Any:
     """`eqx.filter_jit`, with the active plan's layouts pinned on the step's inputs and
     outputs.
@@ -891,8 +1042,8 @@ def jit(
         `"warn-except-first"` or `"none"` (the default).
     - `plan`: the plan to lay the step out by, always; by default the active one (see
         "Which plan").
-    - `batch`: the batch's expression, a complete one such as `"b ... -> b* ..."`, for
-        every batch leaf, placed or not.
+    - `batch`: the batch's layout, for every batch leaf, placed or not: a complete
+        expression such as `"b ... -> b* ..."`, or `eqshard.BatchRules`, leaf by leaf.
 
     **Returns:**
 
@@ -902,7 +1053,7 @@ def jit(
     **Raises:**
 
     - `eqshard.EqshardError`: a `donate` eqx.filter_jit does not know, a `plan` that is
-        not a `Plan`, or a malformed `batch` (with a caret).
+        not a `Plan`, or a `batch` that is neither (a malformed one with a caret).
     - `eqshard.SpecError`, when called: an argument the plan cannot lay out, or one
         already placed otherwise (see "Errors").
 
@@ -933,7 +1084,9 @@ def jit(
 
         A batch leaf already placed on the plan's devices keeps its sharding. The others
         take `batch`, else the spec file's `"batch"`, else data parallel. A batch
-        committed elsewhere is moved there.
+        committed elsewhere is moved there. Batch rules lay out each leaf by its path
+        within its argument (`nodes` for `graph.nodes`), and warn of the leaves they
+        leave whole (`eqshard.IndivisibleBatchWarning`).
 
     !!! info "Tracing"
 
@@ -954,7 +1107,7 @@ def jit(
 
         When the step is called, `eqshard.SpecError` names each argument the plan cannot
         lay out: shapes that differ from the plan's model, or a batch leaf the batch's
-        expression cannot split. It also names each argument already placed otherwise
+        layout cannot split (naming the leaf, its shape and the rule). It also names each argument already placed otherwise
         than the plan lays it out.
     """
     if fn is None:

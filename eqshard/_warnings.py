@@ -20,6 +20,7 @@ from ._problems import NAMED, Problem
 
 __all__ = [
     "EqshardWarning",
+    "IndivisibleBatchWarning",
     "MeshWarning",
     "UnusedRule",
     "UnusedRuleWarning",
@@ -191,6 +192,52 @@ class MeshWarning(EqshardWarning):
 
 
 MeshWarning.__module__ = "eqshard"
+
+
+class IndivisibleBatchWarning(EqshardWarning):
+    """Batch leaves that a spec file's batch section left whole on every device, as its
+    `"indivisible": "replicate"` says: their layouts do not divide them over the
+    devices (a per-graph leaf of 3 graphs over 8 devices). One warning per step's
+    layout, naming each leaf, its shape and the rule.
+
+    **Attributes:**
+
+    - `leaves`: `(where, message)` for each leaf: the step's argument and the leaf's
+        path (`` `graph`.n_node ``), and its shape and rule.
+    - `where`, `message`: as for every `EqshardWarning`; `where` is the section
+        (`model.eqshard.json::$.batch`).
+    """
+
+    leaves: tuple[tuple[str, str], ...]
+
+    def __init__(self, where: str, leaves: Sequence[tuple[str, str]]):
+        self.leaves = tuple((place, text) for place, text in leaves)
+        shown = "; ".join(f"{place} {text}" for place, text in self.leaves[:NAMED])
+        more = len(self.leaves) - NAMED
+        if more > 0:
+            shown += f"; and {more} more: `warning.problems` lists every one"
+        super().__init__(
+            where,
+            'batch leaves left whole on every device ("indivisible": "replicate"), as '
+            f"their layouts do not divide them: {shown}",
+        )
+
+    @property
+    def problems(self) -> list[Problem]:
+        return [
+            Problem(
+                place,
+                f'{text}: left whole on every device, as {self.where}\'s "indivisible": '
+                '"replicate" says',
+            )
+            for place, text in self.leaves
+        ]
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.where, self.leaves))
+
+
+IndivisibleBatchWarning.__module__ = "eqshard"
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 

@@ -23,6 +23,7 @@ from .._errors import EqshardError
 from .._problems import Problem, problem_of
 from .._process._usercode import StepInputs, call
 from .._specfile._model import Rules
+from .._warnings import EqshardWarning
 
 if TYPE_CHECKING:
     from .._cost._targets import CompileTarget
@@ -64,7 +65,9 @@ class CheckResult:
     the target's chip, else an H100); `compiler` (whose figures these are),
     `target`, `memory_per_device` (the chip's HBM) and `fits` (the peak within
     it; `None` without a target), and `batch` (the expression the batch was laid
-    out by).
+    out by, or the place of the file's batch rules: `spec.json::$.batch`). What
+    compiling the step warned of (batch leaves its rules left whole, batch rules
+    that matched no leaf) joins `notes` and `warnings`.
 
     `target` is the TPU slice the check was made for (`--target`), whose device
     count is `devices`; `max_memory`, where there is a limit, is
@@ -236,7 +239,18 @@ def check(
         problems = list(planned.problems)
         notes: list[str] = []
         warnings: list[dict[str, Any]] = []
-        for warning in planned.warnings:
+        cost = None
+        found = list(planned.warnings)
+        if step is not None and not planned.problems:  # one that cannot be laid out: no step
+            spec = rules if on is not None else planned.plan  # a slice plans on its devices
+            target = None if on is None else on.name
+            if compiling is not None:
+                compiling(f"the step under {rules.source} on {devices_text(n, target)}")
+            cost, warned = _cost_entry(step, model, spec, n, target, batch)
+            found += warned  # the batch's: leaves its rules left whole, rules unused
+            if compiling is not None:
+                compiling(None)
+        for warning in found:
             if strict:
                 problems += [
                     Problem(p.where, f"{p.message} (--strict)", p.detail, p.file)
@@ -246,15 +260,6 @@ def check(
                 notes += [str(p) for p in warning.problems]
                 warnings += warning.to_json()
         rows = leaf_rows(planned.plan)
-        cost = None
-        if step is not None and not planned.problems:  # one that cannot be laid out: no step
-            spec = rules if on is not None else planned.plan  # a slice plans on its devices
-            target = None if on is None else on.name
-            if compiling is not None:
-                compiling(f"the step under {rules.source} on {devices_text(n, target)}")
-            cost = _cost_entry(step, model, spec, n, target, batch)
-            if compiling is not None:
-                compiling(None)
         limit = _limit(max_memory, on)
         if limit is not None:
             needed = cost["peak"] if cost is not None else device_bytes_per_device(rows)
@@ -358,28 +363,43 @@ def _memory_problem(
 
 def _cost_entry(
     step: StepInputs, model: Any, spec: Any, devices: int, target: str | None, batch: str | None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[EqshardWarning]]:
     """`eqshard.cost` of the step under `spec` (a plan on this process's devices, or
-    on a TPU `target` the rules), as `CheckResult.cost` holds it. A stateful model's
-    step takes the model alone, then the state (in `step.args`): the plan, made for
-    `(model, state)`, lays out both."""
+    on a TPU `target` the rules), as `CheckResult.cost` holds it, and eqshard's
+    warnings while it compiled (the batch's). A stateful model's step takes the
+    model alone, then the state (in `step.args`): the plan, made for `(model,
+    state)`, lays out both."""
+    import warnings
+
     from .._cost._driver import cost
     from .._fields import is_stateful_pair
 
     first = model[0] if is_stateful_pair(model) else model
     count = devices if target is None else None  # a slice has its devices
-    found = call(
-        "--step",
-        step.target,
-        f"compiling the step on {devices_text(devices, target)}",
-        lambda: cost(
-            first, *step.args, step=step.step, spec=spec, batch=batch, devices=count, target=target
-        ),
-        keep=(EqshardError,),  # the spec's faults (the optimizer state's layout), as they are
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", EqshardWarning)
+        found = call(
+            "--step",
+            step.target,
+            f"compiling the step on {devices_text(devices, target)}",
+            lambda: cost(
+                first,
+                *step.args,
+                step=step.step,
+                spec=spec,
+                batch=batch,
+                devices=count,
+                target=target,
+            ),
+            keep=(EqshardError,),  # the spec's faults (the optimizer state's layout), as they are
+        )
+    ours = [w.message for w in caught if isinstance(w.message, EqshardWarning)]
+    for w in caught:  # anything else, as it came
+        if not isinstance(w.message, EqshardWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     memory = found.memory
     estimate = found.estimate()
-    return {
+    entry = {
         "parameters": memory.parameters,
         "state": memory.state,
         "optimizer": memory.optimizer,
@@ -424,3 +444,4 @@ def _cost_entry(
         ],
         "pipeline": found.pipeline_text(),
     }
+    return entry, ours

@@ -44,7 +44,7 @@ from .._fit import mesh_text
 from .._plan import Plan, plan
 from .._problems import Problem
 from .._report import human_bytes
-from .._specfile._model import Rules
+from .._specfile._model import BatchRules, Rules
 from .._specfile._read import load
 from .._step import batch_sharding, data_parallel, jit
 from ._demo_model import (
@@ -177,8 +177,9 @@ def spec_path(name: str) -> Path:
 
 
 def batch_expression(p: Plan) -> str:
-    """How the batch is laid out under a plan: as its spec file's `"batch"` says
-    (`eqshard.cost` lays it out so too); else its leading dim split over a mesh axis
+    """How the batch is laid out under a plan: as its spec file's `"batch"` says (an
+    expression, or a section's rule for the batch's one array, whose path is empty, else
+    its default; `eqshard.cost` lays it out so too); else its leading dim split over a mesh axis
     named `data` when the spec's mesh starts with one (as `eqshard.cost` lays out a
     batch by default), else a full copy on every device.
 
@@ -196,8 +197,20 @@ def batch_expression(p: Plan) -> str:
 
     An einshard expression for the batch.
     """
-    if isinstance(p.spec, Rules) and p.spec.batch is not None:
-        return str(p.spec.batch)
+    declared = p.spec.batch if isinstance(p.spec, Rules) else None
+    if isinstance(declared, BatchRules):  # the demo's batch is one array: the empty path
+        section = declared
+        rule = section.rule_for(())
+        declared = rule.expr if rule is not None else section.default
+        if declared == "error":
+            raise EqshardError(
+                f"{section.where('$')}: no rule lays out the demo's batch, one array whose "
+                "path is empty, and the default is \"error\"; add a rule for '**'"
+            )
+        if declared == "replicate":
+            return "... -> * ..."
+    if declared is not None:
+        return str(declared)
     if p.mesh is not None and p.mesh_is_given and p.mesh.axis_names[0] == "data":
         return data_parallel(p)
     return "... -> * ..."

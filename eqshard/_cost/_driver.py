@@ -32,8 +32,8 @@ from .._pipeline import recording as recording_pipelines
 from .._plan import Plan, Spec, placing, plan
 from .._process._usercode import with_user_frames
 from .._sharding import AnyMesh, Device, device_count, on_devices
-from .._specfile._model import Rules, batch_expression
-from .._step import Donate, Step, abstract_array, planned_for
+from .._specfile._model import BatchRules, Rules
+from .._step import Donate, Step, abstract_array, batch_layout, planned_for
 from ._compile import (
     Held,
     compile_step,
@@ -55,7 +55,7 @@ def cost(
     *args: Any,
     step: Any,
     spec: Spec,
-    batch: str | Expression | None = None,
+    batch: str | Expression | BatchRules | None = None,
     mesh: AnyMesh | None = None,
     devices: int | Sequence[Device] | None = None,
     target: str | None = None,
@@ -91,7 +91,8 @@ def cost(
     - `spec`: anything `eqshard.apply` takes, a `Plan` included: a plan made for the model,
         or for `(model, state)`.
     - `batch`: the complete expression that lays out every array leaf of the batch
-        (`"b ... -> b* ..."`); without it, see "How the arguments are laid out".
+        (`"b ... -> b* ..."`), or `eqshard.BatchRules`, leaf by leaf; without it, see
+        "How the arguments are laid out".
     - `mesh`, `devices`: as for `eqshard.plan`; `devices` may be a count, more than this
         process has (see "More devices than this process has").
     - `target`: a TPU slice (`"v5e:4x4"`) to compile for with XLA:TPU, on this machine,
@@ -105,8 +106,9 @@ def cost(
 
     **Raises:**
 
-    - `eqshard.SpecError`: the spec does not lay out the model, its state or the optimizer state.
-    - `eqshard.ExpressionError`: `batch` is malformed or a short form, or lays out no batch leaf.
+    - `eqshard.SpecError`: the spec does not lay out the model, its state, the optimizer
+        state or a batch leaf (naming the leaf, its shape and the batch's rule).
+    - `eqshard.ExpressionError`: `batch` is malformed or a short form.
     - `eqshard.EqshardError`: the step cannot be costed as asked (see "Errors").
 
     !!! info "How the arguments are laid out"
@@ -123,13 +125,14 @@ def cost(
 
         The array leaves of the other arguments (the batch) are laid out by `batch`, a
         complete expression: `"b ... -> b* ..."` splits their leading dim over every
-        device, `"... -> * ..."` gives each device a whole copy. Given, it lays out
-        every batch leaf. Without it, a leaf already placed on the plan's devices (a
+        device, `"... -> * ..."` gives each device a whole copy; or by `BatchRules`,
+        each leaf by its path within its argument. Given, it lays out every batch leaf. Without it, a leaf already placed on the plan's devices (a
         `jax.Array`, or a `jax.ShapeDtypeStruct` carrying a sharding, whose
         `NamedSharding`'s mesh holds the plan's devices in the plan's order) keeps its
         sharding; the others (an array on one device, as `jnp.asarray` makes it, on
         other devices, or abstract without a sharding) are laid out by the spec file's
-        `"batch"` (`Rules.batch`, also where `spec` is a `Plan` made from `Rules`), else
+        `"batch"` (`Rules.batch`, an expression or a section of rules, also where `spec`
+        is a `Plan` made from `Rules`), else
         data parallel: their leading dim split over the first axis of a mesh the user
         or the spec file gives (the data axis, by convention), else over every device.
 
@@ -173,8 +176,8 @@ def cost(
     !!! failure "Errors"
 
         `eqshard.SpecError` when the spec does not lay out the model, its
-        `eqx.nn.State` or the optimizer state. `eqshard.ExpressionError` (with a caret)
-        when `batch` is malformed or a short form, or does not lay out a batch leaf.
+        `eqx.nn.State`, the optimizer state or a batch leaf. `eqshard.ExpressionError`
+        (with a caret) when `batch` is malformed or a short form.
         `eqshard.EqshardError`:
 
         - for a `target` that is no TPU slice, or without libtpu (saying how to
@@ -194,8 +197,7 @@ def cost(
             f"`compile_for` is 'running' (compiled as the step runs) or 'costing' "
             f"(compiled only to be costed), not {compile_for!r}"
         )
-    if batch is not None:  # checked here, with a caret, before anything is compiled
-        batch = str(batch_expression(batch))
+    batch = batch_layout(batch)  # checked here, with a caret, before anything is compiled
     on: CompileTarget | None = None
     if target is not None:
         on, mesh, devices = _on_target(target, spec, mesh, devices)
@@ -329,7 +331,7 @@ def _in_a_process_of_its_own(
     model: Any,
     args: tuple[Any, ...],
     spec: Any,
-    batch: str | None,
+    batch: str | BatchRules | None,
     devices: int,
     compile_for: str = "running",
 ) -> Cost:
@@ -362,11 +364,11 @@ def _in_a_process_of_its_own(
             "pass the spec it was made from"
         )
     work = pickled(
-        (step, unplaced(model), unplaced(args), spec),
+        (step, unplaced(model), unplaced(args), spec, batch),
         "the step, its arguments or the spec",
         "define the step at the top level of a module, or in the script being run",
     )
-    request = {"devices": devices, "batch": batch, "work": work, "compile_for": compile_for}
+    request = {"devices": devices, "work": work, "compile_for": compile_for}
     worker = start_worker(
         request, "eqshard._cost._driver:_worker", without_device_count(os.environ)
     )
@@ -396,7 +398,9 @@ def _cost_here(request: Any) -> str:
     devices = whole_number(request["devices"], "devices")
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices)
-    step, model, args, spec = unpickled(request["work"], "the step, its arguments or the spec")
+    step, model, args, spec, batch = unpickled(
+        request["work"], "the step, its arguments or the spec"
+    )
     started = len(jax.devices())  # the step's module may have started JAX with its own count
     if started < devices:
         raise EqshardError(
@@ -409,7 +413,7 @@ def _cost_here(request: Any) -> str:
         *args,
         step=step,
         spec=spec,
-        batch=request["batch"],
+        batch=batch,
         devices=devices,
         compile_for=request.get("compile_for", "running"),
     )

@@ -284,7 +284,8 @@ class Cost:
     - `hardware`: the target's chip's profile, or `None`.
     - `memory_per_device`: the target's HBM per device (`fits` compares the peak with
         it), or `None`.
-    - `batch`: the expression the batch's array leaves were laid out by, or `None` where
+    - `batch`: the expression the batch's array leaves were laid out by, or where the
+        batch rules that laid them out are (`model.eqshard.json::$.batch`); `None` where
         no leaf was (each kept its own placement, or the step takes no batch).
     - `loops`: the `while` loops whose trip count depends on values (an adaptive ODE
         solver, a fixed-point iteration).

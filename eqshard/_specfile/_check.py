@@ -76,6 +76,18 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
         )
     if path == ["batch"] and keyword in ("pattern", "type"):
         return _batch_problem(where, instance)
+    if path[:1] == ["batch"]:  # the batch section's own keys
+        if keyword == "pattern" and path[-1:] == ["expr"]:
+            return _batch_problem(where, instance)
+        if keyword == "anyOf" and path == ["batch", "default"]:
+            return _batch_default_problem(where, instance)
+        if keyword == "enum" and path == ["batch", "indivisible"]:
+            return Problem(
+                where,
+                f"{instance!r} is not what a batch leaf gets whose layout does not divide it: "
+                "'error' (the default: an error naming the leaf) or 'replicate' (a whole copy "
+                "on every device)",
+            )
     if path[:1] == ["optimizer"]:  # the section's keys are checked as the file's are
         path = path[1:]
         if keyword == "enum" and path == ["default"]:
@@ -150,19 +162,36 @@ def _named_problem(where: str, instance: Any) -> Problem:
 
 
 def _batch_problem(where: str, instance: Any) -> Problem:
-    """What is wrong with a file's `"batch"`: not text, or no complete expression
-    (with a caret under the fault)."""
+    """What is wrong with a file's `"batch"` or a batch rule's `"expr"`: neither text
+    nor a section, or no complete expression (with a caret under the fault)."""
     if not isinstance(instance, str):
         return Problem(
             where,
-            f"{instance!r} is not of type 'string'; write an einshard expression such as "
-            "'b ... -> b* ...' or '... -> * ...'",
+            f"{instance!r} is neither an einshard expression, such as 'b ... -> b* ...' or "
+            "'... -> * ...', nor a section of batch rules, such as "
+            '{"rules": [{"path": "nodes", "expr": "n ... -> n* ..."}]}',
         )
     try:
         batch_expression(instance)
     except ExpressionError as bad:
         return Problem.from_error(where, bad)
     return Problem(where, f"{instance!r} is not an einshard expression")
+
+
+def _batch_default_problem(where: str, instance: Any) -> Problem:
+    """What is wrong with a batch section's `"default"`: a malformed or short
+    expression (with a caret), or no default at all."""
+    if isinstance(instance, str) and ("->" in instance or len(instance.split()) > 1):
+        try:
+            batch_expression(instance)
+        except ExpressionError as bad:
+            return Problem.from_error(where, bad)
+    return Problem(
+        where,
+        f"{instance!r} is not a default of the batch section: 'replicate' (a whole copy on "
+        "every device), 'error', or a complete expression such as 'b ... -> b* ...'; leave "
+        "it out for data parallel",
+    )
 
 
 def _order(path: Sequence[Any]) -> list[tuple[int, int, str]]:
@@ -186,7 +215,8 @@ def _rule_problems(
     document: dict[str, Any], name: str, schema_paths: set[str]
 ) -> list[tuple[list[tuple[int, int, str]], Problem]]:
     """What the schema cannot say: each expression and path parses, and no path
-    repeats (`a.b` and `a['b']` are one path)."""
+    repeats (`a.b` and `a['b']` are one path), in the file's rules and in its
+    optimizer and batch sections."""
     problems = _rules_problems(document, name, schema_paths, [])
     section = document.get("optimizer")
     if isinstance(section, dict):
@@ -198,6 +228,15 @@ def _rule_problems(
             batch_expression(batch)
         except ExpressionError as bad:
             problems.append((_order(["batch"]), Problem.from_error(where, bad)))
+    if isinstance(batch, dict):  # its rules as the file's are: paths, repeats, expressions
+        problems += _rules_problems(batch, name, schema_paths, ["batch"])
+        default = batch.get("default")
+        where = f"{name}::$.batch.default"
+        if isinstance(default, str) and "->" in default and where not in schema_paths:
+            try:
+                batch_expression(default)
+            except ExpressionError as bad:
+                problems.append((_order(["batch", "default"]), Problem.from_error(where, bad)))
     problems += _mesh_problems(document, name)
     return problems
 
@@ -228,9 +267,10 @@ def _rules_problems(
                     parse(expr)
                 except ExpressionError as bad:
                     problems.append((order, Problem.from_error(where, bad)))
-        problems += _named_problems(
-            rule, document.get("dims"), name, schema_paths, [*at, "rules", i]
-        )
+        if at != ["batch"]:  # a batch rule has no dims by name: the schema says so
+            problems += _named_problems(
+                rule, document.get("dims"), name, schema_paths, [*at, "rules", i]
+            )
         path = rule.get("path")
         where = f"{name}::${prefix}.rules[{i}].path"
         order = _order([*at, "rules", i, "path"])

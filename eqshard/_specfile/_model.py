@@ -1,4 +1,5 @@
-"""The data of a spec file: `Rule` and `Rules`, and the batch's expression.
+"""The data of a spec file: `Rule` and `Rules`, and the batch's layout (an expression,
+or `BatchRules`: rules over the batch's own paths).
 
 `Rules` is what `load` gives and `dump` writes: path rules, a default, dims, a
 declared mesh, the batch's layout and an optimizer section, each checked when it is
@@ -10,6 +11,7 @@ made. It is a resolver, ready for any model: how rules resolve against a model i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -22,6 +24,7 @@ from .._fit import MeshShape, declared_sizes
 from .._fsdp import FSDP, FSDP_WORD
 from .._layout import device_count_of
 from .._paths._grammar import parse as parse_path
+from .._paths._match import PathIndex
 from .._problems import Problem
 from ._schema import VERSION
 
@@ -30,8 +33,11 @@ if TYPE_CHECKING:
     from .._rules import Match
 
 __all__ = [
+    "BATCH_DEFAULTS",
+    "INDIVISIBLE",
     "MEMORY_KINDS",
     "PARAMETER",
+    "BatchRules",
     "Named",
     "Rule",
     "Rules",
@@ -156,6 +162,134 @@ _DEFAULTS = ("replicate", "error", FSDP_WORD)
 MEMORY_KINDS = ("device", "pinned_host")
 """The memory kinds a rule may name: the devices' own memory, or pinned host memory."""
 
+BATCH_DEFAULTS = ("replicate", "error")
+"""The words a batch section's `default` may be, beside a complete expression."""
+
+INDIVISIBLE = ("error", "replicate")
+"""What a batch leaf gets whose layout does not divide it: an error, or a whole copy."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRules:
+    """How a training step's batch is laid out, leaf by leaf: rules over the batch's
+    own paths (a spec file's `"batch"` section), for `eqshard.jit`, `eqshard.cost`,
+    `eqshard check --step` and `eqshard.testing`.
+
+    **Example:**
+
+    ```python
+    batch = eqshard.BatchRules(
+        rules=(eqshard.Rule("{nodes,edges}", eqshard.parse("b ... -> b* ...")),),
+        default="replicate",            # per-graph leaves: whole on every device
+    )
+    step = eqshard.jit(train_step, batch=batch)
+    ```
+
+    **Attributes:**
+
+    - `rules`: `Rule`s with complete expressions, tried in order: the first whose
+        path matches a leaf's path within its argument lays it out (see "Paths").
+    - `default`: what a leaf no rule matches gets: a complete expression,
+        `"replicate"`, `"error"`, or `None`: data parallel, as with no batch layout.
+    - `indivisible`: what a leaf gets whose layout does not divide its dims over the
+        devices: `"error"` (the default), or `"replicate"` (a whole copy, named in an
+        `eqshard.IndivisibleBatchWarning`).
+    - `comment`: free text for the reader, or `None`.
+    - `source`: the file, for messages (a `Rules`' own).
+
+    **Raises:**
+
+    `eqshard.EqshardError` for a rule that is not a `Rule` or names a memory kind, or
+    a `default` or `indivisible` not listed above; `eqshard.ExpressionError`, with a
+    caret, for an expression that is not complete.
+
+    !!! info "Paths"
+
+        A batch leaf's path is within its argument, as eqshard names leaves: `nodes`
+        for `graph.nodes` (a `NamedTuple`'s or a dataclass's attribute), `x` for
+        `batch["x"]`, `0` for `batch[0]`. An argument that is one array has the
+        empty path, which `**` matches. A scalar is whole on every device.
+    """
+
+    rules: tuple[Rule, ...] = ()
+    default: Expression | str | None = None
+    indivisible: Literal["error", "replicate"] = "error"
+    comment: str | None = None
+    source: str = "<rules>"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rules, (str, Rule)) or not isinstance(self.rules, Sequence):
+            raise EqshardError(
+                f"`BatchRules.rules` is a tuple of `eqshard.Rule`, not {self.rules!r}"
+            )
+        numbered = []
+        for i, rule in enumerate(self.rules):
+            if not isinstance(rule, Rule):
+                raise EqshardError(f"`BatchRules.rules[{i}]` is an `eqshard.Rule`, not {rule!r}")
+            if not isinstance(rule.expr, Expression):
+                raise EqshardError(
+                    f"`BatchRules.rules[{i}]` ({rule.path!r}) lays out batch leaves by a "
+                    f"complete expression such as 'b ... -> b* ...', not {str(rule.expr)!r}: "
+                    "'fsdp' and dims by name lay out parameters"
+                )
+            if rule.memory is not None:
+                raise EqshardError(
+                    f"`BatchRules.rules[{i}]` ({rule.path!r}) names the memory kind "
+                    f"{rule.memory!r}; a batch is laid out in the devices' memory: drop it"
+                )
+            batch_expression(rule.expr)
+            numbered.append(rule if rule.index == i else dataclasses.replace(rule, index=i))
+        object.__setattr__(self, "rules", tuple(numbered))
+        default = self.default
+        if isinstance(default, str) and default not in BATCH_DEFAULTS and "->" not in default:
+            raise EqshardError(
+                "`BatchRules.default` is a complete expression such as 'b ... -> b* ...', "
+                f"'replicate', 'error', or None (data parallel), not {default!r}"
+            )
+        if default is not None and default not in BATCH_DEFAULTS:
+            object.__setattr__(self, "default", batch_expression(default))
+        if self.indivisible not in INDIVISIBLE:
+            raise EqshardError(
+                "`BatchRules.indivisible` is 'error' or 'replicate' (a whole copy on every "
+                f"device), not {self.indivisible!r}"
+            )
+        if self.comment is not None and not isinstance(self.comment, str):
+            raise EqshardError(f"`BatchRules.comment` is text for the reader, not {self.comment!r}")
+
+    @property
+    def section(self) -> str:
+        """Where these rules sit in their file: `"$.batch"`."""
+        return "$.batch"
+
+    def where(self, json_path: str) -> str:
+        """`file::$.batch...`: `json_path` (`"$.rules[2]"`) within the section, in messages."""
+        return f"{self.source}::{self.section}{json_path[1:]}"
+
+    def rule_for(self, segments: Sequence[str]) -> Rule | None:
+        """The first rule whose path matches a leaf's path (its segments), or `None`."""
+        position = _batch_index(tuple(rule.path for rule in self.rules)).first(segments)
+        return None if position is None else self.rules[position]
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's `"batch"` section that loads back to these rules."""
+        section: dict[str, Any] = {}
+        if self.comment is not None:
+            section["comment"] = self.comment
+        if self.default is not None:
+            section["default"] = str(self.default)
+        section["indivisible"] = self.indivisible
+        section["rules"] = [
+            {"path": r.path, "expr": str(r.expr), **({"comment": r.comment} if r.comment else {})}
+            for r in self.rules
+        ]
+        return section
+
+
+@functools.lru_cache(maxsize=64)
+def _batch_index(paths: tuple[str, ...]) -> PathIndex:
+    """The index of a batch section's rule paths, as `_rules.py` indexes a file's."""
+    return PathIndex(list(paths))
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Rules:
@@ -175,8 +309,8 @@ class Rules:
     - `source`: the file name, for messages.
     - `mesh`: the declared mesh: each axis's name and size (`None` for the one `"*"`
         axis); or `None`. The optimizer section shares its file's.
-    - `batch`: the complete `Expression` the step's batch is laid out by (see "The
-        batch").
+    - `batch`: how the step's batch is laid out: a complete `Expression` for every
+        leaf, or `BatchRules`, leaf by leaf (see "The batch").
     - `optimizer`: the file's `"optimizer"` section, itself a `Rules` (see "The
         optimizer section").
     - `section`: where these rules sit in their file: `"$"`, or `"$.optimizer"` for that
@@ -191,9 +325,11 @@ class Rules:
 
     !!! info "The batch"
 
-        `eqshard.cost` and `eqshard check --step` lay the step's batch out by `batch`.
-        `"... -> * ..."`, for one, gives every device a whole batch. `None` is their
-        default: the leading dim over the mesh's first axis.
+        `eqshard.jit`, `eqshard.cost`, `eqshard check --step` and `eqshard.testing`
+        lay the step's batch out by `batch`. `"... -> * ..."`, for one, gives every
+        device a whole batch; `BatchRules` lay out a structured batch (a graph's
+        nodes, edges and per-graph leaves) leaf by leaf. `None` is their default: the
+        leading dim over the mesh's first axis.
 
     !!! info "The optimizer section"
 
@@ -210,7 +346,7 @@ class Rules:
     dims: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     source: str = "<rules>"
     mesh: tuple[tuple[str, int | None], ...] | None = None
-    batch: Expression | None = None
+    batch: Expression | BatchRules | None = None
     optimizer: Rules | None = None
     section: str = "$"
     comment: str | None = None
@@ -228,7 +364,12 @@ class Rules:
                 "`Rules.default` is 'replicate', 'error' or 'fsdp' (or, for the optimizer "
                 "state, 'parameter'), not " + repr(self.default)
             )
-        if self.batch is not None:
+        if isinstance(self.batch, BatchRules):
+            if self.batch.source != self.source:  # the section's faults name this file
+                object.__setattr__(
+                    self, "batch", dataclasses.replace(self.batch, source=self.source)
+                )
+        elif self.batch is not None:
             object.__setattr__(self, "batch", batch_expression(self.batch))
         if self.optimizer is not None:
             if not isinstance(self.optimizer, Rules) or self.optimizer.optimizer is not None:
@@ -310,7 +451,9 @@ class Rules:
             document["dims"] = dict(self.dims)
         if self.mesh is not None:
             document["mesh"] = [[name, "*" if size is None else size] for name, size in self.mesh]
-        if self.batch is not None:
+        if isinstance(self.batch, BatchRules):
+            document["batch"] = self.batch.to_json()
+        elif self.batch is not None:
             document["batch"] = str(self.batch)
         if self.optimizer is not None:
             section = self.optimizer

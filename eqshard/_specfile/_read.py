@@ -19,7 +19,7 @@ from .._errors import EqshardError, SpecError, UnreadableError
 from .._expression import parse
 from .._problems import Problem
 from ._check import document_problems
-from ._model import PARAMETER, Named, Rule, Rules
+from ._model import PARAMETER, BatchRules, Named, Rule, Rules
 
 __all__ = ["MAX_BYTES", "is_regular", "load", "read_path"]
 
@@ -154,9 +154,22 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
         mesh=None
         if document.get("mesh") is None
         else tuple((n, None if size == "*" else int(size)) for n, size in document["mesh"]),
-        batch=None if document.get("batch") is None else parse(document["batch"]),
+        batch=_batch_of(document.get("batch"), name),
         optimizer=optimizer,
         comment=document.get("comment"),
+    )
+
+
+def _batch_of(section: Any, name: str) -> Any:
+    """A checked document's `"batch"`: an expression, `BatchRules`, or `None`."""
+    if section is None or isinstance(section, str):
+        return None if section is None else parse(section)
+    return BatchRules(
+        rules=_rules_of(section),
+        default=section.get("default"),
+        indivisible=section.get("indivisible", "error"),
+        comment=section.get("comment"),
+        source=name,
     )
 
 

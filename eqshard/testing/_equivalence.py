@@ -110,9 +110,10 @@ def assert_equivalent(
     !!! info "The batch"
 
         `batch_spec` lays out every batch leaf. By default it is the spec file's
-        `"batch"` (`Rules.batch`), as `eqshard.cost` and `eqshard.jit` take it. Else the
-        batch is data parallel: the leading dim split over the mesh's first axis (else
-        over every device). `"... -> * ..."` replicates the batch.
+        `"batch"` (`Rules.batch`: an expression, or a section of rules over the batch's
+        paths), as `eqshard.cost` and `eqshard.jit` take it. Else the batch is data
+        parallel: the leading dim split over the mesh's first axis (else over every
+        device). `"... -> * ..."` replicates the batch.
 
     !!! info "Stateful models"
 

@@ -203,11 +203,11 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
         want += update(model, opt_state, want[1])
 
     p = _plan(built, request, devices)  # a (model, state) plan lays out both
-    batch_expr, batch_from = _batch_expression(request.get("batch_spec"), p)
+    batch_layout, batch_from = _batch_layout(request.get("batch_spec"), p)
     placed = apply(built, p)
     placed_model = placed[0] if stateful else placed
     placed_opt_state = None if opt_state is None else apply(opt_state, p)
-    placed_batch = _placed_batch(batch, batch_expr, batch_from, p)
+    placed_batch = _placed_batch(batch, batch_layout, batch_from, p)
     # A spec file's rules lay out the activations the model names, as under `use`.
     # The programs `eqshard.jit` runs under the plan: its layouts in and out.
     with use(p):
@@ -232,7 +232,7 @@ def _equivalence(request: Mapping[str, Any]) -> dict[str, Any]:
 
         rest = (placed_batch,) if opt_state is None else (placed_opt_state, placed_batch)
         step = _step(loss, optimizer, stateful)
-        c = cost(placed, *rest, step=step, spec=p, batch=batch_expr)
+        c = cost(placed, *rest, step=step, spec=p, batch=batch_layout)
         result["over_budget"] = _over_budget(c.collectives, budget)
     return result
 
@@ -412,43 +412,54 @@ def _step(loss: Callable[..., Any], optimizer: Any, stateful: bool) -> Callable[
     return step_with_optimizer
 
 
-def _batch_expression(given: str | None, p: Any) -> tuple[str, str]:
-    """The expression the batch is laid out by, as `eqshard.cost` and `eqshard.jit`
-    choose it (`eqshard._step.Batches`): `batch_spec=`, else the spec file's
-    `"batch"` (`Rules.batch`, the plan's spec), else data parallel over the mesh's
-    first axis (or every device); and where it came from, for messages."""
+def _batch_layout(given: str | None, p: Any) -> tuple[Any, str]:
+    """What the batch is laid out by, as `eqshard.cost` and `eqshard.jit` choose it
+    (`eqshard._step.Batches`): `batch_spec=`, else the spec file's `"batch"` (an
+    expression or its rules: `Rules.batch`, the plan's spec), else data parallel over
+    the mesh's first axis (or every device); and where it came from, for messages."""
     from .._specfile._model import Rules
-    from .._step import Batches
+    from .._step import data_parallel
 
-    expr = Batches(given, p).expr
     if given is not None:
-        return expr, "`batch_spec=`"
+        return given, "`batch_spec=`"
     if isinstance(p.spec, Rules) and p.spec.batch is not None:
-        return expr, f'the "batch" of {p.spec.source}'
-    return expr, "data parallel, the default"
+        return p.spec.batch, f'the "batch" of {p.spec.source}'
+    return data_parallel(p), "data parallel, the default"
 
 
-def _placed_batch(batch: Any, expr: str, where: str, p: Any) -> Any:
-    """The batch laid out by `expr` (from `_batch_expression`; `where` says where it
+def _placed_batch(batch: Any, layout: Any, where: str, p: Any) -> Any:
+    """The batch laid out by `layout` (from `_batch_layout`; `where` says where it
     came from), each array leaf as `eqshard.cost` lays it out."""
     import equinox as eqx
     import jax
 
-    from .._step import batch_sharding
+    from .._problems import Problem, problem_lines
+    from .._step import Batches
+    from .._warnings import warn
 
-    def place(x: Any) -> Any:
+    batches = Batches(layout, p)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    problems: list[Problem] = []
+    leaves = []
+    for path, x in flat:
         if not eqx.is_array(x):
-            return x
-        return jax.device_put(x, batch_sharding(tuple(x.shape), expr, p))
-
-    try:
-        return jax.tree_util.tree_map(place, batch)
-    except EqshardError as error:
+            leaves.append(x)
+            continue
+        found = batches.sharding(x, path, f"batch(){jax.tree_util.keystr(path)}")
+        if isinstance(found, Problem):
+            problems.append(found)
+            continue
+        leaves.append(jax.device_put(x, found))
+    if problems:
+        faults = "\n".join(f"  {line}" for line in problem_lines(problems))
+        by = where if batches.rules is not None else f"{str(layout)!r} ({where})"
         raise EqshardError(
-            f"the batch cannot be laid out by {expr!r} ({where}): {error}\npass "
-            "`batch_spec=` (an expression for every batch leaf, which wins over a spec "
-            "file's \"batch\"; '... -> * ...' replicates it)"
-        ) from None
+            f"the batch cannot be laid out by {by}:\n{faults}\npass `batch_spec=` (an "
+            'expression for every batch leaf, which wins over a spec file\'s "batch"; '
+            "'... -> * ...' replicates it)"
+        )
+    warn(batches.warnings())
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def default_tolerance(dtype: Any) -> tuple[float, float]:
