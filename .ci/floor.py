@@ -19,7 +19,8 @@ for requirement in [*project["dependencies"], *project["optional-dependencies"][
     name, _, bound = (part.strip() for part in requirement.partition(">="))
     if name in SKIP or name == "jax[tpu]":
         continue
-    if not re.fullmatch(r"[0-9][0-9.]*", bound):
+    # X.Y, or a pre- or dev-release of it (jraph publishes only 0.0.6.dev0)
+    if not re.fullmatch(r"[0-9][0-9.]*(?:(?:a|b|rc|\.dev)[0-9]+)?", bound):
         sys.exit(f"{requirement!r} has no lower bound to pin; give it one (>=X.Y)")
     floors[name] = bound
 floors["jax[tpu]"] = floors.pop("jax")
