@@ -41,7 +41,7 @@ from ._expression import Expression
 from ._jit_key import JIT_KEY
 from ._plan import Plan, declared_mesh
 from ._problems import Problem
-from ._rules import MeshRefused, dims_expression, is_axis
+from ._rules import MeshRefused, dims_expression, is_axis, placing
 from ._sharding import (
     AnyMesh,
     Device,
@@ -57,12 +57,14 @@ from ._specfile._model import Rules
 
 __all__ = [
     "Active",
+    "NamedActivation",
     "Names",
     "activation_sharding",
     "active",
     "active_mesh",
     "is_names",
     "recording",
+    "recording_laid_out",
     "use",
 ]
 
@@ -121,6 +123,41 @@ def recording() -> Iterator[Recorded]:
     finally:
         _ACTIVE.reset(rules)
         _RECORDING.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedActivation:
+    """An activation the rules laid out by its names, while a step was traced: what
+    `eqshard.cost` and `eqshard check --step` report of it.
+
+    **Attributes:** `names`, one per axis (`None` for a free one); `shape`;
+    `expression`, its complete expression; `partition_spec`, as text; `placed`, which
+    rule placed each named dim (`"batch: $.logical_axis_rules[0] (data); embed:
+    $.dims"`), or `"$.dims"` where a file's `dims` alone did.
+    """
+
+    names: tuple[str | None, ...]
+    shape: tuple[int, ...]
+    expression: str
+    partition_spec: str
+    placed: str
+
+
+_LAID_OUT: contextvars.ContextVar[list[NamedActivation] | None] = contextvars.ContextVar(
+    "eqshard_laid_out", default=None
+)
+
+
+@contextlib.contextmanager
+def recording_laid_out() -> Iterator[list[NamedActivation]]:
+    """Records each activation the rules lay out by its names inside (once per names
+    and shape), for `eqshard.cost`."""
+    found: list[NamedActivation] = []
+    token = _LAID_OUT.set(found)
+    try:
+        yield found
+    finally:
+        _LAID_OUT.reset(token)
 
 
 RECORDED = "eqshard.activation."
@@ -323,8 +360,9 @@ def activation_sharding(
     label = f"{_text(names)} of {dtype}{list(shape)}"
     headline = f"`eqshard.constrain` cannot lay out {_text(names)} by {source}"
     given = [n for n in items if isinstance(n, str)]
+    tabled = {rule.name for rule in named.axis_rules if rule.index >= 0}
     unknown = list(dict.fromkeys(n for n in given if n not in dims))
-    if unknown:
+    if unknown and not named.logical_axis_rules:  # with a table, as Flax: whole
         mapped = ", ".join(map(repr, dims)) or "nothing"
         raise SpecError(
             [
@@ -339,14 +377,17 @@ def activation_sharding(
             ],
             headline,
         )
-    twice = next((n for n in given if given.count(n) > 1 and dims[n] is not None), None)
+    twice = next(
+        (n for n in given if given.count(n) > 1 and (dims.get(n) is not None or n in tabled)),
+        None,
+    )
     if twice is not None:
         raise SpecError(
             [
                 Problem(
                     label,
-                    f"{twice!r} names {given.count(twice)} axes, and {source}::$.dims.{twice} "
-                    f"splits it ({dims[twice]!r}); a dim is split once: give the other axes "
+                    f"{twice!r} names {given.count(twice)} axes, and {source}::"
+                    f"{_split_by(named, twice)}; a dim is split once: give the other axes "
                     "names of their own, or None to leave them free",
                 )
             ],
@@ -362,7 +403,27 @@ def activation_sharding(
     if expr is None or isinstance(expr, MeshRefused):  # not reached: every name given is
         return None  # mapped, and `_mesh` raised the problem of a declared mesh refused
     target = _laid_out(expr, shape, on, placed, label, headline, source)
+    found_so_far = _LAID_OUT.get()
+    if found_so_far is not None:
+        laid = NamedActivation(
+            _items(items),
+            shape,
+            str(expr),
+            "P(" + ", ".join(map(repr, target.spec)) + ")",
+            placing(named, annotation, on) or f"{source}::$.dims",
+        )
+        if laid not in found_so_far:
+            found_so_far.append(laid)
     return _free(x, target, [i for i, n in enumerate(items) if not isinstance(n, str)])
+
+
+def _split_by(rules: Rules, name: str) -> str:
+    """How `rules` split the dim `name`: `$.dims.embed splits it ('data')`, or the
+    table's rules of it."""
+    if name in rules.dims:
+        return f"$.dims.{name} splits it ({rules.dims[name]!r})"
+    found = [str(rule.index) for rule in rules.axis_rules if rule.name == name and rule.index >= 0]
+    return f"$.logical_axis_rules[{', '.join(found)}] split it"
 
 
 def _items(items: tuple[Name, ...]) -> tuple[str | None, ...]:

@@ -26,7 +26,7 @@ from types import EllipsisType
 
 from jaxtyping import AbstractArray
 
-from ._expression import Element, Expression, LeftItem, is_name_char, item_text
+from ._expression import Element, Expression, LeftItem, is_logical_name, item_text
 
 __all__ = [
     "Annotation",
@@ -60,15 +60,11 @@ class Annotation:
     repeated: frozenset[str] = frozenset()
 
 
-def _is_einshard_name(name: str) -> bool:
-    return bool(name) and all(is_name_char(c) for c in name)
-
-
 def _dim_item(index: int, dim: object, variadic: int | None) -> DimItem:
     if index == variadic:
         return ...
     name = getattr(dim, "name", None)  # named dims have one; fixed, symbolic and `_` don't
-    if isinstance(name, str) and _is_einshard_name(name):
+    if isinstance(name, str) and is_logical_name(name):
         return name
     return None
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from ._annotation import Annotation, complete, for_rank
 from ._errors import ExpressionError
-from ._expression import Expression, is_name, parse
+from ._expression import Expression, is_name, name_text, parse
 from ._fields import (
     LeafInfo,
     is_array_like,
@@ -48,13 +48,20 @@ from ._fields import (
 )
 from ._fit import declared_sizes
 from ._fsdp import FSDP_WORD, Over, fsdp_leaf, over
+from ._logical import AxisRule, Placed, place
 from ._paths._closest import Guesses
 from ._paths._match import PathIndex, match
 from ._paths._names import segments
 from ._problems import Problem, named
 from ._protocol import Resolution, Target
 from ._sharding import device_tuple
-from ._warnings import UnusedRule, UnusedRuleWarning, unused_message
+from ._warnings import (
+    EqshardWarning,
+    MeshWarning,
+    UnusedRule,
+    UnusedRuleWarning,
+    unused_message,
+)
 
 __all__ = [
     "MESH_REFUSED",
@@ -119,7 +126,11 @@ class RuleSet(Protocol):
     @property
     def devices(self) -> int | None: ...
     @property
-    def dims(self) -> Mapping[str, str | None]: ...
+    def dims(self) -> Mapping[str, str | tuple[str, ...] | None]: ...
+    @property
+    def logical_axis_rules(self) -> Sequence[Sequence[Any]] | None: ...  # held as pairs
+    @property
+    def axis_rules(self) -> tuple[AxisRule, ...]: ...  # dims' mesh axes, then the table
     @property
     def source(self) -> str: ...
     @property
@@ -147,6 +158,8 @@ class Match:
     - `memory`: the memory kind the matching rule names (`"pinned_host"`), else `None`
         (the device's).
     - `section`: where the rules sit in their file: `"$"`, or `"$.optimizer"`.
+    - `placed`: under `logical_axis_rules`, which rule placed each named dim
+        (`"embed: $.logical_axis_rules[4], mlp: whole (no rule)"`); else `None`.
 
     !!! info "Expressions"
 
@@ -167,6 +180,7 @@ class Match:
     fsdp: str | None = None
     memory: str | None = None
     section: str = "$"
+    placed: str | None = None
 
     @property
     def place(self) -> str | None:
@@ -184,7 +198,8 @@ class Match:
         """Where the expression came from: the `place`, with how FSDP chose it where
         it did (`"default (fsdp)"`)."""
         place = self.place
-        return place if self.fsdp is None or place is None else f"{place} ({self.fsdp})"
+        how = self.fsdp or self.placed
+        return place if how is None or place is None else f"{place} ({how})"
 
 
 @functools.lru_cache(maxsize=64)
@@ -194,12 +209,14 @@ def _index(rules: RuleSet) -> PathIndex:
 
 def _from_dims(
     rules: RuleSet, item: LeafInfo | None, mesh: Any
-) -> Expression | Problem | MeshRefused | None:
-    """The expression `dims` give a leaf, from its annotation (see `dims_expression`)."""
+) -> tuple[Expression | Problem | MeshRefused | None, str | None]:
+    """The expression `dims` give a leaf, from its annotation (see `dims_expression`),
+    and which rule placed each dim (`placing`)."""
     if item is None or item.annotation is None:
-        return None
+        return None, None
     annotation = for_rank(item.annotation, len(getattr(item.leaf, "shape", ())))
-    return dims_expression(rules, annotation, item.label, mesh)
+    found = dims_expression(rules, annotation, item.label, mesh)
+    return found, placing(rules, annotation, mesh) if isinstance(found, Expression) else None
 
 
 def _from_rule_dims(
@@ -209,8 +226,7 @@ def _from_rule_dims(
     jaxtyping annotation names its dims so (see `dims_expression`); whole where
     `dims` maps none of them."""
     shape = tuple(getattr(leaf, "shape", ()))
-    text = f"{rules.at(f'$.rules[{rule.index}]')}.dims {named.text!r}"
-    annotation = for_rank(Annotation(text, named.text, named.items), len(shape))
+    annotation = _rule_annotation(rules, rule, named, leaf)
     count = sum(1 for item in annotation.items if item is not ...)
     if count > len(shape) or (... not in annotation.items and count != len(shape)):
         return Problem(
@@ -221,6 +237,37 @@ def _from_rule_dims(
         )
     expr = dims_expression(rules, annotation, label, mesh)
     return _REPLICATE if expr is None else expr
+
+
+def _rule_annotation(rules: RuleSet, rule: PathRule, named: NamedDims, leaf: Any) -> Annotation:
+    """The annotation a rule's `"dims"` stands for, on a leaf of `leaf`'s rank."""
+    text = f"{rules.at(f'$.rules[{rule.index}]')}.dims {named.text!r}"
+    return for_rank(Annotation(text, named.text, named.items), len(getattr(leaf, "shape", ())))
+
+
+def placing(rules: RuleSet, annotation: Annotation, mesh: Any) -> str | None:
+    """Under `logical_axis_rules`, which rule placed each named dim of `annotation`,
+    for reports: `"embed: $.logical_axis_rules[4], mlp: $.dims, norm: whole (no
+    rule)"`; `None` without a table."""
+    if not rules.logical_axis_rules:
+        return None
+    placed = placed_dims(rules, annotation, mesh)
+    if placed is None:
+        return None
+    named = [d for d in annotation.items if d is not ...]
+    parts = []
+    for name, where in zip(named, placed):
+        if not isinstance(name, str):
+            continue
+        if where.rule is None:
+            parts.append(f"{name}: whole (no rule)")
+        elif where.rule.index < 0:
+            parts.append(f"{name}: {rules.at('$.dims')}")
+        else:
+            kept = ", ".join(where.axes) or "whole"
+            dropped = f", {' '.join(where.dropped)} dropped" if where.dropped else ""
+            parts.append(f"{name}: $.logical_axis_rules[{where.rule.index}] ({kept}{dropped})")
+    return "; ".join(parts) or None
 
 
 def is_axis(mapped: str | None) -> bool:
@@ -242,29 +289,53 @@ def dims_expression(
     does not fit the device count."""
     names = [d for d in annotation.items if isinstance(d, str)]
     mapped = {d: rules.dims[d] for d in names if d in rules.dims}
-    if not mapped:
+    tabled = {rule.name for rule in rules.axis_rules if rule.index >= 0}.intersection(names)
+    if not mapped and not tabled:
         return None
     where = ", ".join(f"{rules.at('$.dims')}.{d}" for d in mapped)
-    logical = {d: axis for d, axis in mapped.items() if axis is not None and is_axis(axis)}
-    if logical:
+    logical = {d: axes for d, axes in mapped.items() if axes is not None and _on_mesh(axes)}
+    if logical or tabled:
         alone = all(m is None or d in logical for d, m in mapped.items())
-        short = _logical(rules, label, logical, alone, mesh, noun)
+        single = {d: axis for d, axis in logical.items() if isinstance(axis, str)}
+        if tabled or len(single) < len(logical):  # the ordered table, or a dim over several
+            placed = _placed(rules, annotation, label, logical, alone, mesh, noun)
+            if isinstance(placed, (Problem, MeshRefused)):
+                return placed
+            try:
+                return parse(placed)
+            except ExpressionError as error:
+                return Problem.from_error(label, error, f"from {rules.source}")
+        short = _logical(rules, label, single, alone, mesh, noun)
         if isinstance(short, (Problem, MeshRefused)):
             return short
     else:  # modifiers in the annotation's order; only whole dims: replicated
         whole = all(m is None for m in mapped.values())
-        short = " ".join(["*"] * whole + [f"{d}{rules.dims.get(d) or ''}" for d in names])
+        short = " ".join(
+            ["*"] * whole + [f"{name_text(d)}{rules.dims.get(d) or ''}" for d in names]
+        )
     try:
         return complete(parse(short), annotation)
     except ExpressionError as error:
         return Problem.from_error(label, error, f"from {rules.source}::{where}")
 
 
-def _logical(
-    rules: RuleSet, label: str, logical: dict[str, str], alone: bool, mesh: Any, noun: str
-) -> str | Problem | MeshRefused:
-    """The short form that splits each dim over its mesh axis, in the mesh's order,
-    and replicates over the other axes."""
+def _on_mesh(mapped: str | tuple[str, ...] | None) -> bool:
+    """Whether a value of `dims` splits its dim over mesh axes (a name, or a tuple of
+    them), rather than being a shard modifier or whole."""
+    return isinstance(mapped, tuple) or is_axis(mapped)
+
+
+def _mesh_sizes(
+    rules: RuleSet,
+    label: str,
+    logical: Mapping[str, str | tuple[str, ...]],
+    alone: bool,
+    mesh: Any,
+    noun: str,
+) -> dict[str, int] | Problem | MeshRefused:
+    """The mesh's axis sizes, once `dims`' mesh axes for one array are checked: every
+    dim of it mapped the same way, a mesh to lay it out on, each axis on that mesh, and
+    no axis splitting two dims."""
     where = ", ".join(f"{rules.at('$.dims')}.{d}" for d in logical)
     if not alone:
         return Problem(
@@ -275,32 +346,125 @@ def _logical(
     if isinstance(mesh, MeshRefused):
         return mesh
     if mesh is None:
-        dim, axis = next(iter(logical.items()))
-        return Problem(
-            label,
-            f"{rules.where('$.dims')}.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
-            f'there is no mesh; declare "mesh" in {rules.source}, or pass `mesh=`',
+        dim, axes = next(iter(logical.items()), (None, None))
+        what = (
+            f"{rules.where('$.dims')}.{dim} maps {dim!r} to the mesh axis {axes!r}, and"
+            if dim is not None
+            else f"{rules.where('$.logical_axis_rules')} maps this {noun}'s dims to mesh axes, and"
         )
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+        return Problem(
+            label, f'{what} there is no mesh; declare "mesh" in {rules.source}, or pass `mesh=`'
+        )
+    sizes = {str(n): int(s) for n, s in zip(mesh.axis_names, mesh.axis_sizes)}
     by_axis: dict[str, str] = {}
-    for dim, axis in logical.items():
-        if axis not in sizes:
-            return Problem(
-                label,
-                f"{rules.where('$.dims')}.{dim} maps {dim!r} to the mesh axis {axis!r}, and "
-                f"the mesh has the axes {', '.join(map(repr, sizes))}; name one of them",
-            )
-        if axis in by_axis:
-            return Problem(
-                label,
-                f"{rules.source}::{where} map both {by_axis[axis]!r} and {dim!r} of this "
-                f"{noun} to the mesh axis {axis!r}; a mesh axis splits one dim of "
-                f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}",
-            )
-        by_axis[axis] = dim
+    for dim, mapped in logical.items():
+        for axis in (mapped,) if isinstance(mapped, str) else mapped:
+            if axis not in sizes:
+                return Problem(
+                    label,
+                    f"{rules.where('$.dims')}.{dim} maps {dim!r} to the mesh axis {axis!r}, "
+                    f"and the mesh has the axes {', '.join(map(repr, sizes))}; name one of them",
+                )
+            if axis in by_axis:
+                return Problem(
+                    label,
+                    f"{rules.source}::{where} map both {by_axis[axis]!r} and {dim!r} of this "
+                    f"{noun} to the mesh axis {axis!r}; a mesh axis splits one dim of "
+                    f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}",
+                )
+            by_axis[axis] = dim
+    return sizes
+
+
+def _logical(
+    rules: RuleSet, label: str, logical: dict[str, str], alone: bool, mesh: Any, noun: str
+) -> str | Problem | MeshRefused:
+    """The short form that splits each dim over its mesh axis, in the mesh's order,
+    and replicates over the other axes."""
+    sizes = _mesh_sizes(rules, label, logical, alone, mesh, noun)
+    if not isinstance(sizes, dict):
+        return sizes
+    by_axis = {axis: dim for dim, axis in logical.items()}
     return " ".join(
-        f"{by_axis[axis]}{size}" if axis in by_axis else str(size) for axis, size in sizes.items()
+        f"{name_text(by_axis[axis])}{size}" if axis in by_axis else str(size)
+        for axis, size in sizes.items()
     )
+
+
+def placed_dims(rules: RuleSet, annotation: Annotation, mesh: Any) -> tuple[Placed, ...] | None:
+    """Where `dims` and `logical_axis_rules` put each dim of `annotation` (`...`
+    left out) on `mesh`, the table's way (`_logical.place`); `None` where neither
+    names a dim of it, or there is no mesh to say."""
+    names = [d for d in annotation.items if d is not ...]
+    if (
+        mesh is None
+        or isinstance(mesh, MeshRefused)
+        or not any(rule.name in names for rule in rules.axis_rules)
+    ):
+        return None
+    sizes = {str(n): int(s) for n, s in zip(mesh.axis_names, mesh.axis_sizes)}
+    return place([d if isinstance(d, str) else None for d in names], rules.axis_rules, sizes)
+
+
+def _placed(
+    rules: RuleSet,
+    annotation: Annotation,
+    label: str,
+    logical: Mapping[str, str | tuple[str, ...]],
+    alone: bool,
+    mesh: Any,
+    noun: str,
+) -> str | Problem | MeshRefused:
+    """The complete expression that lays each dim out where `placed_dims` puts it: a
+    dim over one mesh axis named on it, a dim over several a group of its own names
+    for them (`('embed.fsdp' 'embed.sequence')`), the mesh's other axes replication
+    counts (those of size 1 left out), whole dims named at the end."""
+    sizes = _mesh_sizes(rules, label, logical, alone, mesh, noun)
+    if not isinstance(sizes, dict):
+        return sizes
+    placed = placed_dims(rules, annotation, mesh)
+    assert placed is not None  # the mesh is there, and a rule names a dim
+    taken = {d for d in annotation.items if isinstance(d, str)}
+    lhs: list[str] = []
+    on_axis: dict[str, str] = {}
+    whole: list[str] = []
+    at = iter(placed)
+    for item in annotation.items:
+        if item is ...:
+            lhs.append("...")
+            continue
+        axes = next(at).axes
+        if item is None or not axes:
+            name = item if item is not None else _fresh(taken, "_")
+            lhs.append(name_text(name))
+            whole.append(name)
+        elif len(axes) == 1:
+            lhs.append(name_text(item))
+            on_axis[axes[0]] = item
+        else:
+            parts = [_fresh(taken, f"{item}.{axis}") for axis in axes]
+            lhs.append(f"({' '.join(map(name_text, parts))})")
+            on_axis.update(zip(axes, parts))
+    rhs: list[str] = []
+    copies = 1
+    for axis, size in sizes.items():
+        if axis in on_axis:
+            rhs += [str(copies)] if copies > 1 else []
+            rhs.append(f"{name_text(on_axis[axis])}{size}")
+            copies = 1
+        else:
+            copies *= size
+    rhs += [str(copies)] if copies > 1 else []
+    rhs += [name_text(name) for name in whole] + (["..."] if "..." in lhs else [])
+    return f"{' '.join(lhs)} -> {' '.join(rhs) or '...'}"
+
+
+def _fresh(taken: set[str], name: str) -> str:
+    """`name`, or it with `_` added until no other name of the array has it; taken now."""
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
 
 
 def match_rules(
@@ -316,7 +480,8 @@ def match_rules(
     flat = list(zip(key_paths(model, context), jax.tree_util.tree_leaves(model)))
     fsdp = rules.default == FSDP_WORD or any(rule.expr == FSDP_WORD for rule in rules.rules)
     named = any(not isinstance(rule.expr, (Expression, str)) for rule in rules.rules)
-    fields = walk_fields(model, context) if rules.dims or fsdp or named else None
+    tabled = bool(rules.dims or rules.logical_axis_rules)
+    fields = walk_fields(model, context) if tabled or fsdp or named else None
     fallback = _REPLICATE if rules.default == "replicate" else None  # "parameter": none
     section = rules.section
     index = _index(rules)
@@ -358,17 +523,21 @@ def match_rules(
                         Match(name, None, "rule", rule.index, None, rule.memory, section)
                     )
                     continue
-                expr, how = found, None
+                by = placing(rules, _rule_annotation(rules, rule, rule.expr, leaf), mesh)
+                matches.append(
+                    Match(name, found, "rule", rule.index, None, rule.memory, section, by)
+                )
+                continue
             matches.append(Match(name, expr, "rule", rule.index, how, rule.memory, section))
             continue
-        expr = _from_dims(rules, fields[i] if fields else None, mesh)
+        expr, by = _from_dims(rules, fields[i] if fields else None, mesh)
         if isinstance(expr, (Problem, MeshRefused)):
             if isinstance(expr, Problem):
                 problems.append(expr)
             matches.append(Match(name, None, "dims", section=section))
             continue
         if expr is not None:
-            matches.append(Match(name, expr, "dims", section=section))
+            matches.append(Match(name, expr, "dims", section=section, placed=by))
             continue
         if rules.default == FSDP_WORD:
             expr, how = by_fsdp(i, leaf)
@@ -483,10 +652,16 @@ def resolve_rules(rules: RuleSet, model: Any, target: Target) -> Resolution:
     if unused:
         unused = _not_for_the_state(unused, model)
     follows = rules.default == "parameter"  # a leaf the default gives nothing follows
+    warnings: list[EqshardWarning] = []
+    if unused:
+        warnings.append(_unused_warning(rules, unused, model, matches))
+    lacking = _absent_axes(rules, target.mesh)
+    if lacking is not None:
+        warnings.append(lacking)
     return Resolution(
         [m.expr for m in matches],
         problems,
-        [_unused_warning(rules, unused, model, matches)] if unused else [],
+        warnings,
         failed=frozenset(
             i
             for i, m in enumerate(matches)
@@ -495,6 +670,28 @@ def resolve_rules(rules: RuleSet, model: Any, target: Target) -> Resolution:
         ),
         origins=[m.origin for m in matches],
         memory=[m.memory for m in matches] if any(m.memory for m in matches) else None,
+    )
+
+
+def _absent_axes(rules: RuleSet, mesh: Any) -> MeshWarning | None:
+    """A warning naming the mesh axes `logical_axis_rules` name and the mesh lacks: as
+    MaxText reads them (size 1), they split nothing, which a typo would do too."""
+    if not rules.logical_axis_rules or mesh is None or isinstance(mesh, MeshRefused):
+        return None
+    names = set(mesh.axis_names)
+    lacking = list(
+        dict.fromkeys(
+            a for _, axes in rules.logical_axis_rules for a in axes or () if a not in names
+        )
+    )
+    if not lacking:
+        return None
+    return MeshWarning(
+        rules.where("$.logical_axis_rules"),
+        f"names the mesh axes {', '.join(map(repr, lacking))}, which the mesh "
+        f"({', '.join(map(repr, mesh.axis_names))}) lacks: they split nothing, as MaxText "
+        'reads an axis it lacks (size 1); declare them in "mesh" with size 1, or fix the '
+        "names",
     )
 
 

@@ -96,7 +96,7 @@ def test_validate_json_format(run_cli):
         "where": f"{path}::$",
         "file": str(path),
         "path": "$",
-        "message": "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'batch', 'optimizer'",
+        "message": "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'logical_axis_rules', 'batch', 'optimizer'",
     }
     assert len(report["files"][0]["problems"]) == 10
 

@@ -100,7 +100,8 @@ def _objects(node):
 
 def test_every_object_in_the_schema_refuses_unknown_keys():
     objects = list(_objects(eqshard.schema()))
-    assert len(objects) == 4  # the document, a rule, dims, the optimizer section
+    # the document, a rule, dims, the optimizer section, the batch section and its rule
+    assert len(objects) == 6
     for obj in objects:
         assert obj.get("additionalProperties") is not None
         extra = obj["additionalProperties"]
@@ -213,7 +214,7 @@ INVALID = {
     "structure.eqshard.json": [
         (
             "$",
-            "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'batch', 'optimizer'",
+            "unknown key 'model'; the keys here are '$schema', 'eqshard', 'comment', 'devices', 'mesh', 'default', 'rules', 'dims', 'logical_axis_rules', 'batch', 'optimizer'",
             "",
         ),
         ("$.default", "'maybe' is not one of ['replicate', 'error', 'fsdp']", ""),
@@ -223,10 +224,14 @@ INVALID = {
             "JAX sharding can describe",
             "",
         ),
-        ("$.dims", "dim name 'd1' is not an einshard name (letters and '_')", ""),
+        (
+            "$.dims",
+            "dim name '1d' is not a logical name: a letter or '_', then letters, '_', digits, '-' or '.'",
+            "",
+        ),
         (
             "$.dims.mlp",
-            "'2two' is neither a shard modifier ('2', '*', '2*'), the name of a mesh axis, nor null (a whole dim)",
+            "'2two' is neither a shard modifier ('2', '*', '2*'), the name of a mesh axis, a list of them (the major first), nor null (a whole dim)",
             "",
         ),
         ("$.eqshard", "unsupported version 2; this eqshard reads version 1", ""),
@@ -608,7 +613,7 @@ def test_schema_patterns_refuse_a_trailing_newline():
     with pytest.raises(SpecError, match=re.escape("$.rules[0].path: white space in a segment")):
         eqshard.load({"eqshard": 1, "rules": [{"path": "w\n", "expr": "a -> a*"}]})
     with pytest.raises(
-        SpecError, match=re.escape("dim name " + repr("a\n") + " is not an einshard name")
+        SpecError, match=re.escape("dim name " + repr("a\n") + " is not a logical name")
     ):
         eqshard.load({"eqshard": 1, "dims": {"a\n": "*"}})
 

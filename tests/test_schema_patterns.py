@@ -30,7 +30,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 import eqshard
-from eqshard._expression import is_name_char
+from eqshard._expression import is_name_char, name_text
 
 SCHEMA = Path(__file__).parent.parent / "schemas" / "eqshard.schema.json"
 END = r"$(?!\n)"
@@ -71,11 +71,13 @@ def patterns() -> dict[str, str]:
     name = rf"(?:{NAME_CHAR}+|{quoted})"
     element = rf"(?:{name}(?:[1-9][0-9]*)?\*?|[1-9][0-9]*\*?|\*|\.\.\.)"
     group = rf"\({SPACE}*{name}(?:{SPACE}+{name})*{SPACE}*\)"
-    left = rf"(?:{NAME_CHAR}+|\.\.\.)"
+    logical = rf"{NAME_CHAR}[^{WHITE_SPACE}*>()']*"  # then letters, '_', digits, '-', '.'
+    left = rf"(?:{logical}|\.\.\.)"
     left_or_group = rf"(?:{name}|\.\.\.|{group})"
     return {
         "characters": rf"^[{LETTERS}0-9{WHITE_SPACE}*.>\-()']*{END}",
         "name": f"^{NAME_CHAR}+{END}",
+        "logical_name": f"^{logical}{END}",
         "expression": (
             rf"^{SPACE}*(?:{left_or_group}(?:{SPACE}+{left_or_group})*{SPACE}*->{SPACE}*)?"
             rf"{element}(?:{SPACE}+{element})*{SPACE}*{END}"
@@ -198,6 +200,14 @@ def _name_parses(text: str) -> bool:
         return False
 
 
+def _logical_parses(text: str) -> bool:
+    """A logical name (a dim of `dims`) as the parser takes it, quoted where it must be."""
+    try:
+        return eqshard.parse(f"{name_text(text)} -> {name_text(text)}").lhs == (text,)
+    except eqshard.ExpressionError:
+        return False
+
+
 def _expression_parses(text: str) -> bool:
     try:
         eqshard.parse(text)
@@ -230,7 +240,7 @@ def _loads(document: dict[str, Any]) -> bool:
 
 CASES: list[tuple[str, str, Callable[[str], bool], Callable[[str], dict[str, Any]]]] = [
     *[("mesh axis", n, _name_parses, lambda n: {"eqshard": 1, "mesh": [[n, 2]]}) for n in NAMES],
-    *[("dim name", n, _name_parses, lambda n: {"eqshard": 1, "dims": {n: "*"}}) for n in NAMES],
+    *[("dim name", n, _logical_parses, lambda n: {"eqshard": 1, "dims": {n: "*"}}) for n in NAMES],
     *[
         ("logical axis", n, _name_parses, lambda n: {"eqshard": 1, "dims": {"x": n}})
         for n in NAMES
@@ -325,7 +335,7 @@ def _node(tests: list[tuple[str, list[str]]], scans: list[str]) -> dict[str, Any
     return json.loads(found.stdout)
 
 
-_DEFS = {"mesh axis": "name", "dim name": "name", "logical axis": "name"}
+_DEFS = {"mesh axis": "name", "dim name": "logical_name", "logical axis": "name"}
 _DEFS |= {"expression": "expression", "dims by name": "named_dims"}
 
 

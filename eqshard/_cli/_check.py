@@ -443,5 +443,6 @@ def _cost_entry(
             for p in found.pipelines
         ],
         "pipeline": found.pipeline_text(),
+        "activations": [dataclasses.asdict(a) for a in found.activations],
     }
     return entry, ours

@@ -173,7 +173,14 @@ def _print_result(shown: Any, result: CheckResult) -> None:
     from .._problems import problem_lines
     from .._report import stage_lines
     from ._check import devices_text
-    from ._check_table import compiler_line, cost_line, memory_line, result_table, warning_lines
+    from ._check_table import (
+        activation_lines,
+        compiler_line,
+        cost_line,
+        memory_line,
+        result_table,
+        warning_lines,
+    )
 
     shown.print(result_table(result))
     for line in warning_lines(result):
@@ -184,6 +191,8 @@ def _print_result(shown: Any, result: CheckResult) -> None:
     if result.cost is not None:
         out(cost_line(result.cost))
         out(compiler_line(result.cost))
+        for line in activation_lines(result.cost):
+            out(line)
     memory = memory_line(result)
     if memory is not None:
         out(memory)

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 __all__ = [
+    "activation_lines",
     "compiler_line",
     "cost_line",
     "memory_line",
@@ -81,6 +82,22 @@ def cost_line(cost: Mapping[str, Any]) -> str:
         + ("" if not cost.get("promoted") else f" ({cost['promoted']})")
         + ("" if not cost.get("pipeline") else f"; {cost['pipeline']}")
     )
+
+
+def activation_lines(cost: Mapping[str, Any], limit: int = 12) -> list[str]:
+    """Each named activation the step laid out, a line each, with the rule that placed
+    each dim: `activation ('batch', 'embed') [16, 64]: P('data', None), batch:
+    $.logical_axis_rules[0] (data); embed: whole (no rule)`; at most `limit`."""
+    found = cost.get("activations") or []
+    lines = [
+        f"activation {tuple(a['names'])} {list(a['shape'])}: {a['partition_spec']}, {a['placed']}"
+        for a in found[:limit]
+    ]
+    if len(found) > limit:
+        lines.append(
+            f"... and {len(found) - limit} more activations; --format json lists every one"
+        )
+    return lines
 
 
 def _chip(cost: Mapping[str, Any]) -> str:

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from .._activations import recording_laid_out
 from .._compat import filter_jit_donation
 from .._errors import EqshardError, StepError
 from .._expression import Expression
@@ -220,7 +221,7 @@ def cost(
     # The program `eqshard.jit` runs under this plan: the same input and output layouts.
     program = Step(fn, donate=_donation(step), plan=p, batch=batch)
     try:
-        with recording_pipelines() as pipelines:
+        with recording_pipelines() as pipelines, recording_laid_out() as activations:
             lowered = program.lower(abstract_model, *abstract_args)
         platform = _platform(p, on)
         options = costing_options(platform) if compile_for == "costing" else None
@@ -257,6 +258,7 @@ def cost(
         loops=tuple(sorted(set(value_dependent(module).values()))),
         loop_flops=float(value_dependent_flops(module)),
         pipelines=tuple(pipelines),
+        activations=tuple(activations),
     )
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ._hardware import Estimate, Hardware, Moved, hardware_profile, roofline
 
 if TYPE_CHECKING:
+    from .._activations import NamedActivation
     from .._pipeline import Stages
     from .._sharding import AnyMesh
 
@@ -290,6 +291,9 @@ class Cost:
     - `loops`: the `while` loops whose trip count depends on values (an adaptive ODE
         solver, a fixed-point iteration).
     - `loop_flops`: of `flops`, those in `loops`, per trip.
+    - `activations`: each activation the step names and a spec file's `dims` or
+        `logical_axis_rules` lay out (`NamedActivation`: its names, shape, expression,
+        `PartitionSpec`, and which rule placed each dim), once per names and shape.
     - `pipelines`: each `eqshard.pipeline` the step runs over a mesh axis of stages, as
         its trace recorded it (`Stages`: stages, microbatches, schedule and its
         `bubble`).
@@ -324,6 +328,7 @@ class Cost:
     loops: tuple[str, ...] = ()
     loop_flops: float = 0.0
     pipelines: tuple[Stages, ...] = ()
+    activations: tuple[NamedActivation, ...] = ()
 
     @property
     def peak_per_stage(self) -> int | None:

@@ -11,6 +11,7 @@ with the device count. `load` checks a file this way before it makes `Rules`, an
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -113,13 +114,19 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
     if path == ["devices"] and keyword in ("type", "minimum", "maximum"):
         return Problem(where, f"{instance!r} is not a device count: {_COUNT}")
     if "propertyNames" in error.schema_path:
-        return Problem(where, f"dim name {instance!r} is not an einshard name (letters and '_')")
+        return Problem(
+            where,
+            f"dim name {instance!r} is not a logical name: a letter or '_', then letters, "
+            "'_', digits, '-' or '.'",
+        )
     if keyword == "anyOf" and path[:1] == ["dims"]:
         return Problem(
             where,
             f"{instance!r} is neither a shard modifier ('2', '*', '2*'), the name of a "
-            "mesh axis, nor null (a whole dim)",
+            "mesh axis, a list of them (the major first), nor null (a whole dim)",
         )
+    if path[:1] == ["logical_axis_rules"]:
+        return _table_problem(where, path, instance)
     if keyword == "pattern" and path[:1] == ["dims"]:
         return Problem(
             where,
@@ -217,10 +224,16 @@ def _rule_problems(
     """What the schema cannot say: each expression and path parses, and no path
     repeats (`a.b` and `a['b']` are one path), in the file's rules and in its
     optimizer and batch sections."""
-    problems = _rules_problems(document, name, schema_paths, [])
+    table = document.get("logical_axis_rules")
+    tabled = (
+        {rule[0] for rule in table if isinstance(rule, list) and rule and isinstance(rule[0], str)}
+        if isinstance(table, list)
+        else set()
+    )
+    problems = _rules_problems(document, name, schema_paths, [], tabled)
     section = document.get("optimizer")
     if isinstance(section, dict):
-        problems += _rules_problems(section, name, schema_paths, ["optimizer"])
+        problems += _rules_problems(section, name, schema_paths, ["optimizer"], tabled)
     batch = document.get("batch")
     where = f"{name}::$.batch"
     if isinstance(batch, str) and where not in schema_paths:
@@ -229,7 +242,7 @@ def _rule_problems(
         except ExpressionError as bad:
             problems.append((_order(["batch"]), Problem.from_error(where, bad)))
     if isinstance(batch, dict):  # its rules as the file's are: paths, repeats, expressions
-        problems += _rules_problems(batch, name, schema_paths, ["batch"])
+        problems += _rules_problems(batch, name, schema_paths, ["batch"], set())
         default = batch.get("default")
         where = f"{name}::$.batch.default"
         if isinstance(default, str) and "->" in default and where not in schema_paths:
@@ -242,7 +255,7 @@ def _rule_problems(
 
 
 def _rules_problems(
-    document: Mapping[str, Any], name: str, schema_paths: set[str], at: list[str]
+    document: Mapping[str, Any], name: str, schema_paths: set[str], at: list[str], tabled: set[str]
 ) -> list[tuple[list[tuple[int, int, str]], Problem]]:
     """What the schema cannot say of one list of rules and its dims (the file's, or
     those of the section at `at`, `["optimizer"]`): each expression and path parses,
@@ -269,7 +282,7 @@ def _rules_problems(
                     problems.append((order, Problem.from_error(where, bad)))
         if at != ["batch"]:  # a batch rule has no dims by name: the schema says so
             problems += _named_problems(
-                rule, document.get("dims"), name, schema_paths, [*at, "rules", i]
+                rule, document.get("dims"), tabled, name, schema_paths, [*at, "rules", i]
             )
         path = rule.get("path")
         where = f"{name}::${prefix}.rules[{i}].path"
@@ -304,12 +317,46 @@ def _rules_problems(
     return problems
 
 
+def _table_problem(where: str, path: list[Any], instance: Any) -> Problem:
+    """What is wrong with a rule of `"logical_axis_rules"`, as the schema found it."""
+    pair = (
+        'a rule is a pair, a logical name and its mesh axes, such as ["embed", '
+        '["fsdp", "sequence"]] or ["norm", null]'
+    )
+    if len(path) == 1:
+        return Problem(where, f"{_short(instance)} is not a list of rules: {pair}")
+    if len(path) == 2:
+        return Problem(where, f"{_short(instance)} is not a rule: {pair}")
+    if path[2] == 0:
+        return Problem(
+            where,
+            f"{instance!r} is not a logical name: a letter or '_', then letters, '_', digits, "
+            "'-' or '.'",
+        )
+    return Problem(
+        where,
+        f"{_short(instance)} is not a mesh axis, a list of mesh axes (each once, the major "
+        "first), nor null (a whole dim)",
+    )
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
 def _named_problems(
-    rule: Mapping[str, Any], dims: Any, name: str, schema_paths: set[str], at: list[Any]
+    rule: Mapping[str, Any],
+    dims: Any,
+    tabled: set[str],
+    name: str,
+    schema_paths: set[str],
+    at: list[Any],
 ) -> list[tuple[list[tuple[int, int, str]], Problem]]:
     """What the schema cannot say of a rule's `"dims"` (the rule at `at`): it names
     each dim once, with one `...` at most, and every name is a key of the `"dims"`
-    beside its rules (the file's, or its section's)."""
+    beside its rules (the file's, or its section's) or a name of the file's
+    `"logical_axis_rules"` (`tabled`)."""
     text = rule.get("dims")
     prefix = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in at)
     where = f"{name}::${prefix}.dims"
@@ -323,9 +370,9 @@ def _named_problems(
     mapped = dims if isinstance(dims, dict) else {}
     place = "$" + "".join(f".{key}" for key in at[:-2]) + ".dims"
     return [
-        (order, Problem(where, unmapped_dim(place, dim)))
+        (order, Problem(where, unmapped_dim(place, dim, bool(tabled))))
         for dim in named.names
-        if dim not in mapped
+        if dim not in mapped and dim not in tabled
     ]
 
 

@@ -19,10 +19,11 @@ from types import EllipsisType
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import EqshardError, ExpressionError
-from .._expression import Expression, is_name_char, parse
+from .._expression import Expression, is_logical_name, is_name, parse
 from .._fit import MeshShape, declared_sizes
 from .._fsdp import FSDP, FSDP_WORD
 from .._layout import device_count_of
+from .._logical import AxisRule, axis_rules
 from .._paths._grammar import parse as parse_path
 from .._paths._match import PathIndex
 from .._problems import Problem
@@ -57,7 +58,7 @@ class Named:
 
     **Attributes:**
 
-    - `text`: the dims as written: names (letters and `_`), `_` for a dim with no name
+    - `text`: the dims as written: logical names (`embed`, `dim1`), `_` for a dim with no name
         (whole), and at most one `...` (any number of dims, such as a stacked layer
         axis: whole), separated by spaces.
     - `items`: one per dim: its name, `None` for `_`, or `...`.
@@ -98,15 +99,16 @@ def _named_items(text: str) -> tuple[str | EllipsisType | None, ...]:
             items.append(...)
         elif token == "_":
             items.append(None)
-        elif all(is_name_char(c) for c in token):
+        elif is_logical_name(token):
             if token in items:
                 rule = f"{token!r} is named twice; name each dim once, or write '_' for a dim"
                 raise ExpressionError(text, at, rule + " with no name", length=len(token))
             items.append(token)
         else:
             rule = (
-                f"{token!r} is not a dim: write names (letters and '_'), '_' for a dim "
-                "with no name, and at most one '...', separated by spaces"
+                f"{token!r} is not a dim: write names (a letter or '_', then letters, '_', "
+                "digits, '-' or '.'), '_' for a dim with no name, and at most one '...', "
+                "separated by spaces"
             )
             raise ExpressionError(text, at, rule, length=len(token))
     if not items:
@@ -304,8 +306,11 @@ class Rules:
     - `default`: what a leaf no rule or dim matches gets: `"replicate"`, `"error"` or
         `"fsdp"`.
     - `devices`: the device count the file was written for, or `None`.
-    - `dims`: dim name to a modifier, a mesh axis name, or `None` for a whole dim (see
-        "Dims").
+    - `dims`: dim name to a modifier, a mesh axis name, a tuple of them (the dim split
+        over each, the major first), or `None` for a whole dim (see "Dims").
+    - `logical_axis_rules`: Flax's and MaxText's ordered table, `(name, axes)` pairs
+        (`axes` a mesh axis, a tuple of them, or `None`), resolved as they resolve it;
+        or `None` (see "Dims").
     - `source`: the file name, for messages.
     - `mesh`: the declared mesh: each axis's name and size (`None` for the one `"*"`
         axis); or `None`. The optimizer section shares its file's.
@@ -320,8 +325,15 @@ class Rules:
 
     !!! info "Dims"
 
-        `dims` lays out parameters by their annotations, and activations by
-        `eqshard.constrain`'s names.
+        `dims` and `logical_axis_rules` lay out parameters by their annotations (or a
+        rule's `"dims"`), and activations by `eqshard.constrain`'s names. `dims` is a
+        mapping: one layout per name, and two names of an array on one mesh axis are an
+        error. `logical_axis_rules` is Flax's table: in order, the first rule whose mesh
+        axes the array does not use yet claims its name's dim (later rules are
+        fallbacks), and a name no rule claims is whole; then, as MaxText, axes of size
+        1 or that the mesh lacks are dropped. A name `dims` maps takes `dims`' layout
+        first, as if its entry led the table. An optimizer section shares its file's
+        table, as its mesh.
 
     !!! info "The batch"
 
@@ -343,7 +355,8 @@ class Rules:
     rules: tuple[Rule, ...] = ()
     default: Literal["replicate", "error", "fsdp", "parameter"] = "replicate"
     devices: int | None = None
-    dims: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    dims: Mapping[str, str | tuple[str, ...] | None] = dataclasses.field(default_factory=dict)
+    logical_axis_rules: Sequence[Sequence[Any]] | None = None
     source: str = "<rules>"
     mesh: tuple[tuple[str, int | None], ...] | None = None
     batch: Expression | BatchRules | None = None
@@ -354,6 +367,14 @@ class Rules:
     def __post_init__(self) -> None:
         if self.comment is not None and not isinstance(self.comment, str):
             raise EqshardError(f"`Rules.comment` is text for the reader, not {self.comment!r}")
+        object.__setattr__(self, "dims", _dims_of(self.dims))
+        if self.logical_axis_rules is not None:
+            table = axis_rules(self.logical_axis_rules, "`Rules.logical_axis_rules`")
+            object.__setattr__(
+                self,
+                "logical_axis_rules",
+                tuple((rule.name, rule.axes or None) for rule in table),
+            )
         if self.devices is not None:
             device_count_of(self.devices, "`Rules.devices`")
         for name, size in self.mesh or ():
@@ -385,12 +406,25 @@ class Rules:
             if self.optimizer.mesh is None and self.mesh is not None:  # the file's mesh
                 section = dataclasses.replace(self.optimizer, mesh=self.mesh)
                 object.__setattr__(self, "optimizer", section)
+            if self.optimizer.logical_axis_rules is None and self.logical_axis_rules:
+                section = dataclasses.replace(
+                    self.optimizer, logical_axis_rules=self.logical_axis_rules
+                )
+                object.__setattr__(self, "optimizer", section)
+        tabled = {name for name, _ in self.logical_axis_rules or ()}
         for rule in self.rules:  # a typo must never silently leave a dim whole
             if isinstance(rule.expr, Named):
                 for name in rule.expr.names:
-                    if name not in self.dims:
+                    if name not in self.dims and name not in tabled:
                         where = self.at(f"$.rules[{rule.index}].dims")
-                        raise EqshardError(f"{where}: {unmapped_dim(self.at('$.dims'), name)}")
+                        unmapped = unmapped_dim(self.at("$.dims"), name, bool(tabled))
+                        raise EqshardError(f"{where}: {unmapped}")
+
+    @property
+    def axis_rules(self) -> tuple[AxisRule, ...]:
+        """The table the dims are placed by: `dims`' entries of mesh axes first (their
+        `index` -1), then `logical_axis_rules` in order (see "Dims")."""
+        return _axis_rules_of(self)
 
     def where(self, json_path: str) -> str:
         """`file::$.json.path`: where a fault of this spec is, in messages (a path
@@ -448,7 +482,12 @@ class Rules:
         document["default"] = self.default
         document["rules"] = _rules_json(self)
         if self.dims:
-            document["dims"] = dict(self.dims)
+            document["dims"] = _dims_json(self.dims)
+        if self.logical_axis_rules is not None:
+            document["logical_axis_rules"] = [
+                [name, None if axes is None else list(axes)]
+                for name, axes in self.logical_axis_rules
+            ]
         if self.mesh is not None:
             document["mesh"] = [[name, "*" if size is None else size] for name, size in self.mesh]
         if isinstance(self.batch, BatchRules):
@@ -463,13 +502,55 @@ class Rules:
                 "rules": _rules_json(section),
             }
             if section.dims:
-                document["optimizer"]["dims"] = dict(section.dims)
+                document["optimizer"]["dims"] = _dims_json(section.dims)
         return document
 
 
-def unmapped_dim(dims: str, name: str) -> str:
+@functools.lru_cache(maxsize=64)
+def _axis_rules_of(rules: Rules) -> tuple[AxisRule, ...]:
+    """`Rules.axis_rules`, made once per `Rules` (compared by identity)."""
+    first = [
+        AxisRule(name, (value,) if isinstance(value, str) else value or (), -1)
+        for name, value in rules.dims.items()
+        if value is None or isinstance(value, tuple) or is_name(value)
+    ]
+    return (*first, *axis_rules(rules.logical_axis_rules or ()))
+
+
+def _dims_of(dims: Any) -> dict[str, str | tuple[str, ...] | None]:
+    """`Rules.dims` as held: a dict, each list of mesh axes a tuple.
+
+    **Raises:** `EqshardError` for a value that is none of what `dims` maps to."""
+    if not isinstance(dims, Mapping):
+        raise EqshardError(f"`Rules.dims` maps dim names to their layouts, not {dims!r}")
+    held: dict[str, str | tuple[str, ...] | None] = {}
+    for name, value in dims.items():
+        if isinstance(value, (list, tuple)) and all(isinstance(a, str) for a in value):
+            held[name] = tuple(value)
+        elif value is None or isinstance(value, str):
+            held[name] = value
+        else:
+            raise EqshardError(
+                f"`Rules.dims[{name!r}]` is a shard modifier ('2', '*'), a mesh axis, a list "
+                f"of mesh axes, or None (whole), not {value!r}"
+            )
+    return held
+
+
+def _dims_json(dims: Mapping[str, str | tuple[str, ...] | None]) -> dict[str, Any]:
+    """`dims` as a spec file writes them: a tuple of mesh axes as a list."""
+    return {name: list(v) if isinstance(v, tuple) else v for name, v in dims.items()}
+
+
+def unmapped_dim(dims: str, name: str, table: bool = False) -> str:
     """What is wrong with a rule's `"dims"` that names `name`, which the `"dims"` at
-    the JSON path `dims` (`"$.dims"`) do not map: a typo would leave the dim whole."""
+    the JSON path `dims` (`"$.dims"`) do not map, nor the file's `"logical_axis_rules"`
+    where it has them (`table`): a typo would leave the dim whole."""
+    if table:
+        return (
+            f"`{name}`, which neither {dims} nor $.logical_axis_rules maps; map it in one "
+            "of them or fix the name"
+        )
     return f"`{name}`, which {dims} does not map; map it in {dims} or fix the name"
 
 

@@ -150,6 +150,7 @@ def load(source: str | os.PathLike[str] | Mapping[str, Any]) -> Rules:
         default=document.get("default", "replicate"),
         devices=None if document.get("devices") is None else int(document["devices"]),
         dims=dict(document.get("dims", {})),
+        logical_axis_rules=document.get("logical_axis_rules"),
         source=name,
         mesh=None
         if document.get("mesh") is None
