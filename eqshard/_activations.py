@@ -37,11 +37,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._annotation import Annotation
 from ._errors import EqshardError, ExpressionError, SpecError
-from ._expression import Expression
+from ._expression import Expression, is_logical_name
 from ._jit_key import JIT_KEY
 from ._plan import Plan, declared_mesh
 from ._problems import Problem
-from ._rules import MeshRefused, dims_expression, is_axis, placing
+from ._rules import MeshRefused, dims_expression, placing
 from ._sharding import (
     AnyMesh,
     Device,
@@ -277,13 +277,13 @@ def _checked(names: Names, shape: tuple[int, ...], dtype: Any) -> tuple[Name, ..
     for i, n in enumerate(names):
         if n is ... and i == 0:
             continue
-        if n is None or (isinstance(n, str) and is_axis(n)):
+        if n is None or (isinstance(n, str) and is_logical_name(n)):
             continue
         where = "only first" if n is ... else f"not {n!r}"
         raise EqshardError(
             f"`eqshard.constrain` names the axes of x as {_text(names)}: each is a dim "
-            "name (letters and '_', such as 'embed'), None (the axis left free), or ... "
-            f"(the axes in front, left free; {where})"
+            "name (a letter or '_', then letters, '_', digits, '-' or '.', such as 'embed'), "
+            f"None (the axis left free), or ... (the axes in front, left free; {where})"
         )
     named = names[1:] if names[:1] == (...,) else names
     if len(named) > len(shape) or (len(named) < len(shape) and names[:1] != (...,)):

@@ -278,11 +278,11 @@ def test_two_dims_on_one_mesh_axis_name_both():
             ("batch", ..., "embed"),
             DIMS,
             MESH,
-            r"names the axes of x as \('batch', \.\.\., 'embed'\): each is a dim name \(letters "
-            r"and '_', such as 'embed'\), None \(the axis left free\), or \.\.\. \(the axes in "
-            r"front, left free; only first\)$",
+            r"names the axes of x as \('batch', \.\.\., 'embed'\): each is a dim name \(a letter "
+            r"or '_', then letters, '_', digits, '-' or '\.', such as 'embed'\), None \(the axis "
+            r"left free\), or \.\.\. \(the axes in front, left free; only first\)$",
         ),
-        (("batch", "seq", "d1"), DIMS, MESH, r"left free; not 'd1'\)$"),
+        (("batch", "seq", "1d"), DIMS, MESH, r"left free; not '1d'\)$"),
         (
             NAMES,
             {"batch": "tensor", "seq": None, "embed": None},

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import flax_rules
+import haliax_rules
 import pytest
 
 from eqshard import EqshardError
@@ -121,3 +122,26 @@ def test_a_size_one_axis_claimed_first_keeps_a_later_rule_from_its_dim() -> None
     assert [p.axes for p in placed] == [("fsdp",), ()]
     assert placed[0].dropped == ("data", "expert")
     assert placed[1].rule is None
+
+
+@pytest.mark.parametrize("case", haliax_rules.CASES, ids=lambda c: c.id)
+def test_haliaxs_own_cases_device_by_device(case: haliax_rules.HaliaxCase) -> None:
+    """Haliax's axis mapping (`dim2` to `data`, `dim3` to `model`, names with digits),
+    as a table: each array named by Haliax's test is laid out as its expected spec is,
+    device by device; the unmapped `dim1` stays whole, as in Haliax."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import eqshard
+
+    rules = eqshard.Rules(
+        logical_axis_rules=list(case.mapping.items()), mesh=(("data", 4), ("model", 2))
+    )
+    x = jnp.zeros((8,) * len(case.names))
+    with eqshard.use(rules):
+        got = eqshard.constrain(x, case.names)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+    want = NamedSharding(mesh, P(*case.expected))
+    assert got.sharding.devices_indices_map(x.shape) == want.devices_indices_map(x.shape)
