@@ -57,6 +57,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from . import _compat
 from ._activations import Active, active, using
+from ._annotation import Annotation, for_rank
 from ._constrain import constrained
 from ._derive import plan_for, plan_for_outputs
 from ._errors import EqshardError, ExpressionError, SpecError
@@ -67,8 +68,9 @@ from ._paths._names import name as path_name, segments
 from ._plan import Plan, Planned, placing, plan as make_plan_or_raise
 from ._problems import Problem, named
 from ._protocol import is_resolver
+from ._rules import dims_expression
 from ._sharding import AnyMesh, device_count, mesh_devices, sharding
-from ._specfile._model import BatchRules, Rule, Rules, batch_expression
+from ._specfile._model import BatchRules, Named, Rule, Rules, batch_expression
 from ._specfile._read import read_path
 from ._values import source_for
 from ._warnings import (
@@ -194,6 +196,11 @@ class Batches:
         if not shape:  # a scalar is whole on every device, whatever the expression
             return self.plan.replicated()
         expr = self.expr if rule is None else str(rule.expr)
+        if rule is not None and isinstance(rule.expr, Named):  # dims by name: the file's
+            named = self._named(rule, rule.expr, shape, where)
+            if isinstance(named, Problem):
+                return named
+            expr = str(named)
         if expr is None:  # the rules' "default": "error"
             assert self.rules is not None
             return Problem(
@@ -208,6 +215,32 @@ class Batches:
             return self._refused(x, where, expr, rule, error)
         self.used = expr if self.rules is None else self.rules.where("$")
         return laid
+
+    def _named(
+        self, rule: Rule, named: Named, shape: tuple[int, ...], where: str
+    ) -> Expression | Problem:
+        """The expression a batch rule's dims by name give a leaf of `shape`: what the
+        spec file's `dims` and `logical_axis_rules` give those dims, on the plan's mesh
+        (MaxText's batch, `activation_embed_and_logits_batch activation_norm_length`)."""
+        assert self.rules is not None
+        place = self.rules.where(f"$.rules[{rule.index}]")
+        spec = self.plan.spec
+        if not isinstance(spec, Rules):
+            return Problem(
+                where,
+                f"{place} names the batch's dims ({named.text!r}), and the plan was not made "
+                "from a spec file whose dims or logical_axis_rules lay them out; plan from "
+                "that file, or give the rule an expression",
+            )
+        annotation = for_rank(Annotation(f"{place}.dims", named.text, named.items), len(shape))
+        found = dims_expression(spec, annotation, where, self.plan.mesh, noun="array")
+        if found is None:
+            return batch_expression("... -> * ...")
+        if isinstance(found, Expression):
+            return found
+        if isinstance(found, Problem):
+            return found
+        return Problem(where, f"{place}: the spec file's mesh does not fit the devices")
 
     def _refused(
         self, x: Any, where: str, expr: str, rule: Rule | None, error: ExpressionError

@@ -227,7 +227,7 @@ def test_batch_rules_in_python_win_over_the_files_and_are_checked():
         eqshard.BatchRules(rules=(eqshard.Rule("nodes", eqshard.parse("n*")),))
     with pytest.raises(eqshard.EqshardError, match=r"`BatchRules.rules\[0\]` \('nodes'\) lays "
                        r"out batch leaves by a complete expression such as 'b \.\.\. -> b\* "
-                       r"\.\.\.', not 'fsdp'"):  # fmt: skip
+                       r"\.\.\.', or by dims by name, not 'fsdp'"):  # fmt: skip
         eqshard.BatchRules(rules=(eqshard.Rule("nodes", "fsdp"),))
     with pytest.raises(eqshard.EqshardError, match=r"names the memory kind 'pinned_host'"):
         eqshard.BatchRules(
@@ -316,8 +316,8 @@ BAD_SECTIONS = [
     ),
     (
         {"rules": [{"path": "nodes", "dims": "n"}]},
-        r"<mapping>::\$.batch.rules\[0\]: unknown key 'dims'; the keys here are 'path', "
-        r"'expr', 'comment'\n",  # and nothing of `$.batch.dims`
+        r"<mapping>::\$.batch.rules\[0\].dims: `n`, which \$.dims does not map; map it in "
+        r"\$.dims or fix the name",  # dims by name are the file's
     ),
     ({"rules": [{"path": "nodes"}]}, r"<mapping>::\$.batch.rules\[0\]: missing key 'expr'"),
     (

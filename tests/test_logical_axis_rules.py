@@ -309,3 +309,47 @@ def test_check_says_which_rule_placed_each_dim_of_each_leaf_and_activation(run_c
         "activation ('activation_batch', 'activation_mlp') [8, 32]: P(('data', 'fsdp'), 'tensor'), activation_batch: $.logical_axis_rules[0] (data, fsdp); activation_mlp: $.logical_axis_rules[1] (tensor)"
         in text.out
     )
+
+
+def test_maxtexts_batch_on_data_fsdp_tensor_is_laid_out_by_its_logical_names():
+    """MaxText's most common setting, data x fsdp x tensor: its batch (`inputs`,
+    `input_data_sharding_logical_axes`) split over data and fsdp together, as MaxText
+    splits it, by a batch rule that names its dims."""
+    setting = "data2_fsdp2_tensor2"
+    (row,) = [
+        r
+        for r in EXPECTED["expected"]
+        if r["setting"] == setting
+        and r["path"] == "inputs"
+        and r["rules"] == "base"
+        and r["model"] == "llama"
+    ]
+    spec = _spec("base", setting, "llama")
+    spec["batch"] = {"rules": [{"path": "**", "dims": " ".join(row["names"])}]}
+    rules = eqshard.load(spec)
+    params = {
+        _key(path): jnp.zeros(leaf["shape"])
+        for path, leaf in EXPECTED["models"]["llama"]["params"].items()
+    }
+    tokens = jnp.zeros(tuple(row["shape"]), jnp.int32)
+    plan = eqshard.plan(params, rules)
+    with eqshard.use(plan):
+        lowered = eqshard.jit(lambda p, t: t.sum()).lower(params, tokens)
+    got = lowered.in_shardings[-1]
+    want = _want(row, _oracle_mesh(setting))
+    assert row["maxtext"][0] == ["data", "fsdp"]
+    assert _blocks(got, tokens.shape) == _blocks(want, tokens.shape)
+
+
+def test_a_batch_rule_naming_a_dim_no_entry_maps_is_refused():
+    with pytest.raises(
+        eqshard.SpecError,
+        match=r"\$\.batch\.rules\[0\]\.dims: `tokens`, which neither \$\.dims nor \$\.logical_axis_rules maps",
+    ):
+        eqshard.load(
+            {
+                "eqshard": 1,
+                "logical_axis_rules": [["batch", "data"]],
+                "batch": {"rules": [{"path": "**", "dims": "batch tokens"}]},
+            }
+        )

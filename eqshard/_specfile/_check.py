@@ -53,7 +53,10 @@ def _schema_problem(name: str, error: ValidationError) -> Problem:
         if not isinstance(instance, dict):  # as the schema's type error says it, once
             return Problem(where, f"{instance!r} is not of type 'object'")
         one = (
-            f"an einshard expression (or {FSDP_WORD!r}) or its leaves' dims by name "
+            "a complete einshard expression ('b ... -> b* ...') or its leaves' dims by name "
+            "('batch length')"
+            if path[:1] == ["batch"]
+            else f"an einshard expression (or {FSDP_WORD!r}) or its leaves' dims by name "
             "('... hidden embed')"
         )
         if "expr" in instance and "dims" in instance:
@@ -242,7 +245,10 @@ def _rule_problems(
         except ExpressionError as bad:
             problems.append((_order(["batch"]), Problem.from_error(where, bad)))
     if isinstance(batch, dict):  # its rules as the file's are: paths, repeats, expressions
-        problems += _rules_problems(batch, name, schema_paths, ["batch"], set())
+        # its rules' dims by name are the file's dims and table's
+        problems += _rules_problems(
+            {**batch, "dims": document.get("dims")}, name, schema_paths, ["batch"], tabled
+        )
         default = batch.get("default")
         where = f"{name}::$.batch.default"
         if isinstance(default, str) and "->" in default and where not in schema_paths:
@@ -280,10 +286,9 @@ def _rules_problems(
                     parse(expr)
                 except ExpressionError as bad:
                     problems.append((order, Problem.from_error(where, bad)))
-        if at != ["batch"]:  # a batch rule has no dims by name: the schema says so
-            problems += _named_problems(
-                rule, document.get("dims"), tabled, name, schema_paths, [*at, "rules", i]
-            )
+        problems += _named_problems(
+            rule, document.get("dims"), tabled, name, schema_paths, [*at, "rules", i]
+        )
         path = rule.get("path")
         where = f"{name}::${prefix}.rules[{i}].path"
         order = _order([*at, "rules", i, "path"])
@@ -368,7 +373,8 @@ def _named_problems(
     except ExpressionError as bad:
         return [(order, Problem.from_error(where, bad))]
     mapped = dims if isinstance(dims, dict) else {}
-    place = "$" + "".join(f".{key}" for key in at[:-2]) + ".dims"
+    section = [] if at[:1] == ["batch"] else at[:-2]  # a batch rule's dims are the file's
+    place = "$" + "".join(f".{key}" for key in section) + ".dims"
     return [
         (order, Problem(where, unmapped_dim(place, dim, bool(tabled))))
         for dim in named.names

@@ -189,8 +189,10 @@ class BatchRules:
 
     **Attributes:**
 
-    - `rules`: `Rule`s with complete expressions, tried in order: the first whose
-        path matches a leaf's path within its argument lays it out (see "Paths").
+    - `rules`: `Rule`s with complete expressions, or dims by name (`Named`, laid out
+        by the file's `dims` and `logical_axis_rules` on its mesh), tried in order: the
+        first whose path matches a leaf's path within its argument lays it out (see
+        "Paths").
     - `default`: what a leaf no rule matches gets: a complete expression,
         `"replicate"`, `"error"`, or `None`: data parallel, as with no batch layout.
     - `indivisible`: what a leaf gets whose layout does not divide its dims over the
@@ -228,18 +230,19 @@ class BatchRules:
         for i, rule in enumerate(self.rules):
             if not isinstance(rule, Rule):
                 raise EqshardError(f"`BatchRules.rules[{i}]` is an `eqshard.Rule`, not {rule!r}")
-            if not isinstance(rule.expr, Expression):
+            if not isinstance(rule.expr, (Expression, Named)):
                 raise EqshardError(
                     f"`BatchRules.rules[{i}]` ({rule.path!r}) lays out batch leaves by a "
-                    f"complete expression such as 'b ... -> b* ...', not {str(rule.expr)!r}: "
-                    "'fsdp' and dims by name lay out parameters"
+                    "complete expression such as 'b ... -> b* ...', or by dims by name, not "
+                    f"{str(rule.expr)!r}: 'fsdp' lays out parameters"
                 )
             if rule.memory is not None:
                 raise EqshardError(
                     f"`BatchRules.rules[{i}]` ({rule.path!r}) names the memory kind "
                     f"{rule.memory!r}; a batch is laid out in the devices' memory: drop it"
                 )
-            batch_expression(rule.expr)
+            if isinstance(rule.expr, Expression):
+                batch_expression(rule.expr)
             numbered.append(rule if rule.index == i else dataclasses.replace(rule, index=i))
         object.__setattr__(self, "rules", tuple(numbered))
         default = self.default
@@ -281,7 +284,11 @@ class BatchRules:
             section["default"] = str(self.default)
         section["indivisible"] = self.indivisible
         section["rules"] = [
-            {"path": r.path, "expr": str(r.expr), **({"comment": r.comment} if r.comment else {})}
+            {
+                "path": r.path,
+                ("dims" if isinstance(r.expr, Named) else "expr"): str(r.expr),
+                **({"comment": r.comment} if r.comment else {}),
+            }
             for r in self.rules
         ]
         return section
@@ -412,11 +419,13 @@ class Rules:
                 )
                 object.__setattr__(self, "optimizer", section)
         tabled = {name for name, _ in self.logical_axis_rules or ()}
-        for rule in self.rules:  # a typo must never silently leave a dim whole
+        batch_rules = self.batch.rules if isinstance(self.batch, BatchRules) else ()
+        placed = [("$", r) for r in self.rules] + [("$.batch", r) for r in batch_rules]
+        for at, rule in placed:  # a typo must never silently leave a dim whole
             if isinstance(rule.expr, Named):
                 for name in rule.expr.names:
                     if name not in self.dims and name not in tabled:
-                        where = self.at(f"$.rules[{rule.index}].dims")
+                        where = self.at(f"{at}.rules[{rule.index}].dims")
                         unmapped = unmapped_dim(self.at("$.dims"), name, bool(tabled))
                         raise EqshardError(f"{where}: {unmapped}")
 
