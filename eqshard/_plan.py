@@ -191,6 +191,35 @@ class Plan:
     def expressions(self) -> PyTree[Expression | None]:
         return self._tree(self.resolved.exprs)
 
+    def __eqshard_rules__(self) -> Any:
+        """The plan as a spec file's `Rules`, for `eqshard.dump`: a rule per leaf with
+        an expression (its path, its expression, its memory kind), the user's mesh where
+        the plan has one, and the device count; the leaves with none replicated."""
+        from ._paths._names import name, segments
+        from ._specfile._model import Rule, Rules
+
+        resolved, rules = self.resolved, []
+        memory = resolved.memory or [None] * len(resolved.leaves)
+        for i, expr in enumerate(resolved.exprs):
+            if expr is not None:
+                key = resolved.fields[i].path
+                path = name(segments(key)) if key else "**"
+                kind = memory[i]
+                if kind not in (None, "device", "pinned_host"):
+                    raise EqshardError(
+                        f"{resolved.where(i)} is held in {kind!r} memory, which a spec file "
+                        "cannot write ('device' or 'pinned_host'); it is not written"
+                    )
+                held = "pinned_host" if kind == "pinned_host" else None
+                rules.append(Rule(path, expr, resolved.origins[i], len(rules), held))
+        mesh = None
+        if self.mesh_is_given and self.mesh is not None:
+            mesh = tuple(
+                (str(n), int(s)) for n, s in zip(self.mesh.axis_names, self.mesh.axis_sizes)
+            )
+        count = device_count(self.devices) if self.devices is not None else None
+        return Rules(tuple(rules), devices=count, mesh=mesh)
+
     @functools.cached_property
     def abstract(self) -> PyTree[Any]:
         """The tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at every

@@ -243,3 +243,28 @@ def test_a_script_of_partition_specs_trains_unchanged_under_apply_and_jit():
     ):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
         assert _blocks(g.sharding, g.shape) == _blocks(NamedSharding(mesh, s), g.shape)
+
+
+def test_a_plan_of_partition_specs_is_dumped_as_expressions_that_load_back(tmp_path):
+    mesh = _mesh()
+    model = eqx.nn.MLP(16, 16, 32, 2, key=jax.random.key(0))
+    spec = eqx.tree_at(
+        lambda m: (m.layers[0].weight, m.layers[1].weight),
+        jax.tree_util.tree_map(lambda _: None, model),
+        (P("model", None), P(None, ("data", "model"))),
+        is_leaf=lambda x: x is None,
+    )
+    p = eqshard.plan(model, spec, mesh=mesh)
+    path = tmp_path / "ported.eqshard.json"
+    eqshard.dump(p, path)
+    text = path.read_text()
+    assert '"expr": "model a -> 4 model2 a"' in text
+    assert '"expr": "a (data model) -> data4 model2 a"' in text
+    again = eqshard.plan(model, eqshard.load(path))  # on the file's mesh, no mesh= given
+    shapes = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(model)]
+    for got, want, shape in zip(again.flat_shardings, p.flat_shardings, shapes):
+        assert (got is None) == (want is None)  # the activations, functions: no sharding
+        if got is not None and want is not None:
+            assert _blocks(got, shape) == _blocks(want, shape)
+    with pytest.raises(eqshard.SpecError, match=r"dump the plan made with it"):
+        eqshard.dump(spec, tmp_path / "tree.eqshard.json")

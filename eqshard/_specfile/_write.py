@@ -49,7 +49,8 @@ def dump(
 
     **Arguments:**
 
-    - `spec_or_rules`: an `eqshard.Rules`, or a spec tree (see "Spec trees").
+    - `spec_or_rules`: an `eqshard.Rules`, a spec tree (see "Spec trees"), or an
+        `eqshard.Plan` (see "Plans").
     - `path`: the file to write (see "The schema").
     - `devices`: the device count to record, if any (a `Rules` keeps its own).
 
@@ -65,6 +66,13 @@ def dump(
         matches the leaf, or every leaf of the subtree it stands for. `None` leaves are
         left to `"default": "replicate"`.
 
+    !!! info "Plans"
+
+        A plan is written as a rule per leaf, its path and its expression (a
+        `PartitionSpec` leaf's, as `report` shows it), with the plan's mesh where it is
+        the user's, and its device count. So a script of `PartitionSpec`s becomes a spec
+        file of expressions.
+
     !!! info "The schema"
 
         The file's `"$schema"` is the project's copy of the schema, where there is one
@@ -75,6 +83,8 @@ def dump(
         device_count_of(devices, "`devices`")
     if not isinstance(path, (str, os.PathLike)):
         raise EqshardError(f"`eqshard.dump` writes to a path, not {type(path).__name__}")
+    if hasattr(type(spec_or_rules), "__eqshard_rules__"):  # a `Plan`: its expressions
+        spec_or_rules = spec_or_rules.__eqshard_rules__()
     if isinstance(spec_or_rules, Rules):
         rules = spec_or_rules
         if devices is not None:
@@ -117,6 +127,16 @@ def _rules_of_spec_tree(tree: Any, devices: int | None = None) -> Rules:
     # `None`s are empty subtrees: no leaves. Paths as eqshard names them (a state's
     # leaves by their layers, a `(model, state)` pair as one model).
     for key_path, leaf in zip(key_paths(tree), jax.tree_util.tree_leaves(tree)):
+        if isinstance(leaf, (jax.sharding.PartitionSpec, jax.sharding.NamedSharding)):
+            problems.append(
+                Problem(
+                    leaf_name(key_path),
+                    f"a {'NamedSharding' if isinstance(leaf, jax.sharding.NamedSharding) else 'PartitionSpec'} is written as an expression on a mesh, for a "
+                    "leaf's rank: dump the plan made with it, "
+                    "`eqshard.dump(eqshard.plan(model, spec, mesh=mesh), path)`",
+                )
+            )
+            continue
         if not isinstance(leaf, (str, Expression)):
             problems.append(
                 Problem(leaf_name(key_path), f"{type(leaf).__name__} is not an expression")
