@@ -986,7 +986,10 @@ def _activation_fault(setup: _Setup, candidate: Candidate) -> str | None:
             target = dims.get(n) if isinstance(n, str) else None
             if target is None:
                 continue
-            axes = [a for a, k in candidate.mesh if k > 1] if target == "*" else [target]
+            if target == "*":
+                axes = [a for a, k in candidate.mesh if k > 1]
+            else:  # a mesh axis, or several (a tuple): a candidate's dims name one
+                axes = [target] if isinstance(target, str) else list(target)
             for axis in axes:
                 if axis in taken:
                     return (
