@@ -363,13 +363,13 @@ class Rules:
     default: Literal["replicate", "error", "fsdp", "parameter"] = "replicate"
     devices: int | None = None
     dims: Mapping[str, str | tuple[str, ...] | None] = dataclasses.field(default_factory=dict)
-    logical_axis_rules: Sequence[Sequence[Any]] | None = None
     source: str = "<rules>"
     mesh: tuple[tuple[str, int | None], ...] | None = None
     batch: Expression | BatchRules | None = None
     optimizer: Rules | None = None
     section: str = "$"
     comment: str | None = None
+    logical_axis_rules: Sequence[Sequence[Any]] | None = None  # last: positions unchanged
 
     def __post_init__(self) -> None:
         if self.comment is not None and not isinstance(self.comment, str):
