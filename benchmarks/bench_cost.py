@@ -188,7 +188,7 @@ def main() -> None:
 
     model = eqshard.init(build, "... -> * ...")
     state = eqshard.apply(optimizer.init(eqx.filter(model, eqx.is_array)), "... -> * ...")
-    x = eqshard.shard(jnp.ones((args.batch, args.width), dtype), "b d -> b* d")
+    x = eqshard.apply(jnp.ones((args.batch, args.width), dtype), "b d -> b* d")
     c = eqshard.cost(model, state, x, step=step, spec="... -> * ...", devices=len(devices))
     for device in devices:
         device.memory_stats()  # touch, so the counters exist

@@ -39,14 +39,14 @@ def per_call(fn, items, repeat=5):
 
 def fresh_parse(text):
     _parse_text.cache_clear()
-    return eqshard.parse(text)
+    return eqshard.expression.parse(text)
 
 
 def fresh_sharding(case):
     cached_sharding.cache_clear()
     mesh.cache_clear()
     _parse_text.cache_clear()
-    return eqshard.sharding(*case)
+    return eqshard.expression.sharding(*case)
 
 
 def main():
@@ -61,7 +61,7 @@ def main():
     cases = []
     for text in texts:
         try:
-            eqshard.sharding(text, (64, 64))
+            eqshard.expression.sharding(text, (64, 64))
             cases.append((text, (64, 64)))
         except eqshard.EqshardError:
             pass
@@ -69,12 +69,12 @@ def main():
 
     rows = []
     parse_cold = per_call(fresh_parse, valid)
-    parse_hot = per_call(eqshard.parse, valid * 200)
+    parse_hot = per_call(eqshard.expression.parse, valid * 200)
     rows.append(("parse, cold (cache cleared)", parse_cold, None))
     rows.append(("parse, cached", parse_hot, parse_cold / parse_hot))
 
     shard_cold = per_call(fresh_sharding, cases)
-    shard_hot = per_call(lambda case: eqshard.sharding(*case), cases * 200)
+    shard_hot = per_call(lambda case: eqshard.expression.sharding(*case), cases * 200)
     rows.append(("sharding, cold (caches cleared)", shard_cold, None))
     rows.append(("sharding, cached", shard_hot, shard_cold / shard_hot))
     theirs = None

@@ -99,7 +99,7 @@ def bench(name, model, loss, batch, rounds, calls):
     optimizer, fns, traces = steps(loss, plan)
     state = eqshard.apply(optimizer.init(eqx.filter(model, eqx.is_array)), plan)
     model = eqshard.apply(model, plan)
-    batch = jax.device_put(batch, eqshard.sharding("b ... -> b* ...", batch.shape))
+    batch = jax.device_put(batch, eqshard.expression.sharding("b ... -> b* ...", batch.shape))
     times = {label: [] for label in fns}
     assert isinstance(plan.mesh, jax.sharding.Mesh)  # the spec file's, on these devices
     with jax.set_mesh(plan.mesh), eqshard.use(plan):

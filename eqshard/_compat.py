@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ._errors import EqshardError
-from ._warnings import EqshardWarning, warn
+from ._warnings import VersionWarning, warn
 
 __all__ = [
     "EQUINOX_JIT_ID",
@@ -49,11 +49,6 @@ __all__ = [
     "unrolled_threefry",
     "version",
 ]
-
-
-class VersionWarning(EqshardWarning):
-    """This JAX or Equinox keeps an internal elsewhere than eqshard knows: eqshard
-    falls back to what keeps every value right (more memory, or a slower path)."""
 
 
 def version(package: str = "jax") -> str:

@@ -39,13 +39,13 @@ def shard(
     **Example:**
 
     ```python
-    w1 = eqshard.shard(w1, "x y -> x y*")   # columns split over all devices
+    w1 = eqshard.apply(w1, "x y -> x y*")   # columns split over all devices
     ```
 
     **Arguments:**
 
     - `x`: a `jax.Array` or a NumPy array. It is not modified.
-    - `expr`: an einshard expression (text or `eqshard.Expression`).
+    - `expr`: an einshard expression (text or `eqshard.expression.Expression`).
     - `mesh`: the mesh to place on, with its axis names; by default the mesh of
         `jax.set_mesh`, if one is set.
     - `devices`: else, a list of devices, or a count (the first that many of this

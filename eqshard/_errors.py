@@ -182,7 +182,7 @@ class SpecError(EqshardError):
 
     **Attributes:**
 
-    - `problems`: a list of `eqshard.Problem`, one per fault, in model order: every one,
+    - `problems`: a list of `eqshard.resolvers.Problem`, one per fault, in model order: every one,
         also those the text only counts.
     """
 

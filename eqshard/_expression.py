@@ -122,7 +122,7 @@ class Expression:
     **Example:**
 
     ```python
-    expr = eqshard.parse("x y -> x y*")
+    expr = eqshard.expression.parse("x y -> x y*")
     expr.lhs    # ('x', 'y')
     expr.rhs    # (Element('x', 1, False), Element('y', 1, True))
     str(expr)   # 'x y -> x y*'
@@ -160,7 +160,7 @@ class Expression:
         if parsed is None or parsed != self:
             raise EqshardError(
                 f"Expression(lhs={self.lhs!r}, rhs={self.rhs!r}, text={self.text!r}) is not "
-                "a valid einshard expression; build expressions with `eqshard.parse`"
+                "a valid einshard expression; build expressions with `eqshard.expression.parse`"
             )
         object.__setattr__(self, "text", parsed.text)
         object.__setattr__(self, "lhs_spans", parsed.lhs_spans)
@@ -751,9 +751,9 @@ def parse(expression: str | Expression) -> Expression:
     **Example:**
 
     ```python
-    expr = eqshard.parse("a b -> 2 a2* b*")
+    expr = eqshard.expression.parse("a b -> 2 a2* b*")
     str(expr)                        # 'a b -> 2 a2* b*'
-    eqshard.parse("y* z").is_complete  # False: the short form
+    eqshard.expression.parse("y* z").is_complete  # False: the short form
     ```
 
     **Arguments:**
@@ -763,7 +763,7 @@ def parse(expression: str | Expression) -> Expression:
 
     **Returns:**
 
-    A frozen, hashable `eqshard.Expression`. Parsing is cached, so parsing the same text
+    A frozen, hashable `eqshard.expression.Expression`. Parsing is cached, so parsing the same text
     again costs a dictionary look-up.
 
     **Raises:**

@@ -385,7 +385,7 @@ class FromFields:
         )
 
     def __repr__(self) -> str:
-        return "eqshard.FROM_FIELDS"
+        return "eqshard.resolvers.FROM_FIELDS"
 
     def __reduce__(self) -> str:
         return "FROM_FIELDS"  # pickles as a reference: one value in every process

@@ -1,4 +1,4 @@
-"""Pipeline stages: `eqshard.pipeline`, a drop-in for the `jax.lax.scan` over a stack
+"""Pipeline stages: `eqshard.parallel.pipeline`, a drop-in for the `jax.lax.scan` over a stack
 of layers that runs microbatches through stages held by the devices of one mesh axis.
 
 The stages are a layout like any other. The stacked layers' leading axis is split
@@ -186,10 +186,10 @@ _RECORDING: contextvars.ContextVar[list[Stages] | None] = contextvars.ContextVar
 )
 _MARKING: contextvars.ContextVar[bool] = contextvars.ContextVar("eqshard_marking", default=False)
 
-MARKED = "eqshard.pipeline."
+MARKED = "eqshard.parallel.pipeline."
 """The prefix of the `checkpoint_name` each stacked layer leaf carries while `suggest`
 traces a step (`marking`), then its stack's depth, schedule, microbatch count, stage
-axis, batch axis and batch, `"eqshard.pipeline.1:gpipe:8:stage:data:16"`: how
+axis, batch axis and batch, `"eqshard.parallel.pipeline.1:gpipe:8:stage:data:16"`: how
 `suggest`'s jaxpr walk finds the model's leaves a pipeline runs, and so which leaves
 its pipeline family splits into stages."""
 
@@ -238,7 +238,7 @@ def pipeline(
         def __call__(self, x):                       # x: (batch, seq, embed)
             # was: params, static = eqx.partition(self.blocks, eqx.is_array)
             #      x, _ = jax.lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)
-            return eqshard.pipeline(lambda block, x: block(x), self.blocks, x, microbatches=8)
+            return eqshard.parallel.pipeline(lambda block, x: block(x), self.blocks, x, microbatches=8)
     ```
 
     with a spec that splits the layer axis over `stage`, such as the rule
@@ -282,20 +282,22 @@ def pipeline(
     """
     if schedule not in SCHEDULES:
         raise EqshardError(
-            f"`eqshard.pipeline` has no schedule {schedule!r}; the schedules are "
+            f"`eqshard.parallel.pipeline` has no schedule {schedule!r}; the schedules are "
             f"{', '.join(map(repr, SCHEDULES))}"
         )
     params, static = eqx.partition(layers, eqx.is_array)
     leaves = jax.tree_util.tree_leaves(params)
     if not leaves:
-        raise EqshardError("`eqshard.pipeline` takes stacked layers, and these hold no array")
+        raise EqshardError(
+            "`eqshard.parallel.pipeline` takes stacked layers, and these hold no array"
+        )
     depth = 2 if schedule == "circular" else 1
     stack = _stack_shape(leaves, depth, schedule)
-    microbatches = whole_number(microbatches, "`eqshard.pipeline`'s `microbatches`")
+    microbatches = whole_number(microbatches, "`eqshard.parallel.pipeline`'s `microbatches`")
     batch = _batch_size(x)
     if batch % microbatches:
         raise EqshardError(
-            f"`eqshard.pipeline` cuts a batch of {batch} into {microbatches} microbatches, "
+            f"`eqshard.parallel.pipeline` cuts a batch of {batch} into {microbatches} microbatches, "
             "which does not divide it; give a microbatch count that divides the batch"
         )
     found = active_mesh(mesh)
@@ -316,20 +318,20 @@ def pipeline(
         rounds = stack[0]
         if stack[1] != stages:
             raise EqshardError(
-                f"`eqshard.pipeline`'s circular schedule takes layers stacked (rounds, "
+                f"`eqshard.parallel.pipeline`'s circular schedule takes layers stacked (rounds, "
                 f"stages, ...), and these are stacked {list(stack)} on a mesh whose "
                 f"{axis!r} has {stages} devices; stack them ({n_layers // stages}, {stages})"
             )
         if microbatches < stages:
             raise EqshardError(
-                f"`eqshard.pipeline`'s circular schedule needs at least as many "
+                f"`eqshard.parallel.pipeline`'s circular schedule needs at least as many "
                 f"microbatches as stages ({stages}), and is given {microbatches}"
             )
     else:
         rounds = 1
         if stack[0] % stages:
             raise EqshardError(
-                f"`eqshard.pipeline` splits {stack[0]} stacked layers over {stages} stages "
+                f"`eqshard.parallel.pipeline` splits {stack[0]} stacked layers over {stages} stages "
                 f"({axis!r}), which does not divide them"
             )
     record = _RECORDING.get()
@@ -339,7 +341,7 @@ def pipeline(
     rows = batch // microbatches
     if copies > 1 and rows % copies:
         raise EqshardError(
-            f"`eqshard.pipeline` splits each microbatch's {rows} rows over {batch_axis!r} "
+            f"`eqshard.parallel.pipeline` splits each microbatch's {rows} rows over {batch_axis!r} "
             f"({copies} devices), which does not divide them; give fewer microbatches, "
             "or batch_axis=None"
         )
@@ -471,7 +473,7 @@ def _stack_shape(leaves: list[Any], depth: int, schedule: str) -> tuple[int, ...
     if len(shapes) != 1 or any(a.ndim < depth for a in leaves):
         what = "a leading axis of layers" if depth == 1 else "two leading axes (rounds, stages)"
         raise EqshardError(
-            f"`eqshard.pipeline`'s {schedule} schedule takes layers whose array leaves "
+            f"`eqshard.parallel.pipeline`'s {schedule} schedule takes layers whose array leaves "
             f"all have {what}, and these lead with {sorted(shapes)}; stack them with "
             "eqx.filter_vmap"
         )
@@ -483,7 +485,7 @@ def _batch_size(x: Any) -> int:
     scalars = [a for a in leaves if getattr(a, "ndim", 0) == 0]
     if scalars:
         raise EqshardError(
-            "`eqshard.pipeline` takes an input whose arrays all lead with the batch, and "
+            "`eqshard.parallel.pipeline` takes an input whose arrays all lead with the batch, and "
             f"{len(scalars)} of its leaves {'is a scalar' if len(scalars) == 1 else 'are scalars'}"
             ", with no batch to cut into microbatches; pass such a value to the layer "
             "function by closure"
@@ -491,7 +493,7 @@ def _batch_size(x: Any) -> int:
     sizes = {a.shape[0] for a in leaves}
     if len(sizes) != 1:
         raise EqshardError(
-            "`eqshard.pipeline` takes an input whose arrays all lead with the batch, and "
+            "`eqshard.parallel.pipeline` takes an input whose arrays all lead with the batch, and "
             f"these lead with {sorted(sizes)}"
         )
     return sizes.pop()

@@ -4,9 +4,9 @@
 layouts onto one mesh (`_fit.py`): the user's (`mesh=`, `jax.set_mesh`, or a spec
 file's declared mesh), where a layout that does not fit is a problem; else the
 coarsest shared row-major mesh, which exists on any power-of-two device count.
-Each leaf's devices hold exactly the blocks that `eqshard.sharding` (and einshard)
+Each leaf's devices hold exactly the blocks that `eqshard.expression.sharding` (and einshard)
 would give them; only the mesh they are written on is shared. Where no shared
-mesh exists, each expression keeps its own mesh, as `eqshard.sharding` builds it.
+mesh exists, each expression keeps its own mesh, as `eqshard.expression.sharding` builds it.
 
 Planning needs no devices: given a count (`devices=65536`), every mesh is the
 `jax.sharding.AbstractMesh` of the axes the same devices would get, so the
@@ -77,7 +77,7 @@ Spec = Union[str, Expression, os.PathLike, Resolver, "Plan", "PyTree[SpecLeaf]",
 - an einshard expression (text or `Expression`), for every array leaf: a `str` is
     always an expression, never a file name;
 - a spec file, as a `pathlib.Path` (read with `eqshard.load`);
-- a resolver: `eqshard.FROM_FIELDS` (the model's `eqshard.field`s, the default),
+- a resolver: `eqshard.resolvers.FROM_FIELDS` (the model's `eqshard.field`s, the default),
     the `Rules` of a spec file, `eqshard.FSDP`, or the user's own;
 - a `Plan`, made for the model (it lays out any tree built from it);
 - a spec tree: the model's structure with a `SpecLeaf` per leaf, or a prefix of it.
@@ -127,7 +127,7 @@ class Plan:
         Auto axes `m0`, `m1`, ... For a plan made for a count, it is a
         `jax.sharding.AbstractMesh` of the same axes. It is `None` when the layouts
         share no mesh. Then each sharding has its expression's own mesh, as
-        `eqshard.sharding` builds it.
+        `eqshard.expression.sharding` builds it.
 
     !!! info "Device counts"
 

@@ -99,7 +99,7 @@ class Resolution:
 
 @runtime_checkable
 class Resolver(Protocol):
-    """A spec source, such as `eqshard.Rules` or `eqshard.FROM_FIELDS`.
+    """A spec source, such as `eqshard.Rules` or `eqshard.resolvers.FROM_FIELDS`.
 
     **Example:**
 
@@ -110,7 +110,7 @@ class Resolver(Protocol):
 
         def __eqshard_resolve__(self, model, target):
             leaves = jax.tree_util.tree_leaves(model)
-            return eqshard.Resolution([self.expr] * len(leaves))
+            return eqshard.resolvers.Resolution([self.expr] * len(leaves))
 
     model = eqshard.apply(model, Everything("... -> * ..."))
     ```

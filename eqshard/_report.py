@@ -127,7 +127,7 @@ def leaf_rows(plan: Plan) -> list[LeafRow]:
 
 
 STAGE = "stage"
-"""The mesh axis whose devices hold pipeline stages (`eqshard.pipeline`'s `axis`)."""
+"""The mesh axis whose devices hold pipeline stages (`eqshard.parallel.pipeline`'s `axis`)."""
 
 
 def stage_layers(shape: tuple[int, ...], sharding: Any) -> tuple[tuple[int, ...], ...] | None:

@@ -57,7 +57,7 @@ def ring_attention(
     class Attention(eqx.Module):
         def __call__(self, x):                       # x: (batch, seq, embed)
             q, k, v = self.project(x)                # each (batch, seq, heads, head_dim)
-            o = eqshard.ring_attention(q, k, v, ("batch", "seq", "heads", None), causal=True)
+            o = eqshard.parallel.ring_attention(q, k, v, ("batch", "seq", "heads", None), causal=True)
             ...
 
     rules = eqshard.load({"eqshard": 1, "mesh": [["data", 2], ["context", 4]],
@@ -122,20 +122,20 @@ def _check(q: Any, k: Any, v: Any, names: Names) -> None:
     shape = tuple(getattr(q, "shape", ()))
     if len(shape) != 4:
         raise EqshardError(
-            f"`eqshard.ring_attention` takes q, k and v of rank 4, (batch, seq, heads, "
+            f"`eqshard.parallel.ring_attention` takes q, k and v of rank 4, (batch, seq, heads, "
             f"head_dim), and q is {getattr(q, 'dtype', type(q).__name__)}{list(shape)}; "
             "add the missing axes (`q[None]` for one sequence, `q[:, :, None]` for one head)"
         )
     for label, x in (("k", k), ("v", v)):
         if tuple(getattr(x, "shape", ())) != shape:
             raise EqshardError(
-                f"`eqshard.ring_attention` takes {label} shaped as q, {list(shape)}, and "
+                f"`eqshard.parallel.ring_attention` takes {label} shaped as q, {list(shape)}, and "
                 f"{label} is {list(getattr(x, 'shape', ()))}; repeat grouped keys and values "
                 "over the heads first"
             )
     if not isinstance(names, (tuple, list)) or len(names) != 4 or ... in names:
         raise EqshardError(
-            f"`eqshard.ring_attention` names q's axes as {names!r}: give four names, "
+            f"`eqshard.parallel.ring_attention` names q's axes as {names!r}: give four names, "
             "(batch, seq, heads, head_dim), such as ('batch', 'seq', 'heads', None), "
             "each a dim name or None, with no ..."
         )
@@ -154,7 +154,9 @@ def _ring_axis(target: NamedSharding, names: Names, q: Any) -> str | None:
     sizes = target.mesh.shape
     seq = [a for a in _axes(spec[1]) if sizes[a] > 1]
     last = [a for a in _axes(spec[3]) if sizes[a] > 1]
-    label = f"`eqshard.ring_attention` lays out q, {q.dtype}{list(q.shape)}, as {_text(names)}"
+    label = (
+        f"`eqshard.parallel.ring_attention` lays out q, {q.dtype}{list(q.shape)}, as {_text(names)}"
+    )
     if last:
         raise EqshardError(
             f"{label}, which splits head_dim ({names[3]!r}) over mesh axes {last}: each "

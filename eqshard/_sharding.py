@@ -196,7 +196,7 @@ def on_devices(mesh: AnyMesh | None, what: str, placed: object = None) -> None:
             f"count, `devices={placed}`, on {on}; pass devices rather "
             f"than a count, such as `devices=jax.devices()[:{placed}]`, or a concrete "
             "`jax.sharding.Mesh`. A count serves `eqshard.plan`, `eqshard.report`, "
-            "`eqshard.abstract`, `eqshard.sharding`, and `eqshard.constrain` inside `jit`"
+            "`eqshard.abstract`, `eqshard.expression.sharding`, and `eqshard.constrain` inside `jit`"
         )
     if isinstance(mesh, AbstractMesh):
         raise EqshardError(
@@ -206,7 +206,7 @@ def on_devices(mesh: AnyMesh | None, what: str, placed: object = None) -> None:
             "held by the `Plan`); pass a concrete `jax.sharding.Mesh`, such as "
             "`jax.make_mesh((2, 4), ('data', 'model'))` or `jax.sharding.Mesh("
             "np.array(jax.devices()).reshape(2, 4), ('data', 'model'))`. An AbstractMesh "
-            "serves `eqshard.plan`, `eqshard.abstract`, `eqshard.sharding`, and "
+            "serves `eqshard.plan`, `eqshard.abstract`, `eqshard.expression.sharding`, and "
             "`eqshard.constrain` inside `jit`"
         )
 
@@ -310,17 +310,17 @@ def sharding(
     **Example:**
 
     ```python
-    s = eqshard.sharding("a b -> 2 a2* b*", (4, 8))   # on 16 devices
+    s = eqshard.expression.sharding("a b -> 2 a2* b*", (4, 8))   # on 16 devices
     s.mesh.shape      # {'_0': 2, 'a': 4, 'b': 2}
     s.spec            # PartitionSpec('a', 'b')
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    eqshard.sharding("a b -> a2 b4", (4, 8), mesh=mesh).spec   # P('data', 'model')
+    eqshard.expression.sharding("a b -> a2 b4", (4, 8), mesh=mesh).spec   # P('data', 'model')
     ```
 
     **Arguments:**
 
-    - `expr`: an einshard expression, as text or as an `eqshard.Expression`.
+    - `expr`: an einshard expression, as text or as an `eqshard.expression.Expression`.
     - `shape`: the array's shape.
     - `mesh`: the mesh to write the layout on, with its axis names; by default the mesh
         of `jax.set_mesh`, if one is set. einshard's device `i` is

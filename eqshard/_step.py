@@ -1080,7 +1080,7 @@ def jit(
 
     **Returns:**
 
-    The step (a `eqshard.Step`), called as `fn` is; `step.lower(*args)` lowers it for
+    The step (a `eqshard.results.Step`), called as `fn` is; `step.lower(*args)` lowers it for
     the active plan over concrete or abstract arguments.
 
     **Raises:**

@@ -24,6 +24,7 @@ __all__ = [
     "MeshWarning",
     "UnusedRule",
     "UnusedRuleWarning",
+    "VersionWarning",
     "unused_message",
     "warn",
 ]
@@ -85,7 +86,7 @@ class UnusedRule:
     leaves: tuple[str, ...] = ()
 
 
-UnusedRule.__module__ = "eqshard"
+UnusedRule.__module__ = "eqshard.resolvers"
 
 
 class UnusedRuleWarning(EqshardWarning):
@@ -252,3 +253,14 @@ def warn(found: Iterable[EqshardWarning]) -> None:
         frame, level = frame.f_back, level + 1
     for warning in found:
         warnings.warn(warning, stacklevel=level + 1)
+
+
+class VersionWarning(EqshardWarning):
+    """This JAX or Equinox keeps an internal elsewhere than eqshard knows.
+
+    eqshard falls back to what keeps every value right (more memory, or a slower
+    path), and says so once per process.
+    """
+
+
+VersionWarning.__module__ = "eqshard"

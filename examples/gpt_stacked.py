@@ -152,7 +152,7 @@ def main(steps: int = 3, spec: str | Path = SPEC) -> dict[str, Any]:
         with jax.set_mesh(mesh), eqshard.use(plan):
             model = eqshard.apply(model, plan)
             opt_state = eqshard.apply(opt_state, plan)  # moments follow their parameters
-            tokens_in_shards = eqshard.shard(
+            tokens_in_shards = eqshard.apply(
                 tokens, "b s -> b2 s 4"
             )  # over 'data', whole on 'model'
             # what one step moves: the program eqshard.jit runs under this plan

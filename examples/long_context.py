@@ -22,7 +22,7 @@ all-reduces.
 `specs/long_context.cp.eqshard.json` is context parallelism over `context`: `seq`
 and `inner_seq` split (each device its own queries), `kv_seq` whole, so XLA gathers
 the keys and values over `context` in each layer. With `Sizes(ring=True)` the model
-calls `eqshard.ring_attention` instead, which keeps the keys and values split and
+calls `eqshard.parallel.ring_attention` instead, which keeps the keys and values split and
 passes them round the ring with `ppermute`.
 
     python examples/long_context.py     # trains 3 steps under each spec and unsharded
@@ -63,7 +63,7 @@ class Sizes(NamedTuple):
     layers: int = 2
     batch: int = 4
     seq: int = 32
-    ring: bool = False  # attention by `eqshard.ring_attention`
+    ring: bool = False  # attention by `eqshard.parallel.ring_attention`
 
 
 SIZES = Sizes()
@@ -103,7 +103,7 @@ class Attention(eqx.Module):
         if self.ring:  # keys and values stay split, passed round the ring
             k = heads(self.k, ("batch", "inner_seq", "heads", None))
             v = heads(self.v, ("batch", "inner_seq", "heads", None))
-            out = eqshard.ring_attention(
+            out = eqshard.parallel.ring_attention(
                 q, k, v, ("batch", "inner_seq", "heads", None), causal=True
             )
         else:

@@ -1,7 +1,7 @@
 """A deep stack of `eqx.nn` layers, trained with its layers split into pipeline stages.
 
 The 8 residual MLP layers are stacked with `eqx.filter_vmap`. The model runs them
-with `eqshard.pipeline`, where a plain model would call `jax.lax.scan`: the one-line
+with `eqshard.parallel.pipeline`, where a plain model would call `jax.lax.scan`: the one-line
 change. The spec file splits the stack's layer axis over the mesh axis `stage`, so
 each of 4 stages holds 2 layers, and the batch over `data`. `pipeline` cuts the
 batch into 8 microbatches and runs them through the stages, one `collective-permute`
@@ -51,7 +51,7 @@ class Sizes(NamedTuple):
     batch: int = 16
     microbatches: int = 8
     schedule: Literal["gpipe", "circular"] = "gpipe"
-    batch_axis: str | None = "data"  # each row on its own: see eqshard.pipeline
+    batch_axis: str | None = "data"  # each row on its own: see eqshard.parallel.pipeline
 
 
 SIZES = Sizes()
@@ -100,7 +100,7 @@ class Deep(eqx.Module):
     def __call__(self, x: Float[Array, "batch features"]) -> Float[Array, " batch"]:
         x = jax.vmap(self.project)(x)
         # a plain model: `jax.lax.scan` over the stacked layers; here, in stages
-        x = eqshard.pipeline(
+        x = eqshard.parallel.pipeline(
             lambda layer, x: layer(x),
             self.blocks,
             x,

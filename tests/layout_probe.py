@@ -25,7 +25,7 @@ def main() -> None:
     else:
         import eqshard
 
-        make = eqshard.sharding
+        make = eqshard.expression.sharding
 
     assert len(jax.devices()) == n_devices
     results = []

@@ -283,7 +283,7 @@ def test_a_count_is_a_whole_number_a_sharding_can_describe():
             eqshard.plan(_linear(), "... -> * ...", devices=count)
     with pytest.raises(EqshardError, match=r"^`devices` is a list of JAX devices, .* or a device"):
         eqshard.plan(_linear(), "... -> * ...", devices=2.0)  # pyright: ignore
-    sharding = eqshard.sharding("a b -> a2* b", (65536 * 2, 16), devices=65536)
+    sharding = eqshard.expression.sharding("a b -> a2* b", (65536 * 2, 16), devices=65536)
     assert sharding.mesh == AbstractMesh((65536, 1), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
     assert sharding.shard_shape((65536 * 2, 16)) == (2, 16)
 

@@ -118,7 +118,7 @@ def test_modifiers_split_over_every_device_on_the_mesh_or_their_own():
     assert on_mesh.sharding.spec == P(("data", "model"), None, None)
     with eqshard.use(_rules({"batch": "*", "seq": None, "embed": None}, mesh=None)):
         alone = eqshard.constrain(x, NAMES)
-    expected = eqshard.sharding("batch seq embed -> batch* seq embed", x.shape)
+    expected = eqshard.expression.sharding("batch seq embed -> batch* seq embed", x.shape)
     assert _blocks(alone.sharding, x.shape) == _blocks(expected, x.shape)
     assert _blocks(on_mesh.sharding, x.shape) == _blocks(expected, x.shape)
 

@@ -43,7 +43,7 @@ def test_apply_places_every_leaf_as_einshard_would():
     sharded = eqshard.apply(model)
     for name, expr in [("w1", "x y -> x y*"), ("w2", "y z -> y* z")]:
         array = getattr(sharded, name)
-        expected = eqshard.sharding(expr, array.shape)
+        expected = eqshard.expression.sharding(expr, array.shape)
         assert _index_map(array.sharding, array.shape) == _index_map(expected, array.shape)
         np.testing.assert_array_equal(np.asarray(array), getattr(before, name))
         for shard in array.addressable_shards:
@@ -73,7 +73,9 @@ def test_spec_forms_single_prefix_and_full():
     assert jax.tree_util.tree_leaves(plan.partition_specs) == [P(), P(), P()]  # full copies
     plan = eqshard.plan(model, {"a": "r c -> r* c", "b": "... x -> ... x*"})
     assert plan.partition_specs == {"a": P("m0", None), "b": {"c": P("m0"), "d": P(None, "m0")}}
-    plan = eqshard.plan(model, {"a": None, "b": {"c": eqshard.parse("x -> x*"), "d": None}})
+    plan = eqshard.plan(
+        model, {"a": None, "b": {"c": eqshard.expression.parse("x -> x*"), "d": None}}
+    )
     assert plan.partition_specs == {"a": P(), "b": {"c": P("m0"), "d": P()}}
 
 
@@ -203,7 +205,7 @@ def _expression(draw):
 
 def _fits(expr):
     try:
-        eqshard.sharding(expr, (16, 16))
+        eqshard.expression.sharding(expr, (16, 16))
     except eqshard.ExpressionError:
         return False
     return True
@@ -220,7 +222,7 @@ def test_shared_mesh_keeps_every_layout(exprs):
     for expr, sharding in zip(exprs, plan.shardings):
         assert sharding.mesh is plan.mesh
         assert _index_map(sharding, (16, 16)) == _index_map(
-            eqshard.sharding(expr, (16, 16)), (16, 16)
+            eqshard.expression.sharding(expr, (16, 16)), (16, 16)
         ), expr
 
 
@@ -233,7 +235,7 @@ exprs = ["a b -> a2 b6", "a b -> a3 b4", "a b -> a4 b3"]
 def blocks(s):
     return sorted((d.id, str(i)) for d, i in s.devices_indices_map((12, 12)).items())
 plan = eqshard.plan(model, exprs)
-same = [blocks(s) == blocks(eqshard.sharding(e, (12, 12))) for e, s in zip(exprs, plan.shardings)]
+same = [blocks(s) == blocks(eqshard.expression.sharding(e, (12, 12))) for e, s in zip(exprs, plan.shardings)]
 shared = eqshard.plan(model[:1] * 2, ["a b -> a2 b6", "a b -> a2* b"])
 print(json.dumps({"mesh": plan.mesh is None, "same": same, "meshes": len({s.mesh for s in plan.shardings}),
                   "shared": dict(shared.mesh.shape)}))
@@ -370,7 +372,7 @@ def test_devices_is_a_count_or_a_list_everywhere():
     by_list = eqshard.apply(model, "a b -> a* b", devices=four)
     assert by_count["w"].sharding == by_list["w"].sharding
     assert set(by_count["w"].sharding.device_set) == set(four)
-    assert eqshard.shard(model["w"], "a b -> a* b", devices=4).sharding.device_set == set(four)
+    assert eqshard.apply(model["w"], "a b -> a* b", devices=4).sharding.device_set == set(four)
     built = eqshard.init(lambda: model, "a b -> a* b", devices=4, unspecified="keep")
     assert built["w"].sharding == by_list["w"].sharding
     assert eqshard.plan(model, "a b -> a* b", devices=4).partition_specs == {"w": P("m0", None)}
@@ -417,7 +419,7 @@ def test_64_bit_numpy_is_refused_everywhere_it_could_be_cast(dtype):
     x = np.array([BIG, 3] * 4, dtype)
     held = {np.int64: "int32", np.float64: "float32", np.complex128: "complex64"}[dtype]
     for place in (
-        lambda: eqshard.shard(x, "a -> a*"),
+        lambda: eqshard.apply(x, "a -> a*"),
         lambda: eqshard.constrain(x, "a -> a*"),
         lambda: eqshard.constrain({"x": x}, {"x": "a -> a*"}),
         lambda: eqshard.apply({"x": x}, {"x": "a -> a*"}),
@@ -430,8 +432,8 @@ def test_64_bit_numpy_is_refused_everywhere_it_could_be_cast(dtype):
 def test_placed_values_never_alias_a_writeable_numpy_input(shape):
     x = np.zeros(shape, np.float32)
     placed = [
-        eqshard.shard(x, "a b -> a* b"),
-        eqshard.shard(x, "a b -> * a b"),
+        eqshard.apply(x, "a b -> a* b"),
+        eqshard.apply(x, "a b -> * a b"),
         eqshard.apply({"x": x}, {"x": "a b -> a b*"})["x"],
         eqshard.constrain({"x": x}, {"x": "a b -> a* b"})["x"],
         eqshard.apply({"x": x}, {"x": "a b -> 8 a b"}, devices=jax.devices()[:8])["x"],

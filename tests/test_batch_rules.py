@@ -194,10 +194,10 @@ def test_paths_are_within_each_argument_dict_keys_indices_and_a_bare_array():
     plan = eqshard.plan(model, eqshard.load(FSDP))
     rules = eqshard.BatchRules(
         rules=(
-            eqshard.Rule("x", eqshard.parse("b ... -> b* ...")),  # a dict's key
-            eqshard.Rule("1", eqshard.parse("... -> * ...")),  # a tuple's index
+            eqshard.Rule("x", eqshard.expression.parse("b ... -> b* ...")),  # a dict's key
+            eqshard.Rule("1", eqshard.expression.parse("... -> * ...")),  # a tuple's index
         ),
-        default=eqshard.parse(
+        default=eqshard.expression.parse(
             "b ... -> b2 ... 4"
         ),  # the rest: pair[0], and the bare array (path '')
     )
@@ -224,14 +224,14 @@ def test_batch_rules_in_python_win_over_the_files_and_are_checked():
     assert isinstance(rules.batch, eqshard.BatchRules)
     assert rules.batch.where("$") == "spec.json::$.batch"
     with pytest.raises(eqshard.ExpressionError, match=r"a batch's arrays have no annotation"):
-        eqshard.BatchRules(rules=(eqshard.Rule("nodes", eqshard.parse("n*")),))
+        eqshard.BatchRules(rules=(eqshard.Rule("nodes", eqshard.expression.parse("n*")),))
     with pytest.raises(eqshard.EqshardError, match=r"`BatchRules.rules\[0\]` \('nodes'\) lays "
                        r"out batch leaves by a complete expression such as 'b \.\.\. -> b\* "
                        r"\.\.\.', or by dims by name, not 'fsdp'"):  # fmt: skip
         eqshard.BatchRules(rules=(eqshard.Rule("nodes", "fsdp"),))
     with pytest.raises(eqshard.EqshardError, match=r"names the memory kind 'pinned_host'"):
         eqshard.BatchRules(
-            rules=(eqshard.Rule("x", eqshard.parse("b -> b*"), memory="pinned_host"),)
+            rules=(eqshard.Rule("x", eqshard.expression.parse("b -> b*"), memory="pinned_host"),)
         )
     with pytest.raises(eqshard.EqshardError, match=r"`BatchRules.default` is a complete "
                        r"expression such as 'b \.\.\. -> b\* \.\.\.', 'replicate', 'error', "
@@ -292,12 +292,12 @@ def test_a_batch_section_loads_and_dumps_back(tmp_path):
     assert isinstance(again.batch, eqshard.BatchRules)
     assert again.batch.source == str(path)
     # the expression form is as it was
-    assert eqshard.load({"eqshard": 1, "batch": "... -> * ..."}).batch == eqshard.parse(
+    assert eqshard.load({"eqshard": 1, "batch": "... -> * ..."}).batch == eqshard.expression.parse(
         "... -> * ..."
     )
     section = eqshard.load({"eqshard": 1, "batch": {"default": "b ... -> b2 ..."}}).batch
     assert isinstance(section, eqshard.BatchRules)
-    assert section.default == eqshard.parse("b ... -> b2 ...")
+    assert section.default == eqshard.expression.parse("b ... -> b2 ...")
 
 
 BAD_SECTIONS = [

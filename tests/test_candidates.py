@@ -691,8 +691,10 @@ def test_the_demos_strategies_are_reproduced_device_by_device():
         theirs = eqshard.plan(model, eqshard.load(_demo.spec_path(demo_name)), devices=devices)
         assert _blocks_of(ours, model) == _blocks_of(theirs, model), name
         shape = batch.shape
-        ours_batch = eqshard.sharding(str(by[name].rules.batch), shape, mesh=ours.mesh)
-        theirs_batch = eqshard.sharding(_demo.batch_expression(theirs), shape, mesh=theirs.mesh)
+        ours_batch = eqshard.expression.sharding(str(by[name].rules.batch), shape, mesh=ours.mesh)
+        theirs_batch = eqshard.expression.sharding(
+            _demo.batch_expression(theirs), shape, mesh=theirs.mesh
+        )
         assert blocks(ours_batch, shape) == blocks(theirs_batch, shape), name
 
 

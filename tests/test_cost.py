@@ -285,7 +285,7 @@ def test_a_batch_on_one_device_or_on_other_devices_is_laid_out_by_the_default():
 def test_the_spec_files_batch_lays_out_the_batch_unless_batch_is_given():
     split = _split()
     whole_batch = eqshard.load({**MEGATRON.to_json(), "batch": "... -> * ..."})
-    assert whole_batch.batch == eqshard.parse("... -> * ...")
+    assert whole_batch.batch == eqshard.expression.parse("... -> * ...")
     c = _megatron_cost(BATCH, spec=whole_batch)
     assert (set(c.bytes_by_axes()), c.batch) == (WHOLE, "... -> * ...")
     p = eqshard.plan(MODEL, whole_batch, devices=jax.devices())  # a plan made from Rules
@@ -303,7 +303,7 @@ def test_a_short_or_malformed_batch_is_refused_with_a_caret():
     with pytest.raises(eqshard.ExpressionError, match=r"a count of 0 is not allowed"):
         _megatron_cost(BATCH, batch="b ... -> b0 ...")
     with pytest.raises(eqshard.ExpressionError, match=r"a batch's arrays have no annotation"):
-        eqshard.Rules(batch=eqshard.parse("b*"))
+        eqshard.Rules(batch=eqshard.expression.parse("b*"))
 
 
 def test_bfloat16_collectives_on_xla_cpu_are_named_as_its_float32_copies():

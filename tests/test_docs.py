@@ -61,7 +61,9 @@ def test_every_public_name_is_on_an_api_page():
     for page in (DOCS / "api").glob("*.md"):
         documented |= set(re.findall(r"^::: (\S+)$", page.read_text(), re.MULTILINE))
     public = {f"eqshard.{name}" for name in eqshard.__all__}
-    public |= {f"eqshard.testing.{name}" for name in eqshard.testing.__all__}
+    for namespace in eqshard._NAMESPACES:
+        module = getattr(eqshard, namespace)
+        public |= {f"eqshard.{namespace}.{name}" for name in module.__all__}
     assert sorted(public - documented) == []
     assert sorted(documented - public - {"eqshard.testing"}) == []  # nothing private
 

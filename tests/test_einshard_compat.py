@@ -144,6 +144,6 @@ def test_exact_roots_where_einshard_fails(probe):
     cases = [["a b c -> a* b* c*", [4, 4, 4]]]
     (theirs,) = probe("einshard", 64, cases, python=python)
     assert theirs["error"].startswith("AssertionError")
-    lay = layout(eqshard.parse(cases[0][0]), (4, 4, 4), 64)
+    lay = layout(eqshard.expression.parse(cases[0][0]), (4, 4, 4), 64)
     assert lay.mesh_shape == (4, 4, 4)
     assert math.prod(lay.mesh_shape) == 64

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqshard
-from eqshard import Element, EqshardError, Expression, ExpressionError, SpecError
+from eqshard import EqshardError, ExpressionError, SpecError
+from eqshard.expression import Element, Expression
 
 # (text, lhs, rhs) with rhs written as (name, count, star) or ... for '...'.
 VALID = [
@@ -36,12 +37,12 @@ def _rhs(items):
 
 @pytest.mark.parametrize(("text", "lhs", "rhs"), VALID)
 def test_parse_valid(text, lhs, rhs):
-    expr = eqshard.parse(text)
+    expr = eqshard.expression.parse(text)
     assert expr.lhs == lhs
     assert expr.rhs == _rhs(rhs)
     assert expr.is_complete
     assert expr.text == text
-    again = eqshard.parse(str(expr))
+    again = eqshard.expression.parse(str(expr))
     assert again == expr
     assert hash(again) == hash(expr)
     assert str(again) == str(expr)
@@ -60,11 +61,11 @@ def test_parse_valid(text, lhs, rhs):
     ],
 )
 def test_canonical_text(text, canonical):
-    assert str(eqshard.parse(text)) == canonical
+    assert str(eqshard.expression.parse(text)) == canonical
 
 
 def test_short_form_is_incomplete():
-    expr = eqshard.parse("out* in")
+    expr = eqshard.expression.parse("out* in")
     assert not expr.is_complete
     assert expr.lhs is None
     assert expr.rhs == (Element("out", 1, True), Element("in"))
@@ -72,22 +73,22 @@ def test_short_form_is_incomplete():
 
 
 def test_expression_is_frozen_hashable_and_compared_by_meaning():
-    a, b = eqshard.parse("a b -> a b*"), eqshard.parse("a  b->a1 b*")
+    a, b = eqshard.expression.parse("a b -> a b*"), eqshard.expression.parse("a  b->a1 b*")
     assert a == b
     assert len({a, b}) == 1
     assert a.text != b.text
     with pytest.raises(AttributeError):
         a.lhs = ("c",)  # type: ignore[misc]
-    assert eqshard.parse("a b -> a b*") != eqshard.parse("a b -> a* b")
-    assert eqshard.parse("a b*") != eqshard.parse("a b -> a b*")
+    assert eqshard.expression.parse("a b -> a b*") != eqshard.expression.parse("a b -> a* b")
+    assert eqshard.expression.parse("a b*") != eqshard.expression.parse("a b -> a b*")
     assert pickle.loads(pickle.dumps(a)) == a
 
 
 def test_parse_is_cached():
     text = "cache_me -> cache_me*"
-    assert eqshard.parse(text) is eqshard.parse(text)
-    expr = eqshard.parse(text)
-    assert eqshard.parse(expr) is expr
+    assert eqshard.expression.parse(text) is eqshard.expression.parse(text)
+    expr = eqshard.expression.parse(text)
+    assert eqshard.expression.parse(expr) is expr
 
 
 # (text, caret column, caret length, the rule) -- the messages are pinned.
@@ -258,7 +259,7 @@ ERRORS = [
 @pytest.mark.parametrize(("text", "column", "length", "rule"), ERRORS)
 def test_parse_errors_are_pinned(text, column, length, rule):
     with pytest.raises(ExpressionError) as info:
-        eqshard.parse(text)
+        eqshard.expression.parse(text)
     error = info.value
     assert isinstance(error, EqshardError)
     assert isinstance(error, ValueError)
@@ -280,13 +281,13 @@ def test_error_class_reports_public_module():
 
 def test_caret_counts_wide_characters():
     with pytest.raises(ExpressionError) as info:
-        eqshard.parse("軸 b -> 軸 c")
+        eqshard.expression.parse("軸 b -> 軸 c")
     assert str(info.value).split("\n")[2] == " " * (4 + 11) + "^"  # each 軸 takes two columns
 
 
 def test_the_caret_lines_up_under_tabs_and_hides_control_characters():
     with pytest.raises(ExpressionError) as info:
-        eqshard.parse("a\tb -> a\x1b[2K c")
+        eqshard.expression.parse("a\tb -> a\x1b[2K c")
     lines = str(info.value).split("\n")
     assert lines[1] == "    a b -> a\ufffd[2K c"
     assert "\x1b" not in str(info.value)
@@ -294,7 +295,7 @@ def test_the_caret_lines_up_under_tabs_and_hides_control_characters():
 
 def test_counts_of_thousands_of_digits_are_expression_errors():
     with pytest.raises(ExpressionError, match="a count of 5000 digits is more devices"):
-        eqshard.parse("a -> a" + "9" * 5000)
+        eqshard.expression.parse("a -> a" + "9" * 5000)
     with pytest.raises(SpecError) as info:
         eqshard.load(
             {
@@ -313,7 +314,7 @@ def test_non_string_is_an_eqshard_error():
     with pytest.raises(
         EqshardError, match=re.escape("must be a string such as 'x y -> x y*', not int: 3")
     ):
-        eqshard.parse(3)  # type: ignore[arg-type]
+        eqshard.expression.parse(3)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- #
@@ -357,10 +358,10 @@ def valid_expressions(draw):
 @settings(max_examples=300, deadline=None)
 def test_valid_expressions_round_trip(case):
     string, lhs, rhs = case
-    expr = eqshard.parse(string)
+    expr = eqshard.expression.parse(string)
     assert expr.lhs == lhs
     assert expr.rhs == rhs
-    assert eqshard.parse(str(expr)) == expr
+    assert eqshard.expression.parse(str(expr)) == expr
 
 
 _alphabet = st.sampled_from([*list("ab x*2 0 1.-> ..."), "->", "...", "ω", "٣", "$", "\t"])
@@ -370,29 +371,29 @@ _alphabet = st.sampled_from([*list("ab x*2 0 1.-> ..."), "->", "...", "ω", "٣"
 @settings(max_examples=500, deadline=None)
 def test_any_string_parses_or_raises_expression_error(string):
     try:
-        expr = eqshard.parse(string)
+        expr = eqshard.expression.parse(string)
     except ExpressionError as error:
         assert 0 <= error.position <= len(string)
         assert error.rule
         return
-    assert eqshard.parse(str(expr)) == expr
+    assert eqshard.expression.parse(str(expr)) == expr
 
 
 @given(st.text(max_size=20))
 @settings(max_examples=300, deadline=None)
 def test_any_text_parses_or_raises_expression_error(string):
     with contextlib.suppress(ExpressionError):
-        eqshard.parse(string)
+        eqshard.expression.parse(string)
 
 
 def test_unpickled_expressions_hash_afresh_in_another_process(run_python, tmp_path):
-    expr = eqshard.parse("a b -> a b*")
+    expr = eqshard.expression.parse("a b -> a b*")
     hash(expr)  # caches the hash in this process
     path = tmp_path / "expr.pickle"
     path.write_bytes(pickle.dumps(expr))
     code = (
         "import pickle, sys, eqshard; e = pickle.load(open(sys.argv[1], 'rb')); "
-        "print(e in {eqshard.parse('a b -> a b*')}, e == eqshard.parse('a b -> a b*'))"
+        "print(e in {eqshard.expression.parse('a b -> a b*')}, e == eqshard.expression.parse('a b -> a b*'))"
     )
     result = run_python(["-c", code, str(path)], env={"PYTHONHASHSEED": "12345"})
     assert result.stdout.split() == ["True", "True"], result.stderr
@@ -419,4 +420,4 @@ def test_hand_built_expressions_are_validated(build):
 
 def test_hand_built_expressions_that_are_valid_are_accepted():
     expr = Expression(("a", "b"), (Element("a", 2, True), Element("b")))
-    assert expr == eqshard.parse("a b -> a2* b")
+    assert expr == eqshard.expression.parse("a b -> a2* b")

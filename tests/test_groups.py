@@ -44,11 +44,11 @@ def _blocks(sharding, shape):
 )
 def test_a_group_or_a_quoted_name_parses_and_prints_back(text, canonical, lhs):
     canonical = canonical or text
-    expr = eqshard.parse(text)
+    expr = eqshard.expression.parse(text)
     assert str(expr) == canonical
     assert expr.lhs == lhs
-    assert eqshard.parse(str(expr)) == expr
-    assert hash(eqshard.parse(canonical)) == hash(expr)
+    assert eqshard.expression.parse(str(expr)) == expr
+    assert hash(eqshard.expression.parse(canonical)) == hash(expr)
 
 
 @pytest.mark.parametrize(
@@ -65,9 +65,9 @@ def test_a_group_or_a_quoted_name_parses_and_prints_back(text, canonical, lhs):
     ],
 )
 def test_a_group_is_the_partition_spec_of_its_axes_device_by_device(text, shape, spec):
-    lay = eqshard.layout(text, shape, 8)
+    lay = eqshard.expression.layout(text, shape, 8)
     assert lay.spec == spec
-    got = eqshard.sharding(text, shape)
+    got = eqshard.expression.sharding(text, shape)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(lay.mesh_shape), lay.mesh_axes)
     assert _blocks(got, shape) == _blocks(NamedSharding(mesh, P(*spec)), shape)
 
@@ -75,7 +75,7 @@ def test_a_group_is_the_partition_spec_of_its_axes_device_by_device(text, shape,
 def test_the_major_axis_of_a_group_is_its_first_name():
     """On the row-major mesh (s2, f4), `(f s)` puts block `2 * f + s` on device
     `(s, f)`: counted by hand."""
-    got = _blocks(eqshard.sharding("(f s) e -> s2 e f4", (16, 3)), (16, 3))
+    got = _blocks(eqshard.expression.sharding("(f s) e -> s2 e f4", (16, 3)), (16, 3))
     devices = jax.devices()
     for s, f in itertools.product(range(2), range(4)):
         block = 2 * f + s
@@ -85,13 +85,13 @@ def test_the_major_axis_of_a_group_is_its_first_name():
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_on_the_users_mesh_a_group_is_written_with_its_mesh_axes(kind):
     mesh = jax.make_mesh((2, 2, 2), ("data", "tensor", "fsdp"), axis_types=(kind,) * 3)
-    s = eqshard.sharding("(f d) t -> d2 t2 f2", (8, 4), mesh=mesh)
+    s = eqshard.expression.sharding("(f d) t -> d2 t2 f2", (8, 4), mesh=mesh)
     assert s.spec == P(("fsdp", "data"), "tensor")
     assert _blocks(s, (8, 4)) == _blocks(NamedSharding(mesh, P(("fsdp", "data"), "tensor")), (8, 4))
 
 
 def test_shards_count_a_groups_axes():
-    assert eqshard.layout("(a b) c -> a2 c2 b2", (8, 4), 8).shards == (4, 2)
+    assert eqshard.expression.layout("(a b) c -> a2 c2 b2", (8, 4), 8).shards == (4, 2)
 
 
 @pytest.mark.parametrize(
@@ -117,11 +117,11 @@ def test_shards_count_a_groups_axes():
 )
 def test_a_group_that_does_not_divide_is_named_with_a_caret(text, shape, column, length, rule):
     with pytest.raises(ExpressionError) as info:
-        eqshard.layout(text, shape, 8)
+        eqshard.expression.layout(text, shape, 8)
     assert (info.value.position, info.value.length, info.value.rule) == (column, length, rule)
 
 
 def test_a_group_that_does_not_fit_the_users_mesh_says_so():
     mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
     with pytest.raises(ExpressionError, match="does not fit the mesh"):
-        eqshard.sharding("(a b) -> a2 b4", (8,), mesh=mesh)
+        eqshard.expression.sharding("(a b) -> a2 b4", (8,), mesh=mesh)

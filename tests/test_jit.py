@@ -243,7 +243,7 @@ def test_constrain_with_no_spec_follows_the_active_plan(tmp_path):
     assert all(leaf.sharding.is_fully_replicated for leaf in _leaves(whole))
 
 
-def _cost_figures(c: eqshard.Cost) -> tuple[Any, ...]:
+def _cost_figures(c: eqshard.results.Cost) -> tuple[Any, ...]:
     m = c.memory
     return (
         sorted(c.bytes_by_axes().items()),

@@ -6,7 +6,7 @@ from eqshard._layout import integer_root
 
 
 def _layout(text, shape, n):
-    return eqshard.layout(eqshard.parse(text), shape, n)
+    return eqshard.expression.layout(eqshard.expression.parse(text), shape, n)
 
 
 @pytest.mark.parametrize(
@@ -196,13 +196,13 @@ def test_layout_errors_are_pinned(text, shape, n, column, length, rule):
 
 
 def test_layout_takes_text_and_checks_the_shape():
-    assert eqshard.layout("a -> a*", (8,), 8).spec == ("a",)
+    assert eqshard.expression.layout("a -> a*", (8,), 8).spec == ("a",)
     with pytest.raises(
         eqshard.EqshardError, match=r"a shape is a sequence of sizes such as \(4, 8\), not 8"
     ):
-        eqshard.sharding("a -> a*", 8)  # type: ignore[arg-type]
+        eqshard.expression.sharding("a -> a*", 8)  # type: ignore[arg-type]
     with pytest.raises(eqshard.EqshardError, match=r"not \(4, -1\)"):
-        eqshard.layout("a b -> a b*", (4, -1), 8)
+        eqshard.expression.layout("a b -> a b*", (4, -1), 8)
 
 
 @pytest.mark.parametrize(
@@ -211,4 +211,4 @@ def test_layout_takes_text_and_checks_the_shape():
 )
 def test_a_device_count_that_is_not_an_int_is_an_eqshard_error(count, message):
     with pytest.raises(eqshard.EqshardError, match=message):
-        eqshard.layout("a -> a*", (8,), count)
+        eqshard.expression.layout("a -> a*", (8,), count)

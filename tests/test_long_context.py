@@ -183,7 +183,7 @@ def test_the_fsdp_x_context_spec_suggest_writes_trains_as_unsharded(example, tmp
 
 
 def test_with_ring_attention_it_trains_as_unsharded_and_never_gathers_the_keys(example):
-    """`Sizes(ring=True)` calls `eqshard.ring_attention`: under the same spec the keys
+    """`Sizes(ring=True)` calls `eqshard.parallel.ring_attention`: under the same spec the keys
     and values stay split, and each layer passes its blocks round the 4 `context`
     devices, 3 times each way: a device's block is 2 sequences x 8 tokens x 32 floats."""
     sizes = example["Sizes"](ring=True)

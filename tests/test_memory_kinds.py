@@ -114,7 +114,7 @@ def _offload_step(optimizer, plan, traces):
 def test_the_host_offload_step_equals_the_on_device_one():
     model = _model()
     optimizer = optax.adamw(1e-2)
-    x = eqshard.shard(jax.random.normal(jax.random.key(1), (8, 16)), "b ... -> b* ...")
+    x = eqshard.apply(jax.random.normal(jax.random.key(1), (8, 16)), "b ... -> b* ...")
     results = {}
     for name, spec in (("pinned_host", OFFLOAD), ("device", _on_device(OFFLOAD))):
         plan = eqshard.plan(model, eqshard.load(spec))

@@ -38,7 +38,7 @@ def _rank2_expressions(n=8):
         for combo in itertools.permutations(parts, k):
             expr = f"a b -> {' '.join(combo)}"
             try:
-                eqshard.sharding(expr, (16, 16), devices=jax.devices()[:n])
+                eqshard.expression.sharding(expr, (16, 16), devices=jax.devices()[:n])
             except EqshardError:
                 continue
             found.append(expr)
@@ -55,26 +55,30 @@ def test_layouts_on_the_users_mesh_keep_every_devices_blocks():
     fits, misfits = [], []
     for expr in _rank2_expressions():
         try:
-            on_mesh = eqshard.sharding(expr, (16, 16), mesh=mesh)
+            on_mesh = eqshard.expression.sharding(expr, (16, 16), mesh=mesh)
         except eqshard.ExpressionError:
             misfits.append(expr)
             continue
         fits.append(expr)
         assert on_mesh.mesh is mesh
-        einshard = eqshard.sharding(expr, (16, 16), devices=list(mesh.devices.flat))
+        einshard = eqshard.expression.sharding(expr, (16, 16), devices=list(mesh.devices.flat))
         assert _blocks(on_mesh, (16, 16)) == _blocks(einshard, (16, 16)), expr
     assert 0.5 < len(fits) / (len(fits) + len(misfits)) < 0.75  # about half to two thirds
     assert "a b -> a4 b2" in misfits
-    assert eqshard.sharding("a b -> a2 b4", (16, 16), mesh=mesh).spec == P("data", "model")
-    assert eqshard.sharding("a b -> a* b", (16, 16), mesh=mesh).spec == P(("data", "model"), None)
+    assert eqshard.expression.sharding("a b -> a2 b4", (16, 16), mesh=mesh).spec == P(
+        "data", "model"
+    )
+    assert eqshard.expression.sharding("a b -> a* b", (16, 16), mesh=mesh).spec == P(
+        ("data", "model"), None
+    )
 
 
 def test_device_order_is_the_meshs_own():
     devices = np.array(jax.devices())[[7, 3, 5, 1, 6, 2, 4, 0]].reshape(2, 4)
     mesh = jax.sharding.Mesh(devices, ("data", "model"))
     for expr in ["a b -> a2 b4", "a b -> b2 a4", "a b -> a* b", "a b -> 2 a b4"]:
-        on_mesh = eqshard.sharding(expr, (8, 8), mesh=mesh)
-        expected = eqshard.sharding(expr, (8, 8), devices=list(devices.flat))
+        on_mesh = eqshard.expression.sharding(expr, (8, 8), mesh=mesh)
+        expected = eqshard.expression.sharding(expr, (8, 8), devices=list(devices.flat))
         assert _blocks(on_mesh, (8, 8)) == _blocks(expected, (8, 8)), expr
 
 
@@ -90,7 +94,7 @@ def test_a_layout_that_does_not_fit_names_the_leaf_the_mesh_and_a_fix():
         "blocks of 4; write 'a b -> b2 a4', the same counts in the mesh's order"
     )
     with pytest.raises(eqshard.ExpressionError, match="no order of these counts fits"):
-        eqshard.sharding("a b -> a2 b4", (8, 8), mesh=_mesh((8,), ("x",)))
+        eqshard.expression.sharding("a b -> a2 b4", (8, 8), mesh=_mesh((8,), ("x",)))
 
 
 def test_mesh_and_devices_and_plans_do_not_mix():
@@ -110,7 +114,9 @@ def test_the_shared_mesh_counts_only_sharded_boundaries():
     assert p.mesh is not None
     assert dict(p.mesh.shape) == {"m0": 2, "m1": 4}
     for expr, sharding in zip(["a b -> a2 2 2 b", "a b -> a2 b4"], p.shardings):
-        assert _blocks(sharding, (8, 8)) == _blocks(eqshard.sharding(expr, (8, 8)), (8, 8))
+        assert _blocks(sharding, (8, 8)) == _blocks(
+            eqshard.expression.sharding(expr, (8, 8)), (8, 8)
+        )
 
 
 # --------------------------------------------------------------------------- #
@@ -201,7 +207,7 @@ def test_a_step_under_set_mesh_of_auto_axes_runs_with_one_trace():
         assert plan.mesh is mesh
         sharded = eqshard.apply(model, plan)
         assert sharded.layers[0].weight.sharding == NamedSharding(mesh, P("model", None))
-        x_sharded = eqshard.shard(x, "b d -> b2 d 4")
+        x_sharded = eqshard.apply(x, "b d -> b2 d 4")
         assert x_sharded.sharding == NamedSharding(mesh, P("data", None))
         state = optimizer.init(eqx.filter(sharded, eqx.is_array))
         for ref_loss in expected:
@@ -218,7 +224,7 @@ def test_a_data_parallel_step_on_an_explicit_mesh():
     x, y = jax.random.normal(jax.random.key(1), (16, 8)), jnp.ones((16, 8))
     with jax.set_mesh(mesh):
         sharded = eqshard.apply(model, "... -> * ...")
-        x_sharded = eqshard.shard(x, "b d -> b* d")
+        x_sharded = eqshard.apply(x, "b d -> b* d")
         assert jax.typeof(x_sharded).sharding.mesh.axis_types == (AxisType.Explicit,) * 2
         assert jax.typeof(x_sharded).sharding.spec == P(("data", "model"), None)
         grads = eqx.filter_jit(eqx.filter_grad(_loss))(sharded, x_sharded, y)
@@ -253,7 +259,7 @@ def _linear():
 @pytest.mark.parametrize(
     ("what", "call"),
     [
-        ("shard", lambda m, path: eqshard.shard(jnp.ones((8, 16)), "a b -> a2 b4", mesh=m)),
+        ("shard", lambda m, path: eqshard.apply(jnp.ones((8, 16)), "a b -> a2 b4", mesh=m)),
         ("apply", lambda m, path: eqshard.apply(_linear(), _ABSTRACT_RULES, mesh=m)),
         ("constrain", lambda m, path: eqshard.constrain(_linear(), _ABSTRACT_RULES, mesh=m)),
         ("init", lambda m, path: eqshard.init(_linear, _ABSTRACT_RULES, mesh=m)),
@@ -301,7 +307,9 @@ def test_an_abstract_mesh_still_plans_and_constrains_inside_jit():
     assert plan.mesh == abstract
     assert plan.partition_specs.weight == P(("data", "model"), None)
     assert eqshard.abstract(model, plan).weight.sharding.mesh == abstract
-    assert eqshard.sharding("a b -> a2 b4", (8, 16), mesh=abstract).spec == P("data", "model")
+    assert eqshard.expression.sharding("a b -> a2 b4", (8, 16), mesh=abstract).spec == P(
+        "data", "model"
+    )
 
     @jax.jit
     def step(model, x):

@@ -17,9 +17,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import eqshard
-from eqshard import Problem, SpecError, UnusedRuleWarning
+from eqshard import SpecError, UnusedRuleWarning
 from eqshard._problems import MAX_LINES, problem_lines
 from eqshard._rules import looks_like_state
+from eqshard.resolvers import Problem
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "specs" / "transformer.eqshard.json"

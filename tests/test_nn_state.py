@@ -147,7 +147,7 @@ def test_a_sharded_training_step_equals_the_unsharded_one(tmp_path):
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     plan = eqshard.plan((model, state), RULES)
     sharded = [*eqshard.apply((model, state), plan), eqshard.apply(opt_state, plan)]
-    xs, ys = eqshard.shard(x, "b ... -> b* ..."), eqshard.shard(y, "b ... -> b* ...")
+    xs, ys = eqshard.apply(x, "b ... -> b* ..."), eqshard.apply(y, "b ... -> b* ...")
     plain = [model, state, opt_state]
     for _ in range(2):
         *plain, loss = _step(optimizer, None)(plain[0], plain[1], plain[2], x, y)
@@ -180,7 +180,7 @@ def test_a_sharded_training_step_equals_the_unsharded_one(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("spec", ["... -> * ...", eqshard.FROM_FIELDS])
+@pytest.mark.parametrize("spec", ["... -> * ...", eqshard.resolvers.FROM_FIELDS])
 def test_expressions_and_annotations_lay_out_the_state_too(spec):
     model, state = _made()
     placed = eqshard.apply(state, eqshard.plan(model, spec))

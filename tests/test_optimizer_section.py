@@ -107,7 +107,8 @@ def test_the_section_from_python_takes_any_spec_source():
     assert by_fsdp.optimizer.partition_specs.layers[0].weight == P("m0", None)
     assert by_fsdp.partition_specs.layers[0].weight == P()
     one_rule = eqshard.Rules(
-        (eqshard.Rule("layers.0.weight", eqshard.parse("o i -> o i*")),), default="parameter"
+        (eqshard.Rule("layers.0.weight", eqshard.expression.parse("o i -> o i*")),),
+        default="parameter",
     )
     plan = eqshard.plan(model, eqshard.load(_MEGATRON), optimizer=one_rule)
     # the rule's parameter gets the rule; the others follow their parameters
@@ -148,10 +149,10 @@ def test_one_mesh_fits_the_parameters_and_the_section():
     assert tuple(plan.mesh.axis_sizes) == (2, 4)
     assert plan.optimizer.mesh is plan.mesh
     got = plan.optimizer.shardings["w"]
-    want = eqshard.sharding("o i -> o2 i4", (16, 16))
+    want = eqshard.expression.sharding("o i -> o2 i4", (16, 16))
     assert blocks(got, (16, 16)) == blocks(want, (16, 16))
     assert blocks(plan.shardings["w"], (16, 16)) == blocks(
-        eqshard.sharding("o i -> o* i", (16, 16)), (16, 16)
+        eqshard.expression.sharding("o i -> o* i", (16, 16)), (16, 16)
     )
 
 

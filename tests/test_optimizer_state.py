@@ -224,7 +224,7 @@ def _stack():
 @pytest.mark.parametrize(
     "spec",
     [
-        eqshard.FROM_FIELDS,
+        eqshard.resolvers.FROM_FIELDS,
         eqshard.load({"eqshard": 1, "dims": {"o": "*"}}),
         eqshard.load(
             {"eqshard": 1, "rules": [{"path": "w", "expr": "o*"}, {"path": "b", "expr": "o*"}]}

@@ -295,7 +295,7 @@ def test_path_errors_point_at_the_column(pattern, column, length, rule):
 
 def test_a_rule_and_a_spec_file_show_the_caret():
     with pytest.raises(PathError, match="white space in a segment"):
-        eqshard.Rule("blocks.my key.w", eqshard.parse("a -> a*"))
+        eqshard.Rule("blocks.my key.w", eqshard.expression.parse("a -> a*"))
     with pytest.raises(eqshard.SpecError) as info:
         eqshard.load({"eqshard": 1, "rules": [{"path": "blocks.my key.w", "expr": "a -> a*"}]})
     (problem,) = info.value.problems

@@ -1,4 +1,4 @@
-"""`eqshard.pipeline` (issue 33): the 8-layer stack of examples/pipeline.py on a
+"""`eqshard.parallel.pipeline` (issue 33): the 8-layer stack of examples/pipeline.py on a
 `stage=4 x data=2` mesh with 8 microbatches trains as the plain scan under GPipe and
 the circular schedule, each device holding only its stage's layers; `cost` counts the
 permutes over `stage` and gives the bubble; with no stage axis it is the scan."""
@@ -152,7 +152,7 @@ def test_with_no_stage_axis_it_is_the_plain_scan_bit_for_bit(example):
         return jax.lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)[0]
 
     def piped(x):
-        return eqshard.pipeline(lambda layer, x: layer(x), model.blocks, x, microbatches=8)
+        return eqshard.parallel.pipeline(lambda layer, x: layer(x), model.blocks, x, microbatches=8)
 
     np.testing.assert_array_equal(np.asarray(jax.jit(piped)(x)), np.asarray(jax.jit(plain)(x)))
     assert "scan" in str(jax.make_jaxpr(piped)(x))
@@ -232,7 +232,7 @@ def _layers(example):
         ({"microbatches": 3}, r"cuts a batch of 16 into 3 microbatches, which does not divide"),
         (
             {"microbatches": 2.0},
-            r"`eqshard.pipeline`'s `microbatches` is a whole number from 1, not 2\.0",
+            r"`eqshard.parallel.pipeline`'s `microbatches` is a whole number from 1, not 2\.0",
         ),
         ({"microbatches": "2"}, r"`microbatches` is a whole number from 1, not '2'"),
         ({"microbatches": True}, r"`microbatches` is a whole number from 1, not True"),
@@ -247,7 +247,7 @@ def _layers(example):
 def test_bad_arguments_are_named(example, kwargs, message):
     x = jnp.zeros((16, 32))
     with pytest.raises(eqshard.EqshardError, match=message):
-        eqshard.pipeline(lambda layer, x: layer(x), _layers(example), x, **kwargs)
+        eqshard.parallel.pipeline(lambda layer, x: layer(x), _layers(example), x, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -278,7 +278,9 @@ def test_layers_that_do_not_divide_over_the_stages_are_named(example):
             eqshard.EqshardError, match=r"splits 6 stacked layers over 4 stages \('stage'\)"
         ),
     ):
-        eqshard.pipeline(lambda layer, x: layer(x), blocks, jnp.zeros((16, 32)), microbatches=8)
+        eqshard.parallel.pipeline(
+            lambda layer, x: layer(x), blocks, jnp.zeros((16, 32)), microbatches=8
+        )
 
 
 def test_circular_needs_as_many_microbatches_as_stages(example):
@@ -286,7 +288,7 @@ def test_circular_needs_as_many_microbatches_as_stages(example):
     rules = _rules([["stage", 4], ["data", 2]], "r s ... -> r s4 ... 2")
 
     def circular(layers, microbatches):
-        return eqshard.pipeline(
+        return eqshard.parallel.pipeline(
             lambda layer, x: layer(x),
             layers,
             jnp.zeros((16, 32)),
@@ -351,7 +353,7 @@ def _abstract(example, build="build"):
 
 
 def test_suggest_splits_the_layers_the_pipeline_runs_and_its_spec_trains(example, tmp_path):
-    """The step's jaxpr shows which leaves `eqshard.pipeline` runs: the `pipeline x
+    """The step's jaxpr shows which leaves `eqshard.parallel.pipeline` runs: the `pipeline x
     data` family splits exactly those over `stage`, on each factorization whose stages
     divide the 8 layers and whose `data` divides each microbatch's rows; its spec
     trains as the plain scan."""
@@ -492,7 +494,7 @@ def test_batch_axis_needs_each_microbatch_to_split_over_it(example):
             eqshard.EqshardError, match=r"splits each microbatch's 1 rows over 'data' \(2 devices\)"
         ),
     ):
-        eqshard.pipeline(
+        eqshard.parallel.pipeline(
             lambda layer, x: layer(x),
             _layers(example),
             jnp.zeros((16, 32)),
@@ -516,7 +518,7 @@ def test_on_explicit_axes_it_runs_on_auto_axes_inside_and_equals_the_scan(exampl
         return jax.lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)[0]
 
     def piped(params, x):
-        return eqshard.pipeline(
+        return eqshard.parallel.pipeline(
             lambda layer, x: layer(x),
             eqx.combine(params, static),
             x,
@@ -545,4 +547,4 @@ def test_on_explicit_axes_it_runs_on_auto_axes_inside_and_equals_the_scan(exampl
 def test_a_scalar_in_the_input_is_named_on_every_mesh(example):
     x = (jnp.zeros((16, 32)), jnp.zeros(()))
     with pytest.raises(eqshard.EqshardError, match=r"1 of its leaves is a scalar, with no batch"):
-        eqshard.pipeline(lambda layer, x: x, _layers(example), x, microbatches=8)
+        eqshard.parallel.pipeline(lambda layer, x: x, _layers(example), x, microbatches=8)

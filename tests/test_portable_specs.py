@@ -27,7 +27,7 @@ from eqshard._plan import make_plan
 from eqshard._search._candidates import STRATEGIES, Candidate, _normal, candidates
 
 # the GPT has no stacked experts, its `eqx.nn.MultiheadAttention` names no queries or
-# keys, which the context families split by, and it runs no `eqshard.pipeline`
+# keys, which the context families split by, and it runs no `eqshard.parallel.pipeline`
 GPT_STRATEGIES = [
     s
     for s in STRATEGIES
@@ -79,7 +79,7 @@ def _layouts(model: Any, rules: eqshard.Rules, devices: int, batch: Any) -> tupl
     assert plan.mesh is not None
     mesh = tuple(zip(plan.mesh.axis_names, plan.mesh.axis_sizes))
     assert rules.batch is not None
-    on_batch = eqshard.sharding(str(rules.batch), batch.shape, mesh=plan.mesh)
+    on_batch = eqshard.expression.sharding(str(rules.batch), batch.shape, mesh=plan.mesh)
     return (
         mesh,
         tuple(map(_normal, plan.flat_shardings)),

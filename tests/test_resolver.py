@@ -35,24 +35,24 @@ class Recording:
 
     def __eqshard_resolve__(self, model, target):
         self.seen.append(target)
-        return eqshard.Resolution([self.expr] * len(jax.tree_util.tree_leaves(model)))
+        return eqshard.resolvers.Resolution([self.expr] * len(jax.tree_util.tree_leaves(model)))
 
 
 def test_a_users_resolver_is_given_the_target():
     resolver = Recording("... -> * ...")
     placed = eqshard.apply(_pair(), resolver, devices=jax.devices()[:4])
-    assert resolver.seen == [eqshard.Target(devices=4)]
+    assert resolver.seen == [eqshard.resolvers.Target(devices=4)]
     assert placed.w.sharding.is_fully_replicated
     assert len(placed.w.sharding.device_set) == 4
-    assert isinstance(resolver, eqshard.Resolver)
+    assert isinstance(resolver, eqshard.resolvers.Resolver)
 
 
 def test_resolvers_report_problems_and_plan_raises_them_with_every_other_fault():
     class Complaining:
         def __eqshard_resolve__(self, model, target):
-            return eqshard.Resolution(
+            return eqshard.resolvers.Resolution(
                 ["o i -> o* i", "x -> x0"],
-                problems=[eqshard.Problem("somewhere", "the resolver is unhappy")],
+                problems=[eqshard.resolvers.Problem("somewhere", "the resolver is unhappy")],
             )
 
     with pytest.raises(SpecError) as info:
@@ -66,7 +66,7 @@ def test_resolvers_report_problems_and_plan_raises_them_with_every_other_fault()
 def test_a_resolver_that_breaks_the_protocol_is_named():
     class Short:
         def __eqshard_resolve__(self, model, target):
-            return eqshard.Resolution([None])
+            return eqshard.resolvers.Resolution([None])
 
     with pytest.raises(EqshardError, match="Short resolved 1 spec leaves for a model of 2 leaves"):
         eqshard.plan(_pair(), Short())
@@ -74,7 +74,7 @@ def test_a_resolver_that_breaks_the_protocol_is_named():
 
 @pytest.mark.parametrize(
     "spec",
-    [eqshard.FROM_FIELDS, "... -> * ...", {"w": "o i -> o* i", "b": None}],
+    [eqshard.resolvers.FROM_FIELDS, "... -> * ...", {"w": "o i -> o* i", "b": None}],
     ids=["fields", "one expression", "spec tree"],
 )
 def test_every_source_resolves_through_one_path(spec):
@@ -84,13 +84,15 @@ def test_every_source_resolves_through_one_path(spec):
         ["o i -> o* i"]
         if isinstance(spec, dict)
         else ["o i -> o* i", "o -> o*"]
-        if spec is eqshard.FROM_FIELDS
+        if spec is eqshard.resolvers.FROM_FIELDS
         else ["... -> * ..."] * 2
     )
 
 
 def test_from_fields_and_rules_pickle():
-    assert pickle.loads(pickle.dumps(eqshard.FROM_FIELDS)) is eqshard.FROM_FIELDS
+    assert (
+        pickle.loads(pickle.dumps(eqshard.resolvers.FROM_FIELDS)) is eqshard.resolvers.FROM_FIELDS
+    )
     rules = eqshard.load({"eqshard": 1, "rules": [{"path": "w", "expr": "o i -> o* i"}]})
     again = pickle.loads(pickle.dumps(rules))
     assert again.rules == rules.rules
@@ -101,7 +103,7 @@ def test_rules_check_their_device_count_as_a_problem():
     rules = eqshard.load(
         {"eqshard": 1, "devices": 4, "rules": [{"path": "w", "expr": "o i -> o* i"}]}
     )
-    resolution = rules.__eqshard_resolve__(_pair(), eqshard.Target(8))
+    resolution = rules.__eqshard_resolve__(_pair(), eqshard.resolvers.Target(8))
     assert [p.where for p in resolution.problems] == ["<mapping>::$.devices"]
     assert not hasattr(rules, "resolve")  # the old entry point is gone
 
@@ -121,14 +123,16 @@ def test_unused_rules_are_warnings_that_name_the_file_and_rule():
 
 
 def test_expressions_cannot_be_built_unvalidated():
-    expr = eqshard.parse("a b -> a b*")
+    expr = eqshard.expression.parse("a b -> a b*")
     with pytest.raises(EqshardError, match="is not a valid einshard expression"):
-        eqshard.Expression(expr.lhs, expr.rhs, text="garbage")
+        eqshard.expression.Expression(expr.lhs, expr.rhs, text="garbage")
     with pytest.raises(EqshardError, match="is not a valid einshard expression"):
         dataclasses.replace(expr, lhs=("a",))
     with pytest.raises(EqshardError, match="is not a valid einshard expression"):
-        eqshard.Expression(("a", "a"), (eqshard.Element("a"), eqshard.Element("a")))
-    built = eqshard.Expression(expr.lhs, expr.rhs)
+        eqshard.expression.Expression(
+            ("a", "a"), (eqshard.expression.Element("a"), eqshard.expression.Element("a"))
+        )
+    built = eqshard.expression.Expression(expr.lhs, expr.rhs)
     assert built == expr
     assert built.text == "a b -> a b*"
     assert pickle.loads(pickle.dumps(expr)).rhs_spans == expr.rhs_spans

@@ -232,7 +232,7 @@ def test_a_sequence_split_over_two_mesh_axes_is_refused():
     rules = _rules([["data", 2], ["context", 4]], {"batch": None, "seq": "*", "heads": None})
     with pytest.raises(
         EqshardError,
-        match=r"^`eqshard.ring_attention` lays out q, float32\[2, 32, 4, 8\], as \('batch', "
+        match=r"^`eqshard.parallel.ring_attention` lays out q, float32\[2, 32, 4, 8\], as \('batch', "
         r"'seq', 'heads', None\), which splits the sequence \('seq'\) over mesh axes "
         r"\['data', 'context'\]: the ring runs over one mesh axis; map that name to one "
         r"mesh axis in the rules' `dims`",
@@ -261,13 +261,13 @@ def test_a_sequence_the_mesh_axis_does_not_divide_is_refused():
         (
             [(32, 4, 8)] * 3,
             NAMES,
-            r"^`eqshard.ring_attention` takes q, k and v of rank 4, \(batch, seq, heads, "
+            r"^`eqshard.parallel.ring_attention` takes q, k and v of rank 4, \(batch, seq, heads, "
             r"head_dim\), and q is float32\[32, 4, 8\]; add the missing axes",
         ),
         (
             [SHAPE, SHAPE, (2, 32, 2, 8)],
             NAMES,
-            r"^`eqshard.ring_attention` takes v shaped as q, \[2, 32, 4, 8\], and v is "
+            r"^`eqshard.parallel.ring_attention` takes v shaped as q, \[2, 32, 4, 8\], and v is "
             r"\[2, 32, 2, 8\]; repeat grouped keys and values over the heads first",
         ),
         (

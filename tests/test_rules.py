@@ -131,7 +131,7 @@ def test_the_expression_pattern_admits_what_parses(text):
     # pattern but does not parse breaks a rule no regex can state (a name on one
     # side only, twice, or '...' on one side).
     try:
-        eqshard.parse(text)
+        eqshard.expression.parse(text)
     except eqshard.ExpressionError as error:
         if _matches(text):
             assert re.search(r"(on the (left|right) but not|appears twice)", error.rule), (
@@ -162,13 +162,13 @@ def test_full_spec_loads_every_field():
         "**.up.weight",
         "**",
     ]
-    assert rules.rules[0].expr == eqshard.parse("o i -> o* i")
+    assert rules.rules[0].expr == eqshard.expression.parse("o i -> o* i")
     assert rules.rules[0].comment == "heads"
     short = rules.rules[1].expr
-    assert isinstance(short, eqshard.Expression)
+    assert isinstance(short, eqshard.expression.Expression)
     assert not short.is_complete
     assert dict(rules.dims) == {"mlp": "*", "vocab": "2", "heads": "2*"}
-    assert rules.batch == eqshard.parse("b ... -> b* ...")
+    assert rules.batch == eqshard.expression.parse("b ... -> b* ...")
     assert rules.comment == "every key the format has"
 
 
@@ -452,7 +452,7 @@ def test_rules_resolve_on_abstract_models():
     rules = eqshard.load(MEGATRON)
     abstract = eqx.filter_eval_shape(block)
     spec = eqshard.spec_tree(abstract, rules)
-    assert spec["up"].weight == eqshard.parse("o i -> o* i")
+    assert spec["up"].weight == eqshard.expression.parse("o i -> o* i")
     assert eqshard.plan(abstract, rules).partition_specs["down"].weight == P(None, "m0")
 
 
@@ -820,8 +820,8 @@ def test_dump_to_a_directory_is_an_eqshard_error(tmp_path: Path):
         (
             eqshard.Rules(
                 (
-                    eqshard.Rule("w", eqshard.parse("a -> a*")),
-                    eqshard.Rule("w", eqshard.parse("a -> a2*"), index=1),
+                    eqshard.Rule("w", eqshard.expression.parse("a -> a*")),
+                    eqshard.Rule("w", eqshard.expression.parse("a -> a2*"), index=1),
                 )
             ),
             None,

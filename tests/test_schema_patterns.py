@@ -195,7 +195,7 @@ NAMED = [
 
 def _name_parses(text: str) -> bool:
     try:
-        return eqshard.parse(f"{text} -> {text}").lhs == (text,)
+        return eqshard.expression.parse(f"{text} -> {text}").lhs == (text,)
     except eqshard.ExpressionError:
         return False
 
@@ -203,14 +203,14 @@ def _name_parses(text: str) -> bool:
 def _logical_parses(text: str) -> bool:
     """A logical name (a dim of `dims`) as the parser takes it, quoted where it must be."""
     try:
-        return eqshard.parse(f"{name_text(text)} -> {name_text(text)}").lhs == (text,)
+        return eqshard.expression.parse(f"{name_text(text)} -> {name_text(text)}").lhs == (text,)
     except eqshard.ExpressionError:
         return False
 
 
 def _expression_parses(text: str) -> bool:
     try:
-        eqshard.parse(text)
+        eqshard.expression.parse(text)
     except eqshard.ExpressionError:
         return False
     return True

@@ -26,9 +26,9 @@ class MLP(eqx.Module):
 def test_fields_give_the_spec_tree():
     spec = eqshard.spec_tree(MLP())
     assert isinstance(spec, MLP)
-    assert spec.w1 == eqshard.parse("x y -> x y*")
+    assert spec.w1 == eqshard.expression.parse("x y -> x y*")
     # the short form takes its left side from the annotation
-    assert spec.w2 == eqshard.parse("y z -> y* z")
+    assert spec.w2 == eqshard.expression.parse("y z -> y* z")
     assert str(spec.w2) == "y z -> y* z"
 
 
@@ -182,7 +182,7 @@ def test_tree_at_gives_third_party_modules_expressions():
     spec = eqx.tree_at(
         lambda s: (s.layers[0].weight, s.layers[0].bias, s.layers[1].weight),
         spec,
-        ("o i -> o* i", eqshard.parse("o -> o*"), "o i -> o i*"),
+        ("o i -> o* i", eqshard.expression.parse("o -> o*"), "o i -> o i*"),
         is_leaf=is_none,
     )
     plan = eqshard.plan(model, spec)
@@ -190,7 +190,7 @@ def test_tree_at_gives_third_party_modules_expressions():
     assert plan.partition_specs.layers[0].bias == jax.sharding.PartitionSpec("m0")
     assert plan.partition_specs.layers[1].weight == jax.sharding.PartitionSpec(None, "m0")
     assert plan.partition_specs.layers[1].bias == jax.sharding.PartitionSpec()
-    assert plan.expressions.layers[0].weight == eqshard.parse("o i -> o* i")
+    assert plan.expressions.layers[0].weight == eqshard.expression.parse("o i -> o* i")
 
 
 def test_structure_mismatch_names_the_first_differing_path():

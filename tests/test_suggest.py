@@ -78,7 +78,7 @@ def gpt_ranked(gpt):
     return rank([*candidates, UNMAPPED], models.step, *gpt, devices=8, max_memory=BUDGET)
 
 
-def _cost(s: Suggestion) -> eqshard.Cost:
+def _cost(s: Suggestion) -> eqshard.results.Cost:
     assert s.cost is not None, s.error
     return s.cost
 
@@ -553,9 +553,11 @@ def test_cli_targets_refuses_what_it_cannot_do(run_cli, monkeypatch, args, messa
 
 def test_suggest_targets_refuses_bad_names_before_compiling():
     with pytest.raises(eqshard.EqshardError, match=r"names v5e:2x2 twice"):
-        eqshard.suggest_targets(object(), step=models.mlp_step, targets="v5e:2x2,v5e:2x2")
+        eqshard.targets.suggest_targets(object(), step=models.mlp_step, targets="v5e:2x2,v5e:2x2")
     with pytest.raises(eqshard.EqshardError, match=r"`target='h100:8'`: JAX cannot compile"):
-        eqshard.suggest_targets(object(), step=models.mlp_step, targets=["v5e:2x2", "h100:8"])
+        eqshard.targets.suggest_targets(
+            object(), step=models.mlp_step, targets=["v5e:2x2", "h100:8"]
+        )
 
 
 def _sized(step, model, *args, devices, strategies=None):
@@ -612,7 +614,7 @@ def test_cli_targets_gives_suggest_s_best_per_slice_and_says_where_nothing_fits(
     assert nothing.code == 1, nothing.err
     assert "nothing fits" in nothing.out
     assert "0 of 3: the closest," in nothing.out
-    found = eqshard.suggest_targets(
+    found = eqshard.targets.suggest_targets(
         *mlp, step=models.mlp_step, targets=SLICES[:1], max_memory="1kB", workers=1
     )
     (row,) = found
@@ -775,7 +777,7 @@ def test_xla_cpu_s_guess_halves_promoted_collectives_and_takes_the_smaller_memor
 
     h100 = HARDWARE["h100"]
     moved = [Collective("all-reduce", 2**30, ("data",), "made up", 1, 8)]
-    proxy = eqshard.Cost(
+    proxy = eqshard.results.Cost(
         memory=None,  # pyright: ignore[reportArgumentType]
         collectives=moved,
         flops=1e12,

@@ -51,7 +51,7 @@ def test_a_step_compiled_for_a_tpu_slice_reports_the_tpu_compilers_figures():
     assert {d.platform for d in c.mesh.devices.flat} == {"tpu"}
     assert c.memory_per_device == 16 << 30
     assert c.fits is True
-    assert c.hardware is eqshard.HARDWARE["tpu-v5e"]
+    assert c.hardware is eqshard.targets.HARDWARE["tpu-v5e"]
     assert c.estimate().hardware.name == "Google Cloud TPU v5e"
     # FSDP: each device holds an eighth of every weight (they split by 8)...
     weights = sum(

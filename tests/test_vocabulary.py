@@ -129,7 +129,7 @@ def test_the_spec_tree_function_has_a_name_of_its_own():
 
 def test_dir_lists_the_api_only():
     listed = dir(eqshard)
-    assert set(listed) == {*eqshard.__all__, "__version__"}
+    assert set(listed) == {*eqshard.__all__, *eqshard._NAMESPACES, "__version__"}
     for private in ("importlib", "Any", "TYPE_CHECKING", "sys", "warnings", "_errors"):
         assert private not in listed
 
@@ -143,7 +143,7 @@ def test_every_devices_argument_takes_a_count_or_a_list():
         eqshard.cost,
         eqshard.suggest,
         eqshard.diff,
-        eqshard.sharding,
+        eqshard.expression.sharding,
     ):
         annotation = str(inspect.signature(function).parameters["devices"].annotation)
         assert "int" in annotation or "Devices" in annotation, function.__name__

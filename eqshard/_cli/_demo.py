@@ -17,7 +17,7 @@ Three more rows train variants of the same GPT (`_demo_model.Variant`), each aga
 its own unsharded run: `expert-parallel`, a GPT whose MLPs are 8 experts (`MOE`),
 each device holding its own expert; `context-parallel`, the GPT on sequences of 128
 (`LONG`), each device holding a quarter of each sequence; and `pipeline`, a 4-layer
-GPT whose layers `eqshard.pipeline` runs in 4 stages of 8 microbatches
+GPT whose layers `eqshard.parallel.pipeline` runs in 4 stages of 8 microbatches
 (`PIPELINE`), each stage's devices holding its layer.
 """
 

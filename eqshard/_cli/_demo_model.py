@@ -61,7 +61,7 @@ class Sizes(NamedTuple):
     """A GPT's sizes: the vocabulary, the embedding, the attention heads, the MLP's
     hidden width, the stacked layers, and the longest sequence; with `experts`, each
     layer's MLP is that many experts (`Experts`), each token routed to one; with
-    `microbatches`, the layers run by `eqshard.pipeline` in that many microbatches."""
+    `microbatches`, the layers run by `eqshard.parallel.pipeline` in that many microbatches."""
 
     vocab: int = VOCAB
     dim: int = DIM
@@ -129,7 +129,7 @@ PIPELINE = Variant(
     DEMO._replace(layers=4, microbatches=8),
     BATCH,
 )
-"""The GPT with 4 layers run by `eqshard.pipeline`, for pipeline stages."""
+"""The GPT with 4 layers run by `eqshard.parallel.pipeline`, for pipeline stages."""
 
 
 class Experts(eqx.Module):

@@ -170,7 +170,7 @@ def suggest_worker() -> int:
 def targets_here(request: Mapping[str, Any], progress: Told = None) -> Targets:
     """`eqshard suggest --targets` in this process: every slice of the request's
     `"targets"` (a list of names) checked first, then `suggest_here` on each in
-    turn, the rows built as `eqshard.suggest_targets` builds them."""
+    turn, the rows built as `eqshard.targets.suggest_targets` builds them."""
     from .._search._suggest import placement
     from .._search._what_if import Targets, target_names
 

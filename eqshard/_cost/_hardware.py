@@ -158,7 +158,7 @@ def hardware_profile(hardware: str | Hardware) -> Hardware:
     if hardware not in HARDWARE:
         raise EqshardError(
             f"no hardware profile {hardware!r}; the profiles are "
-            f"{', '.join(map(repr, HARDWARE))}, or pass an `eqshard.Hardware`"
+            f"{', '.join(map(repr, HARDWARE))}, or pass an `eqshard.targets.Hardware`"
         )
     return HARDWARE[hardware]
 

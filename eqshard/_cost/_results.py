@@ -294,7 +294,7 @@ class Cost:
     - `activations`: each activation the step names and a spec file's `dims` or
         `logical_axis_rules` lay out (`NamedActivation`: its names, shape, expression,
         `PartitionSpec`, and which rule placed each dim), once per names and shape.
-    - `pipelines`: each `eqshard.pipeline` the step runs over a mesh axis of stages, as
+    - `pipelines`: each `eqshard.parallel.pipeline` the step runs over a mesh axis of stages, as
         its trace recorded it (`Stages`: stages, microbatches, schedule and its
         `bubble`).
 
@@ -409,7 +409,7 @@ class Cost:
         return totals
 
     def estimate(self, hardware: str | Hardware | None = None) -> Estimate:
-        """A roofline estimate of one step on `hardware` (a name in `eqshard.HARDWARE`,
+        """A roofline estimate of one step on `hardware` (a name in `eqshard.targets.HARDWARE`,
         such as `"h100"` or `"tpu-v5p"`, or a `Hardware`; by default the target's
         chip, else `"h100"`): FLOPs at peak, bytes at memory bandwidth, and each
         collective over one link (a ring: an all-reduce moves 2 (n-1)/n of its

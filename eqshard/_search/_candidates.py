@@ -594,7 +594,7 @@ def _context(setup: _Setup, data: int, context: int, fsdp: bool) -> _Draft | str
 
 
 def _pipelined(setup: _Setup) -> dict[int, Pipelined]:
-    """The leaves (by their place in `setup.leaves`) that `eqshard.pipeline` runs over
+    """The leaves (by their place in `setup.leaves`) that `eqshard.parallel.pipeline` runs over
     the mesh axis the pipeline family lays out, `stage`."""
     by_index = {leaf.index: k for k, leaf in enumerate(setup.leaves)}
     return {
@@ -605,7 +605,7 @@ def _pipelined(setup: _Setup) -> dict[int, Pipelined]:
 
 
 def _pipeline_data(setup: _Setup, data: int, stages: int) -> _Draft | str:
-    """Pipeline stages x data: every stacked layer leaf `eqshard.pipeline` runs split
+    """Pipeline stages x data: every stacked layer leaf `eqshard.parallel.pipeline` runs split
     over `stage` along its layer axis (GPipe's first, the circular schedule's second),
     copied over `data`; the batch over `data`."""
     if stages == 1:
@@ -679,7 +679,7 @@ _NO_EXPERTS = (
     "groups by"
 )
 _NO_SEQUENCE = "the step's attention takes no named queries and keys: no sequence to split"
-_NO_PIPELINE = "the step runs no eqshard.pipeline over the mesh axis 'stage'"
+_NO_PIPELINE = "the step runs no eqshard.parallel.pipeline over the mesh axis 'stage'"
 
 FAMILIES: tuple[Family, ...] = (
     Family(
@@ -776,7 +776,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family(
         "pipeline x data",
-        "pipeline stages x data parallelism: the layers eqshard.pipeline runs split over "
+        "pipeline stages x data parallelism: the layers eqshard.parallel.pipeline runs split over "
         "'stage', each stage its own, copied over 'data'; the rest whole; the batch split "
         "over 'data'",
         _pipeline_data,

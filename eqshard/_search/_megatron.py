@@ -110,7 +110,7 @@ class Matmul:
 
 @dataclasses.dataclass(frozen=True)
 class Pipelined:
-    """How `eqshard.pipeline` runs a stacked leaf: the stack's leading axes (`depth`:
+    """How `eqshard.parallel.pipeline` runs a stacked leaf: the stack's leading axes (`depth`:
     1 for GPipe's `(layers, ...)`, 2 for the circular schedule's `(rounds, stages,
     ...)`), the schedule, the microbatches, the mesh axis of the stages, the batch's
     (`batch_axis`, `None` if not given) and the rows of the input it cuts."""
@@ -148,7 +148,7 @@ class StepProfile:
         matmul of two activations (the scores, or the weighted sum of the values), the
         axes (from the end) it contracts: the values' sequence (and the queries' and
         keys' features).
-    - `pipelined`: each leaf of the model that `eqshard.pipeline` runs as a stack of
+    - `pipelined`: each leaf of the model that `eqshard.parallel.pipeline` runs as a stack of
         layers (its marker, `_pipeline.MARKED`), and how.
     - `ambiguous_experts`: each weight whose matmuls stack it over different axes, and
         those axes: which is the experts' is not known, and it is in neither.

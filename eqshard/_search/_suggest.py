@@ -167,7 +167,7 @@ class Suggestion:
 
     - `candidate`: the strategy, its mesh, its `Rules` as generated, and the leaves
         replicated because their split did not divide (`candidate.repairs`).
-    - `cost`: the `eqshard.Cost` it was ranked by; `None` where it failed to compile.
+    - `cost`: the `eqshard.results.Cost` it was ranked by; `None` where it failed to compile.
     - `fits`: whether its peak is within `limit` (always, without a limit).
     - `over`: where it does not fit, its peak over the limit (`1.96` for 1.96x).
     - `error`: why it could not be costed, else `None`.

@@ -1,4 +1,4 @@
-"""`eqshard.suggest_targets`: what if the step ran on this slice, or that one?
+"""`eqshard.targets.suggest_targets`: what if the step ran on this slice, or that one?
 
 `suggest` is run once per TPU slice, each ranking as `suggest(..., target=t)` gives
 it; `TargetRow` keeps, per slice, its best `Suggestion` (or `None`), how many fit,
@@ -27,7 +27,7 @@ __all__ = ["TargetRow", "Targets", "suggest_targets", "target_names"]
 
 @dataclasses.dataclass(frozen=True)
 class TargetRow:
-    """One slice of `eqshard.suggest_targets`: a row of its table.
+    """One slice of `eqshard.targets.suggest_targets`: a row of its table.
 
     **Attributes:**
 
@@ -93,7 +93,7 @@ def _why(ranked: Ranked) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Targets(Sequence[TargetRow]):
-    """The best spec per TPU slice, from `eqshard.suggest_targets`: one `TargetRow`
+    """The best spec per TPU slice, from `eqshard.targets.suggest_targets`: one `TargetRow`
     per slice, in the order given.
 
     `print(targets)` shows the table (plain text). In a rich console or notebook it
@@ -203,7 +203,7 @@ def suggest_targets(
     **Example:**
 
     ```python
-    found = eqshard.suggest_targets(
+    found = eqshard.targets.suggest_targets(
         model, opt_state, batch, step=step, targets=["v5e:4x4", "v5p:4x4x4", "v6e:4x4"]
     )
     print(found)                                   # target, best, memory, estimate, fit

@@ -181,7 +181,7 @@ class BatchRules:
 
     ```python
     batch = eqshard.BatchRules(
-        rules=(eqshard.Rule("{nodes,edges}", eqshard.parse("b ... -> b* ...")),),
+        rules=(eqshard.Rule("{nodes,edges}", eqshard.expression.parse("b ... -> b* ...")),),
         default="replicate",            # per-graph leaves: whole on every device
     )
     step = eqshard.jit(train_step, batch=batch)

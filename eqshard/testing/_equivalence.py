@@ -97,7 +97,7 @@ def assert_equivalent(
     !!! info "The spec"
 
         `spec` may be a spec file as a `pathlib.Path` (its declared mesh is used),
-        `Rules`, an expression, or `eqshard.FROM_FIELDS`. For a `(model, state)` build
+        `Rules`, an expression, or `eqshard.resolvers.FROM_FIELDS`. For a `(model, state)` build
         the plan is made from the pair, so it lays out the state too. Rules may name
         state leaves (`bn.batch_state_index.*`), and a spec tree is a pair.
 

@@ -115,7 +115,7 @@ def spec_reference(spec: Any) -> dict[str, str]:
         raise EqshardError(
             "`spec` is a `Plan`, which holds this process's devices and cannot cross into "
             "the worker processes; pass the spec the plan was made from (a spec file as a `pathlib.Path`, "
-            "`Rules`, an expression, `eqshard.FROM_FIELDS`)"
+            "`Rules`, an expression, `eqshard.resolvers.FROM_FIELDS`)"
         )
-    fix = "pass a spec file as a `pathlib.Path`, `Rules`, an expression or `eqshard.FROM_FIELDS`"
+    fix = "pass a spec file as a `pathlib.Path`, `Rules`, an expression or `eqshard.resolvers.FROM_FIELDS`"
     return {"pickle": pickled(spec, "`spec`", fix)}
