@@ -13,7 +13,9 @@ argument, raising an `EqshardError` that names it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import TypeVar
 
 from ._problems import MAX_LINES, Problem, problem_lines
 
@@ -26,6 +28,8 @@ __all__ = [
     "StepError",
     "UnreadableError",
     "UsageError",
+    "joined",
+    "step_error",
     "whole_number",
 ]
 
@@ -219,13 +223,61 @@ class StepError(EqshardError):
     """The user's step cannot be traced or compiled under a spec.
 
     The user's code failed, not the spec. So the command line exits with 2, as for a
-    model that cannot be built.
+    model that cannot be built. Where the step raised an exception of its own, the
+    error is also of that exception's class, and shows it: a traceback ends
+    `eqshard.StepError[ZeroDivisionError]: ...`, `except ZeroDivisionError` catches it,
+    and the step's own exception is its `__cause__`.
     """
 
     exit_code = 2
 
 
 StepError.__module__ = "eqshard"
+
+
+E = TypeVar("E", bound="EqshardError")
+
+
+def step_error(message: str, raised: BaseException) -> StepError:
+    """A `StepError` saying `message` that is also of the class of what the user's step
+    `raised`, where Python can make such a class (else a plain `StepError`)."""
+    return joined(StepError, type(raised), message)
+
+
+def joined(cls: type[E], kind: type[BaseException], message: str) -> E:
+    """An error of `cls` that is also a `kind` (the user's own exception's class, or
+    Python's `ModuleNotFoundError` for a missing package), shown as `cls[kind]`; a
+    plain `cls` where `kind` is no `Exception` or Python cannot join the two."""
+    try:
+        return _joined_class(cls, kind)(message)
+    except Exception:  # a class whose __init__ takes other arguments
+        return cls(message)
+
+
+@functools.cache
+def _joined_class(cls: type[E], kind: type[BaseException]) -> type[E]:
+    if not issubclass(kind, Exception) or issubclass(kind, EqshardError):
+        return cls
+    try:
+        made: type[E] = type(  # pyright: ignore[reportAssignmentType]
+            cls.__name__,
+            (cls, kind),
+            {
+                "__module__": "eqshard",
+                "__qualname__": f"{cls.__qualname__}[{kind.__qualname__}]",
+                "__str__": BaseException.__str__,  # not KeyError's quoting, say
+                "__reduce__": _reduce_joined,
+                "joined": (cls, kind),
+            },
+        )
+    except TypeError:  # bases Python cannot join (a final class, clashing layouts)
+        return cls
+    return made
+
+
+def _reduce_joined(self: EqshardError) -> tuple[object, tuple[object, ...]]:
+    cls, kind = getattr(type(self), "joined")  # noqa: B009
+    return joined, (cls, kind, str(self))
 
 
 class ModelError(EqshardError):

@@ -124,8 +124,10 @@ def test_without_libtpu_the_error_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(metadata, "version", missing)
     compile_target.cache_clear()
     try:
-        with pytest.raises(eqshard.EqshardError, match=r"pip install 'eqshard\[tpu\]'"):
+        with pytest.raises(eqshard.UsageError, match=r"pip install 'eqshard\[tpu\]'") as raised:
             compile_target("v5e:2x2")
+        assert isinstance(raised.value, ModuleNotFoundError)  # a missing package, as Python says
+        assert type(raised.value).__qualname__ == "UsageError[ModuleNotFoundError]"
     finally:
         compile_target.cache_clear()
 

@@ -10,6 +10,7 @@ prints the whole traceback of any error.
 
 import importlib
 import json
+import pickle
 import sys
 import traceback
 from pathlib import Path
@@ -291,3 +292,52 @@ def test_jax_tracebacks_leave_eqshards_frames_out():
     files = [frame.filename for frame in traceback.extract_tb(raised.value.__traceback__)]
     assert files[-1] == __file__  # the user's line that called eqshard, last
     assert not [name for name in files if name.startswith(PACKAGE)]
+
+
+class _Refused(KeyError):  # a user's own exception, with KeyError's quoting of its text
+    pass
+
+
+def test_a_step_error_is_also_the_class_of_what_the_step_raised():
+    def step(w):
+        raise _Refused("no such layer")
+
+    w = jnp.ones((8, 4))
+    with pytest.raises(_Refused) as raised:  # `except` on the user's own class works
+        eqshard.cost(w, step=step, spec="a b -> a* b", devices=8)
+    error = raised.value
+    assert isinstance(error, eqshard.StepError)
+    assert isinstance(error, ValueError)  # and on eqshard's, which is a ValueError
+    assert isinstance(error.__cause__, _Refused)
+    shown = traceback.format_exception_only(error)[0]
+    assert shown.startswith(f"eqshard.StepError[{_Refused.__qualname__}]: `eqshard.cost` cannot")
+    assert "it raised _Refused: 'no such layer'" in shown  # the text unquoted: not KeyError's
+    assert "'`eqshard.cost" not in shown
+    again = pickle.loads(pickle.dumps(error))  # as a worker sends it back
+    assert type(again) is type(error)
+    assert str(again) == str(error)
+
+
+class _TwoPart(Exception):  # an exception built from two arguments, not a message
+    def __init__(self, layer, reason):
+        super().__init__(f"{layer}: {reason}")
+
+
+def test_a_step_error_of_a_class_built_otherwise_still_shows_it():
+    def step(w):
+        raise _TwoPart("layers.0", "refused")
+
+    with pytest.raises(_TwoPart) as raised:
+        eqshard.cost(jnp.ones((8, 4)), step=step, spec="a b -> a* b", devices=8)
+    assert isinstance(raised.value, eqshard.StepError)
+    assert "it raised _TwoPart: layers.0: refused" in str(raised.value)
+
+
+def test_a_step_error_stays_plain_for_what_is_not_an_exception():
+    def step(w):
+        raise SystemExit(3)  # a BaseException: no `except Exception` should catch it
+
+    with pytest.raises(eqshard.StepError) as raised:
+        eqshard.cost(jnp.ones((8, 4)), step=step, spec="a b -> a* b", devices=8)
+    assert type(raised.value) is eqshard.StepError
+    assert isinstance(raised.value.__cause__, SystemExit)

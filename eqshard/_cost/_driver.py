@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from .._activations import recording_laid_out
 from .._compat import filter_jit_donation
-from .._errors import EqshardError, StepError
+from .._errors import EqshardError, step_error
 from .._expression import Expression
 from .._layout import device_count_of
 from .._pipeline import recording as recording_pipelines
@@ -230,9 +230,10 @@ def cost(
         raise
     except BaseException as error:  # the user's step (SystemExit too): named, with its cause
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        failed = StepError(
+        failed = step_error(
             f"`eqshard.cost` cannot trace and compile the step {name} on {n} devices under "
-            f"{_spec_name(spec)}: it raised {type(error).__name__}: {error}"
+            f"{_spec_name(spec)}: it raised {type(error).__name__}: {error}",
+            error,
         )
         raise with_user_frames(failed, error) from error
     held = Held()

@@ -23,7 +23,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .._errors import EqshardError, UsageError
+from .._errors import EqshardError, UsageError, joined
 from ._hardware import HARDWARE, Hardware
 
 __all__ = ["CompileTarget", "compile_target"]
@@ -171,10 +171,12 @@ def _libtpu(name: str) -> tuple[Any, str]:
     try:
         version = metadata.version("libtpu")
     except metadata.PackageNotFoundError:
-        raise UsageError(
+        raise joined(  # `except ModuleNotFoundError` catches it too
+            UsageError,
+            ModuleNotFoundError,
             f"`target={name!r}` compiles with the TPU compiler, which comes with libtpu; "
             "install it with `pip install 'eqshard[tpu]'` (libtpu for this JAX), or "
-            "leave `target` out to compile with XLA:CPU"
+            "leave `target` out to compile with XLA:CPU",
         ) from None
     from jax.experimental import topologies
 
