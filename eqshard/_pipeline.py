@@ -259,11 +259,8 @@ def pipeline(
     - `schedule`: `"gpipe"` or `"circular"` (see the module's docs).
     - `axis`: the mesh axis that holds the stages.
     - `batch_axis`: the mesh axis the batch is split over (`"data"`), where each layer
-        computes each row on its own (no batch norm, no routing across rows). Each
-        device then runs its rows with its own copy of its stage's layers, and the
-        weights' gradients are summed over that axis once per step; by default (`None`)
-        XLA sums them in every step of the pipeline's loop. A layer that mixes rows
-        would see only a device's rows: leave it `None` there.
+        computes each row on its own: the weights' gradients are then summed over it
+        once per step, not in every step of the loop (the guide "Pipeline stages").
     - `mesh`: the mesh; by default the active plan's (`eqshard.use`), the mesh of
         `jax.set_mesh`, or the active rules' declared mesh.
 
@@ -275,10 +272,8 @@ def pipeline(
     **Raises:**
 
     `eqshard.EqshardError` for a schedule it does not know, a microbatch count that
-    is not a whole number from 1 or does not divide the batch, layers that do not divide over the stages, a circular
-    stack whose second axis is not the stage count, fewer microbatches than stages
-    under the circular schedule, or a microbatch whose rows do not divide over
-    `batch_axis`.
+    does not divide the batch (or, under the circular schedule, is below the stage
+    count), or a stack or microbatch that does not divide over its mesh axis.
     """
     if schedule not in SCHEDULES:
         raise EqshardError(

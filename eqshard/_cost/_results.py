@@ -186,23 +186,11 @@ class Memory:
     - `platform`: the platform whose compiler compiled the step (`"cpu"`, `"tpu"`,
         `"gpu"`), which decides what `peak` is.
 
-    !!! warning "Whose peak"
-
-        `peak` is what the compiler allocates at once, per compiler
-        (`peak_includes` says which for this step):
-
-        - XLA:CPU (no `target`): `allocated`, the arguments, outputs and temporaries,
-            or its own peak where that is more. Its own (`reported_peak`) counts the
-            arguments and outputs alone, not the temporaries it allocates for the step:
-            9.97 MB for an MLP's Adam step that allocates 31.5 MB of temporaries more.
-        - XLA:TPU (a `target`): its own peak. Its temporaries are not what is live
-            at once: 0 for that step on `v5e:2x4`, whose own peak is 19.8 MB above
-            its arguments and outputs; 19.3 MB on `v5p:2x2x2`, which with the
-            arguments and outputs come to more than its 22.6 MB peak.
-        - another compiler (a GPU's, where the process has one): the larger of the
-            two, as for XLA:CPU (not measured).
-
-        XLA:CPU's peak is no bound on an accelerator's; a `target` gives XLA:TPU's.
+    `peak` is what the compiler allocates at once, as `peak_includes` says for the
+    step: on XLA:CPU its arguments, outputs and temporaries (its own peak leaves the
+    temporaries out), on XLA:TPU its own peak. XLA:CPU's peak is no bound on an
+    accelerator's; a `target` gives XLA:TPU's. The guide "Cost and targets" gives the
+    figures per compiler under "Memory".
 
     !!! info "Device and host memory"
 

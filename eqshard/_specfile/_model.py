@@ -330,33 +330,10 @@ class Rules:
     - `comment`: the file's or the section's `"comment"`, free text for the reader, or
         `None`.
 
-    !!! info "Dims"
-
-        `dims` and `logical_axis_rules` lay out parameters by their annotations (or a
-        rule's `"dims"`), and activations by `eqshard.constrain`'s names. `dims` is a
-        mapping: one layout per name, and two names of an array on one mesh axis are an
-        error. `logical_axis_rules` is Flax's table: in order, the first rule whose mesh
-        axes the array does not use yet claims its name's dim (later rules are
-        fallbacks), and a name no rule claims is whole; then, as MaxText, axes of size
-        1 or that the mesh lacks are dropped. A name `dims` maps takes `dims`' layout
-        first, as if its entry led the table. An optimizer section shares its file's
-        table, as its mesh.
-
-    !!! info "The batch"
-
-        `eqshard.jit`, `eqshard.cost`, `eqshard check --step` and `eqshard.testing`
-        lay the step's batch out by `batch`. `"... -> * ..."`, for one, gives every
-        device a whole batch; `BatchRules` lay out a structured batch (a graph's
-        nodes, edges and per-graph leaves) leaf by leaf. `None` is their default: the
-        leading dim over the mesh's first axis.
-
-    !!! info "The optimizer section"
-
-        `optimizer` says how the optimizer state is laid out. Its `default` may be
-        `"parameter"`. It is `None` where the state follows the parameters. As an
-        optimizer spec (`eqshard.plan(model, spec, optimizer=rules)`), a `Rules`' paths
-        name parameters. `default="parameter"` gives each state leaf no rule or dim
-        matches its parameter's layout.
+    How `dims` and `logical_axis_rules` lay out named dims, and how they differ, is in
+    the guide "Coming from Flax, MaxText or plain JAX"; the batch's rules in "Spec
+    files and the schema"; the optimizer section in "Activations, optimizer state and
+    host memory".
     """
 
     rules: tuple[Rule, ...] = ()
