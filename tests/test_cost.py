@@ -401,3 +401,34 @@ def test_compile_for_is_running_or_costing():
 def test_a_device_count_is_a_whole_number_of_devices(devices, message):
     with pytest.raises(eqshard.EqshardError, match=message):
         eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=devices)
+
+
+# Each compiler's peak, from its own figures: XLA:GPU's as an H200 gave them
+# (benchmarks/gpu_check.py, JAX 0.11.2): arguments, outputs, temporaries, its own peak.
+GPU_FIGURES = (4_564_017_156, 4_429_799_784, 4_026_537_496, 13_020_348_788)
+
+
+@pytest.mark.parametrize(
+    ("platform", "expected", "says"),
+    [
+        ("gpu", 13_020_348_788, "XLA:GPU's own peak (reported_peak)"),  # its own: what it held
+        ("cpu", 13_020_354_436, "arguments + outputs + temporaries: XLA:CPU's own peak"),
+        ("rocm", 13_020_354_436, "arguments + outputs + temporaries: XLA:ROCM's own peak"),
+    ],
+)
+def test_each_compilers_peak_is_read_by_its_own_rule(platform, expected, says):
+    arguments, outputs, temporaries, reported = GPU_FIGURES
+    m = eqshard.results.Memory(
+        parameters=0,
+        state=0,
+        optimizer=0,
+        gradients=0,
+        arguments=arguments,
+        outputs=outputs,
+        temporaries=temporaries,
+        reported_peak=reported,
+        platform=platform,
+    )
+    assert m.allocated == arguments + outputs + temporaries == 13_020_354_436
+    assert m.peak == expected
+    assert m.peak_includes.startswith(says)

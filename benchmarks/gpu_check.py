@@ -1,0 +1,183 @@
+"""What a real GPU says of eqshard's figures: run on one lent GPU, never in CI.
+
+Run: `python benchmarks/gpu_check.py [--json PATH]` on a machine with one NVIDIA GPU.
+Every number comes from this one run; `--json` writes them to PATH.
+
+1. **Memory.** For each model's AdamW step, the step is compiled ahead of time for
+   the GPU (XLA's autotuner off, so that compiling allocates nothing the step then
+   seems to hold), its arguments placed, and the device's own allocator read
+   (`memory_stats()`: `bytes_in_use` before the step, `peak_bytes_in_use` after
+   it). Beside that: XLA:GPU's memory analysis (arguments, outputs, aliased,
+   temporaries, its own peak) and `eqshard.cost`'s `peak`, `peak_includes` and
+   `compiler`, on the same GPU. The allocator's peak less what was in use before
+   the step, plus the arguments, is what the step held at once: the figure a peak
+   rule for XLA:GPU must match.
+2. **Runtime errors.** An `eqx.error_if` that fires inside `eqshard.jit` on the GPU
+   raises `EquinoxRuntimeError` with the user's message, as `eqx.filter_jit` does.
+3. **Speed.** The same placed step under `eqshard.jit` and under `eqx.filter_jit`,
+   called in interleaved rounds: median seconds per call and their ratio.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import eqshard  # noqa: E402
+
+MODELS = {  # name: (in, width, depth, rows): the largest holds about 2 GB at once
+    "mlp-1024x4096x4": (1024, 4096, 4, 8192),
+    "mlp-2048x8192x6": (2048, 8192, 6, 16384),
+}
+
+
+def _arguments(name: str):
+    size, width, depth, rows = MODELS[name]
+    model = eqx.nn.MLP(size, size, width, depth, key=jax.random.key(0))
+    optimizer = optax.adamw(1e-3)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    x = jax.random.normal(jax.random.key(1), (rows, size))
+    return model, opt_state, x, optimizer
+
+
+def _step(optimizer):
+    def step(model, opt_state, x):
+        def loss(m):
+            return jnp.mean((jax.vmap(m)(x) - x) ** 2)
+
+        value, grads = eqx.filter_value_and_grad(loss)(model)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, value
+
+    return step
+
+
+def memory(name: str) -> dict:
+    model, opt_state, x, optimizer = _arguments(name)
+    step = _step(optimizer)
+    spec = "... -> * ..."  # one GPU: every leaf whole
+    found: dict = {"model": name}
+    cost = eqshard.cost(model, opt_state, x, step=step, spec=spec, devices=1)
+    found["eqshard"] = {
+        "compiler": cost.compiler,
+        "peak": cost.memory.peak,
+        "peak_includes": cost.memory.peak_includes,
+        "reported_peak": cost.memory.reported_peak,
+        "arguments": cost.memory.arguments,
+        "outputs": cost.memory.outputs,
+        "temporaries": cost.memory.temporaries,
+    }
+    plan = eqshard.plan(model, spec, devices=jax.devices()[:1])
+    placed = eqshard.apply((model, opt_state, x), plan)
+    with eqshard.use(plan):
+        compiled = eqshard.jit(step).lower(*placed).compile()
+        analysis = compiled.memory_analysis()
+        found["xla"] = {
+            key: getattr(analysis, key, None)
+            for key in (
+                "argument_size_in_bytes",
+                "output_size_in_bytes",
+                "alias_size_in_bytes",
+                "temp_size_in_bytes",
+                "generated_code_size_in_bytes",
+                "peak_memory_in_bytes",
+            )
+        }
+        device = jax.devices()[0]
+        jax.block_until_ready(placed)
+        before = device.memory_stats() or {}
+        out = compiled(*placed)
+        jax.block_until_ready(out)
+        after = device.memory_stats() or {}
+    found["allocator"] = {
+        "bytes_in_use_before": before.get("bytes_in_use"),
+        "peak_bytes_in_use_before": before.get("peak_bytes_in_use"),
+        "peak_bytes_in_use_after": after.get("peak_bytes_in_use"),
+        "bytes_in_use_after": after.get("bytes_in_use"),
+    }
+    arguments = found["xla"]["argument_size_in_bytes"] or 0
+    if after.get("peak_bytes_in_use") and before.get("bytes_in_use") is not None:
+        held = after["peak_bytes_in_use"] - before["bytes_in_use"] + arguments
+        grew = after["peak_bytes_in_use"] > (before.get("peak_bytes_in_use") or 0)
+        found["step_held_at_once"] = held if grew else None  # None: unknown
+    return found
+
+
+def runtime_error() -> dict:
+    def check(x):
+        return eqx.error_if(x, x.sum() > 0, "the sum is positive")
+
+    x = jnp.ones(8)
+    texts = {}
+    for name, jitted in (("filter_jit", eqx.filter_jit(check)), ("eqshard.jit", eqshard.jit(check))):
+        try:
+            jax.block_until_ready(jitted(x))
+            texts[name] = "no error"
+        except Exception as error:  # what each raises, by class and text
+            texts[name] = f"{type(error).__module__}.{type(error).__qualname__}: {error}"
+    return texts
+
+
+def speed(name: str, rounds: int = 30) -> dict:
+    model, opt_state, x, optimizer = _arguments(name)
+    step = _step(optimizer)
+    plan = eqshard.plan(model, "... -> * ...", devices=jax.devices()[:1])
+    placed = eqshard.apply((model, opt_state, x), plan)
+    floor = eqx.filter_jit(step)
+    with eqshard.use(plan):
+        ours = eqshard.jit(step)
+        for f in (floor, ours):
+            jax.block_until_ready(f(*placed))
+        times = {"filter_jit": [], "eqshard.jit": []}
+        for _ in range(rounds):
+            for label, f in (("filter_jit", floor), ("eqshard.jit", ours)):
+                start = time.perf_counter()
+                jax.block_until_ready(f(*placed))
+                times[label].append(time.perf_counter() - start)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "model": name,
+        "median_s": medians,
+        "ratio": medians["eqshard.jit"] / medians["filter_jit"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--any-device", action="store_true", help="run on a CPU too (a dry run)")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    results: dict = {
+        "jax": jax.__version__,
+        "device": f"{device.platform}: {device.device_kind}",
+        "memory": [],
+    }
+    if device.platform != "gpu" and not args.any_device:
+        sys.exit(f"gpu_check needs a GPU; this process has {device.platform}")
+    for name in MODELS:
+        try:
+            results["memory"].append(memory(name))
+        except Exception as error:  # report each part's failure, then go on
+            results["memory"].append({"model": name, "error": f"{type(error).__name__}: {error}"})
+    results["runtime_error"] = runtime_error()
+    results["speed"] = speed(next(iter(MODELS)))
+    text = json.dumps(results, indent=2, default=str)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
