@@ -19,11 +19,14 @@ import suggest_model as models
 
 import eqshard
 import eqshard._search._candidates
-import eqshard._search._suggest as suggesting
+import eqshard._search._pool as pool
 from eqshard._fit import mesh_text
+from eqshard._process._workers import pickled
 from eqshard._report import human_bytes
 from eqshard._search._candidates import Candidate
-from eqshard._search._suggest import Suggestion, communication, rank, ranked
+from eqshard._search._policy import proxy_guess
+from eqshard._search._ranked import Progress, Suggestion, communication, ranked
+from eqshard._search._suggest import rank
 
 TESTS = Path(__file__).parent
 DEMO = TESTS.parent / "examples" / "specs" / "demo"
@@ -636,16 +639,16 @@ def test_cli_targets_gives_suggest_s_best_per_slice_and_says_where_nothing_fits(
 def test_the_pool_is_sized_to_the_compiler_s_threads(
     cores, candidates, target, workers, expected, monkeypatch
 ):
-    monkeypatch.setattr(suggesting, "_cores", lambda: cores)
-    assert suggesting.pool_size(candidates, target, workers) == expected
+    monkeypatch.setattr(pool, "_cores", lambda: cores)
+    assert pool.pool_size(candidates, target, workers) == expected
 
 
 @pytest.mark.slow  # compiles in worker processes
 def test_two_workers_cost_every_candidate_once_in_order():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     candidates = _mlp_candidates()
-    inputs = {"pickle": suggesting.pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
-    results = suggesting.compile_in_workers(candidates * 2, inputs, 8, None, 2)
+    inputs = {"pickle": pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
+    results = pool.compile_in_workers(candidates * 2, inputs, 8, None, 2)
     here = [rank([c], models.mlp_step, *mlp, devices=8, workers=0)[0] for c in candidates]
     for found, suggestion in zip(results, here * 2):
         assert found is not None
@@ -787,26 +790,26 @@ def test_xla_cpu_s_guess_halves_promoted_collectives_and_takes_the_smaller_memor
     )
     figures = Estimated(0, 0, 0, 0, 0, 0, (), 1e12, 1e10, "bfloat16")
     found = proxy.estimate(h100)
-    guess = suggesting.proxy_guess(proxy, figures, h100)
+    guess = proxy_guess(proxy, figures, h100)
     layouts = figures.estimate(h100).memory
     assert layouts < found.memory
     assert guess == pytest.approx(max(found.compute, layouts) + found.communication / 2)
     as_float32 = dataclasses.replace(proxy, dtype="float32")
-    assert suggesting.proxy_guess(as_float32, None, h100) == pytest.approx(found.seconds)
+    assert proxy_guess(as_float32, None, h100) == pytest.approx(found.seconds)
 
 
 @pytest.mark.slow  # compiles in worker processes
 def test_compile_workers_compile_only_the_candidates_still_wanted():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     candidates = _mlp_candidates()
-    inputs = {"pickle": suggesting.pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
+    inputs = {"pickle": pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
     asked: list[tuple[int, int]] = []
 
     def wanted(k, found):
         asked.append((k, sum(f is not None for f in found)))
         return k != 1  # the second is never wanted
 
-    results = suggesting.compile_in_workers(candidates, inputs, 8, None, 1, wanted=wanted)
+    results = pool.compile_in_workers(candidates, inputs, 8, None, 1, wanted=wanted)
     assert results[1] is None
     assert all(r is not None and not isinstance(r, str) for k, r in enumerate(results) if k != 1)
     # one worker: each later candidate is asked about once the earlier ones answered
@@ -817,15 +820,15 @@ def test_compile_workers_compile_only_the_candidates_still_wanted():
 def test_progress_is_told_as_each_pass_starts_as_each_candidate_compiles_and_as_it_ends():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     chosen = _mlp_candidates()[:2]
-    heard: list[suggesting.Progress] = []
+    heard: list[Progress] = []
     ranked = rank(chosen, models.mlp_step, *mlp, devices=8, workers=0, progress=heard.append)
     assert len(ranked) == 2
     first, second = (f"{c.strategy} ({mesh_text(c.mesh)})" for c in chosen)
     assert heard == [
-        suggesting.Progress(0, 2, "8 devices"),
-        suggesting.Progress(1, 2, "8 devices", first),
-        suggesting.Progress(2, 2, "8 devices", second),
-        suggesting.Progress(2, 2, "8 devices", finished=True),
+        Progress(0, 2, "8 devices"),
+        Progress(1, 2, "8 devices", first),
+        Progress(2, 2, "8 devices", second),
+        Progress(2, 2, "8 devices", finished=True),
     ]
     assert [str(p) for p in heard] == [
         "compiling 2 candidates on 8 devices",
@@ -833,7 +836,7 @@ def test_progress_is_told_as_each_pass_starts_as_each_candidate_compiles_and_as_
         f"compiled 2 of 2 candidates on 8 devices (the last: {second})",
         "compiled all 2 candidates on 8 devices",
     ]
-    ruled_out = suggesting.Progress(1, 3, "v5e:2x4 (8 devices)", finished=True)
+    ruled_out = Progress(1, 3, "v5e:2x4 (8 devices)", finished=True)
     assert str(ruled_out) == (
         "compiled 1 of 3 candidates on v5e:2x4 (8 devices); the other 2 ruled out by their "
         "estimates"

@@ -37,7 +37,7 @@ from .._process._workers import (
 if TYPE_CHECKING:
     from .._process._usercode import StepInputs
     from .._search._diff import Diff
-    from .._search._suggest import Progress, Ranked
+    from .._search._ranked import Progress, Ranked
 
     Told = Callable[[Progress], None] | None
     from .._search._what_if import Targets
@@ -116,7 +116,9 @@ def suggest_here(request: Mapping[str, Any], progress: Told = None) -> Ranked:
     inputs by name, telling `progress` as they compile. `"max_memory"` is bytes or
     `None`, `"workers"` a count or `None`, `"exhaustive"` whether to compile every
     candidate, `"verbose"` whether the workers' stderr reaches this process's."""
-    from .._search._suggest import TOLERANCE, in_workers, memory_limit, placement, search
+    from .._search._policy import TOLERANCE, search
+    from .._search._pool import in_workers
+    from .._search._suggest import memory_limit, placement
 
     devices, target = request.get("devices"), request.get("target")
     n, on = placement(devices, target)

@@ -170,7 +170,7 @@ def _batch_text(batch: str | None) -> str:
 
 
 def _cost_json(c: Cost) -> dict[str, Any]:
-    from ._suggest import communication
+    from ._ranked import communication
 
     estimate = c.estimate()
     return {
@@ -198,7 +198,7 @@ def _change(a: int, b: int) -> str:
 def _cost_lines(a: Cost, b: Cost) -> list[str]:
     """The change in memory per device, communication per mesh axis, and estimate."""
     from .._report import human_bytes
-    from ._suggest import communication
+    from ._ranked import communication
 
     peak = "peak" if a.target else "peak (XLA:CPU)"
     memory = [f"{peak} {_change(a.memory.peak, b.memory.peak)}"]
