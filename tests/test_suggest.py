@@ -21,7 +21,7 @@ import eqshard
 import eqshard._search._candidates
 import eqshard._search._pool as pool
 from eqshard._fit import mesh_text
-from eqshard._process._workers import pickled
+from eqshard._process._pickles import pickled
 from eqshard._report import human_bytes
 from eqshard._search._candidates import Candidate
 from eqshard._search._policy import proxy_guess

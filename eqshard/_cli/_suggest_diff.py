@@ -24,12 +24,11 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import EqshardError, whole_number
+from .._process._pickles import pickled, unpickled
 from .._process._workers import (
-    pickled,
     serve,
     start_worker,
     tell,
-    unpickled,
     without_device_count,
     worker_answer,
 )

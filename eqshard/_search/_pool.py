@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from .._cost._driver import cost, portable
 from .._errors import EqshardError, whole_number
+from .._process._pickles import pickled, unpickled
 from .._process._workers import (
     Worker,
-    pickled,
     pool_answers,
     serve_each,
     start_serving,
-    unpickled,
     without_device_count,
 )
 from ._ranked import name_of, where_text

@@ -26,7 +26,7 @@ from .._cost._driver import unplaced
 from .._cost._hardware import memory_size
 from .._cost._targets import compile_target
 from .._errors import EqshardError, whole_number
-from .._process._workers import pickled
+from .._process._pickles import pickled
 from .._sharding import device_tuple
 from ._candidates import candidates
 from ._policy import TOLERANCE, search
