@@ -24,7 +24,8 @@ import pytest
 
 import eqshard
 from eqshard._plan import make_plan
-from eqshard._search._candidates import STRATEGIES, Candidate, _normal, candidates
+from eqshard._search._candidates import Candidate, _normal, candidates
+from eqshard._search._families import STRATEGIES
 
 # the GPT has no stacked experts, its `eqx.nn.MultiheadAttention` names no queries or
 # keys, which the context families split by, and it runs no `eqshard.pipeline`
