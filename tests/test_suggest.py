@@ -868,3 +868,15 @@ def test_cli_keeps_the_workers_stderr_out_of_its_output_unless_verbose(run_pytho
             "(data=2 x model=1))",
             "eqshard suggest: compiled the 1 candidate on 2 devices",
         ]
+
+
+def test_suggest_s_help_names_every_strategy_of_the_table(run_cli, monkeypatch):
+    """`--strategies`'s help is made from the families' table, so it never goes stale."""
+    from eqshard._search._families import FAMILIES
+
+    monkeypatch.setenv("COLUMNS", "10000")  # no line broken at a name's hyphen
+    result = run_cli("suggest", "--help")
+    assert result.code == 0
+    text = " ".join(result.out.split())  # argparse wraps the help's lines
+    missing = [f.name for f in FAMILIES if f.name not in text]
+    assert missing == []

@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable
 
 from .._errors import EqshardError, whole_number
+from .._search._strategy_names import STRATEGY_NAMES
 
 __all__ = [
     "MAX_DEMO_DEVICES",
@@ -318,8 +319,8 @@ def _suggest(add: _Add) -> None:
         help="find the fastest spec that fits, by compiling the step under the strategies",
         description=(
             "Build the model, the optimizer state and the batch abstractly, generate the "
-            "candidate specs (data parallel, FSDP, ZeRO-1, Megatron tensor parallel, "
-            "data x tensor and FSDP x tensor, on every mesh of the device count), estimate "
+            "candidate specs (each strategy of --strategies, on every mesh of the device "
+            "count), estimate "
             "each (the bytes it holds exactly, the rest from its layouts and the step), "
             "compile the training step under those the estimates cannot rule out (every "
             "one with --exhaustive) in worker processes (on N simulated devices with "
@@ -399,8 +400,8 @@ def _suggest(add: _Add) -> None:
         type=_strategies,
         metavar="NAME,NAME,...",
         help="the strategies to try, e.g. 'fsdp,data x tensor' (default: every one: "
-        "data parallel, fsdp, zero-1, expert parallel, megatron, data x tensor, "
-        "fsdp x tensor)",
+        f"{', '.join(STRATEGY_NAMES)}; a family the step gives nothing to split, such as "
+        "expert parallel without stacked experts, makes no candidate)",
     )
     suggest.add_argument(
         "--verbose",

@@ -22,6 +22,7 @@ from .._specfile._model import Rules
 from ._dims import sequence_names
 from ._profile import Pipelined, Role
 from ._setup import SOURCE, Draft, Leaf, Setup
+from ._strategy_names import STRATEGY_NAMES
 
 __all__ = [
     "FAMILIES",
@@ -551,6 +552,12 @@ FAMILIES: tuple[Family, ...] = (
 
 STRATEGIES = tuple(family.name for family in FAMILIES)
 """The strategies' names, in the order their candidates come."""
+
+if STRATEGIES != STRATEGY_NAMES:  # the command line's help lists `STRATEGY_NAMES`
+    raise ImportError(
+        f"eqshard's strategy table names {STRATEGIES}, but `_strategy_names.py` lists "
+        f"{STRATEGY_NAMES}: list each family there, in the table's order"
+    )
 
 _FAMILY = {family.name: family for family in FAMILIES}
 
