@@ -78,7 +78,7 @@ def gpt_ranked(gpt):
     candidates = [
         _demo_candidate(name, FSDP_REPAIRS if name == "fsdp" else ()) for name in STRATEGIES
     ]
-    return rank([*candidates, UNMAPPED], models.step, *gpt, devices=8, max_memory=BUDGET)
+    return rank([*candidates, UNMAPPED], models.step, *gpt, simulate=8, max_memory=BUDGET)
 
 
 def _cost(s: Suggestion) -> eqshard.Cost:
@@ -226,7 +226,7 @@ def test_workers_and_this_process_give_the_same_costs():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     candidates = _mlp_candidates()
     here = rank(candidates, models.mlp_step, *mlp, devices=8, workers=0)
-    there = rank(candidates, models.mlp_step, *mlp, devices=8, workers=2, max_memory="75GiB")
+    there = rank(candidates, models.mlp_step, *mlp, simulate=8, workers=2, max_memory="75GiB")
     assert (there.limit, here.limit) == (75 * 2**30, None)
     assert [s.name for s in here] == [s.name for s in there]
     for a, b in zip(here, there):
@@ -244,10 +244,12 @@ def test_workers_and_this_process_give_the_same_costs():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"devices": 8, "target": "v5e:2x4"}, r"`devices=8` and `target='v5e:2x4'` are both"),
-        ({}, r"give `devices=` \(how many simulated devices"),
-        ({"devices": 8, "max_memory": "lots"}, r"'lots' is not a memory size: write a byte"),
-        ({"devices": 8, "workers": -1}, r"`workers`"),
+        ({"simulate": 8, "target": "v5e:2x4"}, r"`simulate=8` and `target='v5e:2x4'` are both"),
+        ({"devices": 8, "simulate": 8}, r"`devices=8` \(this process's devices\) and `simulate"),
+        ({"devices": 8, "workers": 2}, r"worker processes cannot hold them; pass `simulate=8`"),
+        ({}, r"give `simulate=` \(how many simulated devices"),
+        ({"simulate": 8, "max_memory": "lots"}, r"'lots' is not a memory size: write a byte"),
+        ({"simulate": 8, "workers": -1}, r"`workers`"),
         ({"devices": 8, "workers": 0, "tolerance": 1.0}, r"`tolerance` is a fraction from 0"),
         ({"devices": 8, "workers": 0, "tolerance": -0.1}, r"to below 1, such as 0.05, not -0.1"),
     ],
@@ -288,7 +290,7 @@ def _generate(chosen):
 
 def _suggest(run_cli, *extra, step="mlp_step"):
     return run_cli(
-        *("suggest", "--devices", 8, "--model", f"{MODULE}:mlp_build"),
+        *("suggest", "--simulate", 8, "--model", f"{MODULE}:mlp_build"),
         *("--step", f"{MODULE}:{step}", "--optimizer", f"{MODULE}:mlp_optimizer"),
         *("--batch", f"{MODULE}:mlp_batch"),
         *extra,
@@ -389,7 +391,7 @@ def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
         ),
         (
             ("--model", "m:b", "--step", "m:s", "--batch", "m:b", "--target", "v5e:2x4"),
-            "argument --target: not allowed with argument --devices",
+            "argument --target: not allowed with argument --simulate",
         ),
         (("--model", "m:b", "--step", "m:s"), "the following arguments are required: --batch"),
         (
@@ -407,7 +409,7 @@ def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
     ],
 )
 def test_cli_bad_input_exits_2_with_the_message(run_cli, args, message):
-    done = run_cli("suggest", "--devices", 8, *args)
+    done = run_cli("suggest", "--simulate", 8, *args)
     assert done.code == 2
     assert message in done.err
     assert "Traceback" not in done.err
@@ -417,7 +419,7 @@ def test_cli_bad_input_exits_2_with_the_message(run_cli, args, message):
 def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tmp_path):
     from eqshard.testing import assert_equivalent
 
-    ranked = eqshard.suggest(*gpt, step=models.step, devices=8, max_memory=BUDGET)
+    ranked = eqshard.suggest(*gpt, step=models.step, simulate=8, max_memory=BUDGET)
     best = ranked.best
     assert best is not None
     assert best.fits
@@ -437,7 +439,7 @@ def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tm
 
 def test_a_worker_that_dies_fails_its_candidates_and_the_ranking_goes_on():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
-    ranked = rank(_mlp_candidates()[:2], models.dying_step, *mlp, devices=8, workers=1)
+    ranked = rank(_mlp_candidates()[:2], models.dying_step, *mlp, simulate=8, workers=1)
     assert [s.cost for s in ranked] == [None, None]
     for s in ranked:  # each in a worker of its own: the first's died with it
         assert f"costing {s.name} on 8 devices: its process ended (exit code 3)" in str(s.error)
@@ -536,7 +538,7 @@ def test_cli_refuses_a_bad_write_target_before_compiling(run_cli, monkeypatch, t
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--targets", "v5e:2x2", "--devices", 8), "argument --devices: not allowed with"),
+        (("--targets", "v5e:2x2", "--simulate", 8), "argument --simulate: not allowed with"),
         (("--targets", "v5e:2x2", "--target", "v5e:2x4"), "not allowed with argument --targets"),
         (("--targets", "v5e:2x2,,v5e:2x4"), "'v5e:2x2,,v5e:2x4' names an empty slice"),
         (("--targets", "v5e:2x2,v5e:2x2"), "'v5e:2x2,v5e:2x2' names v5e:2x2 twice"),
@@ -708,7 +710,7 @@ def test_the_estimates_hold_exactly_the_bytes_the_compiler_counts_and_rule_out_t
         models.mlp_optimizer,
         models.mlp_batch,
         models.mlp_step,
-        devices=8,
+        simulate=8,
         max_memory=limit,
     )
     _agrees_with_the_exhaustive_search(pruned, full)
@@ -741,7 +743,7 @@ def test_the_pruned_search_picks_the_exhaustive_best_for_the_gpt_on_64_devices()
         models.optimizer,
         models.batch64,
         models.step,
-        devices=64,
+        simulate=64,
         max_memory=BUDGET,
     )
     compiled = _agrees_with_the_exhaustive_search(pruned, full)
@@ -849,7 +851,7 @@ def test_cli_keeps_the_workers_stderr_out_of_its_output_unless_verbose(run_pytho
     from the command's output; `--verbose` shows it on stderr. The progress is told
     on stderr, a line each where stderr is no terminal; the table alone is on stdout."""
     command = [
-        *("-m", "eqshard", "suggest", "--devices", "2", "--workers", "1"),
+        *("-m", "eqshard", "suggest", "--simulate", "2", "--workers", "1"),
         *("--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:noisy_step"),
         *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
         *("--strategies", "fsdp"),
@@ -880,3 +882,31 @@ def test_suggest_s_help_names_every_strategy_of_the_table(run_cli, monkeypatch):
     text = " ".join(result.out.split())  # argparse wraps the help's lines
     missing = [f.name for f in FAMILIES if f.name not in text]
     assert missing == []
+
+
+def test_devices_over_this_process_s_count_is_simulate_with_a_deprecation_warning():
+    """`devices=n` beyond this process's devices keeps its old meaning, `simulate=n`."""
+    from eqshard._search._suggest import placement
+
+    with pytest.warns(DeprecationWarning, match=r"`devices=16` means 16 of this process's"):
+        placed = placement(16, None, None, stacklevel=2)
+    assert (placed.size, placed.target, placed.devices) == (16, None, None)
+    assert placement(None, 16, None) == (16, None, None)
+    assert placement(4, None, None).devices == tuple(jax.local_devices()[:4])
+
+
+def test_cli_devices_is_the_old_spelling_of_simulate(run_cli, monkeypatch):
+    heard = []
+
+    def candidates(step, model, *args, devices, strategies=None):
+        heard.append(devices)
+        return [], []
+
+    monkeypatch.setattr(eqshard._search._candidates, "candidates", candidates, False)
+    done = run_cli(
+        *("suggest", "--devices", 4, "--model", f"{MODULE}:mlp_build"),
+        *("--step", f"{MODULE}:mlp_step", "--optimizer", f"{MODULE}:mlp_optimizer"),
+        *("--batch", f"{MODULE}:mlp_batch"),
+    )
+    assert "eqshard suggest: --devices 4 is deprecated: pass --simulate 4" in done.err
+    assert heard == [4]

@@ -582,8 +582,8 @@ def same_as(family: Family, data: int, model: int) -> str | None:
         return None
     over_data, over_model = family.same_as
     if model == 1 and over_data is not None:
-        axis = family.axis
-        return f"the same layout as {candidate_name(over_data, data, 1)}: nothing is split over {axis!r}"
+        same = candidate_name(over_data, data, 1)
+        return f"the same layout as {same}: nothing is split over {family.axis!r}"
     if data == 1 and over_model is not None:
         other = _FAMILY[over_model]
         on = candidate_name(

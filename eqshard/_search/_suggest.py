@@ -17,15 +17,16 @@ H100); the others follow, closest to the limit first, and the failures last.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .._cost._driver import unplaced
 from .._cost._hardware import memory_size
 from .._cost._targets import compile_target
-from .._errors import EqshardError, whole_number
+from .._errors import EqshardError, UsageError, whole_number
 from .._process._pickles import pickled
 from .._sharding import device_tuple
 from ._candidates import candidates
@@ -50,38 +51,73 @@ __all__ = [
 ]
 
 
-def placement(devices: Devices, target: str | None) -> tuple[int, CompileTarget | None]:
-    """The device count the candidates are costed on, and the TPU slice, if any.
+class Placed(NamedTuple):
+    """Where `suggest`'s candidates compile: the device count, the TPU slice (if any),
+    and this process's devices to compile on here (`None`: simulated, in workers)."""
 
-    **Raises:** `EqshardError` when both or neither are given, or `devices` is no
-    whole number; what `compile_target` raises for the slice.
+    size: int
+    target: CompileTarget | None
+    devices: tuple[Any, ...] | None
+
+
+def placement(
+    devices: Devices, simulate: int | None, target: str | None, *, stacklevel: int = 3
+) -> Placed:
+    """Where the candidates compile: `devices=` (this process's: a count, the first
+    that many, or a list), `simulate=` (a count of simulated devices) or `target=`.
+
+    A count `devices=n` over this process's devices keeps its old meaning, simulated
+    devices, with a `DeprecationWarning` pointing `stacklevel` frames up.
+
+    **Raises:** `UsageError` for `devices` with `simulate`; `EqshardError` for a
+    target with either, for none of the three, or a count that is no whole number;
+    what `compile_target` raises for the slice.
     """
-    if target is not None:
-        if devices is not None:
-            raise EqshardError(
-                f"`devices={devices!r}` and `target={target!r}` are both given; the slice has "
-                "its devices: give one of them"
-            )
-
-        on = compile_target(target)
-        return len(on.devices), on
-    if devices is None:
-        raise EqshardError(
-            "give `devices=` (how many simulated devices to compile each candidate on) or "
-            "`target=` (a TPU slice, such as 'v5p:4x4x4')"
+    if devices is not None and simulate is not None:
+        raise UsageError(
+            f"`devices={devices!r}` (this process's devices) and `simulate={simulate!r}` "
+            "(devices it does not have) are both given: pass one of them"
         )
-    listed = _listed(devices)
-    if listed is not None:
-        return len(listed), None
-    return whole_number(devices, "`devices`"), None
+    if target is not None:
+        given = next(
+            (
+                f"{k}={v!r}"
+                for k, v in (("devices", devices), ("simulate", simulate))
+                if v is not None
+            ),
+            None,
+        )
+        if given is not None:
+            raise EqshardError(
+                f"`{given}` and `target={target!r}` are both given; the slice has its "
+                "devices: give one of them"
+            )
+        on = compile_target(target)
+        return Placed(len(on.devices), on, None)
+    if devices is None and simulate is None:
+        raise EqshardError(
+            "give `simulate=` (how many simulated devices to compile each candidate on, "
+            "in worker processes), `devices=` (this process's devices, to compile on here) "
+            "or `target=` (a TPU slice, such as 'v5p:4x4x4')"
+        )
+    if simulate is not None:
+        return Placed(whole_number(simulate, "`simulate`"), None, None)
+    if not isinstance(devices, (int, np.integer)):
+        listed = device_tuple(devices)
+        return Placed(len(listed), None, listed)
+    n = whole_number(devices, "`devices`")
+    import jax
 
-
-def _listed(devices: Devices) -> tuple[Any, ...] | None:
-    """`devices=` as a list of this process's devices, or `None` for a count."""
-    if devices is None or isinstance(devices, (int, np.integer)):
-        return None
-
-    return device_tuple(devices)
+    here = jax.local_devices()
+    if n > len(here):
+        warnings.warn(
+            f"`devices={n}` means {n} of this process's devices, and it has {len(here)}: "
+            f"pass `simulate={n}` to lay out (or compile) for {n} devices it does not have",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        return Placed(n, None, None)
+    return Placed(n, None, tuple(here[:n]))
 
 
 def memory_limit(
@@ -102,6 +138,7 @@ def rank(
     model: Any,
     *args: Any,
     devices: Devices = None,
+    simulate: int | None = None,
     target: str | None = None,
     max_memory: int | str | None = None,
     workers: int | None = None,
@@ -116,7 +153,7 @@ def rank(
     **Example:**
 
     ```python
-    ranked = rank(candidates, step, model, opt_state, batch, devices=8, max_memory="16GiB")
+    ranked = rank(candidates, step, model, opt_state, batch, simulate=8, max_memory="16GiB")
     print(ranked)          # the table
     ranked.best.rules      # the fastest that fits
     ```
@@ -126,8 +163,10 @@ def rank(
     - `candidates`: the `Candidate`s to cost.
     - `step`, `model`, `*args`: as for `eqshard.cost`, concrete or abstract: they
         travel to the workers abstract, once per worker.
-    - `devices`: compile each candidate on this many simulated CPU devices
-        (XLA:CPU, whose peak is what XLA:CPU allocates: `Memory.peak`).
+    - `devices`: compile each candidate here, on this process's devices: a count (the
+        first that many) or a list.
+    - `simulate`: or in workers, on this many simulated CPU devices (XLA:CPU, whose
+        peak is what XLA:CPU allocates: `Memory.peak`).
     - `target`: or for this TPU slice (`"v5p:4x4x4"`), with XLA:TPU through libtpu.
     - `max_memory`: device memory per device: bytes, or a size such as `"80GB"` or
         `"75GiB"` (as `eqshard check --max-memory` reads it). By default the target
@@ -150,21 +189,22 @@ def rank(
 
     **Raises:**
 
-    `EqshardError` when `devices` and `target` are both given or neither is, for a
+    `UsageError` for `devices` with `simulate`; `EqshardError` for a `target` with
+    either, or none of the three, for `devices` with `workers`, for a
     `max_memory` that is no size, for a `target` that is no TPU slice (`UsageError`
     without libtpu), and when the step or its arguments cannot cross to a worker (a
     worker's own trouble, such as a step module it cannot import, too). A candidate
     that fails to compile is no error: it is listed with its message.
     """
-    n, on = placement(devices, target)
+    n, on, listed = placement(devices, simulate, target)
     limit, limit_from = memory_limit(max_memory, on)
     if workers is not None:
         workers = whole_number(workers, "`workers`", 0)
-    listed = _listed(devices)
     if listed is not None and workers:
         raise EqshardError(
-            f"`devices` is a list of this process's devices and `workers={workers}`: worker "
-            "processes cannot hold them; pass a count to compile in workers, or `workers=0`"
+            f"`devices` are this process's devices and `workers={workers}` compiles in "
+            f"worker processes: worker processes cannot hold them; pass `simulate={n}` to "
+            f"compile on {n} simulated devices in workers, or leave `workers` out"
         )
     if workers == 0 or listed is not None:
         on_devices = listed if listed is not None else n
@@ -220,6 +260,7 @@ def suggest(
     *args: Any,
     step: Any,
     devices: Devices = None,
+    simulate: int | None = None,
     target: str | None = None,
     max_memory: int | str | None = None,
     workers: int | None = None,
@@ -234,7 +275,7 @@ def suggest(
     **Example:**
 
     ```python
-    ranked = eqshard.suggest(model, opt_state, batch, step=step, devices=64, max_memory="80GB")
+    ranked = eqshard.suggest(model, opt_state, batch, step=step, simulate=64, max_memory="80GB")
     print(ranked)                                  # strategy, mesh, memory, fits, ...
     ranked[0].rules                                # a Rules, with a comment per rule
     ranked[0].cost                                 # the Cost it was ranked by
@@ -244,86 +285,43 @@ def suggest(
     **Arguments:**
 
     - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`).
-    - `*args`: the rest of the step's arguments (its `eqx.nn.State`, the optimizer
-        state, the batch), concrete or abstract.
-    - `step`: the training step, as `eqshard.cost` takes it: called as
-        `step(model, *args)`.
-    - `devices`: a count of simulated CPU devices, or a list of this process's devices
-        (see "Where candidates compile").
-    - `target`: instead, a TPU slice (`"v5p:4x4x4"`) to compile for (see "Where
-        candidates compile").
-    - `max_memory`: device memory per device, bytes or a size (`"80GB"`, `"75GiB"`); by
-        default the target chip's HBM.
-    - `workers`: worker processes that compile at once; by default one per core, and `0`
-        compiles in this process.
-    - `exhaustive`: compile every candidate (see "Ranked before compiled").
-    - `strategies`: the strategies to try, by name (`["fsdp", "data x tensor"]`, or one
-        string separated by commas); by default every one.
-    - `tolerance`: how close to the best compiled one a candidate's estimate must come
-        to be compiled too: `0.05` (the default) compiles those whose estimate is within
-        5% of it; smaller is faster and riskier (see "Ranked before compiled").
-    - `progress`: called with a `Progress` at the start of each pass of compiles, as
-        each candidate is compiled, and at its end (`print` shows each as a line).
+    - `*args`: the step's other arguments (`eqx.nn.State`, optimizer state, batch).
+    - `step`: the training step, called as `step(model, *args)`, as `eqshard.cost` takes it.
+    - `devices`: this process's devices to compile on, here: a count (the first n) or a list.
+    - `simulate`: or a count of simulated XLA:CPU devices to compile on, in workers.
+    - `target`: or a TPU slice (`"v5p:4x4x4"`), compiled for by XLA:TPU through libtpu.
+    - `max_memory`: memory per device, bytes or a size (`"80GB"`); by default the chip's HBM.
+    - `workers`: compile workers at once (by default one per core); `0` compiles here.
+    - `exhaustive`: compile every candidate, none ruled out by its estimate.
+    - `strategies`: the strategies to try (`["fsdp", "data x tensor"]`); by default all.
+    - `tolerance`: how near the best compiled one an estimate must be to compile (0.05).
+    - `progress`: called with a `Progress` as each pass of compiles starts, goes and ends.
 
     **Returns:**
 
-    A `Ranked`, best first (see "The ranking").
+    A `Ranked`, best first: those that fit by their roofline estimate (on the target's
+    chip, else an H100), then those not compiled, those that do not fit, and the failures.
 
     **Raises:**
 
-    - `eqshard.EqshardError`: `devices` and `target` are both given or neither is,
-        `max_memory` is no size, `target` is no TPU slice, `strategies` names one that
-        is none, or the step or its arguments cannot be sent to a worker.
-    - `eqshard.UsageError`: a `target` without libtpu.
+    - `eqshard.UsageError`: `devices` with `simulate`, or a `target` without libtpu.
+    - `eqshard.EqshardError`: a `target` with either or none of the three, a
+        `max_memory` that is no size, a `target` that is no TPU slice, an unknown
+        strategy, or a step or arguments that cannot be sent to a worker.
 
-    !!! info "Where candidates compile"
-
-        With a count, each candidate is compiled by XLA:CPU in a worker, on that many
-        simulated CPU devices. With a list of this process's devices, each is compiled
-        here, for them (on a GPU, by its compiler). With a `target`, each is compiled
-        for the slice's devices by XLA:TPU, through libtpu
-        (`pip install 'eqshard[tpu]'`). What the workers write on stderr (XLA's
-        warnings) is kept from this process's; a candidate whose worker died is
-        listed with the last lines it wrote.
-
-    !!! info "Memory"
-
-        Without `max_memory` or a target, nothing is ruled out by memory, and the table
-        says so.
-
-    !!! info "The ranking"
-
-        The candidates that fit come first, fastest first by their roofline estimate (on
-        the target's chip, else an H100). Then come those that do not fit, with how far
-        over the limit each is. Then come those that failed to compile, with their
-        error. `ranked.dropped` lists the candidates dropped (a split that cannot be
-        repaired) and those that failed, with the reasons.
-
-    !!! info "Ranked before compiled"
-
-        Compiling is the slow part: half a minute a candidate for an 8B model on
-        XLA:TPU. So each candidate is first estimated without the compiler
-        (`candidate.estimated`): the bytes each device holds of the parameters, the
-        optimizer state, the `eqx.nn.State` and the batch exactly, from the layouts;
-        the activations, collectives and FLOPs estimated from the layouts and the
-        step's jaxpr. A candidate whose arguments alone exceed the memory limit
-        cannot fit, and is not compiled. For a TPU target, the others are then
-        compiled by XLA:CPU on as many simulated devices (seconds each, with the same
-        SPMD partitioner), whose figures rank them better. Then they are compiled for
-        the target in that order, each only while it could still be faster than the
-        best compiled one that fits, by more than `tolerance`. The rows not compiled say so
-        (`Suggestion.figures`): their bytes held are exact, the rest marked as
-        estimates, and their fit is unknown, never assumed. `exhaustive=True`
-        compiles every candidate.
+    A `devices=n` over this process's device count keeps its old meaning, `simulate=n`,
+    with a `DeprecationWarning`. The [suggest guide](../suggest-and-diff.md) says which
+    compiler runs where, how the estimates rule candidates out, and what the workers do.
     """
-    n, _ = placement(devices, target)
+    n, on, listed = placement(devices, simulate, target)
     kept, dropped = candidates(step, model, *args, devices=n, strategies=strategies)
     return rank(
         kept,
         step,
         model,
         *args,
-        devices=devices,
+        devices=listed,
+        simulate=None if listed is not None or on is not None else n,
         target=target,
         max_memory=max_memory,
         workers=workers,

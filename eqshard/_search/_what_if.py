@@ -238,7 +238,7 @@ def suggest_targets(
     """
     names = target_names(targets)
     for name in names:  # every name checked before the first slice compiles
-        placement(None, name)
+        placement(None, None, name)
     rankings = [
         suggest(
             model,
