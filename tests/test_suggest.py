@@ -910,3 +910,23 @@ def test_cli_devices_is_the_old_spelling_of_simulate(run_cli, monkeypatch):
     )
     assert "eqshard suggest: --devices 4 is deprecated: pass --simulate 4" in done.err
     assert heard == [4]
+
+
+def test_a_ranking_names_the_compiler_of_the_devices_it_compiled_on():
+    """Compiled here on a GPU, the ranking says XLA:GPU and the chip, never XLA:CPU's
+    simulated devices (a stand-in GPU device: the suite runs on CPU)."""
+    from eqshard._search._ranked import compiler_label
+
+    class Gpu:
+        platform = "gpu"
+        device_kind = "NVIDIA H100"
+
+    assert compiler_label((Gpu(),), 1) == "XLA:GPU (NVIDIA H100), 1 device"
+    assert compiler_label(None, 8) == "XLA:CPU, 8 simulated devices"
+    assert compiler_label(tuple(jax.local_devices()[:2]), 2) == "XLA:CPU, 2 devices"
+    label = compiler_label((Gpu(),), 1)
+    found = ranked([_demo_candidate("fsdp")], [None], 1, None, None, None, compiler=label)
+    assert found.compiler == "XLA:GPU (NVIDIA H100), 1 device"
+    text = str(found)
+    assert "compiled by XLA:GPU (NVIDIA H100), 1 device" in text
+    assert "XLA:CPU" not in text

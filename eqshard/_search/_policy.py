@@ -65,6 +65,7 @@ def search(
     proxy: bool = False,
     tolerance: float = TOLERANCE,
     progress: Callable[[Progress], None] | None = None,
+    compiler: str = "",
 ) -> Ranked:
     """The `Ranked` of `candidates`, compiled by `compile_each(chosen, target, wanted,
     answered)` (in this process, or in workers: each chosen one's `Cost`, its error, or
@@ -98,7 +99,17 @@ def search(
     ]
     if exhaustive:
         results = compile_each(candidates, target, None, None)
-        return ranked(candidates, results, devices, on, limit, limit_from, dropped, guesses=guesses)
+        return ranked(
+            candidates,
+            results,
+            devices,
+            on,
+            limit,
+            limit_from,
+            dropped,
+            guesses=guesses,
+            compiler=compiler,
+        )
     open_ = sorted(
         (i for i in range(n) if not over[i]),
         key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i),
@@ -154,6 +165,7 @@ def search(
             guesses=guesses,
             proxies=proxies,
             exhaustive=False,
+            compiler=compiler,
         )
     finally:
         close = getattr(compile_each, "close", None)

@@ -29,6 +29,7 @@ __all__ = [
     "Ranked",
     "Suggestion",
     "communication",
+    "compiler_label",
     "name_of",
     "out_of_memory",
     "ranked",
@@ -338,11 +339,16 @@ class Ranked(Sequence[Suggestion]):
         """The fastest candidate that fits, or `None` when none does."""
         return next((s for s in self.suggestions if s.fits and s.cost is not None), None)
 
+    @property
+    def _on_cpu(self) -> bool:
+        """Whether XLA:CPU compiled these (its peak is no accelerator's)."""
+        return self.compiler.startswith("XLA:CPU") if self.compiler else self.target is None
+
     def __rich__(self) -> Table:
         from rich.table import Table
         from rich.text import Text
 
-        on_cpu = self.target is None  # XLA:CPU's peak, not an accelerator's
+        on_cpu = self._on_cpu  # XLA:CPU's peak, not an accelerator's
         peak = "peak (XLA:CPU) / device" if on_cpu else "peak / device"
         if self.limit is not None:
             peak += f" (limit {_bytes(self.limit)})"
@@ -429,14 +435,15 @@ class Ranked(Sequence[Suggestion]):
             f"are rooflines on {self.hardware}, never measurements"
         ]
         if self.limit is None:
+            whose = "XLA:CPU's peak is XLA:CPU's, not an accelerator's, so " if self._on_cpu else ""
             notes.append(
-                "no memory limit: XLA:CPU's peak is XLA:CPU's, not an accelerator's, so every "
-                "candidate counts as fitting; give max_memory (--max-memory) to rule some out"
+                f"no memory limit: {whose}every candidate counts as fitting; give max_memory "
+                "(--max-memory) to rule some out"
             )
         else:
             limit = _bytes(self.limit)
             source = f"{HBM}, {limit}" if self.limit_from == HBM else f"{limit} (given)"
-            bound = ", by XLA:CPU's peak" if self.target is None else ""
+            bound = ", by XLA:CPU's peak" if self._on_cpu else ""
             notes.append(f"max memory: {source} per device{bound}")
         unknown = next(
             (s.cost.unknown_text() for s in self.suggestions if s.cost and not s.cost.known), None
@@ -501,6 +508,20 @@ class Ranked(Sequence[Suggestion]):
         }
 
 
+def compiler_label(devices: Sequence[Any] | None, count: int) -> str:
+    """Whose compiler `suggest` compiles with where no candidate compiled to say so:
+    `"XLA:GPU (NVIDIA H100), 1 device"` for this process's `devices`, by their
+    platform, or `"XLA:CPU, 8 simulated devices"` for a count (`devices` is `None`)."""
+    if not devices:
+        return f"XLA:CPU, {count} simulated devices"
+    first = devices[0]
+    platform = str(getattr(first, "platform", "cpu")).upper()
+    kind = str(getattr(first, "device_kind", "") or "")
+    chip = f" ({kind})" if kind and platform != "CPU" else ""
+    n = len(devices)
+    return f"XLA:{platform}{chip}, {n} device{'s' if n != 1 else ''}"
+
+
 def ranked(
     candidates: Sequence[Candidate],
     results: Sequence[Cost | str | None],
@@ -513,6 +534,7 @@ def ranked(
     guesses: Sequence[float | None] | None = None,
     proxies: Sequence[Cost | None] | None = None,
     exhaustive: bool = True,
+    compiler: str = "",
 ) -> Ranked:
     """The `Ranked` of the candidates: `results` holds each one's `Cost`, why it
     failed, or `None` where it was not compiled (`guesses` and `proxies` then say
@@ -553,15 +575,15 @@ def ranked(
             )
     order = [s for group in (fitting, guessed, over, beyond) for _, s in sorted(group)]
     order += failed
-    compiler = next((r.compiler for r in results if r is not None and not isinstance(r, str)), "")
-    if not compiler:
-        compiler = on.compiler if on is not None else f"XLA:CPU, {devices} simulated devices"
+    found = next((r.compiler for r in results if r is not None and not isinstance(r, str)), "")
+    if not found:  # none compiled to say whose: the target's, else the one given
+        found = on.compiler if on is not None else compiler or compiler_label(None, devices)
     return Ranked(
         tuple(order),
         tuple(dropped) + tuple((s.name, s.error or "") for s in failed),
         devices,
         None if on is None else on.name,
-        compiler,
+        found,
         (HARDWARE["h100"] if on is None else on.hardware).name,
         limit,
         limit_from,

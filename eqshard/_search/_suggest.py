@@ -32,7 +32,7 @@ from .._sharding import device_tuple
 from ._candidates import candidates
 from ._policy import TOLERANCE, search
 from ._pool import cost_one, in_workers
-from ._ranked import GIVEN, HBM, Progress, Ranked, Suggestion
+from ._ranked import GIVEN, HBM, Progress, Ranked, Suggestion, compiler_label
 
 if TYPE_CHECKING:
     from .._cost._results import Cost
@@ -220,6 +220,10 @@ def rank(
                         answered(k)
             return found
 
+        if listed is None:  # a count, compiled on this process's first devices
+            import jax
+
+            listed = tuple(jax.local_devices()[:n])
         return search(
             candidates,
             compile_here,
@@ -231,6 +235,7 @@ def rank(
             exhaustive,
             tolerance=tolerance,
             progress=progress,
+            compiler=compiler_label(listed, n),  # where none compiles to say whose
         )
     inputs = {
         "pickle": pickled(
