@@ -100,7 +100,9 @@ def run(title: str, ns, rows: int, workers: int | None, **where) -> dict:
     one = None
     if full.best is not None:
         start = time.perf_counter()
-        placed = {k: v for k, v in where.items() if k in ("devices", "target")}
+        # cost's own spelling of suggest's simulated count (`devices=` until it takes `simulate=`)
+        placed = {"devices" if k == "simulate" else k: v for k, v in where.items()}
+        placed = {k: v for k, v in placed.items() if k in ("devices", "target")}
         eqshard.cost(*inputs, step=ns["step"], spec=full.best.rules, **placed)
         one = time.perf_counter() - start
     floor = None if one is None else one * costed
@@ -161,11 +163,11 @@ def main() -> None:
     results = {}
     if "gpt8" in only:
         results["gpt8"] = run(
-            "stacked GPT, 8 devices", gpt, 8, args.workers, devices=8, max_memory=GPT_BUDGET
+            "stacked GPT, 8 devices", gpt, 8, args.workers, simulate=8, max_memory=GPT_BUDGET
         )
     if "gpt64" in only:
         results["gpt64"] = run(
-            "stacked GPT, 64 devices", gpt, 64, args.workers, devices=64, max_memory=GPT_BUDGET
+            "stacked GPT, 64 devices", gpt, 64, args.workers, simulate=64, max_memory=GPT_BUDGET
         )
     if "llama" in only:
         results["llama"] = run(

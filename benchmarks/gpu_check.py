@@ -119,7 +119,10 @@ def runtime_error() -> dict:
 
     x = jnp.ones(8)
     texts = {}
-    for name, jitted in (("filter_jit", eqx.filter_jit(check)), ("eqshard.jit", eqshard.jit(check))):
+    for name, jitted in (
+        ("filter_jit", eqx.filter_jit(check)),
+        ("eqshard.jit", eqshard.jit(check)),
+    ):
         try:
             jax.block_until_ready(jitted(x))
             texts[name] = "no error"

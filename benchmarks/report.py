@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from eqshard._search._suggest import out_of_memory  # the words `eqshard suggest` uses
+from eqshard._search._ranked import out_of_memory  # the words `eqshard suggest` uses
 
 ROOT = Path(__file__).parent.parent
 RESULTS = Path(__file__).parent / "results"

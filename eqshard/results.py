@@ -14,7 +14,7 @@ def budget(c: Cost) -> bool:
 from ._cost._results import Collective as Collective, Cost as Cost, Memory as Memory
 from ._report import Report as Report
 from ._search._diff import Diff as Diff, LeafChange as LeafChange
-from ._search._suggest import Ranked as Ranked, Suggestion as Suggestion
+from ._search._ranked import Ranked as Ranked, Suggestion as Suggestion
 from ._step import Step as Step
 
 __all__ = [

@@ -27,7 +27,7 @@ from eqshard._fields import leaf_name
 from eqshard._paths._globs import readable_rules
 from eqshard._plan import make_plan
 from eqshard._search._candidates import Candidate, candidates
-from eqshard._search._megatron import tensor_roles
+from eqshard._search._profile import tensor_roles
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -702,7 +702,7 @@ def test_rules_that_would_lay_out_wrongly_are_never_handed_out(gpt, monkeypatch)
     """The nets under the generator: rules whose globs would give a leaf another
     expression are replaced by one literal rule per leaf, and a candidate whose
     rules do not plan is dropped with the planner's own words."""
-    from eqshard._search import _candidates
+    from eqshard._search import _candidates, _families
 
     args = (gpt["opt_state"], _tokens(8, 16))
 
@@ -724,14 +724,14 @@ def test_rules_that_would_lay_out_wrongly_are_never_handed_out(gpt, monkeypatch)
     _plans_cleanly(megatron, gpt["model"], 8)
 
     monkeypatch.undo()
-    real = _candidates._expression
+    real = _families._expression
 
     def model_axis_first(rank, role, data_axis, data, model):
         if data > 1 and data_axis is None:  # data x tensor: 'model' before 'data'
             return real(rank, role, None, 1, model) + f" {data}"
         return real(rank, role, data_axis, data, model)
 
-    monkeypatch.setattr(_candidates, "_expression", model_axis_first)
+    monkeypatch.setattr(_families, "_expression", model_axis_first)
     kept, dropped = candidates(gpt["step"], gpt["model"], *args, devices=8)
     reasons = dict(dropped)
     assert "data x tensor on data=2, model=4" not in _names(kept)
@@ -846,7 +846,7 @@ def test_an_8_layer_mlp_is_written_in_at_most_half_as_many_rules_as_leaves(tmp_p
 
 
 def test_the_candidate_space_is_a_table_of_families_and_a_search_may_name_some(gpt):
-    from eqshard._search._candidates import FAMILIES, STRATEGIES, Family
+    from eqshard._search._families import FAMILIES, STRATEGIES, Family
 
     assert tuple(f.name for f in FAMILIES) == STRATEGIES
     assert all(isinstance(f, Family) for f in FAMILIES)

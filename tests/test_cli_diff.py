@@ -50,7 +50,7 @@ def test_each_leaf_laid_out_differently_is_one_line_with_both_sides(run_cli):
 
 
 def test_the_same_spec_exits_0(run_cli):
-    done = run_cli("diff", TWO_D, TWO_D, "--model", DEMO_MODEL, "--devices", 16)
+    done = run_cli("diff", TWO_D, TWO_D, "--model", DEMO_MODEL, "--simulate", 16)
     assert done.code == 0, done.err
     assert done.out.splitlines() == [
         f"{TWO_D} and {TWO_D} lay out the 17 array leaves alike on 16 devices"
@@ -182,7 +182,7 @@ def test_the_command_line_diffs_in_a_worker_of_its_own(run_python, tmp_path):
     data = [["data", "*"]]
     a = _write(tmp_path, "a.json", {"eqshard": 1, "mesh": data})
     b = _write(tmp_path, "b.json", {"eqshard": 1, "mesh": data, "default": "fsdp"})
-    args = ("diff", a, b, "--model", f"{MODULE}:mlp_build", *STEP, "--devices", 4)
+    args = ("diff", a, b, "--model", f"{MODULE}:mlp_build", *STEP, "--simulate", 4)
     done = run_python(["-m", "eqshard", *map(str, args)])
     assert done.returncode == 1, done.stderr
     lines = done.stdout.splitlines()

@@ -19,7 +19,7 @@ from moe_models import SwiGLU
 import eqshard
 from eqshard._fields import leaf_name
 from eqshard._search._candidates import Candidate, candidates
-from eqshard._search._megatron import step_profile
+from eqshard._search._profile import step_profile
 
 EXPERT_FAMILIES = ["expert parallel", "data x expert"]
 EXPERTS = {

@@ -24,7 +24,8 @@ import pytest
 
 import eqshard
 from eqshard._plan import make_plan
-from eqshard._search._candidates import STRATEGIES, Candidate, _normal, candidates
+from eqshard._search._candidates import Candidate, _normal, candidates
+from eqshard._search._families import STRATEGIES
 
 # the GPT has no stacked experts, its `eqx.nn.MultiheadAttention` names no queries or
 # keys, which the context families split by, and it runs no `eqshard.parallel.pipeline`
@@ -202,7 +203,7 @@ def test_each_written_file_declares_star_and_plans_on_16_and_64(gpt, tmp_path):
 def test_suggest_writes_a_spec_that_check_passes_on_16_and_64_devices(run_cli, tmp_path):
     path = tmp_path / "best.eqshard.json"
     done = run_cli(
-        *("suggest", "--devices", 8, "--model", f"{MODULE}:build"),
+        *("suggest", "--simulate", 8, "--model", f"{MODULE}:build"),
         *("--step", f"{MODULE}:step", "--optimizer", f"{MODULE}:optimizer"),
         *("--batch", f"{MODULE}:batch", "--write", path, "--format", "json"),
     )

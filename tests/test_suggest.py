@@ -19,11 +19,14 @@ import suggest_model as models
 
 import eqshard
 import eqshard._search._candidates
-import eqshard._search._suggest as suggesting
+import eqshard._search._pool as pool
 from eqshard._fit import mesh_text
+from eqshard._process._pickles import pickled
 from eqshard._report import human_bytes
 from eqshard._search._candidates import Candidate
-from eqshard._search._suggest import Suggestion, communication, rank, ranked
+from eqshard._search._policy import proxy_guess
+from eqshard._search._ranked import Progress, Suggestion, communication, ranked
+from eqshard._search._suggest import rank
 
 TESTS = Path(__file__).parent
 DEMO = TESTS.parent / "examples" / "specs" / "demo"
@@ -75,7 +78,7 @@ def gpt_ranked(gpt):
     candidates = [
         _demo_candidate(name, FSDP_REPAIRS if name == "fsdp" else ()) for name in STRATEGIES
     ]
-    return rank([*candidates, UNMAPPED], models.step, *gpt, devices=8, max_memory=BUDGET)
+    return rank([*candidates, UNMAPPED], models.step, *gpt, simulate=8, max_memory=BUDGET)
 
 
 def _cost(s: Suggestion) -> eqshard.results.Cost:
@@ -223,7 +226,7 @@ def test_workers_and_this_process_give_the_same_costs():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     candidates = _mlp_candidates()
     here = rank(candidates, models.mlp_step, *mlp, devices=8, workers=0)
-    there = rank(candidates, models.mlp_step, *mlp, devices=8, workers=2, max_memory="75GiB")
+    there = rank(candidates, models.mlp_step, *mlp, simulate=8, workers=2, max_memory="75GiB")
     assert (there.limit, here.limit) == (75 * 2**30, None)
     assert [s.name for s in here] == [s.name for s in there]
     for a, b in zip(here, there):
@@ -241,10 +244,12 @@ def test_workers_and_this_process_give_the_same_costs():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"devices": 8, "target": "v5e:2x4"}, r"`devices=8` and `target='v5e:2x4'` are both"),
-        ({}, r"give `devices=` \(how many simulated devices"),
-        ({"devices": 8, "max_memory": "lots"}, r"'lots' is not a memory size: write a byte"),
-        ({"devices": 8, "workers": -1}, r"`workers`"),
+        ({"simulate": 8, "target": "v5e:2x4"}, r"`simulate=8` and `target='v5e:2x4'` are both"),
+        ({"devices": 8, "simulate": 8}, r"`devices=8` \(this process's devices\) and `simulate"),
+        ({"devices": 8, "workers": 2}, r"worker processes cannot hold them; pass `simulate=8`"),
+        ({}, r"give `simulate=` \(how many simulated devices"),
+        ({"simulate": 8, "max_memory": "lots"}, r"'lots' is not a memory size: write a byte"),
+        ({"simulate": 8, "workers": -1}, r"`workers`"),
         ({"devices": 8, "workers": 0, "tolerance": 1.0}, r"`tolerance` is a fraction from 0"),
         ({"devices": 8, "workers": 0, "tolerance": -0.1}, r"to below 1, such as 0.05, not -0.1"),
     ],
@@ -285,7 +290,7 @@ def _generate(chosen):
 
 def _suggest(run_cli, *extra, step="mlp_step"):
     return run_cli(
-        *("suggest", "--devices", 8, "--model", f"{MODULE}:mlp_build"),
+        *("suggest", "--simulate", 8, "--model", f"{MODULE}:mlp_build"),
         *("--step", f"{MODULE}:{step}", "--optimizer", f"{MODULE}:mlp_optimizer"),
         *("--batch", f"{MODULE}:mlp_batch"),
         *extra,
@@ -386,7 +391,7 @@ def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
         ),
         (
             ("--model", "m:b", "--step", "m:s", "--batch", "m:b", "--target", "v5e:2x4"),
-            "argument --target: not allowed with argument --devices",
+            "argument --target: not allowed with argument --simulate",
         ),
         (("--model", "m:b", "--step", "m:s"), "the following arguments are required: --batch"),
         (
@@ -404,7 +409,7 @@ def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
     ],
 )
 def test_cli_bad_input_exits_2_with_the_message(run_cli, args, message):
-    done = run_cli("suggest", "--devices", 8, *args)
+    done = run_cli("suggest", "--simulate", 8, *args)
     assert done.code == 2
     assert message in done.err
     assert "Traceback" not in done.err
@@ -414,7 +419,7 @@ def test_cli_bad_input_exits_2_with_the_message(run_cli, args, message):
 def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tmp_path):
     from eqshard.testing import assert_equivalent
 
-    ranked = eqshard.suggest(*gpt, step=models.step, devices=8, max_memory=BUDGET)
+    ranked = eqshard.suggest(*gpt, step=models.step, simulate=8, max_memory=BUDGET)
     best = ranked.best
     assert best is not None
     assert best.fits
@@ -434,7 +439,7 @@ def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tm
 
 def test_a_worker_that_dies_fails_its_candidates_and_the_ranking_goes_on():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
-    ranked = rank(_mlp_candidates()[:2], models.dying_step, *mlp, devices=8, workers=1)
+    ranked = rank(_mlp_candidates()[:2], models.dying_step, *mlp, simulate=8, workers=1)
     assert [s.cost for s in ranked] == [None, None]
     for s in ranked:  # each in a worker of its own: the first's died with it
         assert f"costing {s.name} on 8 devices: its process ended (exit code 3)" in str(s.error)
@@ -533,7 +538,7 @@ def test_cli_refuses_a_bad_write_target_before_compiling(run_cli, monkeypatch, t
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--targets", "v5e:2x2", "--devices", 8), "argument --devices: not allowed with"),
+        (("--targets", "v5e:2x2", "--simulate", 8), "argument --simulate: not allowed with"),
         (("--targets", "v5e:2x2", "--target", "v5e:2x4"), "not allowed with argument --targets"),
         (("--targets", "v5e:2x2,,v5e:2x4"), "'v5e:2x2,,v5e:2x4' names an empty slice"),
         (("--targets", "v5e:2x2,v5e:2x2"), "'v5e:2x2,v5e:2x2' names v5e:2x2 twice"),
@@ -638,16 +643,16 @@ def test_cli_targets_gives_suggest_s_best_per_slice_and_says_where_nothing_fits(
 def test_the_pool_is_sized_to_the_compiler_s_threads(
     cores, candidates, target, workers, expected, monkeypatch
 ):
-    monkeypatch.setattr(suggesting, "_cores", lambda: cores)
-    assert suggesting.pool_size(candidates, target, workers) == expected
+    monkeypatch.setattr(pool, "_cores", lambda: cores)
+    assert pool.pool_size(candidates, target, workers) == expected
 
 
 @pytest.mark.slow  # compiles in worker processes
 def test_two_workers_cost_every_candidate_once_in_order():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     candidates = _mlp_candidates()
-    inputs = {"pickle": suggesting.pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
-    results = suggesting.compile_in_workers(candidates * 2, inputs, 8, None, 2)
+    inputs = {"pickle": pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
+    results = pool.compile_in_workers(candidates * 2, inputs, 8, None, 2)
     here = [rank([c], models.mlp_step, *mlp, devices=8, workers=0)[0] for c in candidates]
     for found, suggestion in zip(results, here * 2):
         assert found is not None
@@ -707,7 +712,7 @@ def test_the_estimates_hold_exactly_the_bytes_the_compiler_counts_and_rule_out_t
         models.mlp_optimizer,
         models.mlp_batch,
         models.mlp_step,
-        devices=8,
+        simulate=8,
         max_memory=limit,
     )
     _agrees_with_the_exhaustive_search(pruned, full)
@@ -740,7 +745,7 @@ def test_the_pruned_search_picks_the_exhaustive_best_for_the_gpt_on_64_devices()
         models.optimizer,
         models.batch64,
         models.step,
-        devices=64,
+        simulate=64,
         max_memory=BUDGET,
     )
     compiled = _agrees_with_the_exhaustive_search(pruned, full)
@@ -789,26 +794,26 @@ def test_xla_cpu_s_guess_halves_promoted_collectives_and_takes_the_smaller_memor
     )
     figures = Estimated(0, 0, 0, 0, 0, 0, (), 1e12, 1e10, "bfloat16")
     found = proxy.estimate(h100)
-    guess = suggesting.proxy_guess(proxy, figures, h100)
+    guess = proxy_guess(proxy, figures, h100)
     layouts = figures.estimate(h100).memory
     assert layouts < found.memory
     assert guess == pytest.approx(max(found.compute, layouts) + found.communication / 2)
     as_float32 = dataclasses.replace(proxy, dtype="float32")
-    assert suggesting.proxy_guess(as_float32, None, h100) == pytest.approx(found.seconds)
+    assert proxy_guess(as_float32, None, h100) == pytest.approx(found.seconds)
 
 
 @pytest.mark.slow  # compiles in worker processes
 def test_compile_workers_compile_only_the_candidates_still_wanted():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     candidates = _mlp_candidates()
-    inputs = {"pickle": suggesting.pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
+    inputs = {"pickle": pickled((models.mlp_step, mlp[0], mlp[1:]), "the step", "")}
     asked: list[tuple[int, int]] = []
 
     def wanted(k, found):
         asked.append((k, sum(f is not None for f in found)))
         return k != 1  # the second is never wanted
 
-    results = suggesting.compile_in_workers(candidates, inputs, 8, None, 1, wanted=wanted)
+    results = pool.compile_in_workers(candidates, inputs, 8, None, 1, wanted=wanted)
     assert results[1] is None
     assert all(r is not None and not isinstance(r, str) for k, r in enumerate(results) if k != 1)
     # one worker: each later candidate is asked about once the earlier ones answered
@@ -819,15 +824,15 @@ def test_compile_workers_compile_only_the_candidates_still_wanted():
 def test_progress_is_told_as_each_pass_starts_as_each_candidate_compiles_and_as_it_ends():
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     chosen = _mlp_candidates()[:2]
-    heard: list[suggesting.Progress] = []
+    heard: list[Progress] = []
     ranked = rank(chosen, models.mlp_step, *mlp, devices=8, workers=0, progress=heard.append)
     assert len(ranked) == 2
     first, second = (f"{c.strategy} ({mesh_text(c.mesh)})" for c in chosen)
     assert heard == [
-        suggesting.Progress(0, 2, "8 devices"),
-        suggesting.Progress(1, 2, "8 devices", first),
-        suggesting.Progress(2, 2, "8 devices", second),
-        suggesting.Progress(2, 2, "8 devices", finished=True),
+        Progress(0, 2, "8 devices"),
+        Progress(1, 2, "8 devices", first),
+        Progress(2, 2, "8 devices", second),
+        Progress(2, 2, "8 devices", finished=True),
     ]
     assert [str(p) for p in heard] == [
         "compiling 2 candidates on 8 devices",
@@ -835,7 +840,7 @@ def test_progress_is_told_as_each_pass_starts_as_each_candidate_compiles_and_as_
         f"compiled 2 of 2 candidates on 8 devices (the last: {second})",
         "compiled all 2 candidates on 8 devices",
     ]
-    ruled_out = suggesting.Progress(1, 3, "v5e:2x4 (8 devices)", finished=True)
+    ruled_out = Progress(1, 3, "v5e:2x4 (8 devices)", finished=True)
     assert str(ruled_out) == (
         "compiled 1 of 3 candidates on v5e:2x4 (8 devices); the other 2 ruled out by their "
         "estimates"
@@ -848,7 +853,7 @@ def test_cli_keeps_the_workers_stderr_out_of_its_output_unless_verbose(run_pytho
     from the command's output; `--verbose` shows it on stderr. The progress is told
     on stderr, a line each where stderr is no terminal; the table alone is on stdout."""
     command = [
-        *("-m", "eqshard", "suggest", "--devices", "2", "--workers", "1"),
+        *("-m", "eqshard", "suggest", "--simulate", "2", "--workers", "1"),
         *("--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:noisy_step"),
         *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
         *("--strategies", "fsdp"),
@@ -867,3 +872,63 @@ def test_cli_keeps_the_workers_stderr_out_of_its_output_unless_verbose(run_pytho
             "(data=2 x model=1))",
             "eqshard suggest: compiled the 1 candidate on 2 devices",
         ]
+
+
+def test_suggest_s_help_names_every_strategy_of_the_table(run_cli, monkeypatch):
+    """`--strategies`'s help is made from the families' table, so it never goes stale."""
+    from eqshard._search._families import FAMILIES
+
+    monkeypatch.setenv("COLUMNS", "10000")  # no line broken at a name's hyphen
+    result = run_cli("suggest", "--help")
+    assert result.code == 0
+    text = " ".join(result.out.split())  # argparse wraps the help's lines
+    missing = [f.name for f in FAMILIES if f.name not in text]
+    assert missing == []
+
+
+def test_devices_over_this_process_s_count_is_simulate_with_a_deprecation_warning():
+    """`devices=n` beyond this process's devices keeps its old meaning, `simulate=n`."""
+    from eqshard._search._suggest import placement
+
+    with pytest.warns(DeprecationWarning, match=r"`devices=16` means 16 of this process's"):
+        placed = placement(16, None, None, stacklevel=2)
+    assert (placed.size, placed.target, placed.devices) == (16, None, None)
+    assert placement(None, 16, None) == (16, None, None)
+    assert placement(4, None, None).devices == tuple(jax.local_devices()[:4])
+
+
+def test_cli_devices_is_the_old_spelling_of_simulate(run_cli, monkeypatch):
+    heard = []
+
+    def candidates(step, model, *args, devices, strategies=None):
+        heard.append(devices)
+        return [], []
+
+    monkeypatch.setattr(eqshard._search._candidates, "candidates", candidates, False)
+    done = run_cli(
+        *("suggest", "--devices", 4, "--model", f"{MODULE}:mlp_build"),
+        *("--step", f"{MODULE}:mlp_step", "--optimizer", f"{MODULE}:mlp_optimizer"),
+        *("--batch", f"{MODULE}:mlp_batch"),
+    )
+    assert "eqshard suggest: --devices 4 is deprecated: pass --simulate 4" in done.err
+    assert heard == [4]
+
+
+def test_a_ranking_names_the_compiler_of_the_devices_it_compiled_on():
+    """Compiled here on a GPU, the ranking says XLA:GPU and the chip, never XLA:CPU's
+    simulated devices (a stand-in GPU device: the suite runs on CPU)."""
+    from eqshard._search._ranked import compiler_label
+
+    class Gpu:
+        platform = "gpu"
+        device_kind = "NVIDIA H100"
+
+    assert compiler_label((Gpu(),), 1) == "XLA:GPU (NVIDIA H100), 1 device"
+    assert compiler_label(None, 8) == "XLA:CPU, 8 simulated devices"
+    assert compiler_label(tuple(jax.local_devices()[:2]), 2) == "XLA:CPU, 2 devices"
+    label = compiler_label((Gpu(),), 1)
+    found = ranked([_demo_candidate("fsdp")], [None], 1, None, None, None, compiler=label)
+    assert found.compiler == "XLA:GPU (NVIDIA H100), 1 device"
+    text = str(found)
+    assert "compiled by XLA:GPU (NVIDIA H100), 1 device" in text
+    assert "XLA:CPU" not in text

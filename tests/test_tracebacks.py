@@ -145,7 +145,7 @@ def test_the_whole_traceback_on_request(run_python, user, how):
         result = _check(run_python, user, *args, env={"EQSHARD_TRACEBACK": "1"})
     assert result.returncode == 2, result.stderr
     err = result.stderr
-    assert err.startswith("eqshard._process._workers.WorkerTraceback: \n")  # the worker's
+    assert err.startswith("eqshard._process._worker_errors.WorkerTraceback: \n")  # the worker's
     # the worker's: the user's error, then the ModelError; then this process's
     assert err.count("Traceback (most recent call last):") == 3
     assert f'File "{user}", line {DIVIDES}, in helper' in err

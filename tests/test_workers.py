@@ -463,7 +463,7 @@ def step(model, state, x):
 
 
 if sys.argv[2] == "pickle":  # the model, its classes, and what they give here
-    from eqshard._process._workers import pickled
+    from eqshard._process._pickles import pickled
 
     net = build()
     here = {
@@ -503,7 +503,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from eqshard._process._workers import unpickled
+from eqshard._process._pickles import unpickled
 
 net, Net, Block = unpickled(json.load(sys.stdin)["pickle"], "the model")
 made = Net(blocks=[Block(64, jax.random.key(0))], head=jnp.ones((8, 64)))

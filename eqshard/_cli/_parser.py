@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .._errors import EqshardError, whole_number
+from .._search._strategy_names import STRATEGY_NAMES
 
 __all__ = [
     "MAX_DEMO_DEVICES",
@@ -38,6 +41,27 @@ class BadUsage(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         raise BadUsage(f"{self.format_usage()}{self.prog}: error: {message}")
+
+
+class _Renamed(argparse.Action):
+    """An old spelling of an option: it still works, stored where the new one's value
+    goes, with a one-line notice on stderr naming the new spelling (`new`)."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new = new
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        sys.stderr.write(
+            f"{parser.prog}: {option_string} {values} is deprecated: pass {self.new} {values}\n"
+        )
+        setattr(namespace, self.dest, values)
 
 
 # Argument types ----------------------------------------------------------------
@@ -318,11 +342,11 @@ def _suggest(add: _Add) -> None:
         help="find the fastest spec that fits, by compiling the step under the strategies",
         description=(
             "Build the model, the optimizer state and the batch abstractly, generate the "
-            "candidate specs (data parallel, FSDP, ZeRO-1, Megatron tensor parallel, "
-            "data x tensor and FSDP x tensor, on every mesh of the device count), estimate "
+            "candidate specs (each strategy of --strategies, on every mesh of the device "
+            "count), estimate "
             "each (the bytes it holds exactly, the rest from its layouts and the step), "
             "compile the training step under those the estimates cannot rule out (every "
-            "one with --exhaustive) in worker processes (on N simulated devices with "
+            "one with --exhaustive) in worker processes (on --simulate N devices with "
             "XLA:CPU, or for a TPU slice with XLA:TPU, XLA:CPU ranking them first), and "
             "print them ranked: those compiled that fit --max-memory (by default, with "
             "--target, the chip's HBM; without either, every one) fastest first by a "
@@ -344,10 +368,20 @@ def _suggest(add: _Add) -> None:
     )
     where = suggest.add_mutually_exclusive_group(required=True)
     where.add_argument(
-        "--devices",
+        "--simulate",
+        dest="devices",  # the request's count of simulated devices
         type=_device_count,
         metavar="N",
-        help=f"compile each candidate on N simulated CPU devices (at most {MAX_SIMULATED})",
+        help="compile each candidate on N simulated CPU devices, in worker processes (at "
+        f"most {MAX_SIMULATED})",
+    )
+    where.add_argument(
+        "--devices",
+        action=_Renamed,
+        new="--simulate",
+        type=_device_count,
+        metavar="N",
+        help="deprecated: --simulate N",
     )
     where.add_argument(
         "--target",
@@ -399,8 +433,8 @@ def _suggest(add: _Add) -> None:
         type=_strategies,
         metavar="NAME,NAME,...",
         help="the strategies to try, e.g. 'fsdp,data x tensor' (default: every one: "
-        "data parallel, fsdp, zero-1, expert parallel, megatron, data x tensor, "
-        "fsdp x tensor)",
+        f"{', '.join(STRATEGY_NAMES)}; a family the step gives nothing to split, such as "
+        "expert parallel without stacked experts, makes no candidate)",
     )
     suggest.add_argument(
         "--verbose",
@@ -454,11 +488,20 @@ def _diff(add: _Add) -> None:
     )
     on = diff.add_mutually_exclusive_group()
     on.add_argument(
-        "--devices",
+        "--simulate",
+        dest="devices",  # the request's count of simulated devices
         type=_layout_count,
         metavar="N",
-        help="the device count (default: A's \"devices\", else B's, else 8); at most "
-        f"{MAX_SIMULATED} with --step",
+        help="lay out (and with --step compile) on N simulated devices (default: A's "
+        f'"devices", else B\'s, else 8); at most {MAX_SIMULATED} with --step',
+    )
+    on.add_argument(
+        "--devices",
+        action=_Renamed,
+        new="--simulate",
+        type=_layout_count,
+        metavar="N",
+        help="deprecated: --simulate N",
     )
     on.add_argument("--target", metavar="SLICE", help="a TPU slice, e.g. v5e:4x4: its device count")
     _format_option(diff)

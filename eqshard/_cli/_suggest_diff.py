@@ -24,12 +24,11 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._errors import EqshardError, whole_number
+from .._process._pickles import pickled, unpickled
 from .._process._workers import (
-    pickled,
     serve,
     start_worker,
     tell,
-    unpickled,
     without_device_count,
     worker_answer,
 )
@@ -37,7 +36,7 @@ from .._process._workers import (
 if TYPE_CHECKING:
     from .._process._usercode import StepInputs
     from .._search._diff import Diff
-    from .._search._suggest import Progress, Ranked
+    from .._search._ranked import Progress, Ranked
 
     Told = Callable[[Progress], None] | None
     from .._search._what_if import Targets
@@ -116,10 +115,12 @@ def suggest_here(request: Mapping[str, Any], progress: Told = None) -> Ranked:
     inputs by name, telling `progress` as they compile. `"max_memory"` is bytes or
     `None`, `"workers"` a count or `None`, `"exhaustive"` whether to compile every
     candidate, `"verbose"` whether the workers' stderr reaches this process's."""
-    from .._search._suggest import TOLERANCE, in_workers, memory_limit, placement, search
+    from .._search._policy import TOLERANCE, search
+    from .._search._pool import in_workers
+    from .._search._suggest import memory_limit, placement
 
-    devices, target = request.get("devices"), request.get("target")
-    n, on = placement(devices, target)
+    simulate, target = request.get("devices"), request.get("target")  # `--simulate N`
+    n, on, _ = placement(None, simulate, target)
     _start_jax(None if target is not None else n)
     step, model, args = step_arguments(request)
     from .._search._candidates import candidates  # pyright: ignore[reportAttributeAccessIssue]
@@ -176,7 +177,7 @@ def targets_here(request: Mapping[str, Any], progress: Told = None) -> Targets:
 
     names = target_names(request["targets"])
     for name in names:  # a bad name is said before the first slice compiles
-        placement(None, name)
+        placement(None, None, name)
     rankings = [
         suggest_here({**request, "devices": None, "target": name}, progress) for name in names
     ]
@@ -195,7 +196,7 @@ def diff_here(request: Mapping[str, Any]) -> Diff:
     from .._search._diff import diff
     from .._specfile._read import load
 
-    devices, target = request.get("devices"), request.get("target")
+    devices, target = request.get("devices"), request.get("target")  # `--simulate N`
     a, b = load(str(request["a"])), load(str(request["b"]))
     n = devices if devices is not None else a.devices or b.devices or 8
     compiling = request.get("step") is not None and target is None
@@ -211,8 +212,8 @@ def diff_here(request: Mapping[str, Any]) -> Diff:
             )
     model, inputs = _built(request)
     if inputs is None:
-        return diff(model, a, b, devices=devices, target=target)
-    return diff(model, a, b, *inputs.args, step=inputs.step, devices=devices, target=target)
+        return diff(model, a, b, simulate=devices, target=target)
+    return diff(model, a, b, *inputs.args, step=inputs.step, simulate=devices, target=target)
 
 
 def diff_worker() -> int:

@@ -344,13 +344,8 @@ def _in_a_process_of_its_own(
     request with cloudpickle, the `Cost` in the answer."""
     import os
 
-    from .._process._workers import (
-        pickled,
-        start_worker,
-        unpickled,
-        without_device_count,
-        worker_answer,
-    )
+    from .._process._pickles import pickled, unpickled
+    from .._process._workers import start_worker, without_device_count, worker_answer
 
     try:
         import cloudpickle  # noqa: F401
@@ -396,7 +391,7 @@ def _worker() -> int:
 def _cost_here(request: Any) -> str:
     """The worker's `cost`, JAX not yet started."""
     from .._errors import whole_number
-    from .._process._workers import pickled, unpickled
+    from .._process._pickles import pickled, unpickled
 
     devices = whole_number(request["devices"], "devices")
     jax.config.update("jax_platforms", "cpu")

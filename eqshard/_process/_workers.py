@@ -18,8 +18,9 @@
     a file of its own rather than this process's stderr, and a worker that ends
     without an answer is said with the end of it; a worker started with `events`
     sends this process lines as it works (`tell`), on a pipe of their own;
-- `pickled` and `unpickled` carry what JSON cannot (a step, abstract arguments, a
-    spec) inside the request or the answer, as base64 text.
+- `_pickles.py`'s `pickled` and `unpickled` carry what JSON cannot (a step, abstract
+    arguments, a spec) inside the request or the answer, as base64 text, and
+    `_worker_errors.py` carries a worker's error back.
 
 This module names no caller: each passes its own entry point. The user's code,
 named `MODULE:CALLABLE`, is imported by `_usercode.py`.
@@ -27,18 +28,11 @@ named `MODULE:CALLABLE`, is imported by `_usercode.py`.
 
 from __future__ import annotations
 
-import base64
-import builtins
 import contextlib
-import copy
-import dataclasses
-import functools
 import importlib
 import importlib.util
-import io
 import json
 import os
-import pickle
 import select
 import signal
 import subprocess
@@ -46,30 +40,20 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-import types
-import uuid
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._errors import EqshardError, ModelError, SpecError, UnreadableError
-from .._problems import problem_of
-from ._usercode import with_user_frames
+from .._errors import ModelError
+from ._worker_errors import error_entry, rebuilt_error
 
 __all__ = [
     "Worker",
-    "WorkerTraceback",
-    "error_entry",
-    "pickled",
     "pool_answers",
-    "rebuilt_error",
     "serve",
     "serve_each",
     "start_serving",
     "start_worker",
     "tell",
-    "unpickled",
     "without_device_count",
     "worker_answer",
 ]
@@ -575,215 +559,6 @@ def pool_answers(
     return results
 
 
-def pickled(value: Any, what: str, fix: str) -> str:
-    """`value` as base64 text, for a worker's request or answer: pickled by
-    cloudpickle where it is installed (which sends functions and classes of `__main__`
-    by value, and the rest by name), else by pickle. An Equinox module class that
-    cloudpickle sends by value (the user's script's) is rebuilt by its own class
-    statement on the other side (`_ModulePickler`), so that it is a pytree of its
-    fields there too.
-
-    **Raises:**
-
-    `EqshardError` naming `what` and saying why it cannot be pickled, then `fix`.
-    """
-    try:
-        data = _dumps(value)
-    except Exception as error:
-        raise EqshardError(
-            f"{what} ({type(value).__name__}) cannot cross into another process: pickling "
-            f"it raised {type(error).__name__}: {error}; {fix}"
-        ) from None
-    return base64.b64encode(data).decode("ascii")
-
-
-def _dumps(value: Any) -> bytes:
-    """`value` pickled by `_ModulePickler` where cloudpickle is installed, else by pickle."""
-    try:
-        import cloudpickle
-    except ImportError:
-        return pickle.dumps(value)
-    with io.BytesIO() as file:
-        _module_pickler()(file, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
-        return file.getvalue()
-
-
-# Equinox module classes sent by value: each class's key (made where it was defined,
-# kept where it was rebuilt), and the class of each key, so that a class sent twice, or
-# sent back, is one class. `_FRESH` holds those rebuilt and not yet given their methods.
-_CLASS_KEYS: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
-_CLASSES: weakref.WeakValueDictionary[str, type] = weakref.WeakValueDictionary()
-_FRESH: weakref.WeakSet[type] = weakref.WeakSet()
-
-# What a class statement makes of the fields, which the rebuilt class has made again
-_MADE_BY_THE_CLASS_STATEMENT = frozenset(
-    {
-        "__dict__",
-        "__weakref__",
-        "_abc_impl",
-        "__module__",
-        "__qualname__",
-        "__orig_bases__",
-        "__parameters__",
-        "__dataclass_params__",
-        "__match_args__",
-        "__slotnames__",
-        "__annotate_func__",
-        "__annotate__",
-    }
-)
-
-
-@functools.cache
-def _module_pickler() -> type:
-    """cloudpickle's pickler, but for Equinox module classes it sends by value.
-
-    cloudpickle sends a class of `__main__` by value as a skeleton, `type(name, bases,
-    {})` through its metaclass, then its `__dict__` set attribute by attribute.
-    Equinox's metaclass makes a class a dataclass and registers it as a pytree, with
-    the flattening of its fields, as the class statement runs: given the skeleton's
-    empty namespace, it registers a pytree with no fields, which no later attribute
-    changes (JAX takes one registration per class). The rebuilt model then flattens
-    to no leaves and unflattens to an object without its fields ("'Net' object has
-    no attribute 'b'"). Here such a class is sent as its class statement: the
-    metaclass called on its fields (their annotations and `dataclasses.Field`s, and
-    stand-ins for an `__init__` the class wrote and a `__post_init__`), then its
-    methods and other attributes set on the class that statement made
-    (`_module_class`, `_set_module_class`).
-    """
-    import cloudpickle
-
-    class _ModulePickler(cloudpickle.Pickler):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.described: set[type] = set()  # pickled once, then found in the memo
-
-        def reducer_override(self, obj: Any) -> Any:
-            if obj is dataclasses.MISSING:  # a field's lack of a default: one object
-                return getattr, (dataclasses, "MISSING")
-            reduced = super().reducer_override(obj)
-            equinox = sys.modules.get("equinox")
-            if (
-                reduced is NotImplemented  # sent by name, or not a class or a function
-                or equinox is None
-                or not isinstance(obj, type)
-                or not issubclass(obj, equinox.Module)
-            ):
-                return reduced
-            if obj in self.described:  # met again while its fields were being pickled
-                raise pickle.PicklingError(
-                    f"a field of {obj.__qualname__} (its annotation or default) refers to "
-                    f"{obj.__qualname__} itself; define the class in a module the worker "
-                    "imports by name"
-                )
-            self.described.add(obj)
-            return (
-                _module_class,
-                _class_statement(obj),
-                _class_attributes(obj),
-                None,
-                None,
-                _set_module_class,
-            )
-
-    return _ModulePickler
-
-
-def _class_statement(cls: type) -> tuple[Any, ...]:
-    """What `_module_class` calls the metaclass with: the class's own fields, by their
-    annotations and `dataclasses.Field`s (which hold their defaults and `eqx.field`'s
-    metadata, `static=True` among it); whether the class wrote its own `__init__` (the
-    dataclass then made none), and whether it has a `__post_init__` of its own."""
-    own = vars(cls).get("__annotations__", {})
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # pyright: ignore[reportArgumentType]
-    namespace: dict[str, Any] = {
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__annotations__": {name: own[name] for name in own if name in fields},
-    }
-    for name in namespace["__annotations__"]:
-        namespace[name] = copy.copy(fields[name])
-    key = _CLASS_KEYS.get(cls)
-    if key is None:
-        key = _CLASS_KEYS[cls] = uuid.uuid4().hex
-        _CLASSES[key] = cls
-    bases = tuple(vars(cls).get("__orig_bases__", cls.__bases__))
-    stand_ins = ("__init__" if _wrote_init(cls) else "__post_init__",)
-    stand_ins = tuple(name for name in stand_ins if name in vars(cls))
-    return (type(cls), cls.__name__, bases, namespace, stand_ins, key)
-
-
-def _wrote_init(cls: type) -> bool:
-    """Whether `cls` has an `__init__` of its own that the dataclass did not make."""
-    made = getattr(vars(cls).get("__dataclass_params__"), "init", False)
-    return "__init__" in vars(cls) and not made
-
-
-def _class_attributes(cls: type) -> dict[str, Any]:
-    """What `_set_module_class` sets on the class the statement made: its methods and
-    every other attribute of its own (its annotations and fields whole), but those
-    the statement made again (a dataclass's `__init__` among them)."""
-    slots = vars(cls).get("__slots__", ())
-    made = _MADE_BY_THE_CLASS_STATEMENT | set([slots] if isinstance(slots, str) else slots)
-    if not _wrote_init(cls):
-        made |= {"__init__"}
-    return {name: value for name, value in vars(cls).items() if name not in made}
-
-
-def _module_class(
-    metaclass: type,
-    name: str,
-    bases: tuple[Any, ...],
-    namespace: dict[str, Any],
-    stand_ins: tuple[str, ...],
-    key: str,
-) -> type:
-    """The class `_class_statement` describes, made by its metaclass from its fields
-    (the dataclass and the pytree registered with them), or the one already here for
-    its key (defined in this process, or rebuilt before)."""
-    found = _CLASSES.get(key)
-    if found is not None:
-        return found
-
-    def stand_in(self: Any, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(f"{name} is being rebuilt by eqshard: its own methods come next")
-
-    body = {**namespace, **dict.fromkeys(stand_ins, stand_in)}
-    cls = types.new_class(name, bases, {"metaclass": metaclass}, lambda ns: ns.update(body))
-    _CLASS_KEYS[cls] = key
-    _CLASSES[key] = cls
-    _FRESH.add(cls)
-    return cls
-
-
-def _set_module_class(cls: type, attributes: dict[str, Any]) -> type:
-    """The rest of a class `_module_class` rebuilt: its methods and other attributes
-    (a class found here, not rebuilt, is left as it is)."""
-    if cls in _FRESH:
-        _FRESH.discard(cls)
-        for name, value in attributes.items():
-            setattr(cls, name, value)
-    return cls
-
-
-def unpickled(text: str, what: str) -> Any:
-    """What `pickled` wrote, read back (in a worker, with its parent's `sys.path`).
-
-    **Raises:**
-
-    `EqshardError` naming `what`, when it cannot be read here (a module it names
-    by name cannot be imported).
-    """
-    try:
-        return pickle.loads(base64.b64decode(text))  # the parent pickled it
-    except Exception as error:
-        raise EqshardError(
-            f"{what} cannot be read in another process: unpickling it raised "
-            f"{type(error).__name__}: {error}; what it names must be importable by name "
-            "with the parent's `sys.path`"
-        ) from None
-
-
 def without_device_count(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment for a worker that sets its own device count: XLA_FLAGS
     without a simulated device count (a test suite's conftest often sets one)."""
@@ -798,89 +573,6 @@ def without_device_count(environ: Mapping[str, str]) -> dict[str, str]:
     else:
         env.pop("XLA_FLAGS", None)
     return env
-
-
-class WorkerTraceback(Exception):
-    """The traceback of an error raised in a worker process, as text: the cause
-    (`__cause__`) of the error `rebuilt_error` raises here, so that a traceback
-    printed here shows the worker's frames too."""
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.args[0] if self.args else ""}"""'
-
-
-def rebuilt_error(entry: Mapping[str, Any]) -> BaseException:
-    """A worker's error, as this process raises it (`_rebuilt`), with the worker's
-    notes (where in the user's code it was raised) and its traceback as its cause
-    (`WorkerTraceback`)."""
-    error = _rebuilt(entry)
-    notes = entry.get("notes")
-    for note in notes if isinstance(notes, list) else []:
-        if str(note) not in getattr(error, "__notes__", ()):
-            error.add_note(str(note))
-    if entry.get("traceback"):
-        error.__cause__ = WorkerTraceback(str(entry["traceback"]))
-    return error
-
-
-def _rebuilt(entry: Mapping[str, Any]) -> BaseException:
-    """The error itself where it was pickled and unpickles here (the user's own
-    exception classes and JAX's included); else eqshard's errors and Python's own
-    as the same class (so the command line prints the same message and picks the
-    same exit code), anything else as an exception of the same name."""
-    if "pickle" in entry:
-        with contextlib.suppress(Exception):
-            error = unpickled(str(entry["pickle"]), "the error")
-            if isinstance(error, Exception) and str(error) == str(entry["message"]):
-                return error
-    kind, message = str(entry["type"]), str(entry["message"])
-    if kind in ("SpecError", "UnreadableError") and "problems" in entry:
-        cls = UnreadableError if kind == "UnreadableError" else SpecError
-        return cls([problem_of(p) for p in entry["problems"]], entry.get("headline"))
-    if kind == "ModelError":
-        return ModelError(message)
-    if entry.get("eqshard"):
-        error = EqshardError(message)
-        if entry.get("exit_code") != 1:  # a subclass with an exit code of its own
-            setattr(error, "exit_code", entry["exit_code"])  # noqa: B010
-        return error
-    builtin = getattr(builtins, kind, None)
-    if isinstance(builtin, type) and issubclass(builtin, Exception):
-        with contextlib.suppress(Exception):
-            return builtin(message)
-    return type(kind if kind.isidentifier() else "Exception", (Exception,), {})(message)
-
-
-def error_entry(error: BaseException) -> dict[str, Any]:
-    """What the worker says of an error (the exit code as `eqshard._cli._main`
-    chooses it): its class, its message, its notes, where in the user's code it was
-    raised among them (`with_user_frames`), and its traceback as text."""
-    with contextlib.suppress(Exception):  # an error that takes no note
-        with_user_frames(error)
-    try:
-        message = str(error)
-    except Exception:  # a user's exception whose text cannot be had
-        message = f"{type(error).__name__} (its message cannot be shown)"
-    code = getattr(error, "exit_code", None)
-    if not isinstance(code, int):
-        plain = isinstance(error, EqshardError) and not isinstance(error, UnreadableError)
-        code = 1 if plain else 2
-    entry: dict[str, Any] = {
-        "type": type(error).__name__,
-        "message": message,
-        "exit_code": code,
-        "eqshard": isinstance(error, EqshardError),
-    }
-    if isinstance(error, SpecError):
-        entry["headline"] = error.headline
-        entry["problems"] = [dataclasses.asdict(p) for p in error.problems]
-    with contextlib.suppress(Exception):  # a user's note that is not text is left out
-        entry["notes"] = [note for note in getattr(error, "__notes__", ()) if isinstance(note, str)]
-    with contextlib.suppress(Exception):  # a user's exception that cannot be formatted
-        entry["traceback"] = "".join(traceback.format_exception(error))
-    with contextlib.suppress(Exception):  # what cannot be pickled is rebuilt by name
-        entry["pickle"] = pickled(error, "the error", "")
-    return entry
 
 
 def serve(handle: Callable[[Mapping[str, Any]], Any]) -> int:

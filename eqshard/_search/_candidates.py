@@ -1,22 +1,11 @@
 """The candidates of `eqshard suggest`: every strategy on every factorization of the
-device count into a `("data", d) x ("model", m)` mesh, each written as readable rules.
+device count into a `("data", d) x (axis, m)` mesh, each written as readable rules.
 
-One generator gives them all:
-
-| strategy | parameters | optimizer state | batch |
-| --- | --- | --- | --- |
-| `"data parallel"` | whole on every device | as the parameters | over `data` |
-| `"fsdp"` | `"default": "fsdp"` over `data` | as the parameters | over `data` |
-| `"zero-1"` | whole on every device | `"optimizer": {"default": "fsdp"}` | over `data` |
-| `"expert parallel"` | stacked experts split by expert over `data`, the rest whole | as the parameters | over `data` |
-| `"megatron"` | column-, row- and vocab-parallel over `model` | as the parameters | whole |
-| `"data x tensor"` | Megatron over `model`, copied over `data` | as the parameters | over `data` |
-| `"fsdp x tensor"` | Megatron over `model`, FSDP over `data` | as the parameters | over `data` |
-
-The data strategies take `model = 1`, Megatron `data = 1`, and the two-dimensional
-ones every other factorization; where a two-dimensional one has an axis of size 1 it
-is the same layout as a one-dimensional one, and is dropped saying so. The Megatron
-roles come from the step's jaxpr (`_megatron.py`), never from names.
+One generator gives them all: each family of `_families.FAMILIES` (its table: the
+strategies' names are `STRATEGIES`, `eqshard suggest --help` lists them) builds its
+draft on each factorization it is tried on, from the step traced once
+(`_setup.setup_of`: the roles come from the step's jaxpr, `_profile.py`, never from
+names), and the draft is written here as readable rules, checked and estimated.
 
 A leaf whose chosen dim does not divide its split is replicated (over that axis),
 and the candidate names it in `repairs`, with its shape and the split; a candidate
@@ -52,33 +41,25 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import equinox as eqx
 import jax
-import numpy as np
 
-from .._activations import recording
 from .._derive import plan_for
 from .._errors import EqshardError, whole_number
 from .._expression import parse
-from .._fields import LeafInfo, is_array_like, leaf_name, walk_fields
-from .._fsdp import Over, fsdp_leaf, is_fsdp_replicated
 from .._paths._globs import readable_rules
-from .._paths._names import name, segments
-from .._pipeline import marking
+from .._paths._names import name
 from .._plan import make_plan
 from .._problems import problem_lines
-from .._report import STAGE
 from .._rules import match_rules
 from .._specfile._model import Rule, Rules
-from .._step import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
+from ._dims import activation_dims
 from ._estimate import Estimated, HeldLeaf, estimated
-from ._megatron import Pipelined, Role, StepProfile, abstract_leaf, step_profile
+from ._families import Family, candidate_name, families_named, meshes, same_as
+from ._setup import SOURCE, Draft, Setup, setup_of
 
-__all__ = ["FAMILIES", "STRATEGIES", "Candidate", "Family", "candidates", "families_named"]
-
-_SOURCE = "<candidate>"
+__all__ = ["Candidate", "candidates"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,737 +88,7 @@ class Candidate:
     def name(self) -> str:
         """`"fsdp x tensor on data=4, model=2"`: how tables and `dropped` name it."""
         (_, data), (axis, size) = self.mesh
-        return _name(self.strategy, data, size, axis)
-
-
-def _name(strategy: str, data: int, model: int, axis: str = "model") -> str:
-    return f"{strategy} on data={data}, {axis}={model}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    """An array leaf of what the rules lay out (the model, and its state)."""
-
-    path: str
-    segments: tuple[str, ...]
-    shape: tuple[int, ...]
-    dtype: str
-    info: LeafInfo
-    role: Role | None
-    parameter: bool  # of the model, not of its eqx.nn.State
-    index: int = 0  # in the leaves of what the rules lay out
-
-    @property
-    def label(self) -> str:
-        """`blocks.up.bias float32[2, 128]`: the leaf, its dtype and shape."""
-        return f"{self.path} {self.dtype}{list(self.shape)}"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-    """What every candidate is built from: the leaves with their roles, the batch's
-    leaves, and what the rules are planned for."""
-
-    planned_for: Any
-    leaves: tuple[_Leaf, ...]
-    names: dict[int, str]  # leaf index (in `tree_leaves(model)`) -> its name
-    roles: dict[int, Role]  # by leaf index
-    batch: tuple[tuple[str, tuple[int, ...]], ...]  # each batch leaf's name and shape
-    pairs: bool  # whether the step shows any column- and row-parallel pair
-    devices: int
-    activations: tuple[str, ...]  # the names the model gives its activations' axes
-    batch_names: frozenset[str]  # those only ever on an activation's batch axis
-    named: tuple[tuple[tuple[Any, ...], tuple[int, ...]], ...]  # each recorded constrain
-    profile: StepProfile  # the step's jaxpr, read once
-    built: tuple[Any, ...]  # the arguments built from the model (an optimizer state)
-    batch_bytes: tuple[int, ...]  # each batch leaf's bytes, whole
-
-
-def _setup(step: Callable[..., Any], model: Any, args: Sequence[Any], devices: int) -> _Setup:
-    model = jax.tree_util.tree_map(abstract_leaf, model)
-    args = [jax.tree_util.tree_map(abstract_leaf, arg) for arg in args]
-    with recording() as named, marking():
-        profile = step_profile(step, model, *args)
-    roles = profile.roles
-    state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
-    planned_for = model if state is None else (model, state)
-    n_model = len(jax.tree_util.tree_leaves(model))
-    items = walk_fields(planned_for)
-    names = {i: leaf_name(item.path) for i, item in enumerate(items)}
-    leaves = tuple(
-        _Leaf(
-            names[i],
-            segments(item.path),
-            tuple(int(s) for s in item.leaf.shape),
-            str(item.leaf.dtype),
-            item,
-            roles.get(i) if i < n_model else None,
-            i < n_model,
-            i,
-        )
-        for i, item in enumerate(items)
-        if is_array_like(item.leaf)
-    )
-    whole = make_plan(planned_for, "... -> * ...", devices=devices).plan
-    batch: list[tuple[str, tuple[int, ...]]] = []
-    batch_bytes: list[int] = []
-    built: list[Any] = []
-    for k, arg in enumerate(args):
-        if isinstance(arg, eqx.nn.State):
-            continue
-        if is_built(plan_for(arg, whole)):
-            built.append(arg)
-            continue
-        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
-            if is_array_like(leaf):
-                where = f"argument {k + 2}" + (f"'s leaf {leaf_name(path)}" if path else "")
-                batch.append((where, tuple(int(s) for s in leaf.shape)))
-                size = int(np.prod(leaf.shape, dtype=np.int64))
-                batch_bytes.append(size * np.dtype(leaf.dtype).itemsize)
-    pairs = any(r.kind in ("column", "row") for r in roles.values())
-    activations, batch_names = _activation_names(named, {shape[0] for _, shape in batch if shape})
-    return _Setup(
-        planned_for,
-        leaves,
-        names,
-        roles,
-        tuple(batch),
-        pairs,
-        devices,
-        activations,
-        batch_names,
-        tuple(named),
-        profile,
-        tuple(built),
-        tuple(batch_bytes),
-    )
-
-
-def _activation_names(
-    named: Sequence[tuple[tuple[Any, ...], tuple[int, ...]]], batch_sizes: set[int]
-) -> tuple[tuple[str, ...], frozenset[str]]:
-    """The names the model's `constrain` calls give (in order of first use), and those
-    that only ever name an activation's leading axis, of the batch's size: the batch
-    axis, which a strategy that splits the batch maps to `data`. Every other name is
-    mapped to `null` (the axis whole), as Megatron keeps the activations between its
-    pairs."""
-    order: dict[str, None] = {}
-    elsewhere: set[str] = set()
-    for items, shape in named:
-        for axis, n in enumerate(items):
-            if isinstance(n, str):
-                order.setdefault(n)
-                if axis != 0 or shape[0] not in batch_sizes:
-                    elsewhere.add(n)
-    return tuple(order), frozenset(order.keys() - elsewhere)
-
-
-# --------------------------------------------------------------------------- #
-# Expressions.
-# --------------------------------------------------------------------------- #
-
-
-def _names(rank: int, role: Role) -> dict[int, str]:
-    """A readable name for each axis an expression names: `o` and `i` for a
-    weight's output and input, `v` and `d` for a vocabulary's, `_`, `__`, ... for
-    the others."""
-    given: list[tuple[int | None, str]] = [(role.axis, "o")]
-    if role.kind in ("column", "row"):
-        given = [(role.output, "o"), (role.contracted, "i")]
-    elif role.kind == "vocab":
-        given = [(role.output, "v"), (role.contracted, "d")]
-    elif role.kind == "embedding":
-        others = [a for a in role.inner if a != role.axis]
-        given = [(role.axis, "v"), *((a, "d") for a in others[:1] if len(others) == 1)]
-    named = {a: n for a, n in given if a is not None}
-    blanks = 0
-    for a in range(min(role.inner), rank):
-        if a not in named:
-            blanks += 1
-            named[a] = "_" * blanks
-    return named
-
-
-def _expression(rank: int, role: Role, data_axis: int | None, data: int, model: int) -> str:
-    """The expression that splits `role.axis` over `model` (and `data_axis`, if any,
-    over `data`), replicating over what is left: `"... o i -> * ... o4 i"`.
-
-    The axis that scales with the device count is written with `*`, so that the rules
-    plan on any count the fixed part divides: `data` (`* ... o4 i` replicates over
-    it, `... i* o4` splits `i` over it, `... o4*` splits `o` over both, `data` the
-    major part), or, where `data` has one device (Megatron), `model` (`... o* i`).
-    On this device count each `*` is `data` (or `model`), so the layout is the one
-    the fixed counts would give."""
-    start = min(role.inner)
-    named = _names(rank, role)
-    scales = data == 1  # Megatron: `model` takes every device
-    counts = {role.axis: "*" if scales else str(model)}
-    if data_axis is not None and not scales:
-        counts[data_axis] = f"{model}*" if data_axis == role.axis else "*"
-    order = list(range(start, rank))
-    if data_axis is not None and data_axis != role.axis:
-        order.remove(data_axis)
-        order.insert(0, data_axis)  # the major mesh axis first
-    lhs = ["..."] * (start > 0) + [named[a] for a in range(start, rank)]
-    rhs = ["*"] * (data > 1 and data_axis is None) + ["..."] * (start > 0)
-    rhs += [named[a] + counts.get(a, "") for a in order]
-    return f"{' '.join(lhs)} -> {' '.join(rhs)}"
-
-
-def _data_axis(leaf: _Leaf, role: Role, data: int, model: int) -> int | None:
-    """The axis FSDP splits a tensor-parallel leaf along over `data`: of the axes where
-    it is used, the largest (once split over `model`) that `data` divides, the last
-    of equals."""
-    sizes = {a: leaf.shape[a] // (model if a == role.axis else 1) for a in role.inner}
-    fits = [a for a, size in sizes.items() if size % data == 0]
-    return max(fits, key=lambda a: (sizes[a], a)) if fits else None
-
-
-_KIND = {
-    "column": "column-parallel",
-    "row": "row-parallel",
-    "vocab": "vocab-parallel",
-    "embedding": "vocab-parallel embedding",
-    "bias": "column-parallel bias",
-}
-
-
-def _comment(setup: _Setup, role: Role) -> str:
-    """A rule's comment: the leaf's role, and the leaves it is paired with."""
-    partners = ", ".join(setup.names[j] for j in role.partners)
-    if role.kind == "column":
-        return f"column-parallel: feeds {partners}"
-    if role.kind == "row":
-        return f"row-parallel: fed by {partners}; one all-reduce over 'model'"
-    if role.kind == "vocab":
-        return "vocab-parallel: split over its outputs, which feed no other weight"
-    if role.kind == "embedding":
-        return "vocab-parallel embedding: looked up by the batch"
-    partner = setup.roles.get(role.partners[0]) if role.partners else None
-    kind = "vocab" if partner is not None and partner.kind == "vocab" else "column"
-    return f"{kind}-parallel bias of {partners}: split as its output"
-
-
-# --------------------------------------------------------------------------- #
-# Strategies.
-# --------------------------------------------------------------------------- #
-
-
-@dataclasses.dataclass
-class _Draft:
-    """A candidate before its rules are written: each ruled leaf's (comment,
-    expression), the default, the optimizer section, the batch, the repairs."""
-
-    ruled: dict[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
-    default: Literal["replicate", "fsdp"] = "replicate"
-    optimizer: Rules | None = None
-    batch: str = "... -> * ..."
-    repairs: list[str] = dataclasses.field(default_factory=list)
-
-
-def _batch(data: int, model: int) -> str:
-    """The batch's leading dim over `data`, which takes the devices `model` leaves (its
-    `*`), copied over `model`: `"b ... -> b* ... 4"`, or `"b ... -> b* ..."`."""
-    return "b ... -> b* ..." + (f" {model}" if model > 1 else "")
-
-
-def _fsdp_repairs(setup: _Setup, data: int, model: int, only: Callable[[_Leaf], bool]) -> list[str]:
-    """A line for each leaf `only` picks that FSDP over `data` cannot split."""
-    split = Over(data, "data", (), (model,) if model > 1 else ())
-    lines = []
-    for leaf in setup.leaves:
-        if not only(leaf):
-            continue
-        _, origin = fsdp_leaf(leaf.shape, leaf.info.annotation, split)
-        if is_fsdp_replicated(origin):
-            why = origin.split("replicated, ", 1)[1]
-            lines.append(f"{leaf.label}: {why}; replicated over 'data'")
-    return lines
-
-
-def _fsdp_splits_something(setup: _Setup, data: int, only: Callable[[_Leaf], bool]) -> bool:
-    split = Over(data, "data")
-    return any(
-        not is_fsdp_replicated(fsdp_leaf(leaf.shape, leaf.info.annotation, split)[1])
-        for leaf in setup.leaves
-        if only(leaf)
-    )
-
-
-def _data_parallel(setup: _Setup, data: int, model: int) -> _Draft | str:
-    return _Draft(batch=_batch(data, model))
-
-
-def _fsdp(setup: _Setup, data: int, model: int) -> _Draft | str:
-    if data == 1:
-        return "'data' has one device: nothing to split"
-    if not _fsdp_splits_something(setup, data, lambda leaf: True):
-        return f"no leaf has a dim that divides over data={data}"
-    repairs = _fsdp_repairs(setup, data, model, lambda leaf: True)
-    return _Draft(default="fsdp", batch=_batch(data, model), repairs=repairs)
-
-
-def _zero_1(setup: _Setup, data: int, model: int) -> _Draft | str:
-    def parameter(leaf: _Leaf) -> bool:
-        return leaf.parameter
-
-    if data == 1:
-        return "'data' has one device: nothing to split"
-    if not _fsdp_splits_something(setup, data, parameter):
-        return f"no parameter has a dim that divides over data={data}, to split its moments"
-    section = Rules(
-        default="fsdp",
-        source=_SOURCE,
-        section="$.optimizer",
-        comment="Every optimizer state leaf of every parameter, split over 'data' as FSDP "
-        "would split the parameter.",
-    )
-    repairs = [
-        line.replace("; replicated over 'data'", "; its optimizer state replicated over 'data'")
-        for line in _fsdp_repairs(setup, data, model, parameter)
-    ]
-    return _Draft(optimizer=section, batch=_batch(data, model), repairs=repairs)
-
-
-def _tensor(setup: _Setup, data: int, model: int, fsdp: bool) -> _Draft | str:
-    """Megatron over `model`: each leaf with a role split along its axis, replicated
-    over `data` (`fsdp=False`) or split by FSDP over it too."""
-    if model == 1:
-        return "'model' has one device: nothing to split"
-    if not setup.pairs:
-        return "the step's jaxpr shows no column- and row-parallel pair of weights"
-    draft = _Draft(default="fsdp" if fsdp else "replicate")
-    split = False
-    for k, leaf in enumerate(setup.leaves):
-        role = leaf.role
-        if role is None:
-            continue
-        size = leaf.shape[role.axis]
-        if size % model:
-            rest = "left to FSDP over 'data'" if fsdp else "replicated"
-            draft.repairs.append(
-                f"{leaf.label}: {_KIND[role.kind]} over dim {role.axis} ({size}) does not "
-                f"divide over model={model}; {rest}"
-            )
-            continue
-        comment = _comment(setup, role)
-        data_axis = None
-        if fsdp and data > 1:
-            data_axis = _data_axis(leaf, role, data, model)
-            if data_axis is None:
-                part = [s // model if a == role.axis else s for a, s in enumerate(leaf.shape)]
-                past = " past the stacked layer axes" if min(role.inner) else ""
-                draft.repairs.append(
-                    f"{leaf.label}: no dim of its part on each 'model' device, {part}{past}, "
-                    f"is a multiple of {data}, the size of 'data'; replicated over 'data'"
-                )
-            else:
-                comment += "; FSDP over 'data'"
-        expr = _expression(len(leaf.shape), role, data_axis, data, model)
-        draft.ruled[k] = (comment, expr)
-        split = split or role.kind in ("column", "row")
-    if not split:
-        return f"no column- or row-parallel weight divides over model={model}"
-    if fsdp:
-        draft.repairs += _fsdp_repairs(setup, data, model, lambda leaf: leaf.role is None)
-    if data > 1:
-        draft.batch = _batch(data, model)
-    return draft
-
-
-def _has_experts(setup: _Setup) -> bool:
-    """Whether the step's jaxpr shows stacked experts (`StepProfile.experts`), or a
-    weight stacked over different axes, which the expert families name."""
-    return bool(setup.profile.experts or setup.profile.ambiguous_experts)
-
-
-def _expert_axes(setup: _Setup) -> dict[int, int]:
-    """Each leaf (by its place in `setup.leaves`) stacked over experts, and its expert
-    axis: a weight whose matmuls batch or group over one of its axes
-    (`StepProfile.experts`: `einsum`, `vmap`, `ragged_dot`), and a sibling of its
-    that is no matmul's operand (the same module's bias) with that axis's size on the
-    same axis."""
-    by_index = {leaf.index: k for k, leaf in enumerate(setup.leaves)}
-    operands = {matmul.leaf for matmul in setup.profile.matmuls}
-    found: dict[int, int] = {}
-    for index, axis in setup.profile.experts.items():
-        k = by_index.get(index)
-        if k is None:
-            continue
-        found[k] = axis
-        weight = setup.leaves[k]
-        parent, size = weight.segments[:-1], weight.shape[axis]
-        for j, other in enumerate(setup.leaves):
-            sibling = j not in found and other.segments[:-1] == parent and other.parameter
-            sibling = sibling and other.index not in operands
-            if sibling and len(other.shape) > axis and other.shape[axis] == size:
-                found[j] = axis
-    return found
-
-
-def _ambiguous_experts(setup: _Setup) -> list[str]:
-    """A line for each weight whose matmuls stack it over different axes: which is
-    the experts' is not known, so no expert family splits it."""
-    by_index = {leaf.index: leaf for leaf in setup.leaves}
-    lines = []
-    for index, axes in sorted(setup.profile.ambiguous_experts.items()):
-        leaf = by_index.get(index)
-        if leaf is not None:
-            dims = " and ".join(f"{a} ({leaf.shape[a]})" for a in axes)
-            lines.append(
-                f"{leaf.label}: its matmuls stack it over dims {dims}, so which holds the "
-                "experts is ambiguous; replicated"
-            )
-    return lines
-
-
-def _expert_parallel(setup: _Setup, data: int, model: int) -> _Draft | str:
-    """Experts split over `data`, each device its own (MaxText's `ep-as-dp`): every
-    leaf stacked over experts split along its expert axis, the rest whole."""
-    if data == 1:
-        return "'data' has one device: nothing to split"
-    comment = "expert-parallel: each device its own experts"
-    return _experts_split(setup, _Draft(batch=_batch(data, model)), "data", data, "*", comment)
-
-
-def _data_expert(setup: _Setup, data: int, experts: int) -> _Draft | str:
-    """Experts on an axis of their own: every leaf stacked over experts split along its
-    expert axis over `expert`, copied over `data`; the batch over both axes."""
-    comment = "expert-parallel over 'expert': each device its share"
-    lead = "* " if data > 1 else ""
-    draft = _Draft(batch="b ... -> b* ...")
-    return _experts_split(setup, draft, "expert", experts, str(experts), comment, lead)
-
-
-def _experts_split(
-    setup: _Setup,
-    draft: _Draft,
-    axis_name: str,
-    size: int,
-    modifier: str,
-    comment: str,
-    lead: str = "",
-) -> _Draft | str:
-    """`draft` with every leaf stacked over experts split along its expert axis by
-    `modifier` (over `axis_name`, of `size` devices), after `lead` (`"* "`: copied
-    over `data` first); a leaf whose experts do not divide is repaired, named."""
-    stacked = _expert_axes(setup)
-    ambiguous = _ambiguous_experts(setup)
-    if not stacked:
-        return "; ".join(["no stacked experts are known", *ambiguous]) if ambiguous else _NO_EXPERTS
-    draft.repairs.extend(ambiguous)
-    for k, axis in sorted(stacked.items()):
-        leaf = setup.leaves[k]
-        if leaf.shape[axis] % size:
-            draft.repairs.append(
-                f"{leaf.label}: its {leaf.shape[axis]} experts (dim {axis}) do not divide over "
-                f"{axis_name}={size}; replicated"
-            )
-            continue
-        names = [f"{'_' * (i + 1)}" for i in range(len(leaf.shape))]
-        names[axis] = "e"
-        rhs = [n + modifier if i == axis else n for i, n in enumerate(names)]
-        draft.ruled[k] = (comment, f"{' '.join(names)} -> {lead}{' '.join(rhs)}")
-    if not draft.ruled:
-        return "; ".join([f"no stacked experts divide over {axis_name}={size}", *draft.repairs])
-    return draft
-
-
-def _sequence_names(setup: _Setup) -> tuple[frozenset[str], frozenset[str]]:
-    """The names of the activations' sequence axes, and of the keys' and values'.
-
-    Attention's matmuls of two activations show them (`StepProfile.attention_free`
-    and `attention_contracted`): an axis the weighted sum contracts is the values'
-    sequence, and its name the keys' too; an axis of either matmul left free, named
-    otherwise, is the queries' sequence. A name found only at such places from the
-    front, of the same size, on other activations (the residual stream's) is a
-    sequence too. The batch's names are neither."""
-    profile = setup.profile
-
-    def names(labels: dict[int, frozenset[int]]) -> set[str]:
-        found: set[str] = set()
-        for k, axes in labels.items():
-            items = setup.named[k][0]
-            found.update(n for n in (items[a] for a in axes) if isinstance(n, str))
-        return found
-
-    keys = names(profile.attention_contracted) - setup.batch_names
-    queries = names(profile.attention_free) - keys - setup.batch_names
-    places = {
-        (i, shape[i]) for items, shape in setup.named for i, n in enumerate(items) if n in queries
-    }
-    at: dict[str, set[tuple[int, int]]] = {}  # each name's places, and its axes' sizes
-    for items, shape in setup.named:
-        for i, n in enumerate(items):
-            if isinstance(n, str):
-                at.setdefault(n, set()).add((i, shape[i]))
-    # a name every one of whose places is a sequence's: a feature axis of the same size
-    # (an `embed` as long as the sequence) also sits elsewhere, and is not one
-    found = {n for n, where in at.items() if where <= places} | queries
-    return frozenset(found - keys - setup.batch_names), frozenset(keys)
-
-
-def _context(setup: _Setup, data: int, context: int, fsdp: bool) -> _Draft | str:
-    """Context parallelism: the activations' sequence split over `context`, the keys
-    and values whole (gathered in each layer); the parameters copied (`fsdp=False`)
-    or split by FSDP over `data`; the batch over `data`."""
-    if context == 1:
-        return "'context' has one device: nothing to split"
-    sequence, _ = _sequence_names(setup)
-    lengths = sorted(
-        {shape[i] for items, shape in setup.named for i, n in enumerate(items) if n in sequence}
-    )
-    short = [n for n in lengths if n % context]
-    if short:
-        return f"the sequence ({short[0]}) does not divide over context={context}"
-    return _fsdp(setup, data, context) if fsdp else _Draft(batch=_batch(data, context))
-
-
-def _pipelined(setup: _Setup) -> dict[int, Pipelined]:
-    """The leaves (by their place in `setup.leaves`) that `eqshard.parallel.pipeline` runs over
-    the mesh axis the pipeline family lays out, `stage`."""
-    by_index = {leaf.index: k for k, leaf in enumerate(setup.leaves)}
-    return {
-        by_index[index]: how
-        for index, how in setup.profile.pipelined.items()
-        if index in by_index and how.axis == STAGE
-    }
-
-
-def _pipeline_data(setup: _Setup, data: int, stages: int) -> _Draft | str:
-    """Pipeline stages x data: every stacked layer leaf `eqshard.parallel.pipeline` runs split
-    over `stage` along its layer axis (GPipe's first, the circular schedule's second),
-    copied over `data`; the batch over `data`."""
-    if stages == 1:
-        return "'stage' has one device: nothing to split"
-    draft = _Draft(batch=_batch(data, stages))
-    for k, how in sorted(_pipelined(setup).items()):
-        leaf = setup.leaves[k]
-        rows = how.batch // how.microbatches
-        if how.batch_axis == "data" and rows % data:
-            return (
-                f"each of the {how.microbatches} microbatches has {rows} rows, which do not "
-                f"divide over data={data} (the pipeline's batch_axis)"
-            )
-        axis = how.depth - 1  # the layers' axis: GPipe's first, circular's second
-        size = leaf.shape[axis]
-        if how.schedule == "circular" and size != stages:
-            return (
-                f"the circular schedule's stack ({leaf.label}) has {size} stages, not "
-                f"stage={stages}"
-            )
-        if how.schedule == "circular" and how.microbatches < stages:
-            return f"{how.microbatches} microbatches, fewer than stage={stages}"
-        if size % stages:
-            return f"{leaf.label}: its {size} layers do not divide over stage={stages}"
-        names = [f"{'_' * (i + 1)}" for i in range(len(leaf.shape))]
-        names[axis] = "l"
-        rhs = [f"{n}{stages}" if i == axis else n for i, n in enumerate(names)]
-        comment = f"pipeline stage: each stage its layers ({how.schedule})"
-        # copied over `data` (`*`), even of one device: the rules plan on other counts
-        draft.ruled[k] = (comment, f"{' '.join(names)} -> * {' '.join(rhs)}")
-    return draft
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One strategy of the candidate space: a row of `FAMILIES`, so that a new one
-    (experts, sequence, pipeline stages) is one more row, not more code here.
-
-    - `name`: how tables and spec files name it (`"fsdp x tensor"`).
-    - `description`: the written spec's comment on it.
-    - `build`: its draft on a `(data, model)` mesh, or why it has none there.
-    - `meshes`: which factorizations of the device count it is tried on: `"data"`
-        (all devices on `data`), `"model"` (all on `model`), or `"both"` (every
-        `data x model`, the tensor degree the smaller first).
-    - `splits_batch`: whether the batch is split over `data`.
-    - `same_as`: for a two-dimensional family, the one-dimensional families it equals
-        where `model`, then `data`, has one device (`None`: it equals none there).
-    - `applies`: whether the model has what the family splits (stacked experts, a
-        sequence); one that does not apply makes no candidate, and is listed as
-        dropped (with `lacks`) only where `strategies` names it.
-    - `axis`: the name of its second mesh axis: `"model"`, `"expert"`, `"context"`
-        or `"stage"`.
-    - `batch_over_both`: whether the batch is split over both axes.
-    """
-
-    name: str
-    description: str
-    build: Callable[[_Setup, int, int], _Draft | str]
-    meshes: Literal["data", "model", "both"]
-    splits_batch: bool = True
-    same_as: tuple[str | None, str | None] | None = None
-    applies: Callable[[_Setup], bool] = lambda setup: True
-    axis: Literal["model", "expert", "context", "stage"] = "model"
-    batch_over_both: bool = False
-    lacks: str = "the model has nothing it splits"
-
-
-_NO_EXPERTS = (
-    "the step's jaxpr shows no stacked experts: no weight that a matmul batches over "
-    "(an einsum over the experts, vmap over their stack) or that jax.lax.ragged_dot "
-    "groups by"
-)
-_NO_SEQUENCE = "the step's attention takes no named queries and keys: no sequence to split"
-_NO_PIPELINE = "the step runs no eqshard.parallel.pipeline over the mesh axis 'stage'"
-
-FAMILIES: tuple[Family, ...] = (
-    Family(
-        "data parallel",
-        "data parallelism: every leaf whole on every device, the batch split over 'data'",
-        _data_parallel,
-        "data",
-    ),
-    Family(
-        "fsdp",
-        "FSDP (ZeRO-3): each leaf split over 'data' along its largest dim that 'data' "
-        "divides, the batch split over 'data'",
-        _fsdp,
-        "data",
-    ),
-    Family(
-        "zero-1",
-        "ZeRO-1: the parameters whole on every device, their optimizer state split over "
-        "'data' as FSDP would split them, the batch split over 'data'",
-        _zero_1,
-        "data",
-    ),
-    Family(
-        "expert parallel",
-        "expert parallelism over 'data' (ep-as-dp): the experts' stacked weights split "
-        "by expert, each device its own; the batch split over 'data', the tokens handed "
-        "to their experts by all-to-all",
-        _expert_parallel,
-        "data",
-        applies=_has_experts,
-        lacks=_NO_EXPERTS,
-    ),
-    Family(
-        "megatron",
-        "Megatron tensor parallelism: column- and row-parallel pairs found in the step's "
-        "jaxpr, the vocabulary and the embedding split over 'model'; the batch whole on "
-        "every device",
-        lambda setup, d, m: _tensor(setup, d, m, fsdp=False),
-        "model",
-        splits_batch=False,
-    ),
-    Family(
-        "data x tensor",
-        "data x tensor parallelism: Megatron's split over 'model', each leaf copied over "
-        "'data', the batch split over 'data'",
-        lambda setup, d, m: _tensor(setup, d, m, fsdp=False),
-        "both",
-        same_as=("data parallel", "megatron"),
-    ),
-    Family(
-        "fsdp x tensor",
-        "FSDP x tensor parallelism: Megatron's split over 'model', each leaf also split "
-        "over 'data' by FSDP, the batch split over 'data'",
-        lambda setup, d, m: _tensor(setup, d, m, fsdp=True),
-        "both",
-        same_as=("fsdp", "megatron"),
-    ),
-    Family(
-        "data x expert",
-        "expert parallelism on an axis of its own: the experts' stacked weights split "
-        "over 'expert', copied over 'data'; the batch split over both axes, and in the "
-        "experts' buffers the groups over 'data', so the all-to-alls stay within 'expert'",
-        _data_expert,
-        "both",
-        same_as=("data parallel", "expert parallel"),
-        applies=_has_experts,
-        lacks=_NO_EXPERTS,
-        axis="expert",
-        batch_over_both=True,
-    ),
-    Family(
-        "context parallel",
-        "context parallelism: the activations' sequence split over 'context', the keys "
-        "and values gathered whole in each layer; every leaf whole on every device, the "
-        "batch split over 'data'",
-        lambda setup, d, m: _context(setup, d, m, fsdp=False),
-        "both",
-        same_as=("data parallel", None),
-        applies=lambda setup: bool(_sequence_names(setup)[0]),
-        lacks=_NO_SEQUENCE,
-        axis="context",
-    ),
-    Family(
-        "fsdp x context",
-        "FSDP x context parallelism: the activations' sequence split over 'context', the "
-        "keys and values gathered whole in each layer; each leaf split over 'data' by "
-        "FSDP, the batch split over 'data'",
-        lambda setup, d, m: _context(setup, d, m, fsdp=True),
-        "both",
-        same_as=("fsdp", "context parallel"),
-        applies=lambda setup: bool(_sequence_names(setup)[0]),
-        lacks=_NO_SEQUENCE,
-        axis="context",
-    ),
-    Family(
-        "pipeline x data",
-        "pipeline stages x data parallelism: the layers eqshard.parallel.pipeline runs split over "
-        "'stage', each stage its own, copied over 'data'; the rest whole; the batch split "
-        "over 'data'",
-        _pipeline_data,
-        "both",
-        same_as=("data parallel", None),
-        applies=lambda setup: bool(_pipelined(setup)),
-        lacks=_NO_PIPELINE,
-        axis="stage",
-    ),
-)
-"""The candidate space, in the order its candidates come."""
-
-STRATEGIES = tuple(family.name for family in FAMILIES)
-"""The strategies' names, in the order their candidates come."""
-
-_FAMILY = {family.name: family for family in FAMILIES}
-
-
-def _meshes(families: Sequence[Family], devices: int) -> list[tuple[Family, int, int]]:
-    """Each family's factorizations `(family, data, model)`, in order."""
-    divisors = [m for m in range(1, devices + 1) if devices % m == 0]
-    found: list[tuple[Family, int, int]] = []
-    for family in families:
-        if family.meshes == "data":
-            found.append((family, devices, 1))
-        elif family.meshes == "model":
-            found.append((family, 1, devices))
-        else:
-            found += [(family, devices // m, m) for m in divisors]
-    return found
-
-
-def _same_as(family: Family, data: int, model: int) -> str | None:
-    """Why a two-dimensional family on a mesh with an axis of size 1 is another."""
-    if family.same_as is None:
-        return None
-    over_data, over_model = family.same_as
-    if model == 1 and over_data is not None:
-        axis = family.axis
-        return f"the same layout as {_name(over_data, data, 1)}: nothing is split over {axis!r}"
-    if data == 1 and over_model is not None:
-        other = _FAMILY[over_model]
-        on = _name(over_model, *((model, 1) if other.meshes == "data" else (1, model)), other.axis)
-        return f"the same layout as {on}: 'data' has one device"
-    return None
-
-
-def families_named(names: Sequence[str] | None) -> tuple[Family, ...]:
-    """The families `names` names (every one for `None`), in `FAMILIES`' order.
-
-    **Raises:** `EqshardError` for a name that is none of them, naming them all.
-    """
-    if names is None:
-        return FAMILIES
-    if isinstance(names, str):
-        names = [part.strip() for part in names.split(",")]
-    unknown = [n for n in names if n not in _FAMILY]
-    if unknown or not names:
-        what = f"{unknown[0]!r} is no strategy" if unknown else "no strategy is named"
-        raise EqshardError(f"{what}; the strategies are {', '.join(map(repr, STRATEGIES))}")
-    return tuple(family for family in FAMILIES if family.name in names)
+        return candidate_name(self.strategy, data, size, axis)
 
 
 # --------------------------------------------------------------------------- #
@@ -845,7 +96,7 @@ def families_named(names: Sequence[str] | None) -> tuple[Family, ...]:
 # --------------------------------------------------------------------------- #
 
 
-def _written(setup: _Setup, draft: _Draft) -> list[Rule]:
+def _written(setup: Setup, draft: Draft) -> list[Rule]:
     """The draft's ruled leaves as readable rules, checked to give each leaf exactly
     its expression (else one literal rule per leaf, which always does)."""
     keys: dict[tuple[str, str], list[int]] = {}
@@ -895,7 +146,7 @@ def _merged_comment(comments: Sequence[str]) -> str:
     return _INDEX_SEGMENT.sub(lambda _: next(found), first)
 
 
-def _gives(setup: _Setup, draft: _Draft, rules: list[Rule]) -> bool:
+def _gives(setup: Setup, draft: Draft, rules: list[Rule]) -> bool:
     """Whether `rules` give each ruled leaf its expression, and the others none."""
     matches, problems = match_rules(Rules(tuple(rules)), setup.planned_for)
     if problems:
@@ -933,9 +184,7 @@ def _normal(sharding: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _checked(
-    setup: _Setup, candidate: Candidate, splits_batch: bool
-) -> tuple[Any, Any, str | None]:
+def _checked(setup: Setup, candidate: Candidate, splits_batch: bool) -> tuple[Any, Any, str | None]:
     """The candidate's layouts as the devices see them (a key that two candidates
     share when they lay everything out alike) and its plan, or why its rules do not
     plan."""
@@ -975,7 +224,7 @@ def _checked(
     return key, plan, None
 
 
-def _activation_fault(setup: _Setup, candidate: Candidate) -> str | None:
+def _activation_fault(setup: Setup, candidate: Candidate) -> str | None:
     """Why the candidate's `"dims"` cannot lay out an activation the step names: two
     of its names on one mesh axis, or a dim the axes do not divide; else `None`."""
     sizes = dict(candidate.mesh)
@@ -1006,7 +255,7 @@ def _activation_fault(setup: _Setup, candidate: Candidate) -> str | None:
     return None
 
 
-def _batch_fault(setup: _Setup, data: int) -> str | None:
+def _batch_fault(setup: Setup, data: int) -> str | None:
     for where, shape in setup.batch:
         if shape and shape[0] % data:
             return (
@@ -1058,22 +307,20 @@ def candidates(
     """
     whole_number(devices, "`devices`")
     families = families_named(strategies)
-    setup = _setup(step, model, args, devices)
+    setup = setup_of(step, model, args, devices)
     kept: list[Candidate] = []
     dropped: list[tuple[str, str]] = []
     seen: dict[Any, str] = {}
     applying = [family for family in families if family.applies(setup)]
     if strategies is not None:  # a family asked for by name says why it made none
         dropped += [(f.name, f.lacks) for f in families if f not in applying]
-    for family, data, model_size in _meshes(applying, devices):
-        title = _name(family.name, data, model_size, family.axis)
-        reason = _same_as(family, data, model_size)
+    for family, data, model_size in meshes(applying, devices):
+        title = candidate_name(family.name, data, model_size, family.axis)
+        reason = same_as(family, data, model_size)
         splits_batch = family.splits_batch
         if reason is None and splits_batch:
             reason = _batch_fault(setup, data * model_size if family.batch_over_both else data)
-        built: _Draft | str = (
-            reason if reason is not None else family.build(setup, data, model_size)
-        )
+        built: Draft | str = reason if reason is not None else family.build(setup, data, model_size)
         if isinstance(built, str):
             dropped.append((title, built))
             continue
@@ -1118,94 +365,7 @@ def _portable_text(family: Family, model: int) -> str:
     )
 
 
-def _expert_names(setup: _Setup) -> frozenset[str]:
-    """The activations' names on the axes a stacked experts' matmul batches over
-    (`StepProfile.expert_labels`), and never on another axis a matmul shows."""
-    found: set[str] = set()
-    for k, positions in setup.profile.expert_labels.items():
-        items = setup.named[k][0]
-        for position in positions:
-            n = items[position]
-            if isinstance(n, str):
-                found.add(n)
-    return frozenset(found)
-
-
-def _over_model(setup: _Setup, draft: _Draft) -> frozenset[str]:
-    """The activations' names that label the output axis of a column- or
-    vocab-parallel weight this draft splits over `model` (`StepProfile.labels`), and
-    never another axis: Megatron keeps those activations split, as the weight makes
-    them (the logits by vocabulary), rather than gathering them whole."""
-    split = {setup.leaves[k].index for k in draft.ruled}
-    kinds = {i: role.kind for i, role in setup.roles.items()}
-    found: set[str] = set()
-    other: set[str] = set()
-    for k, (items, _) in enumerate(setup.named):
-        labelled = {axis: weight for weight, axis in setup.profile.labels.get(k, ())}
-        for position, n in enumerate(items):
-            if not isinstance(n, str):
-                continue
-            weight = labelled.get(position - len(items))
-            if weight in split and kinds.get(weight) in ("column", "vocab"):
-                found.add(n)
-            elif weight is not None:
-                other.add(n)
-    return frozenset(found - other - setup.batch_names)
-
-
-def _activation_dims(
-    setup: _Setup, family: Family, draft: _Draft, model: int
-) -> dict[str, str | None]:
-    """The rules' `"dims"` for the names the model gives its activations: the batch's
-    over `data` (over both axes for `data x expert`), the experts' over the axis that
-    splits the experts (else whole), the groups in the experts' buffers over `data`
-    (whole where `data` splits the experts), the sequence over `context`, a
-    column-parallel output over `model`; every other name whole."""
-    # a name on the experts' axis is the experts' (a buffer's leading axis may have
-    # the batch's size)
-    batch = setup.batch_names - _expert_names(setup) if family.splits_batch else frozenset()
-    if family.axis == "expert":
-        experts = _expert_names(setup)
-        groups = _expert_groups(setup, experts)
-        return {
-            n: "*" if n in batch else "expert" if n in experts else "data" if n in groups else None
-            for n in setup.activations
-        }
-    if family.axis == "context":
-        sequence, _ = _sequence_names(setup)
-        return {
-            n: "data" if n in batch else "context" if n in sequence else None
-            for n in setup.activations
-        }
-    over_model = _over_model(setup, draft) if model > 1 and family.axis == "model" else frozenset()
-    experts = _expert_names(setup)
-    if family.name == "expert parallel":  # each device its experts, the groups whole
-        over_data = batch | experts
-    else:  # every expert on every device, each device its groups in the buffers
-        over_data = batch | (_expert_groups(setup, experts) if family.splits_batch else set())
-    return {
-        n: "data" if n in over_data else "model" if n in over_model else None
-        for n in setup.activations
-    }
-
-
-def _expert_groups(setup: _Setup, experts: frozenset[str]) -> frozenset[str]:
-    """The names beside an expert name on one activation (the experts' buffers) whose
-    axis has the batch's size: the groups, split over `data` on a `data x expert`
-    mesh while the experts are split over `expert`."""
-    sizes = {shape[0] for _, shape in setup.batch if shape}
-    found: set[str] = set()
-    for items, shape in setup.named:
-        if any(n in experts for n in items if isinstance(n, str)):
-            found.update(
-                n
-                for n, size in zip(items, shape)
-                if isinstance(n, str) and n not in experts and size in sizes
-            )
-    return frozenset(found - setup.batch_names - experts)
-
-
-def _estimated(setup: _Setup, family: Family, candidate: Candidate, plan: Any) -> Estimated:
+def _estimated(setup: Setup, family: Family, candidate: Candidate, plan: Any) -> Estimated:
     """The candidate's figures before any compile (`_estimate.py`)."""
     leaves = [
         HeldLeaf(
@@ -1231,14 +391,14 @@ def _estimated(setup: _Setup, family: Family, candidate: Candidate, plan: Any) -
     )
 
 
-def _candidate(setup: _Setup, family: Family, data: int, model: int, draft: _Draft) -> Candidate:
+def _candidate(setup: Setup, family: Family, data: int, model: int, draft: Draft) -> Candidate:
     strategy = family.name
     axis = family.axis
     mesh = (("data", data), (axis, model))
     comment = f"{strategy} on data={data} x {axis}={model} ({setup.devices} devices): "
     comment += family.description + "."
     comment += _portable_text(family, model)
-    dims = _activation_dims(setup, family, draft, model)
+    dims = activation_dims(setup, family, draft, model)
     if dims:
         named = ", ".join(
             f"{n} over {axis!r}" if axis else f"{n} whole" for n, axis in dims.items()
@@ -1251,7 +411,7 @@ def _candidate(setup: _Setup, family: Family, data: int, model: int, draft: _Dra
         tuple(_written(setup, draft)),
         dims=dims,
         default=draft.default,
-        source=_SOURCE,
+        source=SOURCE,
         mesh=_portable_mesh(family, model),
         batch=parse(draft.batch),
         optimizer=optimizer,

@@ -170,7 +170,7 @@ def _batch_text(batch: str | None) -> str:
 
 
 def _cost_json(c: Cost) -> dict[str, Any]:
-    from ._suggest import communication
+    from ._ranked import communication
 
     estimate = c.estimate()
     return {
@@ -198,7 +198,7 @@ def _change(a: int, b: int) -> str:
 def _cost_lines(a: Cost, b: Cost) -> list[str]:
     """The change in memory per device, communication per mesh axis, and estimate."""
     from .._report import human_bytes
-    from ._suggest import communication
+    from ._ranked import communication
 
     peak = "peak" if a.target else "peak (XLA:CPU)"
     memory = [f"{peak} {_change(a.memory.peak, b.memory.peak)}"]
@@ -299,6 +299,7 @@ def diff(
     *args: Any,
     step: Any = None,
     devices: Devices = None,
+    simulate: int | None = None,
     target: str | None = None,
 ) -> Diff:
     """What changes from spec `a` to spec `b`: the leaves laid out differently, and with
@@ -307,27 +308,22 @@ def diff(
     **Example:**
 
     ```python
-    d = eqshard.diff(model, Path("dp.eqshard.json"), Path("fsdp.eqshard.json"), devices=8)
+    d = eqshard.diff(model, Path("dp.eqshard.json"), Path("fsdp.eqshard.json"), simulate=8)
     print(d)             # a line per leaf laid out differently, with both sides
     d.same               # False
-    d = eqshard.diff(model, a, b, opt_state, batch, step=step, devices=8)
+    d = eqshard.diff(model, a, b, opt_state, batch, step=step, simulate=8)
     d.costs              # (Cost of a, Cost of b)
     ```
 
     **Arguments:**
 
-    - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`), or a
-        `(model, state)` pair (see "Stateful models").
-    - `a`, `b`: the specs, as `eqshard.plan` takes them (a `pathlib.Path` is a spec
-        file, a `str` an expression), but not a `Plan`, which holds its own devices.
-    - `*args`: with `step`, the rest of its arguments, as `eqshard.cost` takes them
-        after the model (a stateful model's state, the optimizer state, the batch).
-    - `step`: the training step: both specs are costed (`eqshard.cost`) on the same
-        devices; `None` by default.
-    - `devices`: what to lay out on, as `eqshard.plan` takes it: a count, or a list of
-        this process's devices (see "Devices").
-    - `target`: instead, a TPU slice (`"v5e:4x4"`): its device count, and with a step,
-        compiled for it by XLA:TPU.
+    - `model`: the model, concrete or abstract, or a `(model, state)` pair (both laid out).
+    - `a`, `b`: the specs, as `eqshard.plan` takes them, but not a `Plan`.
+    - `*args`: with `step`, its other arguments, as `eqshard.cost` takes them.
+    - `step`: the training step, to cost both specs with `eqshard.cost`; `None` by default.
+    - `devices`: this process's devices to lay out (and compile) on: a count or a list.
+    - `simulate`: or a count of devices this process need not have: laid out abstractly.
+    - `target`: or a TPU slice (`"v5e:4x4"`): its devices, compiled for by XLA:TPU.
 
     **Returns:**
 
@@ -335,20 +331,15 @@ def diff(
 
     **Raises:**
 
-    - `eqshard.SpecError`: a spec does not lay the model out (every fault of the first
-        that does not, named in its headline).
-    - `eqshard.EqshardError`: `args` are given without a step, or `devices` and `target`
-        are both given, or as `eqshard.cost` raises.
+    - `eqshard.SpecError`: a spec does not lay the model out (the first's faults first).
+    - `eqshard.UsageError`: `devices` with `simulate`.
+    - `eqshard.EqshardError`: `args` without a step, a `target` with `devices` or
+        `simulate`, or as `eqshard.cost` raises.
 
-    !!! info "Stateful models"
-
-        For a `(model, state)` pair both are laid out. The step takes the model alone
-        first, and its state among `args`.
-
-    !!! info "Devices"
-
-        By default the count is `a`'s spec file's `"devices"`, else `b`'s, else 8. With
-        a step, the specs are compiled on that many simulated devices.
+    With none of the three, the count is `a`'s spec file's `"devices"`, else `b`'s,
+    else 8, simulated. A `devices=n` over this process's device count keeps its old
+    meaning, `simulate=n`, with a `DeprecationWarning`. A stateful model's step takes
+    the model alone first, and its state among `args`.
     """
     from .._fields import is_stateful_pair
     from .._plan import Plan, plan
@@ -367,9 +358,8 @@ def diff(
                 "`Plan` was made from, not the plan"
             )
         specs.append(read_path(spec))
-    n = _device_count(specs, devices, target)
-    listed = devices is not None and not isinstance(devices, (int, np.integer))
-    on = devices if listed else n  # a list of devices, or a count laid out abstractly
+    n, listed = _device_count(specs, devices, simulate, target)
+    on = listed if listed is not None else n  # this process's devices, or a count, abstractly
     plans = []
     for spec in specs:
         try:
@@ -407,12 +397,16 @@ def diff(
     )
 
 
-def _device_count(specs: Sequence[Any], devices: Devices, target: str | None) -> int:
-    """The count both specs are laid out on: the slice's, `devices`, the files'
-    `"devices"` (the first's), or 8."""
-    if target is not None or devices is not None:
+def _device_count(
+    specs: Sequence[Any], devices: Devices, simulate: int | None, target: str | None
+) -> tuple[int, tuple[Any, ...] | None]:
+    """The count both specs are laid out on (the slice's, `devices`', `simulate`, the
+    files' `"devices"`, the first's, or 8), and this process's devices where they are
+    laid out on them."""
+    if target is not None or devices is not None or simulate is not None:
         from ._suggest import placement
 
-        return placement(devices, target)[0]
+        n, _, listed = placement(devices, simulate, target, stacklevel=4)
+        return n, listed
     declared = [getattr(spec, "devices", None) for spec in specs]
-    return next((d for d in declared if d is not None), 8)
+    return next((d for d in declared if d is not None), 8), None

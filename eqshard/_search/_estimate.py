@@ -9,7 +9,7 @@ candidate gets an `Estimated` from what is known without the compiler:
     (the parameters' layouts);
 - **estimated:** the activations the forward pass keeps for the gradient, the
     collectives per mesh axis, the FLOPs and the bytes accessed, from the layouts and
-    the step's jaxpr (`_megatron.step_profile`): the gradients of what is copied over
+    the step's jaxpr (`_profile.step_profile`): the gradients of what is copied over
     `data` all-reduced over it, what is split over `data` gathered for use and its
     gradient scattered back, and Megatron's all-reduce over `model` after each
     row-parallel matmul and before each column-parallel one's gradient.
@@ -30,7 +30,7 @@ import numpy as np
 
 from .._cost._hardware import Estimate, Hardware, Moved, roofline
 from .._report import leaf_rows
-from ._megatron import Role, StepProfile
+from ._profile import Role, StepProfile
 
 __all__ = ["Estimated", "HeldLeaf", "estimated"]
 

@@ -17,7 +17,8 @@ from .._cost._hardware import seconds_text
 from .._errors import EqshardError
 from .._fit import mesh_text
 from .._report import as_text, human_bytes
-from ._suggest import WIDTH, Progress, Ranked, Suggestion, out_of_memory, placement, suggest
+from ._ranked import WIDTH, Progress, Ranked, Suggestion, out_of_memory
+from ._suggest import placement, suggest
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -237,7 +238,7 @@ def suggest_targets(
     """
     names = target_names(targets)
     for name in names:  # every name checked before the first slice compiles
-        placement(None, name)
+        placement(None, None, name)
     rankings = [
         suggest(
             model,

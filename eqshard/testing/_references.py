@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import EqshardError
-from .._process._workers import pickled
+from .._process._pickles import pickled
 from .._specfile._read import read_path
 
 __all__ = ["callable_reference", "spec_reference"]
@@ -101,7 +101,7 @@ def _same_file(a: str, b: str) -> bool:
 def spec_reference(spec: Any) -> dict[str, str]:
     """`spec` as the worker's request carries it: `{"file": PATH}` for a spec file's
     path, else `{"pickle": BASE64}` (an expression, `Rules`, `FROM_FIELDS`, a spec
-    tree of picklable leaves), as `eqshard._process._workers.pickled` writes it.
+    tree of picklable leaves), as `eqshard._process._pickles.pickled` writes it.
 
     **Raises:**
 

@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import EqshardError, whole_number
+from .._process._pickles import unpickled
 from .._process._usercode import call, user_callable
-from .._process._workers import serve, unpickled
+from .._process._workers import serve
 from ._tolerances import Needed
 
 __all__ = ["main"]

@@ -1,6 +1,9 @@
-"""Megatron's column- and row-parallel pairs, found in the step's jaxpr, not in names.
+"""The walk of the step's forward pass: what each of the model's leaves is, found in
+the step's jaxpr, never in names: Megatron's roles, the experts' stacks, the
+matmuls, the named activations and the pipelined stacks (`_profile.py` reads them
+into a `StepProfile`).
 
-`tensor_roles` traces the user's training step (`jax.make_jaxpr` over the abstract
+`_profile.step_profile` traces the user's training step (`jax.make_jaxpr` over the abstract
 arguments, as `eqshard.cost` takes them) and follows each of the model's leaves
 through the forward pass, into nested jaxprs (`jit`, `scan`, `while`, `cond`,
 `checkpoint`, `custom_jvp_call`, `custom_vjp_call`). A leaf used as an operand of a
@@ -48,18 +51,24 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-import equinox as eqx
 import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal as JaxprLiteral
 
 from .._activations import RECORDED
 from .._compat import is_transposed, missing, param
-from .._errors import StepError
 from .._pipeline import MARKED
-from .._process._usercode import with_user_frames
 
-__all__ = ["Matmul", "Role", "StepProfile", "abstract_leaf", "step_profile", "tensor_roles"]
+__all__ = [
+    "NOTHING",
+    "Matmul",
+    "Pipelined",
+    "Role",
+    "Value",
+    "Walk",
+    "ragged_numbers",
+    "shape_of",
+]
 
 Kind = Literal["column", "row", "vocab", "embedding", "bias"]
 
@@ -124,50 +133,7 @@ class Pipelined:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepProfile:
-    """What the step's jaxpr shows, for Megatron's roles and for estimates.
-
-    - `roles`: each leaf's `Role`, by its index in the model's leaves.
-    - `matmuls`: each weight's matrix products in the forward pass.
-    - `flops`: the FLOPs of every matrix product of the step (forward and
-        gradient), whole, each times the lengths of the scans around it.
-    - `labels`: for each activation the model names (by its index in what
-        `_activations.recording` records), the weights whose output axes it holds:
-        `(weight, axis)`, the axis counted from the end (`-1` the last).
-    - `experts`: each weight stacked over experts, each applied to its own tokens, and
-        its expert axis: the axis of a `dot_general` batched over it, matched with an
-        activation's (an `einsum` over the experts, or `vmap` over their stack), or a
-        ragged dot's group axis (`jax.lax.ragged_dot`, the rhs's).
-    - `expert_labels`: for each named activation such a matmul takes, the axes (from
-        the end) it batches over: the named axes that run along the experts.
-    - `attention_free`: for each named activation that is an operand of a matmul of
-        two named activations (attention's scores, of the queries and the keys as
-        named), the axes (from the end) that the matmul neither contracts nor batches
-        over: the queries' sequence and the keys'.
-    - `attention_contracted`: for each named activation that is an operand of a
-        matmul of two activations (the scores, or the weighted sum of the values), the
-        axes (from the end) it contracts: the values' sequence (and the queries' and
-        keys' features).
-    - `pipelined`: each leaf of the model that `eqshard.parallel.pipeline` runs as a stack of
-        layers (its marker, `_pipeline.MARKED`), and how.
-    - `ambiguous_experts`: each weight whose matmuls stack it over different axes, and
-        those axes: which is the experts' is not known, and it is in neither.
-    """
-
-    roles: dict[int, Role]
-    matmuls: tuple[Matmul, ...]
-    flops: float
-    labels: dict[int, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
-    experts: dict[int, int] = dataclasses.field(default_factory=dict)
-    expert_labels: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
-    attention_free: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
-    attention_contracted: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
-    pipelined: dict[int, Pipelined] = dataclasses.field(default_factory=dict)
-    ambiguous_experts: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Value:
+class Value:
     """What the walk knows of one value of the jaxpr.
 
     - `view`: `(leaf, axes)` where the value is the model's leaf `leaf` seen through
@@ -184,7 +150,7 @@ class _Value:
     data: bool = False
 
 
-_NOTHING = _Value()
+NOTHING = Value()
 
 # Operations that show a leaf as it is, axis for axis (casts, copies, constraints).
 _SAME = frozenset(
@@ -202,9 +168,9 @@ _SAME = frozenset(
 _BIAS_OPS = frozenset({"add", "sub", "add_any"})
 
 
-def _join(a: _Value, b: _Value) -> _Value:
+def _join(a: Value, b: Value) -> Value:
     """What a loop's carry may hold: what either value holds (a view where they agree)."""
-    return _Value(
+    return Value(
         a.view if a.view == b.view else None,
         a.sources | b.sources,
         tuple(f for f in a.features if f in b.features),
@@ -212,10 +178,10 @@ def _join(a: _Value, b: _Value) -> _Value:
     )
 
 
-def _merged(values: Sequence[_Value]) -> _Value:
+def _merged(values: Sequence[Value]) -> Value:
     """A value computed from `values` by an operation that is not a weight's matmul."""
     sources: frozenset[int] = frozenset().union(*(v.sources for v in values))
-    return _Value(None, sources, (), any(v.data for v in values))
+    return Value(None, sources, (), any(v.data for v in values))
 
 
 def _is_backward(eqn: Any) -> bool:
@@ -236,7 +202,7 @@ class _Dot:
     grouped_output: bool = False
 
 
-def _ragged_numbers(eqn: Any) -> _Dot:
+def ragged_numbers(eqn: Any) -> _Dot:
     """A `ragged_dot_general` equation's dimension numbers (its public
     `jax.lax.RaggedDotDimensionNumbers`).
 
@@ -264,7 +230,7 @@ class _Use:
     inner: tuple[int, ...]
 
 
-class _Walk:
+class Walk:
     """The abstract interpretation of the forward pass (see the module docstring)."""
 
     def __init__(self) -> None:
@@ -291,15 +257,15 @@ class _Walk:
         return self.sources.setdefault(var, len(self.sources) + 1)
 
     # ----------------------------------------------------------------- jaxprs
-    def run(self, jaxpr: Jaxpr, consts: Sequence[_Value], args: Sequence[_Value]) -> list[_Value]:
-        env: dict[Any, _Value] = {}
+    def run(self, jaxpr: Jaxpr, consts: Sequence[Value], args: Sequence[Value]) -> list[Value]:
+        env: dict[Any, Value] = {}
         for var, value in zip(jaxpr.constvars, consts):
             env[var] = value
         for var, value in zip(jaxpr.invars, args):
             env[var] = value
 
-        def read(atom: Any) -> _Value:
-            return _NOTHING if isinstance(atom, JaxprLiteral) else env.get(atom, _NOTHING)
+        def read(atom: Any) -> Value:
+            return NOTHING if isinstance(atom, JaxprLiteral) else env.get(atom, NOTHING)
 
         for eqn in jaxpr.eqns:
             if _is_backward(eqn):
@@ -310,13 +276,13 @@ class _Walk:
                 env[var] = value
         return [read(atom) for atom in jaxpr.outvars]
 
-    def closed(self, closed: Any, args: Sequence[_Value]) -> list[_Value]:
+    def closed(self, closed: Any, args: Sequence[Value]) -> list[Value]:
         if isinstance(closed, ClosedJaxpr):
-            return self.run(closed.jaxpr, [_NOTHING] * len(closed.consts), args)
+            return self.run(closed.jaxpr, [NOTHING] * len(closed.consts), args)
         return self.run(closed, [], args)
 
     # ----------------------------------------------------------------- equations
-    def eqn(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def eqn(self, eqn: Any, ins: list[Value]) -> list[Value]:
         name = eqn.primitive.name
         n_out = len(eqn.outvars)
         handler = _HANDLERS.get(name)
@@ -331,7 +297,7 @@ class _Walk:
             self._bias(eqn, ins)
         return [_merged(ins)] * n_out
 
-    def _bias(self, eqn: Any, ins: list[_Value]) -> None:
+    def _bias(self, eqn: Any, ins: list[Value]) -> None:
         """An addition: a leaf added along a weight's output axis, right after its
         matmul, is that weight's bias."""
         rank = len(eqn.outvars[0].aval.shape)
@@ -347,19 +313,19 @@ class _Walk:
                 if along is not None and leaf != weight:
                     self.biases.setdefault(weight, {}).setdefault(leaf, (along, (along,)))
 
-    def _dot_general(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _dot_general(self, eqn: Any, ins: list[Value]) -> list[Value]:
         lhs, rhs = ins[0], ins[1]
         (lc, rc), (lb, rb) = param(eqn, "dimension_numbers")
         if lhs.view is None and rhs.view is None and lhs.data and rhs.data:
             self._attention(eqn, (lc, rc), (lb, rb))
         return self._matmul(eqn, ins, _Dot((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))))
 
-    def _ragged_dot(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _ragged_dot(self, eqn: Any, ins: list[Value]) -> list[Value]:
         """`jax.lax.ragged_dot`: each group of the lhs's rows (`group_sizes`, its third
         operand) times its own matrix of the rhs's stack, the rhs's group dim."""
-        return self._matmul(eqn, ins, _ragged_numbers(eqn))
+        return self._matmul(eqn, ins, ragged_numbers(eqn))
 
-    def _matmul(self, eqn: Any, ins: list[_Value], dot: _Dot) -> list[_Value]:
+    def _matmul(self, eqn: Any, ins: list[Value], dot: _Dot) -> list[Value]:
         """A matmul of a leaf and an activation: the leaf is a weight. Its axes that the
         matmul batches over (a `dot_general`'s batch dims, matched with the
         activation's) or groups by (a ragged dot's group dims) are a stack of experts,
@@ -391,7 +357,7 @@ class _Walk:
             index = None if isinstance(other, JaxprLiteral) else self.named_vars.get(other)
             theirs = dot.batch[1 - side]
             if index is not None and theirs:
-                rank = len(_shape(other))
+                rank = len(shape_of(other))
                 self.expert_labels.setdefault(index, set()).update(a - rank for a in theirs)
         operand = eqn.invars[1 - side]
         self.matmuls.append(
@@ -412,7 +378,7 @@ class _Walk:
             at = dot.grouped_output + len(lb) + (0 if side == 0 else lhs_free)
             features = ((leaf, at),)
         data = activation.data or any(v.data for v in ins[2:])  # a ragged dot's groups
-        return [_Value(None, frozenset({leaf}), features, data)]
+        return [Value(None, frozenset({leaf}), features, data)]
 
     def _attention(self, eqn: Any, contracting: Any, batch: Any) -> None:
         """A matmul of two activations (attention's scores, or its weighted sum): the
@@ -424,7 +390,7 @@ class _Walk:
         for side, index in enumerate(named):
             if index is None:
                 continue
-            rank = len(_shape(eqn.invars[side]))
+            rank = len(shape_of(eqn.invars[side]))
             if None not in named:  # the scores: queries and keys, each named
                 skip = set(contracting[side]) | set(batch[side])
                 free = {a - rank for a in range(rank) if a not in skip}
@@ -432,7 +398,7 @@ class _Walk:
             contracted = {a - rank for a in contracting[side]}
             self.attention_contracted.setdefault(index, set()).update(contracted)
 
-    def _gather(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _gather(self, eqn: Any, ins: list[Value]) -> list[Value]:
         operand, indices = ins[0], ins[1]
         out = _merged(ins)
         if operand.view is None or indices.view is not None:
@@ -449,14 +415,14 @@ class _Walk:
             self.matmuls.append(Matmul(leaf, 0, _nbytes(eqn.outvars[0].aval), self.trips))
         return [out]
 
-    def _transpose(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _transpose(self, eqn: Any, ins: list[Value]) -> list[Value]:
         (x,) = ins
         perm = param(eqn, "permutation")
         view = None if x.view is None else (x.view[0], tuple(x.view[1][p] for p in perm))
         features = tuple((w, perm.index(a)) for w, a in x.features)
-        return [_Value(view, x.sources, features, x.data)]
+        return [Value(view, x.sources, features, x.data)]
 
-    def _name(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _name(self, eqn: Any, ins: list[Value]) -> list[Value]:
         """A `checkpoint_name`, the identity: one eqshard puts on an activation the
         model names while `eqshard suggest` records (`_activations.marked`) says
         which weights' outputs the named axes hold."""
@@ -468,13 +434,13 @@ class _Walk:
             )
             self.pipelined.setdefault(ins[0].view[0], found)
         if label.startswith(RECORDED):
-            rank = len(_shape(eqn.outvars[0]))
+            rank = len(shape_of(eqn.outvars[0]))
             found = tuple((weight, axis - rank) for weight, axis in ins[0].features)
             self.labels[int(label[len(RECORDED) :])] = found
             self.named_vars[eqn.outvars[0]] = int(label[len(RECORDED) :])
         return ins[:1]
 
-    def _broadcast_in_dim(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _broadcast_in_dim(self, eqn: Any, ins: list[Value]) -> list[Value]:
         x = ins[0]
         dims = param(eqn, "broadcast_dimensions")
         rank = len(param(eqn, "shape"))
@@ -487,7 +453,7 @@ class _Walk:
         features = tuple((w, int(dims[a])) for w, a in x.features)
         return [dataclasses.replace(out, features=features)]
 
-    def _reshape(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _reshape(self, eqn: Any, ins: list[Value]) -> list[Value]:
         """A reshape that only adds or drops axes of size 1 keeps the rest."""
         x = ins[0]
         before = tuple(eqn.invars[0].aval.shape)
@@ -506,7 +472,7 @@ class _Walk:
         features = tuple((w, where[a]) for w, a in x.features if a in where)
         return [dataclasses.replace(out, features=features)]
 
-    def _squeeze(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _squeeze(self, eqn: Any, ins: list[Value]) -> list[Value]:
         x = ins[0]
         dropped = {int(d) for d in param(eqn, "dimensions")}
         kept = [i for i in range(len(eqn.invars[0].aval.shape)) if i not in dropped]
@@ -516,20 +482,20 @@ class _Walk:
         features = tuple((w, kept.index(a)) for w, a in x.features if a in kept)
         return [dataclasses.replace(out, features=features)]
 
-    def _slice_view(self, ins: list[_Value]) -> list[_Value]:
+    def _slice_view(self, ins: list[Value]) -> list[Value]:
         """A slice of a leaf is still the leaf, axis for axis (a stacked layer taken
         by index, a fused weight cut into parts)."""
         out = _merged(ins)
         return [dataclasses.replace(out, view=ins[0].view, features=ins[0].features)]
 
-    def _slice(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _slice(self, eqn: Any, ins: list[Value]) -> list[Value]:
         return self._slice_view(ins)
 
-    def _dynamic_slice(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _dynamic_slice(self, eqn: Any, ins: list[Value]) -> list[Value]:
         return self._slice_view(ins)
 
     # ----------------------------------------------------------------- control flow
-    def _scan(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _scan(self, eqn: Any, ins: list[Value]) -> list[Value]:
         consts, carries = _scan_counts(eqn)
         body = param(eqn, "jaxpr")
         xs = [_sliced(v) for v in ins[consts + carries :]]
@@ -544,7 +510,7 @@ class _Walk:
             self.trips = outer
         return [*outs[:carries], *(_merged([v]) for v in outs[carries:])]
 
-    def _while(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
+    def _while(self, eqn: Any, ins: list[Value]) -> list[Value]:
         cond_n = param(eqn, "cond_nconsts")
         body_n = param(eqn, "body_nconsts")
         body_consts = ins[cond_n : cond_n + body_n]
@@ -553,20 +519,20 @@ class _Walk:
             lambda c: self.closed(param(eqn, "body_jaxpr"), [*body_consts, *c]), carry, len(carry)
         )
 
-    def _cond(self, eqn: Any, ins: list[_Value]) -> list[_Value]:
-        found: list[_Value] | None = None
+    def _cond(self, eqn: Any, ins: list[Value]) -> list[Value]:
+        found: list[Value] | None = None
         for branch in param(eqn, "branches"):
             outs = self.closed(branch, ins[1:])
             found = outs if found is None else [_join(a, b) for a, b in zip(found, outs)]
         index = ins[0]
         return [
             dataclasses.replace(v, data=v.data or index.data, view=None)
-            for v in (found or [_NOTHING] * len(eqn.outvars))
+            for v in (found or [NOTHING] * len(eqn.outvars))
         ]
 
     def _fixed_point(
-        self, body: Callable[[list[_Value]], list[_Value]], carry: list[_Value], n: int
-    ) -> list[_Value]:
+        self, body: Callable[[list[Value]], list[Value]], carry: list[Value], n: int
+    ) -> list[Value]:
         """Runs a loop's body until its carry holds no more than it did: a weight's
         output reaches the next iteration's weights through the carry."""
         walked = len(self.matmuls)
@@ -623,20 +589,20 @@ class _Walk:
         return found
 
 
-_HANDLERS: dict[str, Callable[[_Walk, Any, list[_Value]], list[_Value]]] = {
-    "dot_general": _Walk._dot_general,
-    "ragged_dot_general": _Walk._ragged_dot,
-    "name": _Walk._name,
-    "gather": _Walk._gather,
-    "transpose": _Walk._transpose,
-    "broadcast_in_dim": _Walk._broadcast_in_dim,
-    "reshape": _Walk._reshape,
-    "squeeze": _Walk._squeeze,
-    "slice": _Walk._slice,
-    "dynamic_slice": _Walk._dynamic_slice,
-    "scan": _Walk._scan,
-    "while": _Walk._while,
-    "cond": _Walk._cond,
+_HANDLERS: dict[str, Callable[[Walk, Any, list[Value]], list[Value]]] = {
+    "dot_general": Walk._dot_general,
+    "ragged_dot_general": Walk._ragged_dot,
+    "name": Walk._name,
+    "gather": Walk._gather,
+    "transpose": Walk._transpose,
+    "broadcast_in_dim": Walk._broadcast_in_dim,
+    "reshape": Walk._reshape,
+    "squeeze": Walk._squeeze,
+    "slice": Walk._slice,
+    "dynamic_slice": Walk._dynamic_slice,
+    "scan": Walk._scan,
+    "while": Walk._while,
+    "cond": Walk._cond,
 }
 
 
@@ -653,11 +619,11 @@ def _io(use: _Use) -> tuple[int | None, int | None]:
     )
 
 
-def _sliced(value: _Value) -> _Value:
+def _sliced(value: Value) -> Value:
     """A scanned-over value, as the body sees one slice of it: its leading axis gone."""
     view = None if value.view is None else (value.view[0], value.view[1][1:])
     features = tuple((w, a - 1) for w, a in value.features if a > 0)
-    return _Value(view, value.sources, features, value.data)
+    return Value(view, value.sources, features, value.data)
 
 
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
@@ -687,145 +653,9 @@ def _inner_jaxpr(eqn: Any) -> Any:
     return None
 
 
-def _is_abstract_array(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def abstract_leaf(x: Any) -> Any:
-    """An array leaf as a `jax.ShapeDtypeStruct` (no sharding); anything else as it is."""
-    if isinstance(x, jax.ShapeDtypeStruct) or eqx.is_array(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return x
-
-
-def tensor_roles(step: Callable[..., Any], model: Any, *args: Any) -> dict[int, Role]:
-    """The Megatron role of each of the model's leaves that has one, from the step's
-    jaxpr (see the module docstring): `step_profile(...).roles`.
-
-    **Example:**
-
-    ```python
-    roles = tensor_roles(step, eqx.filter_eval_shape(build), opt_state, batch)
-    roles[3]    # Role(kind='column', axis=1, inner=(1, 2), ...): by leaf index
-    ```
-    """
-    return step_profile(step, model, *args).roles
-
-
-def step_profile(step: Callable[..., Any], model: Any, *args: Any) -> StepProfile:
-    """The step's jaxpr, read once: each leaf's Megatron role (see the module
-    docstring), each weight's matrix products and the step's FLOPs.
-
-    **Example:**
-
-    ```python
-    profile = step_profile(step, eqx.filter_eval_shape(build), opt_state, batch)
-    profile.roles[3]    # Role(kind='column', axis=1, inner=(1, 2), ...): by leaf index
-    profile.flops       # every matrix product of the step, whole
-    ```
-
-    **Arguments:**
-
-    - `step`: the training step, called as `step(model, *args)`; an
-        `eqx.filter_jit` function is traced through what it wraps.
-    - `model`, `*args`: as `eqshard.cost` takes them, concrete or abstract.
-
-    **Returns:**
-
-    A `StepProfile`: its `roles` by a leaf's index in `jax.tree_util.tree_leaves(model)`.
-
-    **Raises:**
-
-    `eqshard.StepError` when the step cannot be traced, with its error as the cause.
-    """
-    fn = getattr(step, "__wrapped__", step)
-    model = jax.tree_util.tree_map(abstract_leaf, model)
-    args = tuple(jax.tree_util.tree_map(abstract_leaf, arg) for arg in args)
-    dynamic, static = eqx.partition([model, *args], _is_abstract_array)
-
-    def run(dynamic: Any) -> Any:
-        everything = eqx.combine(dynamic, static)
-        return eqx.filter(fn(*everything), eqx.is_array)
-
-    try:
-        closed = jax.make_jaxpr(run)(dynamic)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as error:  # the user's step (SystemExit too): named, with its cause
-        name = getattr(fn, "__qualname__", type(fn).__name__)
-        failed = StepError(
-            f"cannot trace the step {name} to find its tensor-parallel pairs: it raised "
-            f"{type(error).__name__}: {error}"
-        )
-        raise with_user_frames(failed, error) from error
-    leaves = jax.tree_util.tree_leaves(model)
-    at = [i for i, leaf in enumerate(leaves) if _is_abstract_array(leaf)]
-    values = [
-        _Value(view=(at[k], tuple(range(len(var.aval.shape)))))
-        if k < len(at)
-        else _Value(data=True)
-        for k, var in enumerate(closed.jaxpr.invars)
-    ]
-    walk = _Walk()
-    walk.run(closed.jaxpr, [_NOTHING] * len(closed.consts), values)
-    return StepProfile(
-        walk.roles(),
-        tuple(walk.matmuls),
-        _flops(closed.jaxpr, 1),
-        walk.labels,
-        {leaf: next(iter(axes)) for leaf, axes in walk.experts.items() if len(axes) == 1},
-        {k: frozenset(v) for k, v in walk.expert_labels.items()},
-        {k: frozenset(v) for k, v in walk.attention_free.items()},
-        {k: frozenset(v) for k, v in walk.attention_contracted.items()},
-        walk.pipelined,
-        {leaf: tuple(axes) for leaf, axes in walk.experts.items() if len(axes) > 1},
-    )
-
-
 def _nbytes(aval: Any) -> int:
     return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
-def _flops(jaxpr: Jaxpr, trips: int) -> float:
-    """The FLOPs of every `dot_general` and ragged dot in `jaxpr` and the jaxprs it
-    calls, each times the lengths of the scans around it (a `while` loop and each
-    branch of a `cond` count once: an upper bound there). A ragged dot counts each of
-    the lhs's rows once, by its own group's matrix (not what a compiler that writes it
-    dense computes)."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in ("dot_general", "ragged_dot_general"):
-            ragged = name == "ragged_dot_general"
-            if ragged:
-                dot = _ragged_numbers(eqn)
-                lc, groups = dot.contracting[0], dot.grouped_output
-            else:
-                (lc, _), _ = param(eqn, "dimension_numbers")
-                groups = False
-            shape = _shape(eqn.invars[0])
-            contracted = int(np.prod([shape[a] for a in lc], dtype=np.int64))
-            out = int(np.prod(_shape(eqn.outvars[0]), dtype=np.int64))
-            # a ragged contraction's output holds a matrix per group, each of its rows'
-            per = _shape(eqn.outvars[0])[0] if groups else 1
-            total += 2.0 * out * contracted * trips / per
-            continue
-        inner = trips * int(param(eqn, "length")) if name == "scan" else trips
-        for sub in _subjaxprs(eqn):
-            total += _flops(sub, inner)
-    return total
-
-
-def _shape(var: Any) -> tuple[int, ...]:
+def shape_of(var: Any) -> tuple[int, ...]:
     return tuple(var.aval.shape)
-
-
-def _subjaxprs(eqn: Any) -> list[Jaxpr]:
-    found = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, ClosedJaxpr):
-                found.append(item.jaxpr)
-            elif isinstance(item, Jaxpr):
-                found.append(item)
-    return found
