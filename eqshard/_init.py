@@ -39,7 +39,7 @@ from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, leaf_name
 from ._plan import Plan, Spec, Unspecified, placing
 from ._problems import Problem
-from ._sharding import AnyMesh, Devices, local_devices
+from ._sharding import AnyMesh, Devices, placement
 from ._values import unplaceable
 
 __all__ = ["init", "initializer"]
@@ -93,7 +93,8 @@ def init(
     - `factory`: a function of no arguments that builds the model (see "The factory").
     - `spec`: anything `eqshard.apply` takes, a `Plan` included.
     - `mesh`: as for `eqshard.plan`.
-    - `devices`: a list of devices, or a count: the first that many of this process.
+    - `devices`: else, this process's devices: a list, or a count (the first that
+        many); by default all of `jax.devices()`.
     - `unspecified`: as for `eqshard.plan`.
 
     **Returns:**
@@ -174,7 +175,7 @@ def init(
         abstract,
         spec,
         mesh=mesh,
-        devices=local_devices(devices, "`eqshard.init`"),
+        devices=placement(devices, what="`eqshard.init`"),
         unspecified=unspecified,
     )
     plan = planned.plan

@@ -24,6 +24,7 @@ __all__ = [
     "MeshWarning",
     "UnusedRule",
     "UnusedRuleWarning",
+    "deprecated",
     "unused_message",
     "warn",
 ]
@@ -252,3 +253,12 @@ def warn(found: Iterable[EqshardWarning]) -> None:
         frame, level = frame.f_back, level + 1
     for warning in found:
         warnings.warn(warning, stacklevel=level + 1)
+
+
+def deprecated(text: str) -> None:
+    """Warns a `DeprecationWarning` saying `text` (the old spelling and the new),
+    pointed at the first caller outside eqshard, as `warn` points its warnings."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, DeprecationWarning, stacklevel=level + 1)

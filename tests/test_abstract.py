@@ -130,7 +130,7 @@ def test_an_abstract_plan_gives_every_device_the_blocks_a_concrete_one_does(spec
     model = eqx.filter_eval_shape(build_model)
     rules = eqshard.load(spec)
     concrete = eqshard.plan(model, rules, devices=jax.devices())
-    abstract = eqshard.plan(model, rules, devices=8)
+    abstract = eqshard.plan(model, rules, simulate=8)
     assert isinstance(concrete.mesh, Mesh)
     assert isinstance(abstract.mesh, AbstractMesh)
     assert list(concrete.mesh.devices.flat) == jax.devices()  # einshard's device i
@@ -171,7 +171,7 @@ def test_without_a_shared_mesh_each_expression_keeps_its_own_abstract_mesh():
 
 def test_a_llama_shaped_model_on_65536_devices():
     model = eqx.filter_eval_shape(build)  # 8 billion parameters, abstract
-    plan = eqshard.plan(model, eqshard.load(LLAMA_SPEC), devices=65536)
+    plan = eqshard.plan(model, eqshard.load(LLAMA_SPEC), simulate=65536)
     assert plan.devices == 65536
     assert plan.mesh == AbstractMesh(
         (4096, 16), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto)
@@ -217,7 +217,7 @@ def test_check_on_65536_devices_from_the_command_line(run_python, tmp_path):
 def test_an_abstract_plan_serves_jit_where_a_mesh_is_set():
     model = eqx.nn.Linear(8, 16, key=jax.random.key(0))
     rules = eqshard.load({"eqshard": 1, "rules": [{"path": "weight", "expr": "o i -> o2 i4"}]})
-    plan = eqshard.plan(model, rules, devices=8)
+    plan = eqshard.plan(model, rules, simulate=8)
     assert plan.partition_specs.weight == P("m0", "m1")
     mesh = jax.make_mesh((2, 4), ("m0", "m1"), axis_types=(AxisType.Auto,) * 2)
 
@@ -262,7 +262,7 @@ def _linear():
 def test_placing_with_a_plan_for_a_count_uses_the_first_n_devices(what, call, tmp_path):
     eqx.tree_serialise_leaves(tmp_path / "linear.eqx", _linear())
     rules = eqshard.load(_LINEAR_RULES)
-    counted = eqshard.plan(_linear(), rules, devices=4)
+    counted = eqshard.plan(_linear(), rules, simulate=4)
     on_devices = eqshard.plan(_linear(), rules, devices=jax.devices()[:4])
     result = call(counted, tmp_path / "linear.eqx")
     if what == "cost":  # what it compiled for: 4 devices, split as on those devices
@@ -275,15 +275,15 @@ def test_placing_with_a_plan_for_a_count_uses_the_first_n_devices(what, call, tm
 
 def test_a_count_is_a_whole_number_a_sharding_can_describe():
     for count, message in [
-        (0, r"`devices` is a whole number from 1, not 0"),
-        (True, r"`devices` is a whole number from 1, not True"),
-        (2**31, r"`devices` is 2147483648, more than 2147483647, the most devices a JAX"),
+        (0, r"`simulate` is a whole number from 1, not 0"),
+        (True, r"`simulate` is a whole number from 1, not True"),
+        (2**31, r"`simulate` is 2147483648, more than 2147483647, the most devices a JAX"),
     ]:
         with pytest.raises(EqshardError, match=f"^{message}"):
-            eqshard.plan(_linear(), "... -> * ...", devices=count)
+            eqshard.plan(_linear(), "... -> * ...", simulate=count)
     with pytest.raises(EqshardError, match=r"^`devices` is a list of JAX devices, .* or a device"):
         eqshard.plan(_linear(), "... -> * ...", devices=2.0)  # pyright: ignore
-    sharding = eqshard.sharding("a b -> a2* b", (65536 * 2, 16), devices=65536)
+    sharding = eqshard.sharding("a b -> a2* b", (65536 * 2, 16), simulate=65536)
     assert sharding.mesh == AbstractMesh((65536, 1), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
     assert sharding.shard_shape((65536 * 2, 16)) == (2, 16)
 

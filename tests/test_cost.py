@@ -108,7 +108,7 @@ def test_more_devices_than_the_process_has_compile_in_a_process_of_their_own():
     assert PARAMETER_BYTES <= moved <= PARAMETER_BYTES + 64
     p = eqshard.plan(MODEL, "... -> * ...")
     with pytest.raises(eqshard.EqshardError, match="a `Plan` holds this process's devices"):
-        eqshard.cost(MODEL, STATE, BATCH, step=step, spec=p, devices=16)
+        eqshard.cost(MODEL, STATE, BATCH, step=step, spec=p, simulate=16)
 
 
 def _cost_on(n):

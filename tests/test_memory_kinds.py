@@ -58,7 +58,7 @@ def test_the_plans_shardings_carry_the_rules_memory_kind():
     assert plan.shardings.layers[1].bias.memory_kind == "pinned_host"
     assert plan.shardings.layers[1].bias.spec == jax.sharding.PartitionSpec("m0")
     assert plan.shardings.layers[0].bias.memory_kind == "device"
-    abstract = eqshard.plan(model, eqshard.load(HOST_BIAS), devices=16)  # no devices
+    abstract = eqshard.plan(model, eqshard.load(HOST_BIAS), simulate=16)  # no devices
     assert abstract.shardings.layers[1].bias.memory_kind == "pinned_host"
     leaf = plan.abstract.layers[1].bias
     assert leaf.sharding.memory_kind == "pinned_host"

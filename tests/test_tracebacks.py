@@ -271,7 +271,7 @@ def test_cost_in_a_worker_brings_the_users_frames_back(user):
     module = importlib.import_module("eqshard_traceback_user")
     model, batch = _step_arguments(module)
     with pytest.raises(eqshard.StepError) as raised:  # 16 devices: a worker of its own
-        eqshard.cost(model, batch, step=module.step, spec="... -> * ...", devices=16)
+        eqshard.cost(model, batch, step=module.step, spec="... -> * ...", simulate=16)
     error = raised.value
     text = "".join(traceback.format_exception_only(error))
     assert "it raised ValueError: bad input shape\nin the user's code" in text

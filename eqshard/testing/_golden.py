@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any
 from .._errors import EqshardError
 from .._specfile._write import write_atomically
 from ._plugin import update_requested
-from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_in_one_process
+from ._processes import (
+    TIMEOUT_SECONDS,
+    device_counts as device_counts_of,
+    mesh_template,
+    run_in_one_process,
+)
 from ._references import callable_reference, spec_reference
 
 if TYPE_CHECKING:  # JAX only for the type: the harness starts none
@@ -46,9 +51,10 @@ def assert_layouts(
     spec: Spec,
     *,
     golden: str | Path,
-    devices: Sequence[int] | None = None,
+    device_counts: int | Sequence[int] | None = None,
     mesh: Mapping[str, int | str] | None = None,
     timeout: float = TIMEOUT_SECONDS,
+    devices: int | Sequence[int] | None = None,
 ) -> None:
     """Asserts that every leaf's layout, on each device count, is the one a golden file
     in the user's repository records.
@@ -61,7 +67,7 @@ def assert_layouts(
 
     def test_spec_layouts():
         assert_layouts(mypkg.model.build, Path("specs/model.eqshard.json"),
-                       golden="tests/golden/model.json", devices=(8, 64))
+                       golden="tests/golden/model.json", device_counts=(8, 64))
     ```
 
     **Arguments:**
@@ -71,7 +77,10 @@ def assert_layouts(
         `assert_equivalent`).
     - `spec`: as for `assert_equivalent`.
     - `golden`: the golden file (JSON); see "What a golden file records".
-    - `devices`, `mesh`, `timeout`: as for `assert_equivalent`.
+    - `device_counts`: the device counts, each laid out abstractly (so a count may be
+        65,536); by default as for `assert_equivalent`.
+    - `mesh`, `timeout`: as for `assert_equivalent`.
+    - `devices`: the deprecated spelling of `device_counts`.
 
     **Raises:**
 
@@ -116,7 +125,7 @@ def assert_layouts(
         memory kinds and optimizer states (version 1), while the spec now has them.
     """
     template = mesh_template(mesh)
-    counts = device_counts(devices, spec, template)
+    counts = device_counts_of(device_counts, spec, template, devices)
     request = {
         "task": "layouts",
         "build": callable_reference(build, "build"),
