@@ -92,7 +92,7 @@ def test_check_says_the_same_with_devices_and_without(run_cli, tmp_path, monkeyp
     pairs = _pairs(tmp_path)
     abstract = []
     for spec, model in pairs:
-        result = run_cli("check", spec, "--model", model, "--devices", 8, "--format", "json")
+        result = run_cli("check", spec, "--model", model, "--device-counts", 8, "--format", "json")
         abstract.append((result.code, json.loads(result.out)))
     assert {code for code, _ in abstract} == {0, 1}  # some fit, some do not
     faulty = abstract[-2][1]["checks"][0]
@@ -103,7 +103,7 @@ def test_check_says_the_same_with_devices_and_without(run_cli, tmp_path, monkeyp
     )
     meshes = _lay_out_on_devices(monkeypatch)
     for (spec, model), (code, document) in zip(pairs, abstract):
-        result = run_cli("check", spec, "--model", model, "--devices", 8, "--format", "json")
+        result = run_cli("check", spec, "--model", model, "--device-counts", 8, "--format", "json")
         assert (result.code, json.loads(result.out)) == (code, document), spec
     assert len(meshes) == len(pairs)
     assert all(isinstance(m, Mesh) for m in meshes)
@@ -198,7 +198,7 @@ def test_a_llama_shaped_model_on_65536_devices():
 def test_check_on_65536_devices_from_the_command_line(run_python, tmp_path):
     spec = tmp_path / "llama.eqshard.json"
     spec.write_text(json.dumps(LLAMA_SPEC))
-    command = ["-m", "eqshard", "check", spec, "--model", LLAMA, "--devices", "8", "65536"]
+    command = ["-m", "eqshard", "check", spec, "--model", LLAMA, "--device-counts", "8", "65536"]
     result = run_python([*map(str, command), "--format", "json"])
     assert result.returncode == 1, result.stderr  # on 8 devices, 'model' 16 does not fit
     eight, many = json.loads(result.stdout)["checks"]
@@ -291,9 +291,9 @@ def test_a_count_is_a_whole_number_a_sharding_can_describe():
 def test_check_refuses_a_count_no_sharding_can_describe(run_cli, tmp_path):
     spec = tmp_path / "llama.eqshard.json"
     spec.write_text(json.dumps(LLAMA_SPEC))
-    result = run_cli("check", spec, "--model", LLAMA, "--devices", 2**31)
+    result = run_cli("check", spec, "--model", LLAMA, "--device-counts", 2**31)
     assert result.code == 2
     assert (
-        "argument --devices: '2147483648' is more than 2147483647 devices, the most a JAX "
+        "argument --device-counts: '2147483648' is more than 2147483647 devices, the most a JAX "
         "sharding can describe"
     ) in result.err

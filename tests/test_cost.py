@@ -1,5 +1,7 @@
 """What a spec costs: the compiled step's communication and memory, per device."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -112,7 +114,24 @@ def test_more_devices_than_the_process_has_compile_in_a_process_of_their_own():
 
 
 def _cost_on(n):
-    return eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=n)
+    return eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", simulate=n)
+
+
+@pytest.mark.slow  # compiles in worker processes
+def test_devices_beyond_this_process_is_simulated_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="simulate=16") as caught:
+        c = eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=16)
+    assert [str(w.message) for w in caught] == [
+        "`devices=16` means 16 of this process's devices, and it has 8: pass `simulate=16` to "
+        "lay out (or compile) for 16 devices it does not have"
+    ]
+    assert c.devices == 16
+    assert c.compiler == "XLA:CPU, 16 simulated devices"
+    here = eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=2)
+    assert here.devices == 2
+    assert here.mesh is not None
+    assert isinstance(here.mesh, Mesh)
+    assert [d.id for d in here.mesh.devices.flat] == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -401,3 +420,27 @@ def test_compile_for_is_running_or_costing():
 def test_a_device_count_is_a_whole_number_of_devices(devices, message):
     with pytest.raises(eqshard.EqshardError, match=message):
         eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=devices)
+
+
+def test_the_compiler_is_named_by_the_backend_used():
+    """`Cost.compiler` names the platform and the kind of device it compiled for,
+    "simulated" only for XLA:CPU's simulated devices (a GPU's devices faked here)."""
+    from eqshard._cost._driver import compiler_label
+
+    class _Gpu:
+        platform = "gpu"
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+    class _Mesh:
+        devices = np.array([_Gpu()], dtype=object)
+
+    class _Plan:
+        mesh = _Mesh()
+
+    gpu: Any = _Plan()
+    assert compiler_label(gpu, 1) == "XLA:GPU (NVIDIA H100 80GB HBM3), 1 device"
+    _Mesh.devices = np.array([_Gpu()] * 2, dtype=object)
+    assert compiler_label(gpu, 2) == "XLA:GPU (NVIDIA H100 80GB HBM3), 2 devices"
+    cpu = eqshard.plan(MODEL, "... -> * ...", devices=1)
+    assert compiler_label(cpu, 1) == "XLA:CPU, 1 device"
+    assert compiler_label(eqshard.plan(MODEL, "... -> * ..."), 8) == "XLA:CPU, 8 simulated devices"

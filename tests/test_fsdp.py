@@ -227,7 +227,7 @@ def test_check_shows_the_concrete_expressions(tmp_path, run_cli):
         "def build():\n"
         "    return eqx.nn.MLP(12, 3, 40, 2, key=jax.random.key(0))\n"
     )
-    args = ("check", spec, "--model", f"{tmp_path / 'mlp.py'}:build", "--devices", "8")
+    args = ("check", spec, "--model", f"{tmp_path / 'mlp.py'}:build", "--device-counts", "8")
     result = run_cli(*args, "--format", "json")
     assert result.code == 0, result.out
     (found,) = json.loads(result.out)["checks"]

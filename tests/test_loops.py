@@ -85,7 +85,7 @@ def test_check_says_what_it_cannot_know(run_cli, tmp_path):
         f"{module}:build",
         "--step",
         f"{module}:step",
-        "--batch",
+        "--make-batch",
         f"{module}:batch",
         "--devices",
         8,

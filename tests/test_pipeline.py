@@ -317,7 +317,7 @@ def test_report_and_check_say_which_layers_each_stage_holds(example):
     ]
     assert next(r for r in circular.rows if r.path == "head.weight").stages is None
     check = [sys.executable, "-m", "eqshard", "check", str(example["GPIPE"])]
-    check += ["--model", f"{EXAMPLE}:build", "--devices", "8"]
+    check += ["--model", f"{EXAMPLE}:build", "--device-counts", "8"]
     found = subprocess.run(
         [*check, "--format", "json"],
         capture_output=True,

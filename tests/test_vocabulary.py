@@ -223,7 +223,7 @@ def test_devices_and_simulate_together_are_a_usage_error(name, call):
     ],
 )
 def test_devices_beyond_this_process_keeps_the_old_meaning_with_a_warning(call):
-    with pytest.warns(DeprecationWarning) as caught:
+    with pytest.warns(DeprecationWarning, match="simulate=16") as caught:
         found = call(_mlp())
     assert [str(w.message) for w in caught] == [SIXTEEN]
     assert caught[0].filename == __file__  # pointed at the caller

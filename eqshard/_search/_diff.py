@@ -387,9 +387,9 @@ def diff(
     )
     costs = None
     if step is not None:
-        from .._cost._driver import cost
-
         import jax
+
+        from .._cost._driver import cost
 
         first = model[0] if is_stateful_pair(model) else model
         where: dict[str, Any] = {}  # this process's devices, else `n` simulated in a worker
