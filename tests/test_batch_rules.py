@@ -450,9 +450,9 @@ def test_the_harness_lays_the_batch_out_by_the_section(tmp_path):
     from eqshard.testing import assert_equivalent
 
     path = _spec_file(tmp_path, BY_RULES)
-    assert_equivalent(gm.build, path, gm.loss, gm.batch, devices=(8,), optimizer=gm.optimizer)
+    assert_equivalent(gm.build, path, gm.loss, gm.batch, device_counts=(8,), optimizer=gm.optimizer)
     with pytest.raises(eqshard.EqshardError) as refused:
-        assert_equivalent(gm.build, _spec_file(tmp_path, {}), gm.loss, gm.batch, devices=(8,))
+        assert_equivalent(gm.build, _spec_file(tmp_path, {}), gm.loss, gm.batch, device_counts=(8,))
     assert f'the batch cannot be laid out by the "batch" of {path}' in str(refused.value)
     assert "batch().globals: the batch float32[3, 1] is laid out by data parallel" in str(
         refused.value

@@ -87,7 +87,18 @@ def test_a_model_that_fails_exits_2_with_one_document(run_python, tmp_path):
 
 @pytest.mark.slow  # `python -m eqshard check` in a fresh interpreter, then its worker
 def test_in_process_and_in_processes_agree(run_cli, run_python):
-    args = ["check", EXAMPLE, "--model", MODEL, "--device-counts", "2", "6", "8", "--format", "json"]
+    args = [
+        "check",
+        EXAMPLE,
+        "--model",
+        MODEL,
+        "--device-counts",
+        "2",
+        "6",
+        "8",
+        "--format",
+        "json",
+    ]
     here = run_cli(*args)
     there = run_python(["-m", "eqshard", *map(str, args)])
     assert (there.returncode, here.code) == (1, 1), there.stderr  # 6 does not divide 256

@@ -337,8 +337,12 @@ def test_worker_processes_carry_the_cost(run_python, files, report):
 @pytest.mark.parametrize("step", [None, "plain_step"])
 def test_without_an_optimizer_the_column_holds_parameters_only(run_cli, files, step):
     specs, module = files
-    with_step = [] if step is None else ["--step", f"{module}:{step}", "--make-batch", f"{module}:batch"]
-    result = run_cli("check", *specs, "--model", f"{module}:build", *with_step, "--device-counts", 8)
+    with_step = (
+        [] if step is None else ["--step", f"{module}:{step}", "--make-batch", f"{module}:batch"]
+    )
+    result = run_cli(
+        "check", *specs, "--model", f"{module}:build", *with_step, "--device-counts", 8
+    )
     assert result.code == 0, result.out + result.err
     table = result.out[result.out.index("the checks side by side") :]
     assert "parameters / device" in table

@@ -155,7 +155,10 @@ def test_a_reader_that_goes_away_gets_the_same_exit_code(tmp_path):
     [
         (["demo", "--devices", "512"], "more than 64 simulated devices: the demo compiles"),
         (["show", "a -> a*", "--shape", "8", "--devices", "\u0668"], "is not a whole number"),
-        (["check", "s.json", "--model", "m:b", "--device-counts", "\u0664"], "is not a whole number"),
+        (
+            ["check", "s.json", "--model", "m:b", "--device-counts", "\u0664"],
+            "is not a whole number",
+        ),
     ],
 )
 def test_device_counts_are_capped_and_ascii(run_cli, args, message):

@@ -269,7 +269,7 @@ def test_the_harness_records_which_leaves_fsdp_replicated(tmp_path, monkeypatch)
     assert repr(eqshard.FSDP) == "eqshard.FSDP"
     golden = tmp_path / "mlp.json"
     monkeypatch.setenv("EQSHARD_UPDATE", "1")
-    assert_layouts("harness_models:build", eqshard.FSDP, golden=golden, devices=(16,))
+    assert_layouts("harness_models:build", eqshard.FSDP, golden=golden, device_counts=(16,))
     monkeypatch.delenv("EQSHARD_UPDATE")
     leaves = json.loads(golden.read_text())["layouts"]["16"]["leaves"]
     assert leaves["layers.2.weight"] == {  # [8, 32]
@@ -283,4 +283,4 @@ def test_the_harness_records_which_leaves_fsdp_replicated(tmp_path, monkeypatch)
     assert leaves["layers.2.bias"]["origin"] == (
         "fsdp: replicated, no dim of [8] is a multiple of 16"
     )
-    assert_layouts("harness_models:build", eqshard.FSDP, golden=golden, devices=(16,))
+    assert_layouts("harness_models:build", eqshard.FSDP, golden=golden, device_counts=(16,))

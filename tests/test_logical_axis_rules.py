@@ -287,7 +287,14 @@ def test_check_says_which_rule_placed_each_dim_of_each_leaf_and_activation(run_c
     module.write_text(NAMED_MODULE)
     spec = tmp_path / "table.eqshard.json"
     spec.write_text(json.dumps(TABLE))
-    args = ["--model", f"{module}:build", "--step", f"{module}:step", "--make-batch", f"{module}:batch"]
+    args = [
+        "--model",
+        f"{module}:build",
+        "--step",
+        f"{module}:step",
+        "--make-batch",
+        f"{module}:batch",
+    ]
     result = run_cli("check", spec, *args, "--device-counts", "8", "--format", "json")
     assert result.code == 0, result.err
     (check,) = json.loads(result.out)["checks"]

@@ -233,7 +233,7 @@ def test_assert_equivalent_passes_on_host_offload():
         "rules": [{"path": "layers.0.*", "expr": "... -> * ...", "memory": "pinned_host"}],
     }
     assert_equivalent(
-        m.build, eqshard.load(spec), m.loss, m.batch, devices=(2, 8), optimizer=m.optimizer
+        m.build, eqshard.load(spec), m.loss, m.batch, device_counts=(2, 8), optimizer=m.optimizer
     )
 
 

@@ -216,7 +216,7 @@ def test_assert_equivalent_covers_a_pipelined_spec(example):
         example["GPIPE"],
         f"{EXAMPLE}:loss",
         f"{EXAMPLE}:batch",
-        devices=(8,),
+        device_counts=(8,),
         optimizer=f"{EXAMPLE}:optimizer",
         max_communication={"all-gather": 0, "all-to-all": 0},
     )

@@ -322,7 +322,16 @@ def test_cli_writes_the_best_and_check_on_it_reports_the_ranking_s_figures(
     assert jax.tree_util.tree_leaves(written) == jax.tree_util.tree_leaves(costed)
 
     check = run_cli(
-        *("check", path, "--device-counts", 8, "--format", "json", "--model", f"{MODULE}:mlp_build"),
+        *(
+            "check",
+            path,
+            "--device-counts",
+            8,
+            "--format",
+            "json",
+            "--model",
+            f"{MODULE}:mlp_build",
+        ),
         *("--step", f"{MODULE}:mlp_step", "--optimizer", f"{MODULE}:mlp_optimizer"),
         *("--make-batch", f"{MODULE}:mlp_batch"),
     )
@@ -427,7 +436,7 @@ def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tm
         path,
         f"{example}:loss",
         f"{example}:batch",
-        devices=(8,),
+        device_counts=(8,),
         optimizer=f"{example}:optimizer",
     )
 

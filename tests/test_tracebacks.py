@@ -121,7 +121,14 @@ def test_a_step_that_raises_in_the_models_call_names_the_users_lines(run_python,
     result = _check(
         run_python,
         user,
-        *("--model", f"{user}:build_net", "--step", f"{user}:step", "--make-batch", f"{user}:batch"),
+        *(
+            "--model",
+            f"{user}:build_net",
+            "--step",
+            f"{user}:step",
+            "--make-batch",
+            f"{user}:batch",
+        ),
         *("--device-counts", "2"),
     )
     assert result.returncode == 2, result.stderr
@@ -189,7 +196,14 @@ def test_in_process_the_users_frames_and_on_request_the_traceback(run_cli, user)
     _names_the_users_frames(result.err, user, *BUILD_FRAMES)
     assert "Traceback" not in result.err
     assert PACKAGE not in result.err
-    step = ("--step", f"{user}:step", "--make-batch", f"{user}:batch", "--device-counts", "8")  # JAX's
+    step = (
+        "--step",
+        f"{user}:step",
+        "--make-batch",
+        f"{user}:batch",
+        "--device-counts",
+        "8",
+    )  # JAX's
     result = run_cli("check", spec, "--model", f"{user}:build_net", *step)
     assert result.code == 2
     assert "raised ValueError: bad input shape\nin the user's code" in result.err

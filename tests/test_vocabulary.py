@@ -14,6 +14,7 @@ import pytest
 import suggest_model as models
 
 import eqshard
+import eqshard.testing
 
 COLUMNS = "... o i -> ... o* i"  # every weight split by its rows
 MODEL = models.mlp_build  # eqx.nn.MLP(32, 32, 64, 1): weights and biases, 64 and 32 wide
@@ -267,3 +268,58 @@ def test_every_function_that_lays_out_takes_simulate():
         simulate = inspect.signature(function).parameters["simulate"]
         assert simulate.kind is inspect.Parameter.KEYWORD_ONLY, function.__name__
         assert simulate.default is None
+
+
+# eqshard.testing: `device_counts=`, `make_batch` and `batch=` ----------------
+
+
+def test_testing_takes_device_counts_and_the_old_devices_with_a_warning():
+    from eqshard.testing._processes import device_counts
+
+    assert device_counts((1, 2, 8), None, None) == (1, 2, 8)
+    assert device_counts(4, None, None) == (4,)
+    with pytest.warns(DeprecationWarning, match="device_counts") as caught:
+        assert device_counts(None, None, None, (2, 8)) == (2, 8)
+    assert [str(w.message) for w in caught] == [
+        "`devices=(2, 8)` as the counts to test is deprecated: pass `device_counts=(2, 8)` "
+        "(each count runs in a worker with that many simulated devices)"
+    ]
+    with pytest.raises(eqshard.UsageError, match=r"^`device_counts=` and `devices=` are both"):
+        device_counts((2,), None, None, (2,))
+    for function in (eqshard.testing.assert_equivalent, eqshard.testing.assert_layouts):
+        parameters = inspect.signature(function).parameters
+        assert parameters["device_counts"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_testing_s_batch_is_the_layout_and_make_batch_the_builder():
+    from eqshard.testing._equivalence import batch_arguments
+
+    def build_batch():
+        return None
+
+    parameters = list(inspect.signature(eqshard.testing.assert_equivalent).parameters)
+    assert parameters[:4] == ["build", "spec", "loss", "make_batch"]
+    assert batch_arguments(build_batch, "b ... -> b* ...", None) == (
+        build_batch,
+        "b ... -> b* ...",
+    )
+    with pytest.warns(DeprecationWarning, match="make_batch") as caught:
+        assert batch_arguments(None, build_batch, None) == (build_batch, None)
+    assert str(caught[0].message) == (
+        "passing the batch's builder as `batch=` is deprecated: pass it as `make_batch=` "
+        "(`batch=` is the batch's layout, such as 'b ... -> b* ...')"
+    )
+    with pytest.warns(DeprecationWarning, match="make_batch"):
+        assert batch_arguments(None, "mypkg.model:batch", None) == ("mypkg.model:batch", None)
+    with pytest.warns(DeprecationWarning, match="batch_spec") as caught:
+        found = batch_arguments(build_batch, None, "b ... -> b* ...")
+    assert found == (build_batch, "b ... -> b* ...")
+    assert str(caught[0].message) == (
+        "`batch_spec=` is deprecated: pass the batch's layout as `batch=`"
+    )
+    with pytest.raises(eqshard.UsageError, match=r"^`batch=` and `batch_spec=` are both given"):
+        batch_arguments(build_batch, "... -> * ...", "b ... -> b* ...")
+    with pytest.raises(eqshard.UsageError, match=r"^`make_batch` and a builder as `batch=`"):
+        batch_arguments(build_batch, build_batch, None)
+    with pytest.raises(eqshard.UsageError, match=r"^`assert_equivalent` needs `make_batch`"):
+        batch_arguments(None, None, None)

@@ -158,7 +158,7 @@ def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
                 "eqshard_user_steps:slow_build",
                 "... -> * ...",
                 golden=tmp_path / "golden.json",
-                devices=(2,),
+                device_counts=(2,),
                 timeout=0.5,
             )
     else:
