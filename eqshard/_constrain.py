@@ -177,9 +177,11 @@ def constrain(
         )
     traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
     if is_array_like(x) and isinstance(spec, (str, Expression)):
+        one: Any = x  # an array: what comes back is one too
         if not traced:
-            return _shard(x, spec, mesh, placed)
-        return constrained([x], [placed_sharding(spec, x.shape, mesh, placed)])[0]
+            placed_one: Any = _shard(one, spec, mesh, placed)
+            return placed_one
+        return constrained([one], [placed_sharding(spec, one.shape, mesh, placed)])[0]
     planned = plan_for(x, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     if not traced:
         return place(x, planned, "`eqshard.constrain`")

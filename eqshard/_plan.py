@@ -117,8 +117,8 @@ class Plan:
         `eqx.nn.State` when the plan meets one.
     - `abstract`: the tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at
         every array leaf, other leaves unchanged: what Orbax restores into.
-    - `optimizer`: the optimizer section, a plan of the same model (see "The optimizer
-        section").
+    - `optimizer`: the optimizer section, a plan of the same model whose shardings are
+        the optimizer state's (see the guide "Annotations and spec trees").
     - `follows`: in an optimizer section, whether each leaf takes its parameter's layout
         (`"default": "parameter"`); else `None`.
 
@@ -139,20 +139,8 @@ class Plan:
         `jax.devices()`, as `devices=n` does. On the user's abstract mesh, `devices` is
         `None`.
 
-    !!! info "The optimizer section"
-
-        `optimizer` is a plan of the same model whose shardings are those of the
-        optimizer state (each parameter's moments, accumulators). It comes from the spec
-        file's `"optimizer"` section or `plan(..., optimizer=)`. Where there is none, it
-        is the plan itself: the state follows the parameters. A plan lays the
-        model-shaped subtrees of an optimizer state out by it
-        (`eqshard.apply(opt_state, plan)`). `eqshard.constrain(grads, plan.optimizer)`
-        gives the gradients its layouts (ZeRO-2).
-
-    !!! info "Memory kinds"
-
-        A sharding's memory kind is the rule's `"memory"` (`"pinned_host"`). Else it is
-        the device's (`NamedSharding.memory_kind` `"device"`).
+    The guide "Annotations and spec trees" says more: the optimizer section and
+    memory kinds.
     """
 
     mesh: AnyMesh | None

@@ -375,8 +375,8 @@ def diff(
         try:
             plans.append(plan(model, spec, devices=on) if listed else plan(model, spec, simulate=n))
         except SpecError as error:  # which of the two, in the headline
-            where = f"{n} devices" if target is None else target
-            headline = f"{_spec_name(spec)} does not lay the model out on {where}"
+            on_what = f"{n} devices" if target is None else target
+            headline = f"{_spec_name(spec)} does not lay the model out on {on_what}"
             raise SpecError(error.problems, headline) from None
     changes = _changes(plans[0], plans[1], "parameters")
     if plans[0].section is not None or plans[1].section is not None:

@@ -76,7 +76,7 @@ def assert_layouts(
         (`eqx.nn.make_with_state(Net)(key)`), importable by name (as for
         `assert_equivalent`).
     - `spec`: as for `assert_equivalent`.
-    - `golden`: the golden file (JSON); see "What a golden file records".
+    - `golden`: the golden file (JSON) (see the guide).
     - `device_counts`: the device counts, each laid out abstractly (so a count may be
         65,536); by default as for `assert_equivalent`.
     - `mesh`, `timeout`: as for `assert_equivalent`.
@@ -88,33 +88,6 @@ def assert_layouts(
         golden file is missing or too old (see "Failures").
     - `eqshard.EqshardError`: the golden file is not one, or an argument is bad.
 
-    !!! info "Updating"
-
-        `pytest --eqshard-update` (or `EQSHARD_UPDATE=1`) writes the file instead of
-        comparing. Run it once to create it, and again when a change is intended. The
-        file's diff then shows what changed.
-
-    !!! info "No devices"
-
-        The model is only built abstractly, once, in a fresh process. It is laid out on
-        each count without devices (an abstract mesh), so a count may be 65,536.
-
-    !!! info "What a golden file records"
-
-        For each count, the file records the mesh, and each leaf's expression,
-        `PartitionSpec`, shape, dtype and bytes per device. It also records:
-
-        - the leaf's memory kind, where it is not the device's
-            (`"memory": "pinned_host"`);
-        - for a leaf FSDP replicated, the origin that says why;
-        - the optimizer state's layout (`"optimizer"`: its expression, `PartitionSpec`,
-            bytes per device, memory kind), where the spec's optimizer section lays it
-            out otherwise than the leaf (ZeRO-1, moments in host memory).
-
-        A state that follows its parameter records nothing: the parameter's layout is
-        its own. A stateful model's state leaves are recorded under the names of their
-        layers (`bn.batch_state_index.0`).
-
     !!! info "Failures"
 
         The `AssertionError` lists, for each count, the leaves whose layout changed:
@@ -123,6 +96,9 @@ def assert_layouts(
         leaves added and the leaves gone. It may instead say that the golden file is
         missing. Or it says that the file was written before golden files recorded
         memory kinds and optimizer states (version 1), while the spec now has them.
+
+    The guide "Testing specs" says more: updating, what a golden file records and the
+    failures.
     """
     template = mesh_template(mesh)
     counts = device_counts_of(device_counts, spec, template, devices)
