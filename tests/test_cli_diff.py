@@ -142,7 +142,10 @@ def test_with_a_step_it_shows_the_change_in_memory_and_communication(run_cli, tm
             "eqshard diff: error: unreadable:\n  missing.json: cannot read",
         ),
         ((MEGATRON, TWO_D, "--model", "nope:build"), "--model 'nope:build': cannot import 'nope'"),
-        ((MEGATRON, TWO_D, "--make-batch", "m:b"), "--batch is for the step: name it with --step"),
+        (
+            (MEGATRON, TWO_D, "--make-batch", "m:b"),
+            "--make-batch is for the step: name it with --step",
+        ),
         ((MEGATRON, TWO_D, "--step", "m:s"), "--step needs --make-batch MODULE:CALLABLE"),
         ((MEGATRON, TWO_D, "--devices", 3), f"{MEGATRON} does not lay the model out on 3 devices"),
         (
