@@ -28,12 +28,12 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
 
-import equinox as eqx  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
 
-import eqshard  # noqa: E402
+import eqshard
 
 MODELS = {  # name: (in, width, depth, rows): the largest holds about 2 GB at once
     "mlp-1024x4096x4": (1024, 4096, 4, 8192),

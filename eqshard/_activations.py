@@ -44,12 +44,11 @@ from ._problems import Problem
 from ._rules import MeshRefused, dims_expression, placing
 from ._sharding import (
     AnyMesh,
-    Device,
     Placement,
+    as_placement,
     device_count,
     mesh as build_mesh,
-    placement,
-    sharding,
+    placed_sharding,
     sharding_on,
     user_mesh,
 )
@@ -296,13 +295,13 @@ def _checked(names: Names, shape: tuple[int, ...], dtype: Any) -> tuple[Name, ..
 
 
 def _mesh(
-    found: Active, mesh: AnyMesh | None, devices: Sequence[Device] | None
+    found: Active, mesh: AnyMesh | None, devices: Placement | None
 ) -> tuple[AnyMesh | None, Placement]:
     """The mesh activations are laid out on: `mesh=`, the plan's (`use(plan)`), the
     mesh of `jax.set_mesh`, else the rules' declared mesh, built as the plan builds
     it, on `devices=` (or the plan's devices, or every device); `None` where there
     is none. And the devices, for a layout on its own mesh."""
-    placed = placement(devices if devices is not None else found.devices)
+    placed = as_placement(devices if devices is not None else found.devices)
     on = user_mesh(mesh, devices) if mesh is not None else found.mesh
     if on is None and devices is None:
         on = user_mesh(None, None)  # the mesh of `jax.set_mesh`
@@ -334,7 +333,7 @@ def activation_sharding(
     rules: Rules | Plan | None = None,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | None = None,
+    devices: Placement | None = None,
 ) -> NamedSharding | None:
     """The sharding the rules give the array `x` whose axes `names` names, with its
     free axes `PartitionSpec.UNCONSTRAINED` (inside `jit`, on Auto axes), as they
@@ -443,7 +442,7 @@ def _laid_out(
     try:
         if on is not None:
             return sharding_on(expr, shape, on)
-        return sharding(expr, shape, devices=placed)
+        return placed_sharding(expr, shape, None, placed)
     except ExpressionError as error:
         context = f"{str(expr)!r}, from {source}::$.dims"
         raise SpecError([Problem.from_error(label, error, context)], headline) from None

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar, overload
 
+import equinox as eqx
 import jax
-from jaxtyping import PyTree
 
 from ._derive import plan_for
 from ._errors import SpecError
 from ._fields import FROM_FIELDS
 from ._plan import Planned, Spec, Unspecified, placing
 from ._problems import Problem
-from ._sharding import AnyMesh, Devices, local_devices
+from ._sharding import AnyMesh, Devices, placement
 from ._values import source_for, unplaceable
 from ._warnings import warn
 
 __all__ = ["apply", "place"]
+
+M = TypeVar("M", bound=eqx.Module)  # a model keeps its type; any other tree is Any
 
 
 def _refusal(source: Any, target: jax.sharding.Sharding) -> str | None:
@@ -27,14 +29,36 @@ def _refusal(source: Any, target: jax.sharding.Sharding) -> str | None:
     return None
 
 
+@overload
 def apply(
-    model: PyTree[Any],
+    model: M,
     spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
     devices: Devices = None,
     unspecified: Unspecified = "replicate",
-) -> PyTree[Any]:
+) -> M: ...
+
+
+@overload
+def apply(
+    model: Any,
+    spec: Spec = FROM_FIELDS,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Devices = None,
+    unspecified: Unspecified = "replicate",
+) -> Any: ...
+
+
+def apply(
+    model: Any,
+    spec: Spec = FROM_FIELDS,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Devices = None,
+    unspecified: Unspecified = "replicate",
+) -> Any:
     """Places every array leaf of a model as its spec says, in one pass.
 
     After this, the user's `eqx.filter_jit` step runs sharded, and the model code does
@@ -57,8 +81,8 @@ def apply(
         `eqshard.Rules`.
     - `mesh`: the `jax.sharding.Mesh` to lay the model out on, with its axis names; by
         default the mesh of `jax.set_mesh`, if one is set.
-    - `devices`: else, a list of devices, or a count (the first that many of this
-        process); by default all of `jax.devices()`.
+    - `devices`: else, this process's devices: a list, or a count (the first that
+        many); by default all of `jax.devices()`.
     - `unspecified`: what an array leaf with no expression gets: `"replicate"` (a full
         copy on every device, the default) or `"keep"` (left where it is).
 
@@ -72,21 +96,16 @@ def apply(
     - `eqshard.SpecError`: lists every leaf whose expression does not fit, or names the
         first path where the spec's structure differs from the model's (see "Errors").
     - `eqshard.EqshardError`: the mesh is a `jax.sharding.AbstractMesh`, which has no
-        devices to place on.
+        devices to place on, or `devices` is more than this process has.
 
     !!! info "What comes back"
 
         The array leaves are new arrays with exactly the input's values. An array
         already in its sharding is reused, not copied. Other leaves (functions, Python
         numbers, static fields) pass through untouched. The input model is not modified.
-
-    !!! info "Errors"
-
-        `eqshard.SpecError` gives one line per leaf whose expression does not fit: its
-        key path, shape, expression, and the rule it breaks.
     """
-    devices = local_devices(devices, "`eqshard.apply`")
-    planned = plan_for(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+    placed = placement(devices, what="`eqshard.apply`")
+    planned = plan_for(model, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     return place(model, planned)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import os
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, BinaryIO, NamedTuple, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -26,10 +26,12 @@ from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, is_array_like
 from ._init import traced_closures
 from ._plan import Plan, Spec, Unspecified, placing
-from ._sharding import AnyMesh, Devices, local_devices
+from ._sharding import AnyMesh, Devices, placement
 from ._values import narrowed
 
 __all__ = ["abstract", "restore"]
+
+M = TypeVar("M", bound=eqx.Module)  # a model keeps its type; any other tree is Any
 
 
 def abstract(
@@ -38,6 +40,7 @@ def abstract(
     *,
     mesh: AnyMesh | None = None,
     devices: Devices = None,
+    simulate: int | None = None,
     unspecified: Unspecified = "replicate",
 ) -> PyTree[Any]:
     """`tree` with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at each array
@@ -57,8 +60,9 @@ def abstract(
         abstract (`eqx.filter_eval_shape`).
     - `spec`: anything `eqshard.apply` takes. A `Plan` made for the model lays out the
         optimizer state by structure, as `apply(opt_state, plan)` does.
-    - `mesh`, `devices`, `unspecified`: as for `eqshard.plan`. A count lays out
-        abstractly: give devices for a target to restore into.
+    - `mesh`, `devices`, `simulate`, `unspecified`: as for `eqshard.plan`.
+        `simulate=n` lays out on an abstract mesh: give devices for a target to
+        restore into.
 
     **Returns:**
 
@@ -68,8 +72,10 @@ def abstract(
     **Raises:**
 
     - `eqshard.SpecError`: lists every leaf that cannot be laid out.
+    - `eqshard.UsageError`: both `devices` and `simulate` are given.
     """
-    planned = plan_for(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+    placed = placement(devices, simulate, what="`eqshard.abstract`", was_simulated=True)
+    planned = plan_for(tree, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     if planned.problems:
         raise SpecError(planned.problems)
     return planned.plan.abstract
@@ -193,15 +199,39 @@ def _other(file: BinaryIO, like: Any, *, where: str) -> Any:
         ) from error
 
 
+@overload
 def restore(
     path: str | os.PathLike[str],
-    like: PyTree[Any],
+    like: M,
     spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
     devices: Devices = None,
     unspecified: Unspecified = "replicate",
-) -> PyTree[Any]:
+) -> M: ...
+
+
+@overload
+def restore(
+    path: str | os.PathLike[str],
+    like: Any,
+    spec: Spec = FROM_FIELDS,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Devices = None,
+    unspecified: Unspecified = "replicate",
+) -> Any: ...
+
+
+def restore(
+    path: str | os.PathLike[str],
+    like: Any,
+    spec: Spec = FROM_FIELDS,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Devices = None,
+    unspecified: Unspecified = "replicate",
+) -> Any:
     """Reads a file written by `eqx.tree_serialise_leaves` straight into shards.
 
     **Example:**
@@ -219,9 +249,8 @@ def restore(
     - `like`: a tree of the saved structure (the model, or the whole training state),
         concrete or abstract (from `eqx.filter_eval_shape`, say).
     - `spec`: anything `eqshard.apply` takes (see "The optimizer state").
-    - `mesh`, `devices`: as for `eqshard.plan` (a count: the first that many devices of
-        this process). They give the layout to restore into, on any device count,
-        whatever the count it was saved from.
+    - `mesh`, `devices`: as for `eqshard.apply`: the layout to restore into, on any
+        device count, whatever the count it was saved from.
     - `unspecified`: as for `eqshard.plan`.
 
     **Returns:**
@@ -269,7 +298,7 @@ def restore(
         like,
         spec,
         mesh=mesh,
-        devices=local_devices(devices, "`eqshard.restore`"),
+        devices=placement(devices, what="`eqshard.restore`"),
         unspecified=unspecified,
     )
     # never a silent copy where the plan splits: a copy of another model is refused

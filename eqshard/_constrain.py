@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
+import equinox as eqx
 import jax
 import jax.core
 from jax.sharding import AxisType, NamedSharding
-from jaxtyping import Array, ArrayLike, PyTree
+from jaxtyping import Array, ArrayLike
 
 from ._activations import activation_sharding, active, is_names, marked
 from ._apply import place
@@ -17,11 +17,13 @@ from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Plan, Spec, Unspecified
-from ._sharding import AnyMesh, Devices, local_devices, on_devices, sharding
+from ._sharding import AnyMesh, Devices, Placement, on_devices, placed_sharding, placement
 from ._specfile._model import Rules
 from ._values import source_for, unplaceable
 
 __all__ = ["constrain", "constrained", "shard"]
+
+M = TypeVar("M", bound=eqx.Module)  # a model keeps its type; any other tree is Any
 
 
 def shard(
@@ -48,8 +50,8 @@ def shard(
     - `expr`: an einshard expression (text or `eqshard.expression.Expression`).
     - `mesh`: the mesh to place on, with its axis names; by default the mesh of
         `jax.set_mesh`, if one is set.
-    - `devices`: else, a list of devices, or a count (the first that many of this
-        process); by default all of `jax.devices()`.
+    - `devices`: else, this process's devices: a list, or a count (the first that
+        many); by default all of `jax.devices()`.
 
     **Returns:**
 
@@ -64,6 +66,11 @@ def shard(
         `eqshard.constrain` there), or on a `jax.sharding.AbstractMesh`, which has no
         devices.
     """
+    return _shard(x, expr, mesh, placement(devices, what="`eqshard.shard`"))
+
+
+def _shard(x: ArrayLike, expr: str | Expression, mesh: AnyMesh | None, placed: Any) -> Array:
+    """`shard` once `devices=` is read (`placement`)."""
     if isinstance(x, jax.core.Tracer):
         raise EqshardError(
             "`eqshard.shard` was called on a traced value inside `jit`; use "
@@ -78,8 +85,7 @@ def shard(
     why = unplaceable(x, "`eqshard.shard`")
     if why is not None:
         raise EqshardError(f"the array {why}")
-    devices = local_devices(devices, "`eqshard.shard`")
-    return _put(x, sharding(expr, shape, mesh=mesh, devices=devices), "`eqshard.shard`", devices)
+    return _put(x, placed_sharding(expr, shape, mesh, placed), "`eqshard.shard`", placed)
 
 
 def _put(x: ArrayLike, target: NamedSharding, what: str, devices: object) -> Array:
@@ -98,19 +104,47 @@ class _ByTheActivePlan:
 BY_THE_ACTIVE_PLAN: Any = _ByTheActivePlan()
 
 
+@overload
 def constrain(
-    x: PyTree[Any],
+    x: M,
     spec: Spec = BY_THE_ACTIVE_PLAN,
     *,
     mesh: AnyMesh | None = None,
     devices: Devices = None,
+    simulate: int | None = None,
     unspecified: Unspecified = "replicate",
     rules: Rules | Plan | None = None,
-) -> PyTree[Any]:
+) -> M: ...
+
+
+@overload
+def constrain(
+    x: Any,
+    spec: Spec = BY_THE_ACTIVE_PLAN,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Devices = None,
+    simulate: int | None = None,
+    unspecified: Unspecified = "replicate",
+    rules: Rules | Plan | None = None,
+) -> Any: ...
+
+
+def constrain(
+    x: Any,
+    spec: Spec = BY_THE_ACTIVE_PLAN,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Devices = None,
+    simulate: int | None = None,
+    unspecified: Unspecified = "replicate",
+    rules: Rules | Plan | None = None,
+) -> Any:
     """Constrains values inside `jit` to a layout: one activation, or a whole model.
 
-    Inside `jax.jit` or `eqx.filter_jit` this is `jax.lax.with_sharding_constraint`.
-    Outside `jit` it places the values, as `eqshard.apply` does.
+    Inside `jax.jit` or `eqx.filter_jit` this is `jax.lax.with_sharding_constraint`
+    (`jax.sharding.reshard` on Explicit axes). Outside `jit` it places the values, as
+    `eqshard.apply` does.
 
     **Example:**
 
@@ -131,83 +165,37 @@ def constrain(
     **Arguments:**
 
     - `x`: one array, or a pytree such as a model; traced or concrete.
-    - `spec`: an expression or a tuple of names for one array, or any spec for a pytree;
-        by default the active plan (see "Specs").
-    - `mesh`: the mesh to constrain on; by default the mesh of `jax.set_mesh`, if one is
-        set (see "Meshes").
-    - `devices`: else, a list of devices, or a count (the first that many of this
-        process); by default all of `jax.devices()`. They must be the devices the rest
-        of the computation runs on.
+    - `spec`: an expression or a tuple of dim names (`None` and a leading `...` left
+        free) for one array, or any spec for a pytree; by default the active plan.
+    - `mesh`: the mesh to constrain on; by default the mesh of `jax.set_mesh`.
+    - `devices`: else, this process's devices the computation runs on: a list, or a
+        count (the first that many); by default all of `jax.devices()`.
+    - `simulate`: else, a count of devices (inside `jit` only): the layout on a
+        `jax.sharding.AbstractMesh` of that many.
     - `unspecified`: as for `eqshard.apply`.
     - `rules`: with names, the `eqshard.Rules` (or a plan made from them) that lay them
         out, rather than those of `eqshard.use`.
 
     **Returns:**
 
-    `x`, constrained to the layout; with names and no rules, `x` itself (see "Host
-    memory").
+    `x`, constrained to the layout; with names and no rules active, `x` itself.
 
     **Raises:**
 
-    - `eqshard.ExpressionError`: the spec does not fit `x` or the mesh, naming each
-        leaf.
-    - `eqshard.SpecError`: the spec does not fit `x` or the mesh, naming each leaf. With
-        names, it names the spec file's `$.dims` for a name it does not map, and the
-        dims of two names mapped to one mesh axis.
+    - `eqshard.ExpressionError`, `eqshard.SpecError`: the spec does not fit `x` or the
+        mesh, naming each leaf (with names: the spec file's `$.dims` for a name it
+        does not map, or two names mapped to one mesh axis).
+    - `eqshard.UsageError`: both `devices` and `simulate` are given.
     - `eqshard.EqshardError`: names that do not match `x`'s rank.
 
-    !!! info "Why constrain"
-
-        The compiler keeps the values in that layout at this point. Use it on
-        activations. Use it also on the updated model at the end of a training step.
-        Then the parameters leave the step in the layouts they came in with; otherwise
-        XLA is free to choose new ones.
-
-    !!! info "Named activations"
-
-        An activation may also be named, one dim name per axis. It is then laid out by
-        the active rules (`eqshard.use(rules)`, or `rules=`). Each name maps through the
-        rules' `"dims"` to a mesh axis, a shard modifier or `null` (whole), as a
-        parameter's annotated dims do. It is laid out on the user's mesh or the rules'
-        declared one. With no rules active, named activations come back unchanged (the
-        same object). So model code that names them runs anywhere, sharded or not.
-
-    !!! info "Specs"
-
-        For one array, `spec` is an einshard expression or a tuple of names, one per
-        axis:
-
-        - a dim name of the rules' `"dims"`;
-        - `None` for an axis left free: the compiler chooses it inside `jit`, and it is
-            whole outside it;
-        - a leading `...` for the axes in front, left free (under `jax.vmap` it stands
-            for none).
-
-        For a pytree, `spec` is anything `eqshard.apply` takes, or an `eqshard.Plan`. By
-        default it is the plan of `eqshard.use(plan)`, else the `eqshard.field`s.
-        `eqshard.jit` holds a step's outputs to the active plan in the same way, so a
-        step that names no plan serves every spec. A plan is made for a model of the
-        same structure. Or it is applied to a tree built from the model: an optimizer
-        state takes the plan's optimizer section. `plan.optimizer` gives gradients the
-        optimizer state's layouts (ZeRO-2: `constrain(grads, plan.optimizer)`).
-
-    !!! info "Meshes"
-
-        Inside `jit`, the default is the abstract mesh of `jax.set_mesh`. On a mesh of
-        Explicit axes the values are resharded (`jax.sharding.reshard`), as JAX requires
-        there.
-
-    !!! info "Host memory"
-
-        A leaf the plan holds in host memory (`"memory": "pinned_host"`) is moved there
-        with `jax.device_put`. A sharding constraint keeps a value's memory kind as it
-        is.
+    The guide "Activations, optimizer state and host memory" says more: why
+    constrain, named activations, specs, meshes and host memory.
     """
-    devices = local_devices(devices, "`eqshard.constrain`")
+    placed = placement(devices, simulate, what="`eqshard.constrain`")
     if spec is BY_THE_ACTIVE_PLAN:
-        spec = _by_the_active_plan(x, mesh, devices)
+        spec = _by_the_active_plan(x, mesh, placed)
     if is_names(x, spec):
-        return _named(x, spec, rules, mesh, devices)
+        return _named(x, spec, rules, mesh, placed)
     if rules is not None:
         raise EqshardError(
             "`rules=` lays out an array whose axes are named, as in "
@@ -216,10 +204,12 @@ def constrain(
         )
     traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
     if is_array_like(x) and isinstance(spec, (str, Expression)):
+        one: Any = x  # an array: what comes back is one too
         if not traced:
-            return shard(x, spec, mesh=mesh, devices=devices)
-        return constrained([x], [sharding(spec, x.shape, mesh=mesh, devices=devices)])[0]
-    planned = plan_for(x, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+            placed_one: Any = _shard(one, spec, mesh, placed)
+            return placed_one
+        return constrained([one], [placed_sharding(spec, one.shape, mesh, placed)])[0]
+    planned = plan_for(x, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     if not traced:
         return place(x, planned, "`eqshard.constrain`")
     if planned.problems:
@@ -253,7 +243,7 @@ def _named(
     names: Any,
     rules: Rules | Plan | None,
     mesh: AnyMesh | None,
-    devices: Sequence[Any] | None,
+    devices: Placement | None,
 ) -> Any:
     """`x`, whose axes `names` names, held to the layout the rules give it; `x`
     itself where no rules are active."""

@@ -39,7 +39,7 @@ from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, leaf_name
 from ._plan import Plan, Spec, Unspecified, placing
 from ._problems import Problem
-from ._sharding import AnyMesh, Devices, local_devices
+from ._sharding import AnyMesh, Devices, placement
 from ._values import unplaceable
 
 __all__ = ["init", "initializer"]
@@ -90,59 +90,27 @@ def init(
 
     **Arguments:**
 
-    - `factory`: a function of no arguments that builds the model (see "The factory").
+    - `factory`: a function of no arguments that builds the model; pure JAX, traced twice.
     - `spec`: anything `eqshard.apply` takes, a `Plan` included.
     - `mesh`: as for `eqshard.plan`.
-    - `devices`: a list of devices, or a count: the first that many of this process.
+    - `devices`: else, this process's devices: a list, or a count (the first that
+        many); by default all of `jax.devices()`.
     - `unspecified`: as for `eqshard.plan`.
 
     **Returns:**
 
     The model, its array leaves placed as the spec says, every other leaf exactly as
-    `factory` makes it (see "What comes back").
+    `factory` makes it (see the guide).
 
     **Raises:**
 
     - `eqshard.SpecError`: lists every leaf that cannot be laid out, and every 64-bit
-        NumPy leaf under 32-bit JAX (see "Errors").
+        NumPy leaf under 32-bit JAX, which would be cast.
     - `eqshard.EqshardError`: `factory` fails to trace, saying why; or the mesh is a
         `jax.sharding.AbstractMesh`.
 
-    !!! info "The factory"
-
-        Pass `functools.partial(MyModel, cfg, key=key)` or a lambda. It must be pure
-        JAX: it is traced twice, once abstractly and once under `jit`.
-
-    !!! info "What comes back"
-
-        One exception to "exactly as `factory` makes it": an array a closure (or another
-        non-array leaf) captures is concrete. It is the model's own leaf where it is
-        one, else built replicated.
-
-        The array leaves are, bit for bit, what the usual recipe computes: `factory`'s
-        arrays built by one `jax.jit` with the plan's shardings as `out_shardings`.
-        Building in groups, and the unrolled random-number hash, change no bit on JAX
-        0.10. A group whose leaves need a matrix product, a reduction, a cumulative op,
-        a sort or a linear solve is lowered as the recipe is (`eqx.nn.SpectralNorm`'s
-        state, for one). On JAX 0.8 and 0.12, XLA may sum draws in another order in the
-        other groups. So a sum of draws may differ in the last bits there.
-
-    !!! info "Random numbers and float maths"
-
-        `jax.random`'s bits are the same on every split and in an eager build (JAX's
-        partitionable threefry). Float maths is compiled by XLA. So it may differ in the
-        last bit from an eager `factory()`, which rounds each operation on its own.
-        `jax.random.normal(key, shape) * 0.02` does, and so can the scaling inside
-        `jax.random.uniform`, `exp`, `log` and sums. A split can also change how XLA
-        computes a reduction (a sum, or a `linspace`, along a split dimension). Then the
-        result may differ from an unsplit `jax.jit(factory)()`. Compare with an eager
-        build within a tolerance.
-
-    !!! info "Errors"
-
-        `eqshard.SpecError` lists every leaf that cannot be laid out. It also lists
-        every leaf that `factory` returns as a NumPy array of a 64-bit type while JAX
-        runs with 32-bit types: it would be cast.
+    The guide "Init and checkpoints" says more: the factory, what comes back, random
+    numbers and float maths, and the errors.
     """
     wide: dict[int, str] = {}
 
@@ -174,7 +142,7 @@ def init(
         abstract,
         spec,
         mesh=mesh,
-        devices=local_devices(devices, "`eqshard.init`"),
+        devices=placement(devices, what="`eqshard.init`"),
         unspecified=unspecified,
     )
     plan = planned.plan

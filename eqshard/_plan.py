@@ -8,7 +8,7 @@ Each leaf's devices hold exactly the blocks that `eqshard.expression.sharding` (
 would give them; only the mesh they are written on is shared. Where no shared
 mesh exists, each expression keeps its own mesh, as `eqshard.expression.sharding` builds it.
 
-Planning needs no devices: given a count (`devices=65536`), every mesh is the
+Planning needs no devices: given a count (`simulate=65536`), every mesh is the
 `jax.sharding.AbstractMesh` of the axes the same devices would get, so the
 layouts, `PartitionSpec`s and bytes per device are those of the concrete plan,
 and only placing or compiling needs devices (`_sharding.on_devices`).
@@ -39,8 +39,10 @@ from ._resolve import Resolved, resolve
 from ._sharding import (
     AnyMesh,
     Device,
+    Devices,
     Placement,
     abstract_mesh,
+    as_placement,
     device_count,
     local_devices,
     mesh as build_mesh,
@@ -108,15 +110,15 @@ class Plan:
     - `partition_specs`: the same, with each leaf's `PartitionSpec`.
     - `expressions`: the same, with each leaf's complete `Expression` (`None` where the
         spec gave none).
-    - `devices`: the devices the plan places on, in einshard's order, or a count (see
-        "Device counts").
+    - `devices`: the devices the plan places on, in einshard's order, or the count of
+        `simulate=` (see "Device counts").
     - `mesh_is_given`: whether `mesh` is the user's or a spec file's, not eqshard's.
     - `spec`, `unspecified`: what the plan was made from; they also lay out the model's
         `eqx.nn.State` when the plan meets one.
     - `abstract`: the tree with a `jax.ShapeDtypeStruct(shape, dtype, sharding=...)` at
         every array leaf, other leaves unchanged: what Orbax restores into.
-    - `optimizer`: the optimizer section, a plan of the same model (see "The optimizer
-        section").
+    - `optimizer`: the optimizer section, a plan of the same model whose shardings are
+        the optimizer state's (see the guide "Annotations and spec trees").
     - `follows`: in an optimizer section, whether each leaf takes its parameter's layout
         (`"default": "parameter"`); else `None`.
 
@@ -131,26 +133,14 @@ class Plan:
 
     !!! info "Device counts"
 
-        For a plan made for a device count (`devices=65536`), `devices` is that count.
-        Every mesh is then a `jax.sharding.AbstractMesh`. What places or compiles with
-        the plan (`apply`, `init`, `restore`, `cost`) uses the first that many of
+        For a plan made with `simulate=65536`, `devices` is that count. Every mesh is
+        then a `jax.sharding.AbstractMesh`. What places or compiles with the plan
+        (`apply`, `init`, `restore`, `cost`) uses the first that many of
         `jax.devices()`, as `devices=n` does. On the user's abstract mesh, `devices` is
         `None`.
 
-    !!! info "The optimizer section"
-
-        `optimizer` is a plan of the same model whose shardings are those of the
-        optimizer state (each parameter's moments, accumulators). It comes from the spec
-        file's `"optimizer"` section or `plan(..., optimizer=)`. Where there is none, it
-        is the plan itself: the state follows the parameters. A plan lays the
-        model-shaped subtrees of an optimizer state out by it
-        (`eqshard.apply(opt_state, plan)`). `eqshard.constrain(grads, plan.optimizer)`
-        gives the gradients its layouts (ZeRO-2).
-
-    !!! info "Memory kinds"
-
-        A sharding's memory kind is the rule's `"memory"` (`"pinned_host"`). Else it is
-        the device's (`NamedSharding.memory_kind` `"device"`).
+    The guide "Annotations and spec trees" says more: the optimizer section and
+    memory kinds.
     """
 
     mesh: AnyMesh | None
@@ -418,7 +408,7 @@ def make_plan(
     problems: list[Problem] = []
     placed_on: Placement | None
     if target_mesh is None:
-        placed_on = placement(devices)
+        placed_on = as_placement(devices)
         n = device_count(placed_on)
         declared, found = declared_mesh(spec, n)
         if declared is None and not found and section_spec is not None:
@@ -607,14 +597,15 @@ def plan(
     spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | int | None = None,
+    devices: Devices = None,
+    simulate: int | None = None,
     unspecified: Unspecified = "replicate",
-    optimizer: Any = None,
+    optimizer: Spec | None = None,
 ) -> Plan:
     """Resolves a spec against a model and lays out every array leaf, placing nothing.
 
     It works on abstract models (`eqx.filter_eval_shape`) as well as concrete ones, so
-    checking a spec costs no device memory. Given a device count, it needs no devices.
+    checking a spec costs no device memory; with `simulate=`, it needs no devices.
 
     **Example:**
 
@@ -626,23 +617,26 @@ def plan(
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     eqshard.plan(model, spec, mesh=mesh).partition_specs.w1   # P(None, 'model')
 
-    big = eqshard.plan(model, spec, devices=65536)   # abstractly: no devices needed
+    big = eqshard.plan(model, spec, simulate=65536)   # abstractly: no devices needed
     big.mesh                      # AbstractMesh('m0': 65536, ...)
     ```
 
     **Arguments:**
 
-    - `model`: an Equinox model or any pytree.
-    - `spec`: where the expressions come from; by default the model's `eqshard.field`s
-        (see "Specs").
+    - `model`: an Equinox model or any pytree, concrete or abstract.
+    - `spec`: where the expressions come from: the model's `eqshard.field`s (the
+        default), a spec tree or a prefix of one, one expression, `eqshard.Rules`,
+        `eqshard.FSDP`, a `PartitionSpec` tree, or a `Plan`.
     - `mesh`: the user's `jax.sharding.Mesh`; by default the mesh of `jax.set_mesh`,
-        else the spec file's (see "Meshes").
-    - `devices`: else, a list of devices, or a count; by default all of `jax.devices()`
-        (see "Device counts").
-    - `unspecified`: what an array leaf whose expression is `None` gets: `"replicate"`
-        (a full copy on every device, the default) or `"keep"` (it stays where it is).
+        else the spec file's.
+    - `devices`: else, this process's devices: a list, or a count (the first that
+        many); by default all of `jax.devices()`.
+    - `simulate`: else, a count of devices this process need not have: every mesh is
+        then a `jax.sharding.AbstractMesh`.
+    - `unspecified`: what an array leaf without an expression gets: `"replicate"` (the
+        default) or `"keep"` (it stays where it is).
     - `optimizer`: how the optimizer state is laid out; by default the spec file's
-        `"optimizer"` section (see "The optimizer section").
+        `"optimizer"` section, else each parameter's own layout.
 
     **Returns:**
 
@@ -650,61 +644,20 @@ def plan(
 
     **Raises:**
 
-    - `eqshard.SpecError`: a leaf cannot be laid out, or the spec's structure differs
-        from the model's (see "Errors").
-    - `eqshard.EqshardError`: `devices` is neither devices nor a count of at least 1.
-    - `eqshard.MeshWarning` (a warning): with no user mesh, the layouts group devices in
-        ways that disagree.
+    - `eqshard.SpecError`: every leaf that cannot be laid out, one line each, or the
+        first path where the spec's structure differs from the model's.
+    - `eqshard.UsageError`: both `devices` and `simulate` are given.
+    - `eqshard.EqshardError`: `devices` is neither devices nor a count this process
+        has.
+    - `eqshard.MeshWarning` (a warning): with no user mesh, the layouts group devices
+        in ways that disagree.
 
-    !!! info "Specs"
-
-        By default the expressions come from the model's `eqshard.field`s. Else `spec`
-        is a spec tree with the model's structure, or a prefix of it: one expression or
-        `None` for a whole subtree. It may also be a single expression for every array
-        leaf, or a resolver such as `eqshard.Rules`. A leaf may be an `Expression`, its
-        text, or `None`.
-
-    !!! info "Meshes"
-
-        On the user's mesh, every layout is written with its axis names, and must fit
-        it. einshard's device `i` is `mesh.devices.flat[i]`. By default the mesh is that
-        of `jax.set_mesh`, if one is set, else the mesh a spec file declares.
-
-    !!! info "Device counts"
-
-        Without a mesh, `devices` are the devices to use, all of them. A device count,
-        such as `65536`, makes the plan without devices. It is then on a
-        `jax.sharding.AbstractMesh` with the axes that many devices would get. Every
-        leaf gets the `PartitionSpec` and bytes per device of the plan on that many real
-        devices. Such a plan serves `report`, `abstract`, `constrain` inside `jit` and
-        golden files. `apply`, `init`, `restore`, `shard` and `cost` need devices, and
-        say so.
-
-    !!! info "The optimizer section"
-
-        `optimizer` is any spec source whose paths name parameters:
-
-        - `eqshard.Rules`: with `default="parameter"`, a state leaf no rule matches
-            takes its parameter's layout;
-        - `eqshard.FSDP`, or one expression;
-        - a spec tree of the model, where `None` is the parameter's layout.
-
-        Each state leaf of a parameter (Adam's moments) takes the layout it gives that
-        parameter: `plan.optimizer`. By default it is the spec file's `"optimizer"`
-        section, else the parameters' own layouts. It is fitted onto the parameters'
-        mesh. ZeRO-1 is `eqshard.plan(model, "... -> * ...", optimizer=eqshard.FSDP)`.
-
-    !!! info "Errors"
-
-        `eqshard.SpecError` lists every faulty leaf, one line each. A line gives the
-        leaf's dotted path, shape, expression and the rule it breaks. The rule is rank,
-        divisibility, device count, annotation, or a layout that does not fit the mesh.
-        For a layout that does not fit, it gives the same counts in the mesh's order,
-        where they fit. Where the spec's structure differs from the model's, it names
-        the first path that differs.
+    The guide "Annotations and spec trees" says more: specs, meshes, device counts,
+    the optimizer section and the errors.
     """
+    placed = placement(devices, simulate, what="`eqshard.plan`", was_simulated=True)
     planned = make_plan(
-        model, spec, mesh=mesh, devices=devices, unspecified=unspecified, optimizer=optimizer
+        model, spec, mesh=mesh, devices=placed, unspecified=unspecified, optimizer=optimizer
     )
     if planned.problems:
         raise SpecError(planned.problems)

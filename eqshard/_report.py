@@ -15,7 +15,7 @@ from ._derive import plan_for
 from ._errors import SpecError
 from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Plan, Spec, Unspecified
-from ._sharding import AnyMesh, Devices
+from ._sharding import AnyMesh, Devices, placement
 
 __all__ = [
     "LeafRow",
@@ -334,6 +334,7 @@ def report(
     *,
     mesh: AnyMesh | None = None,
     devices: Devices = None,
+    simulate: int | None = None,
     unspecified: Unspecified = "replicate",
 ) -> Report:
     """The per-leaf table of where a model or an optimizer state goes.
@@ -351,7 +352,7 @@ def report(
     - `tree`: a model, an optimizer state built from it, or any pytree; concrete or
         abstract.
     - `spec`: anything `eqshard.apply` takes, a `Plan` included.
-    - `mesh`, `devices`, `unspecified`: as for `eqshard.plan`.
+    - `mesh`, `devices`, `simulate`, `unspecified`: as for `eqshard.plan`.
 
     **Returns:**
 
@@ -360,6 +361,7 @@ def report(
     **Raises:**
 
     - `eqshard.SpecError`: lists every leaf that cannot be laid out.
+    - `eqshard.UsageError`: both `devices` and `simulate` are given.
 
     !!! info "The rows"
 
@@ -371,7 +373,8 @@ def report(
         device's, it gives it (`"pinned_host"`). The totals say what of them is in host
         memory.
     """
-    planned = plan_for(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+    placed = placement(devices, simulate, what="`eqshard.report`", was_simulated=True)
+    planned = plan_for(tree, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     if planned.problems:
         raise SpecError(planned.problems)
     return Report(leaf_rows(planned.plan))

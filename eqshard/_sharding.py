@@ -21,11 +21,12 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._errors import EqshardError, whole_number
+from ._errors import EqshardError, UsageError, whole_number
 from ._expression import Expression, parse
 from ._fit import fit, mesh_shape_of, misfit
 from ._jit_key import JIT_KEY as JIT_KEY  # made before any step is traced: see _jit_key
 from ._layout import MAX_DEVICES, device_count_of, layout, shape_of
+from ._warnings import deprecated
 
 if TYPE_CHECKING:
     from jaxlib._jax import Device
@@ -38,6 +39,7 @@ __all__ = [
     "Devices",
     "Placement",
     "abstract_mesh",
+    "as_placement",
     "cached_sharding",
     "context_mesh",
     "device_count",
@@ -48,8 +50,10 @@ __all__ = [
     "named_sharding",
     "on_devices",
     "partition_spec",
+    "placed_sharding",
     "placement",
     "sharding",
+    "simulate_message",
     "user_mesh",
     "with_devices",
 ]
@@ -58,10 +62,15 @@ Placement = Union[tuple[Device, ...], int]
 """What a layout is placed on without a user's mesh: devices in einshard's order
 (its device `i` is the `i`-th), or a count of devices, laid out abstractly."""
 
+Devices = Union[int, Sequence[Device], None]
+"""What `devices=` takes everywhere: a count (the first that many of this process's
+devices), or a list of devices (`None`: all of this process's)."""
 
-def placement(devices: Sequence[Device] | np.ndarray | int | None) -> Placement:
-    """What `devices=` places on: a count (an `int`) as it is, to lay out
-    abstractly, else the devices (`device_tuple`).
+
+def as_placement(devices: Sequence[Device] | np.ndarray | int | None) -> Placement:
+    """A `Placement` as eqshard passes one inside (`make_plan`, a plan's devices, a
+    spec file's count): a count (an `int`) as it is, laid out abstractly, else the
+    devices (`device_tuple`). Never the user's `devices=`: `placement` reads that.
 
     **Raises:** `EqshardError` for a count below 1, or what `device_tuple` raises.
     """
@@ -70,9 +79,50 @@ def placement(devices: Sequence[Device] | np.ndarray | int | None) -> Placement:
     return device_tuple(devices)
 
 
-Devices = Union[int, Sequence[Device], None]
-"""What `devices=` takes everywhere: a count, or a list of devices (`None`: all of
-this process's)."""
+def simulate_message(count: int, here: int) -> str:
+    """The deprecation of `devices=count` meaning devices this process does not have."""
+    return (
+        f"`devices={count}` means {count} of this process's devices, and it has {here}: "
+        f"pass `simulate={count}` to lay out (or compile) for {count} devices it does not have"
+    )
+
+
+def placement(
+    devices: Devices | np.ndarray = None,
+    simulate: int | None = None,
+    *,
+    what: str,
+    was_simulated: bool = False,
+) -> Placement | None:
+    """The one reading of `devices=` and `simulate=`: `devices` are real devices (a
+    count is the first that many of this process's, `local_devices`), `simulate` a
+    count of devices this process does not have, laid out abstractly (a count in the
+    `Placement`); `None` where neither is given.
+
+    `was_simulated`: `what` read `devices=n` as a count to lay out abstractly before
+    `simulate=` (`plan`, `sharding`, `report`, `abstract`): a count more than this
+    process has keeps that meaning for one release, with a `DeprecationWarning`.
+
+    **Raises:** `UsageError` for both given; `EqshardError` for a count below 1, more
+    than this process has (without `was_simulated`), or what `device_tuple` raises.
+    """
+    if simulate is not None:
+        if devices is not None:
+            raise UsageError(
+                f"{what} takes `devices=` (this process's devices) or `simulate=` (a count "
+                "of devices it does not have, laid out abstractly), not both; pass one"
+            )
+        return device_count_of(simulate, "`simulate`")
+    if devices is None:
+        return None
+    if isinstance(devices, (int, np.integer)):
+        count = device_count_of(devices if isinstance(devices, bool) else int(devices), "`devices`")
+        here = len(jax.devices())
+        if was_simulated and count > here:
+            deprecated(simulate_message(count, here))
+            return count
+        return tuple(local_devices(count, what) or ())
+    return device_tuple(devices)
 
 
 def local_devices(devices: Devices, what: str) -> Sequence[Device] | None:
@@ -81,7 +131,7 @@ def local_devices(devices: Devices, what: str) -> Sequence[Device] | None:
     it; a list is itself.
 
     **Raises:** `EqshardError` for a count this process has not as many devices for
-    (laying out needs no devices: `eqshard.plan(..., devices=n)` does that).
+    (laying out needs no devices: `simulate=n` does that).
     """
     if not isinstance(devices, (int, np.integer)):
         return devices
@@ -90,8 +140,8 @@ def local_devices(devices: Devices, what: str) -> Sequence[Device] | None:
     if count > len(here):
         raise EqshardError(
             f"{what} places arrays on `devices={count}`, the first {count} of `jax.devices()`, "
-            f"and there are {len(here)}; pass at most {len(here)}, or lay out without "
-            f"devices with `eqshard.plan(model, spec, devices={count})`"
+            f"and there are {len(here)}; pass at most {len(here)}, or lay out for devices "
+            f"this process does not have with `eqshard.plan(model, spec, simulate={count})`"
         )
     if jax.process_count() > 1 and count != len(here):
         raise EqshardError(
@@ -164,7 +214,8 @@ def user_mesh(mesh: object, devices: object) -> AnyMesh | None:
         return context_mesh() if devices is None else None
     if devices is not None:
         raise EqshardError(
-            "`mesh=` and `devices=` are both given; pass one: a mesh holds its devices"
+            "`mesh=` and `devices=` (or `simulate=`) are both given; pass one: a mesh holds "
+            "its devices"
         )
     if not isinstance(mesh, (Mesh, AbstractMesh)):
         raise EqshardError(
@@ -192,10 +243,10 @@ def on_devices(mesh: AnyMesh | None, what: str, placed: object = None) -> None:
             else "abstract meshes, which have no devices"
         )
         raise EqshardError(
-            f"{what} needs a mesh with devices, and its layouts were made for a device "
-            f"count, `devices={placed}`, on {on}; pass devices rather "
-            f"than a count, such as `devices=jax.devices()[:{placed}]`, or a concrete "
-            "`jax.sharding.Mesh`. A count serves `eqshard.plan`, `eqshard.report`, "
+            f"{what} needs a mesh with devices, and its layouts were made for "
+            f"`simulate={placed}` devices, on {on}; pass this process's devices, such as "
+            f"`devices={placed}` or `devices=jax.devices()[:{placed}]`, or a concrete "
+            "`jax.sharding.Mesh`. `simulate=` serves `eqshard.plan`, `eqshard.report`, "
             "`eqshard.abstract`, `eqshard.expression.sharding`, and `eqshard.constrain` inside `jit`"
         )
     if isinstance(mesh, AbstractMesh):
@@ -303,14 +354,15 @@ def sharding(
     shape: Sequence[int],
     *,
     mesh: AnyMesh | None = None,
-    devices: Sequence[Device] | np.ndarray | int | None = None,
+    devices: Devices | np.ndarray = None,
+    simulate: int | None = None,
 ) -> NamedSharding:
     """The `NamedSharding` that an einshard expression gives an array of `shape`.
 
     **Example:**
 
     ```python
-    s = eqshard.expression.sharding("a b -> 2 a2* b*", (4, 8))   # on 16 devices
+    s = eqshard.expression.sharding("a b -> 2 a2* b*", (4, 8), simulate=16)   # no devices needed
     s.mesh.shape      # {'_0': 2, 'a': 4, 'b': 2}
     s.spec            # PartitionSpec('a', 'b')
 
@@ -322,51 +374,37 @@ def sharding(
 
     - `expr`: an einshard expression, as text or as an `eqshard.expression.Expression`.
     - `shape`: the array's shape.
-    - `mesh`: the mesh to write the layout on, with its axis names; by default the mesh
-        of `jax.set_mesh`, if one is set. einshard's device `i` is
-        `mesh.devices.flat[i]`.
-    - `devices`: else, the devices to use, all of them, or a count; by default
-        `jax.devices()` (see "Devices").
+    - `mesh`: the mesh to write the layout on; by default the mesh of `jax.set_mesh`.
+    - `devices`: else, this process's devices to use: a list, or a count (the first
+        that many); by default all of `jax.devices()`.
+    - `simulate`: else, a count of devices this process need not have: the sharding is
+        then on a `jax.sharding.AbstractMesh` of the same axes.
 
     **Returns:**
 
-    A `jax.sharding.NamedSharding`, on the user's mesh or on one of its own (see "The
-    mesh").
+    A `jax.sharding.NamedSharding`, on the user's mesh (with its axis names) or on a mesh
+    of Auto axes named after the right side's elements. Cached.
 
     **Raises:**
 
-    - `eqshard.ExpressionError`: the expression is malformed or does not fit, with a
-        caret under the fault (see "Errors").
+    - `eqshard.ExpressionError`: the expression is malformed, a short form, of the wrong
+        rank, not for the devices given, uneven, or does not fit the mesh.
+    - `eqshard.UsageError`: both `devices` and `simulate` are given.
 
-    !!! info "Devices"
-
-        Pass a list to place on a subset. Their order is the row-major order of the
-        mesh. A count (`devices=65536`) needs no devices. The sharding is then on a
-        `jax.sharding.AbstractMesh` of the same axes, for `shard_shape`,
-        `jax.ShapeDtypeStruct` and `eqshard.constrain` inside `jit`.
-
-    !!! info "The mesh"
-
-        On the user's mesh, the sharding is written with that mesh's axes. Otherwise its
-        mesh has Auto axes, one per element of the right side (`...` adds none). Each is
-        named after its element (`_<i>` for standalone replication elements). Either
-        way, devices hold the same blocks as under einshard. The result is cached, so a
-        repeated call costs a dictionary look-up.
-
-    !!! info "Errors"
-
-        `eqshard.ExpressionError` is raised when the expression:
-
-        - is malformed, or is in short form;
-        - does not match the rank of `shape`;
-        - does not use exactly the devices given;
-        - splits a dimension unevenly;
-        - does not fit the mesh (the message gives the same counts in the mesh's order,
-            where they fit).
+    See the guide "The expression language" for the mesh a sharding is on.
     """
     if not isinstance(expr, (str, Expression)):
         parse(expr)  # raises the EqshardError that says what an expression is
-    on = user_mesh(mesh, devices)
+    placed = placement(devices, simulate, what="`eqshard.expression.sharding`", was_simulated=True)
+    return placed_sharding(expr, shape, mesh, placed)
+
+
+def placed_sharding(
+    expr: str | Expression, shape: Sequence[int], mesh: AnyMesh | None, placed: Placement | None
+) -> NamedSharding:
+    """`sharding` once `devices=` and `simulate=` are read (`placement`): on the
+    user's mesh, else on `placed` (all of `jax.devices()` for `None`)."""
+    on = user_mesh(mesh, placed)
     if on is not None:
         return sharding_on(expr, shape_of(shape), on)
-    return cached_sharding(expr, shape_of(shape), placement(devices))
+    return cached_sharding(expr, shape_of(shape), placed or device_tuple(None))

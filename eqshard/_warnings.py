@@ -25,6 +25,7 @@ __all__ = [
     "UnusedRule",
     "UnusedRuleWarning",
     "VersionWarning",
+    "deprecated",
     "unused_message",
     "warn",
 ]
@@ -264,3 +265,12 @@ class VersionWarning(EqshardWarning):
 
 
 VersionWarning.__module__ = "eqshard"
+
+
+def deprecated(text: str) -> None:
+    """Warns a `DeprecationWarning` saying `text` (the old spelling and the new),
+    pointed at the first caller outside eqshard, as `warn` points its warnings."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(text, DeprecationWarning, stacklevel=level + 1)

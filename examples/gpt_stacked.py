@@ -102,7 +102,7 @@ def optimizer() -> optax.GradientTransformation:
 
 
 def batch() -> Int[Array, "batch seq"]:
-    """A batch of token ids, shaped as training takes them (`eqshard check --batch`)."""
+    """A batch of token ids, shaped as training takes them (`eqshard check --make-batch`)."""
     return jnp.zeros((BATCH, SEQ + 1), jnp.int32)
 
 

@@ -7,7 +7,7 @@ splits it FSDP over `data` and tensor parallel over `model` on any count of
 devices that 16 divides.
 
     eqshard check examples/specs/llama.eqshard.json --model examples/llama_8b.py:build \\
-        --step examples/llama_8b.py:step --batch examples/llama_8b.py:batch \\
+        --step examples/llama_8b.py:step --make-batch examples/llama_8b.py:batch \\
         --optimizer examples/llama_8b.py:optimizer --target v5p:4x4x4
 
 `benchmarks/bench_cost.py` costs it on `v5e:4x4` and `v5p:4x4x4` with the TPU

@@ -1,6 +1,6 @@
 """A small NequIP-like message-passing network over a `jraph.GraphsTuple`, of
 `eqx.nn` parts, for `tests/test_batch_rules.py`: imported there, and named by file
-for `eqshard check --model/--step/--batch/--optimizer` and `eqshard.testing`.
+for `eqshard check --model/--step/--make-batch/--optimizer` and `eqshard.testing`.
 
 The batch is 3 graphs in one `GraphsTuple`: 16 nodes with features, 88 edges (each
 a radial basis of its length, and its sender and receiver), and per graph its node

@@ -68,7 +68,7 @@ def main() -> None:
                 "local_devices": len(jax.local_devices()),
                 "mesh": dict(mesh.shape),
                 "shards": sorted(
-                    [jax.devices().index(d), [s.start or 0 for s in i]]
+                    [jax.devices().index(d), [s.start or 0 for s in i or ()]]
                     for d, i in weight.sharding.addressable_devices_indices_map(
                         weight.shape
                     ).items()

@@ -1,6 +1,6 @@
 """A stateful model (a convolution, a BatchNorm, a head) and its training steps, in
 Equinox's style, for `tests/test_nn_state_cost.py`: imported there, and named by
-file for `eqshard check --model/--step/--batch/--optimizer`."""
+file for `eqshard check --model/--step/--make-batch/--optimizer`."""
 
 import equinox as eqx
 import jax

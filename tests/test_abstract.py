@@ -92,7 +92,7 @@ def test_check_says_the_same_with_devices_and_without(run_cli, tmp_path, monkeyp
     pairs = _pairs(tmp_path)
     abstract = []
     for spec, model in pairs:
-        result = run_cli("check", spec, "--model", model, "--devices", 8, "--format", "json")
+        result = run_cli("check", spec, "--model", model, "--device-counts", 8, "--format", "json")
         abstract.append((result.code, json.loads(result.out)))
     assert {code for code, _ in abstract} == {0, 1}  # some fit, some do not
     faulty = abstract[-2][1]["checks"][0]
@@ -103,7 +103,7 @@ def test_check_says_the_same_with_devices_and_without(run_cli, tmp_path, monkeyp
     )
     meshes = _lay_out_on_devices(monkeypatch)
     for (spec, model), (code, document) in zip(pairs, abstract):
-        result = run_cli("check", spec, "--model", model, "--devices", 8, "--format", "json")
+        result = run_cli("check", spec, "--model", model, "--device-counts", 8, "--format", "json")
         assert (result.code, json.loads(result.out)) == (code, document), spec
     assert len(meshes) == len(pairs)
     assert all(isinstance(m, Mesh) for m in meshes)
@@ -130,7 +130,7 @@ def test_an_abstract_plan_gives_every_device_the_blocks_a_concrete_one_does(spec
     model = eqx.filter_eval_shape(build_model)
     rules = eqshard.load(spec)
     concrete = eqshard.plan(model, rules, devices=jax.devices())
-    abstract = eqshard.plan(model, rules, devices=8)
+    abstract = eqshard.plan(model, rules, simulate=8)
     assert isinstance(concrete.mesh, Mesh)
     assert isinstance(abstract.mesh, AbstractMesh)
     assert list(concrete.mesh.devices.flat) == jax.devices()  # einshard's device i
@@ -171,7 +171,7 @@ def test_without_a_shared_mesh_each_expression_keeps_its_own_abstract_mesh():
 
 def test_a_llama_shaped_model_on_65536_devices():
     model = eqx.filter_eval_shape(build)  # 8 billion parameters, abstract
-    plan = eqshard.plan(model, eqshard.load(LLAMA_SPEC), devices=65536)
+    plan = eqshard.plan(model, eqshard.load(LLAMA_SPEC), simulate=65536)
     assert plan.devices == 65536
     assert plan.mesh == AbstractMesh(
         (4096, 16), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto)
@@ -198,7 +198,7 @@ def test_a_llama_shaped_model_on_65536_devices():
 def test_check_on_65536_devices_from_the_command_line(run_python, tmp_path):
     spec = tmp_path / "llama.eqshard.json"
     spec.write_text(json.dumps(LLAMA_SPEC))
-    command = ["-m", "eqshard", "check", spec, "--model", LLAMA, "--devices", "8", "65536"]
+    command = ["-m", "eqshard", "check", spec, "--model", LLAMA, "--device-counts", "8", "65536"]
     result = run_python([*map(str, command), "--format", "json"])
     assert result.returncode == 1, result.stderr  # on 8 devices, 'model' 16 does not fit
     eight, many = json.loads(result.stdout)["checks"]
@@ -217,7 +217,7 @@ def test_check_on_65536_devices_from_the_command_line(run_python, tmp_path):
 def test_an_abstract_plan_serves_jit_where_a_mesh_is_set():
     model = eqx.nn.Linear(8, 16, key=jax.random.key(0))
     rules = eqshard.load({"eqshard": 1, "rules": [{"path": "weight", "expr": "o i -> o2 i4"}]})
-    plan = eqshard.plan(model, rules, devices=8)
+    plan = eqshard.plan(model, rules, simulate=8)
     assert plan.partition_specs.weight == P("m0", "m1")
     mesh = jax.make_mesh((2, 4), ("m0", "m1"), axis_types=(AxisType.Auto,) * 2)
 
@@ -262,7 +262,7 @@ def _linear():
 def test_placing_with_a_plan_for_a_count_uses_the_first_n_devices(what, call, tmp_path):
     eqx.tree_serialise_leaves(tmp_path / "linear.eqx", _linear())
     rules = eqshard.load(_LINEAR_RULES)
-    counted = eqshard.plan(_linear(), rules, devices=4)
+    counted = eqshard.plan(_linear(), rules, simulate=4)
     on_devices = eqshard.plan(_linear(), rules, devices=jax.devices()[:4])
     result = call(counted, tmp_path / "linear.eqx")
     if what == "cost":  # what it compiled for: 4 devices, split as on those devices
@@ -275,15 +275,15 @@ def test_placing_with_a_plan_for_a_count_uses_the_first_n_devices(what, call, tm
 
 def test_a_count_is_a_whole_number_a_sharding_can_describe():
     for count, message in [
-        (0, r"`devices` is a whole number from 1, not 0"),
-        (True, r"`devices` is a whole number from 1, not True"),
-        (2**31, r"`devices` is 2147483648, more than 2147483647, the most devices a JAX"),
+        (0, r"`simulate` is a whole number from 1, not 0"),
+        (True, r"`simulate` is a whole number from 1, not True"),
+        (2**31, r"`simulate` is 2147483648, more than 2147483647, the most devices a JAX"),
     ]:
         with pytest.raises(EqshardError, match=f"^{message}"):
-            eqshard.plan(_linear(), "... -> * ...", devices=count)
+            eqshard.plan(_linear(), "... -> * ...", simulate=count)
     with pytest.raises(EqshardError, match=r"^`devices` is a list of JAX devices, .* or a device"):
         eqshard.plan(_linear(), "... -> * ...", devices=2.0)  # pyright: ignore
-    sharding = eqshard.expression.sharding("a b -> a2* b", (65536 * 2, 16), devices=65536)
+    sharding = eqshard.expression.sharding("a b -> a2* b", (65536 * 2, 16), simulate=65536)
     assert sharding.mesh == AbstractMesh((65536, 1), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
     assert sharding.shard_shape((65536 * 2, 16)) == (2, 16)
 
@@ -291,9 +291,9 @@ def test_a_count_is_a_whole_number_a_sharding_can_describe():
 def test_check_refuses_a_count_no_sharding_can_describe(run_cli, tmp_path):
     spec = tmp_path / "llama.eqshard.json"
     spec.write_text(json.dumps(LLAMA_SPEC))
-    result = run_cli("check", spec, "--model", LLAMA, "--devices", 2**31)
+    result = run_cli("check", spec, "--model", LLAMA, "--device-counts", 2**31)
     assert result.code == 2
     assert (
-        "argument --devices: '2147483648' is more than 2147483647 devices, the most a JAX "
+        "argument --device-counts: '2147483648' is more than 2147483647 devices, the most a JAX "
         "sharding can describe"
     ) in result.err

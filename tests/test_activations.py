@@ -401,9 +401,9 @@ def test_cost_sees_the_names_of_a_spec_files_rules(gpt):
 def test_check_step_sees_the_names(run_cli, tmp_path):
     module = str(EXAMPLES / "gpt_stacked.py")
     step = ["--model", f"{module}:build", "--step", f"{module}:step"]
-    step += ["--optimizer", f"{module}:optimizer", "--batch", f"{module}:batch"]
+    step += ["--optimizer", f"{module}:optimizer", "--make-batch", f"{module}:batch"]
     spec = _gpt_spec(tmp_path, vocab=None)
-    result = run_cli("check", spec, *step, "--devices", "8", "--format", "json")
+    result = run_cli("check", spec, *step, "--device-counts", "8", "--format", "json")
     assert result.code == 0, result.out + result.err
     [check] = json.loads(result.out)["checks"]
     kinds = {(c["kind"], tuple(c["axes"])) for c in check["cost"]["communication"]}
@@ -411,6 +411,6 @@ def test_check_step_sees_the_names(run_cli, tmp_path):
     document = json.loads(spec.read_text())
     del document["dims"]["vocab"]
     spec.write_text(json.dumps(document))
-    result = run_cli("check", spec, *step, "--devices", "8")
+    result = run_cli("check", spec, *step, "--device-counts", "8")
     assert result.code == 1, result.out + result.err
     assert "names 'vocab', which $.dims does not map" in result.out + result.err

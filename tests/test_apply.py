@@ -379,8 +379,8 @@ def test_devices_is_a_count_or_a_list_everywhere():
     with pytest.raises(
         eqshard.EqshardError,
         match=r"`eqshard.apply` places arrays on `devices=16`, the first 16 of `jax.devices\(\)`, "
-        r"and there are 8; pass at most 8, or lay out without devices with "
-        r"`eqshard.plan\(model, spec, devices=16\)`",
+        r"and there are 8; pass at most 8, or lay out for devices this process does not "
+        r"have with `eqshard.plan\(model, spec, simulate=16\)`",
     ):
         eqshard.apply(model, "a b -> a* b", devices=16)
 
@@ -391,7 +391,7 @@ def test_the_spec_tree_of_a_plan_is_that_of_its_spec():
     plan = eqshard.plan(model, rules)
     assert eqshard.spec_tree(model, plan) == eqshard.spec_tree(model, rules)
     assert str(eqshard.spec_tree(model, plan).layers[0].weight) == "o i -> o* i"
-    abstract = eqshard.plan(model, eqshard.FSDP, devices=64)  # laid out for 64, not 8
+    abstract = eqshard.plan(model, eqshard.FSDP, simulate=64)  # laid out for 64, not 8
     assert eqshard.spec_tree(model, abstract) == abstract.expressions
 
 

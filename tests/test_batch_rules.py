@@ -420,7 +420,7 @@ def _spec_file(tmp_path: Path, batch: Any) -> Path:
 
 
 STEP_ARGS = [
-    *("--model", f"{MODULE}:build", "--batch", f"{MODULE}:batch"),
+    *("--model", f"{MODULE}:build", "--make-batch", f"{MODULE}:batch"),
     *("--step", f"{MODULE}:step", "--optimizer", f"{MODULE}:optimizer"),
 ]
 
@@ -430,17 +430,17 @@ def test_check_step_lays_the_batch_out_by_the_section_and_names_leaves_left_whol
     run_cli, tmp_path
 ):
     path = _spec_file(tmp_path, LEFT_WHOLE)
-    result = run_cli("check", path, *STEP_ARGS, "--devices", "8", "--format", "json")
+    result = run_cli("check", path, *STEP_ARGS, "--device-counts", "8", "--format", "json")
     assert result.code == 0, result.out + result.err
     (found,) = json.loads(result.out)["checks"]
     assert found["cost"]["batch"] == f"{path}::$.batch"
     whole = [w for w in found["warnings"] if w["kind"] == "IndivisibleBatchWarning"]
     assert [w["where"] for w in whole] == ["`g`.globals", "`g`.n_node", "`g`.n_edge"]
     assert "int32[3] by data parallel ('b ... -> b2 ... 4')" in whole[1]["message"]
-    strict = run_cli("check", path, *STEP_ARGS, "--devices", "8", "--strict")
+    strict = run_cli("check", path, *STEP_ARGS, "--device-counts", "8", "--strict")
     assert strict.code == 1
     assert "`g`.n_node, `g`.n_edge: int32[3] by data parallel" in strict.out
-    refused = run_cli("check", _spec_file(tmp_path, {}), *STEP_ARGS, "--devices", "8")
+    refused = run_cli("check", _spec_file(tmp_path, {}), *STEP_ARGS, "--device-counts", "8")
     assert refused.code == 1
     assert "`g`.globals: the batch float32[3, 1] is laid out by data parallel" in refused.err
 
@@ -450,9 +450,9 @@ def test_the_harness_lays_the_batch_out_by_the_section(tmp_path):
     from eqshard.testing import assert_equivalent
 
     path = _spec_file(tmp_path, BY_RULES)
-    assert_equivalent(gm.build, path, gm.loss, gm.batch, devices=(8,), optimizer=gm.optimizer)
+    assert_equivalent(gm.build, path, gm.loss, gm.batch, device_counts=(8,), optimizer=gm.optimizer)
     with pytest.raises(eqshard.EqshardError) as refused:
-        assert_equivalent(gm.build, _spec_file(tmp_path, {}), gm.loss, gm.batch, devices=(8,))
+        assert_equivalent(gm.build, _spec_file(tmp_path, {}), gm.loss, gm.batch, device_counts=(8,))
     assert f'the batch cannot be laid out by the "batch" of {path}' in str(refused.value)
     assert "batch().globals: the batch float32[3, 1] is laid out by data parallel" in str(
         refused.value

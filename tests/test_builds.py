@@ -86,6 +86,7 @@ class Twice(eqx.Module):
 def test_builds_whose_indexes_are_shared_otherwise_are_not_alike():
     plan = eqshard.plan(Twice(shared=True), "t d -> t d*")
     alike = eqshard.apply(Twice(shared=True), plan)  # another build
+    assert isinstance(alike.b.init, jax.Array)
     assert not alike.b.init.sharding.is_fully_replicated
     with pytest.raises(SpecError, match="no subtree of this tree has its structure"):
         eqshard.apply(Twice(shared=False), plan)

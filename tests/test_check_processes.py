@@ -56,7 +56,7 @@ def test_a_model_that_sets_its_own_device_count(run_python, tmp_path):
     model.write_text(OWN_COUNT)
     spec = tmp_path / "spec.eqshard.json"
     spec.write_text(json.dumps({"eqshard": 1, "rules": [{"path": "w", "expr": "a b -> a* b"}]}))
-    result = _check(run_python, spec, "--model", f"{model}:build", "--devices", 2, 16)
+    result = _check(run_python, spec, "--model", f"{model}:build", "--device-counts", 2, 16)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)  # the one document: the model printed to stderr
     assert result.stderr.count("a model that talks on stdout") == 1  # built once for both
@@ -74,7 +74,7 @@ def test_a_model_that_sets_its_own_device_count(run_python, tmp_path):
 def test_a_model_that_fails_exits_2_with_one_document(run_python, tmp_path):
     model = tmp_path / "failing.py"
     model.write_text(FAILING)
-    result = _check(run_python, EXAMPLE, "--model", f"{model}:build", "--devices", 2)
+    result = _check(run_python, EXAMPLE, "--model", f"{model}:build", "--device-counts", 2)
     assert result.returncode == 2
     document = json.loads(result.stdout)
     assert document["ok"] is False
@@ -87,7 +87,18 @@ def test_a_model_that_fails_exits_2_with_one_document(run_python, tmp_path):
 
 @pytest.mark.slow  # `python -m eqshard check` in a fresh interpreter, then its worker
 def test_in_process_and_in_processes_agree(run_cli, run_python):
-    args = ["check", EXAMPLE, "--model", MODEL, "--devices", "2", "6", "8", "--format", "json"]
+    args = [
+        "check",
+        EXAMPLE,
+        "--model",
+        MODEL,
+        "--device-counts",
+        "2",
+        "6",
+        "8",
+        "--format",
+        "json",
+    ]
     here = run_cli(*args)
     there = run_python(["-m", "eqshard", *map(str, args)])
     assert (there.returncode, here.code) == (1, 1), there.stderr  # 6 does not divide 256

@@ -122,7 +122,7 @@ def _step_args(module: str, step: str = "step") -> list[str]:
         f"{module}:{step}",
         "--optimizer",
         f"{module}:optimizer",
-        "--batch",
+        "--make-batch",
         f"{module}:batch",
     ]
 
@@ -136,7 +136,7 @@ def report(files):
     specs, module = files
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        limits = ["--devices", "8", "--max-memory", "80GB", "--format", "json"]
+        limits = ["--device-counts", "8", "--max-memory", "80GB", "--format", "json"]
         code = main(["check", *specs, *_step_args(module), *limits])
     assert code == 0, out.getvalue()
     return json.loads(out.getvalue())
@@ -172,7 +172,7 @@ def test_megatron_holds_an_eighth_of_the_parameters(report):
 
 def test_text_shows_the_cost_and_the_specs_side_by_side(run_cli, files):
     specs, module = files
-    result = run_cli("check", *specs, *_step_args(module), "--devices", 8)
+    result = run_cli("check", *specs, *_step_args(module), "--device-counts", 8)
     assert result.code == 0, result.out + result.err
     lines = result.out.splitlines()
     costs = [line for line in lines if line.startswith("cost: ")]
@@ -254,7 +254,7 @@ def test_a_worker_killed_while_compiling_names_the_signal_and_the_spec(run_pytho
     the error names the signal, and the spec and devices it was compiling under."""
     specs, module = files
     args = _step_args(module, "aborting_step")
-    result = run_python(["-m", "eqshard", "check", specs[0], *args, "--devices", "8"])
+    result = run_python(["-m", "eqshard", "check", specs[0], *args, "--device-counts", "8"])
     assert result.returncode == 2, result.stderr
     assert (
         "eqshard check: error: checking on 8 devices: the compiler aborted (SIGABRT, "
@@ -283,7 +283,7 @@ def test_a_failing_step_and_a_missing_batch_exit_2(run_cli, files):
     assert "Traceback" not in result.err
     result = run_cli("check", specs[0], "--model", f"{module}:build", "--step", f"{module}:step")
     assert result.code == 2
-    assert "--step needs --batch" in result.err
+    assert "--step needs --make-batch" in result.err
 
 
 @pytest.mark.parametrize(
@@ -325,7 +325,7 @@ def test_cost_names_a_step_that_raises_a_base_exception():
 def test_worker_processes_carry_the_cost(run_python, files, report):
     specs, module = files
     command = ["-m", "eqshard", "check", specs[0], *_step_args(module)]
-    result = run_python([*command, "--devices", "8", "--format", "json"])
+    result = run_python([*command, "--device-counts", "8", "--format", "json"])
     assert result.returncode == 0, result.stderr
     (check,) = json.loads(result.stdout)["checks"]
     expected = report["checks"][0]["cost"]
@@ -337,8 +337,12 @@ def test_worker_processes_carry_the_cost(run_python, files, report):
 @pytest.mark.parametrize("step", [None, "plain_step"])
 def test_without_an_optimizer_the_column_holds_parameters_only(run_cli, files, step):
     specs, module = files
-    with_step = [] if step is None else ["--step", f"{module}:{step}", "--batch", f"{module}:batch"]
-    result = run_cli("check", *specs, "--model", f"{module}:build", *with_step, "--devices", 8)
+    with_step = (
+        [] if step is None else ["--step", f"{module}:{step}", "--make-batch", f"{module}:batch"]
+    )
+    result = run_cli(
+        "check", *specs, "--model", f"{module}:build", *with_step, "--device-counts", 8
+    )
     assert result.code == 0, result.out + result.err
     table = result.out[result.out.index("the checks side by side") :]
     assert "parameters / device" in table
@@ -350,7 +354,7 @@ def test_a_batch_that_needs_values_runs_on_the_host(run_cli, files, report):
     specs, module = files
     args = _step_args(module)
     args[args.index(f"{module}:batch")] = f"{module}:numpy_batch"
-    result = run_cli("check", specs[0], *args, "--devices", 8, "--format", "json")
+    result = run_cli("check", specs[0], *args, "--device-counts", 8, "--format", "json")
     assert result.code == 0, result.err
     (check,) = json.loads(result.out)["checks"]
     assert check["cost"] == report["checks"][0]["cost"]  # the same batch, abstract or not
@@ -373,19 +377,19 @@ def test_a_step_needs_as_many_devices_as_its_count(run_cli, files):
     # above MAX_SIMULATED no worker could simulate them.
     specs, module = files
     assert len(jax.devices()) == 8  # started, whatever ran before
-    result = run_cli("check", specs[0], *_step_args(module), "--devices", 16)
+    result = run_cli("check", specs[0], *_step_args(module), "--device-counts", 16)
     assert result.code == 1
     assert result.err == (
         "eqshard check: error: checking on 16 devices needs 16 simulated devices, but JAX "
         "started with 8 (is XLA_FLAGS setting a device count?)\n"
     )
-    result = run_cli("check", specs[0], *_step_args(module), "--devices", 8, 65536)
+    result = run_cli("check", specs[0], *_step_args(module), "--device-counts", 8, 65536)
     assert result.code == 1
     assert result.err == (
-        "eqshard check: error: --devices 65536: --step compiles the step on simulated "
+        "eqshard check: error: --device-counts 65536: --step compiles the step on simulated "
         "devices, up to 4096, or with --target on a TPU slice's, any number; without "
         "--step, layouts are checked on any count\n"
     )
-    result = run_cli("check", specs[0], "--model", f"{module}:build", "--devices", 65536)
+    result = run_cli("check", specs[0], "--model", f"{module}:build", "--device-counts", 65536)
     assert result.code == 0, result.err
     assert f"{specs[0]} on 65536 devices: ok" in result.out

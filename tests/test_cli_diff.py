@@ -21,7 +21,7 @@ DEMO_MODEL = "eqshard._cli._demo_model:build"
 MODULE = TESTS / "suggest_model.py"
 STEP = (
     *("--step", f"{MODULE}:mlp_step", "--optimizer", f"{MODULE}:mlp_optimizer"),
-    *("--batch", f"{MODULE}:mlp_batch"),
+    *("--make-batch", f"{MODULE}:mlp_batch"),
 )
 
 
@@ -142,8 +142,11 @@ def test_with_a_step_it_shows_the_change_in_memory_and_communication(run_cli, tm
             "eqshard diff: error: unreadable:\n  missing.json: cannot read",
         ),
         ((MEGATRON, TWO_D, "--model", "nope:build"), "--model 'nope:build': cannot import 'nope'"),
-        ((MEGATRON, TWO_D, "--batch", "m:b"), "--batch is for the step: name it with --step"),
-        ((MEGATRON, TWO_D, "--step", "m:s"), "--step needs --batch MODULE:CALLABLE"),
+        (
+            (MEGATRON, TWO_D, "--make-batch", "m:b"),
+            "--make-batch is for the step: name it with --step",
+        ),
+        ((MEGATRON, TWO_D, "--step", "m:s"), "--step needs --make-batch MODULE:CALLABLE"),
         ((MEGATRON, TWO_D, "--devices", 3), f"{MEGATRON} does not lay the model out on 3 devices"),
         (
             (MEGATRON, TWO_D, "--devices", 8, "--target", "v5e:2x4"),

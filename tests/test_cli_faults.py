@@ -59,7 +59,7 @@ def test_a_model_raising_a_base_exception_exits_2_without_a_traceback(run_cli, t
 def test_markup_and_escape_sequences_are_printed_literally(run_cli, tmp_path):
     spec = _file(tmp_path, "[bold]spec[red].json", VALID)
     model = _model(tmp_path, key="[/red]\x1b[31mw")
-    result = run_cli("check", spec, "--model", f"{model}:build", "--devices", "8")
+    result = run_cli("check", spec, "--model", f"{model}:build", "--device-counts", "8")
     assert result.code == 0, result.err
     assert "[bold]spec[red].json on 8 devices: ok" in result.out
     assert "\x1b" not in result.out
@@ -155,7 +155,10 @@ def test_a_reader_that_goes_away_gets_the_same_exit_code(tmp_path):
     [
         (["demo", "--devices", "512"], "more than 64 simulated devices: the demo compiles"),
         (["show", "a -> a*", "--shape", "8", "--devices", "\u0668"], "is not a whole number"),
-        (["check", "s.json", "--model", "m:b", "--devices", "\u0664"], "is not a whole number"),
+        (
+            ["check", "s.json", "--model", "m:b", "--device-counts", "\u0664"],
+            "is not a whole number",
+        ),
     ],
 )
 def test_device_counts_are_capped_and_ascii(run_cli, args, message):

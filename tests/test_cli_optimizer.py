@@ -96,9 +96,9 @@ def _check(run_cli, files, step):
         f"{module}:{step}",
         "--optimizer",
         f"{module}:optimizer",
-        "--batch",
+        "--make-batch",
         f"{module}:batch",
-        "--devices",
+        "--device-counts",
         8,  # this process's count: JAX may start here
         "--format",
         "json",

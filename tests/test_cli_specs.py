@@ -123,7 +123,7 @@ def test_validate_broken_json_exits_1_with_line_and_column(run_cli):
 
 def test_check_example_as_a_user_runs_it(run_python):
     result = run_python(
-        ["-m", "eqshard", "check", str(EXAMPLE), "--model", MODEL, "--devices", "2", "8"]
+        ["-m", "eqshard", "check", str(EXAMPLE), "--model", MODEL, "--device-counts", "2", "8"]
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
@@ -146,7 +146,7 @@ def test_check_example_as_a_user_runs_it(run_python):
 
 
 def test_check_example_on_several_device_counts(run_cli):
-    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--devices", "2", "8")
+    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--device-counts", "2", "8")
     assert code == 0
     assert report["ok"] is True
     two, eight = report["checks"]
@@ -204,7 +204,7 @@ def test_check_example_on_several_device_counts(run_cli):
 
 
 def test_check_fails_where_dims_do_not_divide(run_cli):
-    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--devices", "6")
+    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--device-counts", "6")
     assert code == 1
     (check,) = report["checks"]
     assert check["ok"] is False
@@ -233,7 +233,7 @@ def test_check_fails_where_dims_do_not_divide(run_cli):
         assert (leaf["bytes_per_device"] is not None) == laid_out, leaf
     assert check["bytes_per_device"] is None
 
-    text = run_cli("check", EXAMPLE, "--model", MODEL, "--devices", "6")
+    text = run_cli("check", EXAMPLE, "--model", MODEL, "--device-counts", "6")
     assert text.code == 1
     # one line for each distinct message, naming where it was found
     assert (
@@ -329,7 +329,7 @@ def test_check_device_count_that_does_not_fit(run_cli, spec_file):
     path = spec_file(
         {"eqshard": 1, "devices": 8, "rules": [{"path": "**.up.weight", "expr": "o i -> o2 i4"}]}
     )
-    code, report = _check_json(run_cli, path, "--model", MODEL, "--devices", "8", "4")
+    code, report = _check_json(run_cli, path, "--model", MODEL, "--device-counts", "8", "4")
     assert code == 1
     checks = report["checks"]
     assert [c["devices"] for c in checks] == [8, 4]
@@ -371,7 +371,7 @@ def test_check_device_count_that_does_not_fit(run_cli, spec_file):
 def test_check_lays_out_on_more_devices_than_jax_started_with(run_cli):
     # JAX is up in this process with 8 devices; layouts need none.
     assert len(jax.devices()) == 8  # started, whatever ran before
-    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--devices", "16", "65536")
+    code, report = _check_json(run_cli, EXAMPLE, "--model", MODEL, "--device-counts", "16", "65536")
     assert code == 1  # 65536 does not divide the example's 256 columns
     sixteen, many = report["checks"]
     assert sixteen["ok"]
@@ -435,3 +435,59 @@ def test_training_script_applies_the_example_spec(capsys):
         "unembed.w (from dims) (256, 64): each device holds (32, 64)",
         "norm.weight (default) (64,): each device holds (64,)",
     ]
+
+
+def test_check_counts_old_and_new_spellings(run_cli):
+    """`--device-counts` and `--simulate` are the counts; `--devices LIST`, the old
+    spelling, still works and says so in one line on stderr."""
+    new = run_cli(
+        "check", EXAMPLE, "--model", MODEL, "--device-counts", "2", "8", "--format", "json"
+    )
+    assert new.err == ""
+    one = run_cli("check", EXAMPLE, "--model", MODEL, "--simulate", "2", "--format", "json")
+    assert one.err == ""
+    assert [c["devices"] for c in json.loads(one.out)["checks"]] == [2]
+    old = run_cli("check", EXAMPLE, "--model", MODEL, "--devices", "2", "8", "--format", "json")
+    assert old.err == "eqshard check: --devices 2 8 is deprecated: pass --device-counts 2 8\n"
+    assert json.loads(old.out) == json.loads(new.out)
+    both = run_cli("check", EXAMPLE, "--model", MODEL, "--simulate", "2", "--device-counts", "8")
+    assert both.code == 2
+    assert "not allowed with argument" in both.err
+
+
+def test_check_batch_old_and_new_spellings(run_cli):
+    """`--batch EXPR` is the layout and `--make-batch MODULE:CALLABLE` the builder;
+    `--batch MODULE:CALLABLE` and `--batch-spec EXPR` still work, each with a notice."""
+    from eqshard._cli._commands import batch_options
+    from eqshard._cli._parser import parser
+
+    def read(*args):
+        args = parser().parse_args(["check", "s.json", "--model", "m:b", "--step", "m:s", *args])
+        batch_options("check", args)
+        return args.make_batch, args.batch
+
+    assert read("--make-batch", "m:batch", "--batch", "b ... -> b* ...") == (
+        "m:batch",
+        "b ... -> b* ...",
+    )
+    assert read("--batch", "m:batch", "--batch-spec", "b ... -> b* ...") == (
+        "m:batch",
+        "b ... -> b* ...",
+    )
+    result = run_cli("check", EXAMPLE, "--model", MODEL, "--batch", "m:batch")
+    assert result.code == 2
+    assert result.err.splitlines()[0] == (
+        "eqshard check: --batch m:batch is deprecated: pass --make-batch m:batch (--batch is "
+        "the layout)"
+    )
+    assert "--make-batch is for the step: name it with --step" in result.err
+    result = run_cli("check", EXAMPLE, "--model", MODEL, "--step", "m:s")
+    assert result.code == 2
+    assert "--step needs --make-batch MODULE:CALLABLE" in result.err
+    spec = run_cli("check", EXAMPLE, "--model", MODEL, "--batch-spec", "b ... -> b* ...")
+    assert spec.err.splitlines()[0] == (
+        "eqshard check: --batch-spec is deprecated: pass --batch 'b ... -> b* ...'"
+    )
+    both = run_cli("check", EXAMPLE, "--model", MODEL, "--batch", "m:b", "--make-batch", "m:b")
+    assert both.code == 2
+    assert "--make-batch and --batch m:b both name the batch's builder" in both.err

@@ -1,6 +1,6 @@
 """`eqshard check --target` (a step compiled for a TPU slice by XLA:TPU, on this
 CPU machine), `--max-memory` from the chip's HBM, and how the batch is laid out:
-`--batch-spec`, a spec file's `"batch"`, the default.
+`--batch`, a spec file's `"batch"`, the default.
 
 The checks run in this process (`run_cli`, on its 8 CPU devices); one runs the
 command line as a user does, every slice in one worker.
@@ -191,17 +191,17 @@ def test_layouts_on_a_slice_hold_the_parameters_against_the_hbm(run_cli, files):
 def test_devices_with_a_target_must_be_the_slices_count(run_cli, files):
     spec, module, _ = files
     args = [spec, "--model", f"{module}:build", "--target", "v5e:2x4"]
-    result = run_cli("check", *args, "--devices", 16)
+    result = run_cli("check", *args, "--device-counts", 16)
     assert result.code == 2
     assert result.err == (
-        "eqshard check: error: --devices 16 and --target v5e:2x4: the slice has 8 devices, "
-        "and its check is made on all of them; leave --devices out with --target (the slice "
+        "eqshard check: error: --device-counts 16 and --target v5e:2x4: the slice has 8 devices, "
+        "and its check is made on all of them; leave --device-counts out with --target (the slice "
         "sets the count)\n"
     )
-    as_json = run_cli("check", *args, "--devices", 16, "--format", "json")
+    as_json = run_cli("check", *args, "--device-counts", 16, "--format", "json")
     assert as_json.code == 2
     assert json.loads(as_json.out)["ok"] is False
-    result = run_cli("check", *args, "--devices", 8)
+    result = run_cli("check", *args, "--device-counts", 8)
     assert result.code == 0, result.err
 
 
@@ -250,7 +250,7 @@ def test_several_slices_in_one_worker(run_python, files):
 
 
 # --------------------------------------------------------------------------- #
-# The batch: --batch-spec beats the spec file's "batch", which beats the default.
+# The batch: --batch beats the spec file's "batch", which beats the default.
 # --------------------------------------------------------------------------- #
 
 
@@ -271,7 +271,7 @@ def demo_specs(tmp_path_factory):
 def test_a_whole_batch_spares_megatron_the_gathers_a_split_batch_costs(run_cli, files, demo_specs):
     _, _, demo = files
     shipped, without = demo_specs
-    result, checks = _check(run_cli, shipped, without, *_step_args(demo), "--devices", 8)
+    result, checks = _check(run_cli, shipped, without, *_step_args(demo), "--device-counts", 8)
     assert result.code == 0, result.err
     whole, split = (check["cost"] for check in checks)
     assert whole["batch"] == "... -> * ..."  # the file's "batch"
@@ -290,8 +290,8 @@ def test_a_whole_batch_spares_megatron_the_gathers_a_split_batch_costs(run_cli, 
     }
     same = ("parameters", "optimizer", "gradients")  # only the batch changed
     assert [whole[key] for key in same] == [split[key] for key in same]
-    # --batch-spec beats the file's "batch"
-    args = [shipped, *_step_args(demo), "--devices", 8, "--batch-spec", "b ... -> b8 ..."]
+    # --batch beats the file's "batch"
+    args = [shipped, *_step_args(demo), "--device-counts", 8, "--batch", "b ... -> b8 ..."]
     result, (given,) = _check(run_cli, *args)
     assert result.code == 0, result.err
     assert given["cost"]["communication"] == split["communication"]
@@ -300,18 +300,18 @@ def test_a_whole_batch_spares_megatron_the_gathers_a_split_batch_costs(run_cli, 
 
 def test_a_bad_batch_spec_is_refused_before_any_work(run_cli, files):
     spec, module, _ = files
-    result = run_cli("check", spec, *_step_args(module), "--batch-spec", "b ... -> c ...")
+    result = run_cli("check", spec, *_step_args(module), "--batch", "b ... -> c ...")
     assert result.code == 1
     assert result.err == (
-        "eqshard check: error: --batch-spec 'b ... -> c ...': bad einshard expression:\n"
+        "eqshard check: error: --batch 'b ... -> c ...': bad einshard expression:\n"
         "    b ... -> c ...\n"
         "             ^\n"
         "axis 'c' is on the right but not on the left; add it to the left, or drop its name "
         "to replicate instead\n"
     )
-    result = run_cli("check", spec, "--model", f"{module}:build", "--batch-spec", "... -> * ...")
+    result = run_cli("check", spec, "--model", f"{module}:build", "--batch", "... -> * ...")
     assert result.code == 2
-    assert "--batch-spec is for the step: name it with --step" in result.err
+    assert "--batch is for the step: name it with --step" in result.err
 
 
 def test_validate_shows_a_bad_batch_with_its_json_path_and_a_caret(run_cli, tmp_path):

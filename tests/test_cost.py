@@ -108,11 +108,28 @@ def test_more_devices_than_the_process_has_compile_in_a_process_of_their_own():
     assert PARAMETER_BYTES <= moved <= PARAMETER_BYTES + 64
     p = eqshard.plan(MODEL, "... -> * ...")
     with pytest.raises(eqshard.EqshardError, match="a `Plan` holds this process's devices"):
-        eqshard.cost(MODEL, STATE, BATCH, step=step, spec=p, devices=16)
+        eqshard.cost(MODEL, STATE, BATCH, step=step, spec=p, simulate=16)
 
 
 def _cost_on(n):
-    return eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=n)
+    return eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", simulate=n)
+
+
+@pytest.mark.slow  # compiles in worker processes
+def test_devices_beyond_this_process_is_simulated_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="simulate=16") as caught:
+        c = eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=16)
+    assert [str(w.message) for w in caught] == [
+        "`devices=16` means 16 of this process's devices, and it has 8: pass `simulate=16` to "
+        "lay out (or compile) for 16 devices it does not have"
+    ]
+    assert c.devices == 16
+    assert c.compiler == "XLA:CPU, 16 simulated devices"
+    here = eqshard.cost(MODEL, STATE, BATCH, step=step, spec="... -> * ...", devices=2)
+    assert here.devices == 2
+    assert here.mesh is not None
+    assert isinstance(here.mesh, Mesh)
+    assert [d.id for d in here.mesh.devices.flat] == [0, 1]
 
 
 @pytest.mark.parametrize(
@@ -432,3 +449,19 @@ def test_each_compilers_peak_is_read_by_its_own_rule(platform, expected, says):
     assert m.allocated == arguments + outputs + temporaries == 13_020_354_436
     assert m.peak == expected
     assert m.peak_includes.startswith(says)
+
+
+def test_the_compiler_is_named_by_the_backend_used():
+    """`Cost.compiler` names the platform and the kind of device it compiled for,
+    "simulated" only for XLA:CPU's simulated devices (a GPU's devices faked here)."""
+    from eqshard._cost._driver import compiler_label
+
+    class _Gpu:
+        platform = "gpu"
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+    assert compiler_label([_Gpu()], 1) == "XLA:GPU (NVIDIA H100 80GB HBM3), 1 device"
+    assert compiler_label([_Gpu()] * 2, 2) == "XLA:GPU (NVIDIA H100 80GB HBM3), 2 devices"
+    assert compiler_label(jax.devices()[:1], 1) == "XLA:CPU, 1 device"
+    assert compiler_label(jax.devices(), 8) == "XLA:CPU, 8 simulated devices"
+    assert compiler_label(None, 16) == "XLA:CPU, 16 simulated devices"  # in a worker

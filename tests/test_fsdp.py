@@ -227,7 +227,7 @@ def test_check_shows_the_concrete_expressions(tmp_path, run_cli):
         "def build():\n"
         "    return eqx.nn.MLP(12, 3, 40, 2, key=jax.random.key(0))\n"
     )
-    args = ("check", spec, "--model", f"{tmp_path / 'mlp.py'}:build", "--devices", "8")
+    args = ("check", spec, "--model", f"{tmp_path / 'mlp.py'}:build", "--device-counts", "8")
     result = run_cli(*args, "--format", "json")
     assert result.code == 0, result.out
     (found,) = json.loads(result.out)["checks"]
@@ -269,7 +269,7 @@ def test_the_harness_records_which_leaves_fsdp_replicated(tmp_path, monkeypatch)
     assert repr(eqshard.FSDP) == "eqshard.FSDP"
     golden = tmp_path / "mlp.json"
     monkeypatch.setenv("EQSHARD_UPDATE", "1")
-    assert_layouts("harness_models:build", eqshard.FSDP, golden=golden, devices=(16,))
+    assert_layouts("harness_models:build", eqshard.FSDP, golden=golden, device_counts=(16,))
     monkeypatch.delenv("EQSHARD_UPDATE")
     leaves = json.loads(golden.read_text())["layouts"]["16"]["leaves"]
     assert leaves["layers.2.weight"] == {  # [8, 32]
@@ -283,4 +283,4 @@ def test_the_harness_records_which_leaves_fsdp_replicated(tmp_path, monkeypatch)
     assert leaves["layers.2.bias"]["origin"] == (
         "fsdp: replicated, no dim of [8] is a multiple of 16"
     )
-    assert_layouts("harness_models:build", eqshard.FSDP, golden=golden, devices=(16,))
+    assert_layouts("harness_models:build", eqshard.FSDP, golden=golden, device_counts=(16,))

@@ -27,7 +27,7 @@ def _layouts(tmp_path, spec, golden):
     """`assert_layouts` on 2 devices, with `spec` written as a spec file."""
     path = tmp_path / "spec.eqshard.json"
     path.write_text(json.dumps(spec))
-    assert_layouts(BUILD, path, golden=golden, devices=(2,))
+    assert_layouts(BUILD, path, golden=golden, device_counts=(2,))
 
 
 def _update(tmp_path, spec, golden, monkeypatch):

@@ -144,14 +144,14 @@ def test_one_plain_step_trains_equal_under_every_plan(name, tmp_path):
 
 @pytest.mark.slow  # trains under every plan; the test above checks one trace too
 def test_a_plan_made_for_a_count_trains_on_the_first_devices(tmp_path):
-    """A plan made for 4 devices (`devices=4`, no devices held) runs the step on the
+    """A plan made for 4 devices (`simulate=4`, no devices held) runs the step on the
     first 4 of `jax.devices()`, as `apply(..., devices=4)` places it, and trains as
     unsharded."""
     with jax.default_matmul_precision("highest"):
         model = _model()
         opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
         want = _train(eqx.filter_jit(plain_step), model, opt_state)
-        p = eqshard.plan(model, _rules("data parallel", tmp_path), devices=4)
+        p = eqshard.plan(model, _rules("data parallel", tmp_path), simulate=4)
         placed = eqshard.apply((model, opt_state), p)
         with eqshard.use(p):
             got = _train(eqshard.jit(plain_step), *placed, steps=3)

@@ -287,8 +287,15 @@ def test_check_says_which_rule_placed_each_dim_of_each_leaf_and_activation(run_c
     module.write_text(NAMED_MODULE)
     spec = tmp_path / "table.eqshard.json"
     spec.write_text(json.dumps(TABLE))
-    args = ["--model", f"{module}:build", "--step", f"{module}:step", "--batch", f"{module}:batch"]
-    result = run_cli("check", spec, *args, "--devices", "8", "--format", "json")
+    args = [
+        "--model",
+        f"{module}:build",
+        "--step",
+        f"{module}:step",
+        "--make-batch",
+        f"{module}:batch",
+    ]
+    result = run_cli("check", spec, *args, "--device-counts", "8", "--format", "json")
     assert result.code == 0, result.err
     (check,) = json.loads(result.out)["checks"]
     origins = {leaf["path"]: leaf["origin"] for leaf in check["leaves"]}
@@ -304,7 +311,7 @@ def test_check_says_which_rule_placed_each_dim_of_each_leaf_and_activation(run_c
     )
     embedded = activations[("activation_batch", "activation_embed")]
     assert embedded["placed"].endswith("activation_embed: whole (no rule)")
-    text = run_cli("check", spec, *args, "--devices", "8")
+    text = run_cli("check", spec, *args, "--device-counts", "8")
     assert (
         "activation ('activation_batch', 'activation_mlp') [8, 32]: P(('data', 'fsdp'), 'tensor'), activation_batch: $.logical_axis_rules[0] (data, fsdp); activation_mlp: $.logical_axis_rules[1] (tensor)"
         in text.out

@@ -85,7 +85,7 @@ def test_check_says_what_it_cannot_know(run_cli, tmp_path):
         f"{module}:build",
         "--step",
         f"{module}:step",
-        "--batch",
+        "--make-batch",
         f"{module}:batch",
         "--devices",
         8,
@@ -108,7 +108,7 @@ def test_a_budget_never_passes_on_a_loop_of_unknown_trips():
             ),
             m.looped_loss,
             m.batch,
-            devices=(2,),
+            device_counts=(2,),
             max_communication={"all-reduce": 10**12},
         )
     text = str(caught.value)

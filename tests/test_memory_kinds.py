@@ -58,7 +58,7 @@ def test_the_plans_shardings_carry_the_rules_memory_kind():
     assert plan.shardings.layers[1].bias.memory_kind == "pinned_host"
     assert plan.shardings.layers[1].bias.spec == jax.sharding.PartitionSpec("m0")
     assert plan.shardings.layers[0].bias.memory_kind == "device"
-    abstract = eqshard.plan(model, eqshard.load(HOST_BIAS), devices=16)  # no devices
+    abstract = eqshard.plan(model, eqshard.load(HOST_BIAS), simulate=16)  # no devices
     assert abstract.shardings.layers[1].bias.memory_kind == "pinned_host"
     leaf = plan.abstract.layers[1].bias
     assert leaf.sharding.memory_kind == "pinned_host"
@@ -233,7 +233,7 @@ def test_assert_equivalent_passes_on_host_offload():
         "rules": [{"path": "layers.0.*", "expr": "... -> * ...", "memory": "pinned_host"}],
     }
     assert_equivalent(
-        m.build, eqshard.load(spec), m.loss, m.batch, devices=(2, 8), optimizer=m.optimizer
+        m.build, eqshard.load(spec), m.loss, m.batch, device_counts=(2, 8), optimizer=m.optimizer
     )
 
 

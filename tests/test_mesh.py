@@ -440,7 +440,7 @@ def test_check_says_only_that_the_mesh_does_not_fit(run_cli, tmp_path):
     model.write_text(
         "import jax\nfrom test_mesh import Block\n\ndef build():\n    return Block(jax.random.key(0))\n"
     )
-    result = run_cli("check", spec, "--model", f"{model}:build", "--devices", "6")
+    result = run_cli("check", spec, "--model", f"{model}:build", "--device-counts", "6")
     assert result.code == 1, result.err
     assert [line for line in result.out.splitlines() if "::" in line] == [
         f"{spec}::$.mesh: {REFUSED}"
@@ -456,7 +456,7 @@ def test_check_verifies_layouts_against_the_declared_mesh(run_cli, tmp_path):
         "import jax\nfrom test_mesh import Block\n\ndef build():\n    return Block(jax.random.key(0))\n"
     )
     result = run_cli(
-        "check", spec, "--model", f"{model}:build", "--devices", "8", "--format", "json"
+        "check", spec, "--model", f"{model}:build", "--device-counts", "8", "--format", "json"
     )
     assert result.code == 1, result.err
     [check] = json.loads(result.out)["checks"]

@@ -175,7 +175,7 @@ def _files(tmp_path):
 
 
 def _step_args(module: str, optimizer: bool = True) -> list[str]:
-    args = ["--model", f"{module}:build", "--batch", f"{module}:batch"]
+    args = ["--model", f"{module}:build", "--make-batch", f"{module}:batch"]
     if optimizer:
         return [*args, "--step", f"{module}:step", "--optimizer", f"{module}:optimizer"]
     return [*args, "--step", f"{module}:sgd_step"]
@@ -203,7 +203,7 @@ def test_check_step_names_the_state_by_its_layers(run_cli, tmp_path):
 @pytest.mark.slow  # `check --step` compiles the step
 def test_check_step_text_shows_the_state(run_cli, tmp_path):
     specs, module = _files(tmp_path)
-    result = run_cli("check", *specs, *_step_args(module), "--devices", "8")
+    result = run_cli("check", *specs, *_step_args(module), "--device-counts", "8")
     assert result.code == 0, result.out + result.err
     assert "│ bn.ema_state_index.0 " in result.out
     costs = [line for line in result.out.splitlines() if line.startswith("cost: ")]
@@ -222,7 +222,7 @@ def test_check_step_text_shows_the_state(run_cli, tmp_path):
 @pytest.mark.slow  # `check --step` compiles the step
 def test_check_step_without_an_optimizer_passes_the_state(run_cli, tmp_path):
     specs, module = _files(tmp_path)
-    result = run_cli("check", *specs, *_step_args(module, optimizer=False), "--devices", "8")
+    result = run_cli("check", *specs, *_step_args(module, optimizer=False), "--device-counts", "8")
     assert result.code == 0, result.out + result.err
     costs = [line for line in result.out.splitlines() if line.startswith("cost: ")]
     assert costs[0].startswith("cost: parameters 504 B, state 17 B, peak (XLA:CPU) ")
@@ -247,7 +247,7 @@ def test_check_step_in_worker_processes(run_python, tmp_path):
 def test_check_without_a_step_counts_the_state_with_the_parameters(run_cli, tmp_path):
     specs, module = _files(tmp_path)
     model = ["--model", f"{module}:build"]
-    result = run_cli("check", *specs, *model, "--devices", "8", "--max-memory", "600B")
+    result = run_cli("check", *specs, *model, "--device-counts", "8", "--max-memory", "600B")
     assert result.code == 1
     assert (
         f"{specs[1]}: the parameters and state take 633 B per device on 8 devices, more than "

@@ -368,5 +368,5 @@ def test_assert_equivalent_passes_on_zero_1():
 
     # the loss, the gradients and one AdamW step, its moments split over 'data'
     assert_equivalent(
-        m.build, eqshard.load(ZERO_1), m.loss, m.batch, devices=(8,), optimizer=m.optimizer
+        m.build, eqshard.load(ZERO_1), m.loss, m.batch, device_counts=(8,), optimizer=m.optimizer
     )

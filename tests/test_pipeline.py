@@ -216,7 +216,7 @@ def test_assert_equivalent_covers_a_pipelined_spec(example):
         example["GPIPE"],
         f"{EXAMPLE}:loss",
         f"{EXAMPLE}:batch",
-        devices=(8,),
+        device_counts=(8,),
         optimizer=f"{EXAMPLE}:optimizer",
         max_communication={"all-gather": 0, "all-to-all": 0},
     )
@@ -319,7 +319,7 @@ def test_report_and_check_say_which_layers_each_stage_holds(example):
     ]
     assert next(r for r in circular.rows if r.path == "head.weight").stages is None
     check = [sys.executable, "-m", "eqshard", "check", str(example["GPIPE"])]
-    check += ["--model", f"{EXAMPLE}:build", "--devices", "8"]
+    check += ["--model", f"{EXAMPLE}:build", "--device-counts", "8"]
     found = subprocess.run(
         [*check, "--format", "json"],
         capture_output=True,

@@ -205,7 +205,7 @@ def test_suggest_writes_a_spec_that_check_passes_on_16_and_64_devices(run_cli, t
     done = run_cli(
         *("suggest", "--simulate", 8, "--model", f"{MODULE}:build"),
         *("--step", f"{MODULE}:step", "--optimizer", f"{MODULE}:optimizer"),
-        *("--batch", f"{MODULE}:batch", "--write", path, "--format", "json"),
+        *("--make-batch", f"{MODULE}:batch", "--write", path, "--format", "json"),
     )
     assert done.code == 0, done.err
     ranked = json.loads(done.out)
@@ -214,7 +214,7 @@ def test_suggest_writes_a_spec_that_check_passes_on_16_and_64_devices(run_cli, t
     assert ["data", "*"] in document["mesh"] or ["model", "*"] in document["mesh"], document
     assert str(path) == ranked["written"]
     check = run_cli(
-        *("check", path, "--model", f"{MODULE}:build", "--devices", 16, 64, "--strict"),
+        *("check", path, "--model", f"{MODULE}:build", "--device-counts", 16, 64, "--strict"),
         *("--format", "json"),
     )
     assert check.code == 0, (best["strategy"], check.err, check.out)

@@ -186,9 +186,9 @@ def test_the_best_rules_written_load_back_to_the_same_layouts_and_check_agrees(
 
     example = TESTS.parent / "examples" / "gpt_stacked.py"
     done = run_cli(
-        *("check", path, "--devices", 8, "--format", "json"),
+        *("check", path, "--device-counts", 8, "--format", "json"),
         *("--model", f"{example}:build", "--step", f"{example}:step"),
-        *("--optimizer", f"{example}:optimizer", "--batch", f"{example}:batch"),
+        *("--optimizer", f"{example}:optimizer", "--make-batch", f"{example}:batch"),
     )
     assert done.code == 0, done.err
     found = json.loads(done.out)["checks"][0]["cost"]
@@ -292,7 +292,7 @@ def _suggest(run_cli, *extra, step="mlp_step"):
     return run_cli(
         *("suggest", "--simulate", 8, "--model", f"{MODULE}:mlp_build"),
         *("--step", f"{MODULE}:{step}", "--optimizer", f"{MODULE}:mlp_optimizer"),
-        *("--batch", f"{MODULE}:mlp_batch"),
+        *("--make-batch", f"{MODULE}:mlp_batch"),
         *extra,
     )
 
@@ -327,9 +327,18 @@ def test_cli_writes_the_best_and_check_on_it_reports_the_ranking_s_figures(
     assert jax.tree_util.tree_leaves(written) == jax.tree_util.tree_leaves(costed)
 
     check = run_cli(
-        *("check", path, "--devices", 8, "--format", "json", "--model", f"{MODULE}:mlp_build"),
+        *(
+            "check",
+            path,
+            "--device-counts",
+            8,
+            "--format",
+            "json",
+            "--model",
+            f"{MODULE}:mlp_build",
+        ),
         *("--step", f"{MODULE}:mlp_step", "--optimizer", f"{MODULE}:mlp_optimizer"),
-        *("--batch", f"{MODULE}:mlp_batch"),
+        *("--make-batch", f"{MODULE}:mlp_batch"),
     )
     assert check.code == 0, check.err
     found = json.loads(check.out)["checks"][0]["cost"]
@@ -382,28 +391,28 @@ def test_cli_exits_2_when_every_candidate_is_dropped(run_cli, monkeypatch):
     ("args", "message"),
     [
         (
-            ("--model", "nope:build", "--step", "nope:step", "--batch", "nope:batch"),
+            ("--model", "nope:build", "--step", "nope:step", "--make-batch", "nope:batch"),
             "eqshard suggest: error: --model 'nope:build': cannot import 'nope'",
         ),
         (
-            ("--model", "m:b", "--step", "m:s", "--batch", "m:b", "--max-memory", "lots"),
+            ("--model", "m:b", "--step", "m:s", "--make-batch", "m:b", "--max-memory", "lots"),
             "argument --max-memory: 'lots' is not a memory size: write a byte count",
         ),
         (
-            ("--model", "m:b", "--step", "m:s", "--batch", "m:b", "--target", "v5e:2x4"),
+            ("--model", "m:b", "--step", "m:s", "--make-batch", "m:b", "--target", "v5e:2x4"),
             "argument --target: not allowed with argument --simulate",
         ),
-        (("--model", "m:b", "--step", "m:s"), "the following arguments are required: --batch"),
+        (("--model", "m:b", "--step", "m:s"), "--step needs --make-batch MODULE:CALLABLE"),
         (
             (
                 *("--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
-                *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+                *("--optimizer", f"{MODULE}:mlp_optimizer", "--make-batch", f"{MODULE}:mlp_batch"),
                 *("--strategies", "fsdp,fsdp2"),
             ),
             "'fsdp2' is no strategy; the strategies are 'data parallel', 'fsdp', 'zero-1'",
         ),
         (
-            ("--model", "m:b", "--step", "m:s", "--batch", "m:b", "--tolerance", "5%"),
+            ("--model", "m:b", "--step", "m:s", "--make-batch", "m:b", "--tolerance", "5%"),
             "argument --tolerance: '5%' is not a fraction from 0 to below 1, such as 0.05",
         ),
     ],
@@ -432,7 +441,7 @@ def test_suggest_beats_the_demo_strategies_within_the_budget(gpt, gpt_ranked, tm
         path,
         f"{example}:loss",
         f"{example}:batch",
-        devices=(8,),
+        device_counts=(8,),
         optimizer=f"{example}:optimizer",
     )
 
@@ -549,7 +558,7 @@ def test_cli_targets_refuses_what_it_cannot_do(run_cli, monkeypatch, args, messa
     monkeypatch.setattr(eqshard._search._candidates, "candidates", _never_generate, False)
     done = run_cli(
         *("suggest", "--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
-        *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+        *("--optimizer", f"{MODULE}:mlp_optimizer", "--make-batch", f"{MODULE}:mlp_batch"),
         *args,
     )
     assert done.code == 2, done.err
@@ -589,7 +598,7 @@ def test_cli_targets_gives_suggest_s_best_per_slice_and_says_where_nothing_fits(
     mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
     done = run_cli(
         *("suggest", "--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
-        *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+        *("--optimizer", f"{MODULE}:mlp_optimizer", "--make-batch", f"{MODULE}:mlp_batch"),
         *("--targets", ",".join(SLICES), "--workers", 1, "--exhaustive"),
     )
     assert done.code == 0, done.err
@@ -613,7 +622,7 @@ def test_cli_targets_gives_suggest_s_best_per_slice_and_says_where_nothing_fits(
 
     nothing = run_cli(
         *("suggest", "--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:mlp_step"),
-        *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+        *("--optimizer", f"{MODULE}:mlp_optimizer", "--make-batch", f"{MODULE}:mlp_batch"),
         *("--targets", SLICES[0], "--workers", 1, "--max-memory", "1kB"),
     )
     assert nothing.code == 1, nothing.err
@@ -855,7 +864,7 @@ def test_cli_keeps_the_workers_stderr_out_of_its_output_unless_verbose(run_pytho
     command = [
         *("-m", "eqshard", "suggest", "--simulate", "2", "--workers", "1"),
         *("--model", f"{MODULE}:mlp_build", "--step", f"{MODULE}:noisy_step"),
-        *("--optimizer", f"{MODULE}:mlp_optimizer", "--batch", f"{MODULE}:mlp_batch"),
+        *("--optimizer", f"{MODULE}:mlp_optimizer", "--make-batch", f"{MODULE}:mlp_batch"),
         *("--strategies", "fsdp"),
     ]
     for verbose in (False, True):
@@ -917,7 +926,7 @@ def test_cli_devices_is_the_old_spelling_of_simulate(run_cli, monkeypatch):
 def test_a_ranking_names_the_compiler_of_the_devices_it_compiled_on():
     """Compiled here on a GPU, the ranking says XLA:GPU and the chip, never XLA:CPU's
     simulated devices (a stand-in GPU device: the suite runs on CPU)."""
-    from eqshard._search._ranked import compiler_label
+    from eqshard._cost._driver import compiler_label
 
     class Gpu:
         platform = "gpu"
@@ -925,7 +934,7 @@ def test_a_ranking_names_the_compiler_of_the_devices_it_compiled_on():
 
     assert compiler_label((Gpu(),), 1) == "XLA:GPU (NVIDIA H100), 1 device"
     assert compiler_label(None, 8) == "XLA:CPU, 8 simulated devices"
-    assert compiler_label(tuple(jax.local_devices()[:2]), 2) == "XLA:CPU, 2 devices"
+    assert compiler_label(tuple(jax.local_devices()[:2]), 2) == "XLA:CPU, 2 simulated devices"
     label = compiler_label((Gpu(),), 1)
     found = ranked([_demo_candidate("fsdp")], [None], 1, None, None, None, compiler=label)
     assert found.compiler == "XLA:GPU (NVIDIA H100), 1 device"

@@ -29,14 +29,16 @@ def test_the_stacked_gpt_trains_as_unsharded_and_gathers_no_parameter():
         GPT_SPEC,  # declares its mesh: data x model 4
         f"{GPT}:loss",
         f"{GPT}:batch",
-        devices=(8,),
+        device_counts=(8,),
         optimizer=f"{GPT}:optimizer",
         max_communication={"all-gather": 0, "all-to-all": 0},
     )
 
 
 def test_the_stacked_gpt_layouts_match_the_golden_file():
-    assert_layouts(f"{GPT}:build", GPT_SPEC, golden=ROOT / "tests/golden/gpt.json", devices=(8, 64))
+    assert_layouts(
+        f"{GPT}:build", GPT_SPEC, golden=ROOT / "tests/golden/gpt.json", device_counts=(8, 64)
+    )
 
 
 def test_a_difference_names_the_leaf_the_count_and_the_largest_difference():
@@ -44,7 +46,7 @@ def test_a_difference_names_the_leaf_the_count_and_the_largest_difference():
 
     with pytest.raises(AssertionError) as caught:  # tolerance 0: the last bits differ
         assert_equivalent(
-            m.build, eqshard.load(MEGATRON), m.loss, m.batch, devices=(8,), rtol=0, atol=0
+            m.build, eqshard.load(MEGATRON), m.loss, m.batch, device_counts=(8,), rtol=0, atol=0
         )
     text = str(caught.value)
     assert text.startswith("on 8 devices, ")
@@ -64,7 +66,7 @@ def test_over_the_communication_budget_names_the_collectives():
             eqshard.load(MEGATRON),
             m.loss,
             m.batch,
-            devices=(2,),
+            device_counts=(2,),
             optimizer=m.optimizer,
             max_communication={"all-reduce": 0},
         )
@@ -88,9 +90,9 @@ def test_golden_layouts_are_written_then_a_changed_spec_names_the_leaf(tmp_path,
     _golden_project(tmp_path, "o i -> o* i")
     spec = tmp_path / "spec.eqshard.json"
     with pytest.raises(AssertionError, match=r"no golden layouts yet; run `pytest --eqshard-upd"):
-        assert_layouts(m.build, spec, golden=golden, devices=(2,))
+        assert_layouts(m.build, spec, golden=golden, device_counts=(2,))
     monkeypatch.setenv("EQSHARD_UPDATE", "1")
-    assert_layouts(m.build, spec, golden=golden, devices=(2,))
+    assert_layouts(m.build, spec, golden=golden, device_counts=(2,))
     monkeypatch.delenv("EQSHARD_UPDATE")
     recorded = json.loads(golden.read_text())["layouts"]["2"]
     assert recorded["leaves"]["layers.1.weight"] == {
@@ -100,11 +102,11 @@ def test_golden_layouts_are_written_then_a_changed_spec_names_the_leaf(tmp_path,
         "dtype": "float32",
         "bytes_per_device": 16 * 32 * 4,
     }
-    assert_layouts(m.build, spec, golden=golden, devices=(2,))  # unchanged: passes
+    assert_layouts(m.build, spec, golden=golden, device_counts=(2,))  # unchanged: passes
 
     _golden_project(tmp_path, "o i -> o i*")  # a changed expression
     with pytest.raises(AssertionError) as caught:
-        assert_layouts(m.build, spec, golden=golden, devices=(2,))
+        assert_layouts(m.build, spec, golden=golden, device_counts=(2,))
     text = str(caught.value)
     assert text.startswith(f"layouts differ from {golden} (golden -> now); if the change is")
     assert "  ~ layers.0.weight\n      expression: 'o i -> o* i' -> 'o i -> o i*'\n" in text
@@ -114,7 +116,7 @@ def test_golden_layouts_are_written_then_a_changed_spec_names_the_leaf(tmp_path,
         json.dumps({"eqshard": 1, "rules": [{"path": "layer.*.weight", "expr": "o i -> o* i"}]})
     )
     with pytest.raises(AssertionError) as caught:  # a rule that stops matching
-        assert_layouts(m.build, spec, golden=golden, devices=(2,))
+        assert_layouts(m.build, spec, golden=golden, device_counts=(2,))
     assert "      bytes_per_device: 2048 -> 4096" in str(caught.value)
 
 
@@ -129,7 +131,7 @@ def test_golden_layouts_are_written_through_a_symbolic_link(tmp_path, monkeypatc
     golden = tmp_path / "golden.json"
     golden.symlink_to(Path("shared") / "mlp.json")
     monkeypatch.setenv("EQSHARD_UPDATE", "1")
-    assert_layouts(m.build, tmp_path / "spec.eqshard.json", golden=golden, devices=(2,))
+    assert_layouts(m.build, tmp_path / "spec.eqshard.json", golden=golden, device_counts=(2,))
     assert golden.is_symlink()
     assert os.readlink(golden) == os.path.join("shared", "mlp.json")
     assert json.loads(target.read_text())["layouts"]["2"]["mesh"]
@@ -194,7 +196,7 @@ def test_a_user_project_in_ten_lines_with_the_plugin(tmp_path):
 
             def test_spec_layouts():
                 assert "jax" not in sys.modules  # the plugin and the harness start no JAX
-                assert_layouts("mymodel:build", "o ... -> o* ...", golden="golden/mymodel.json", devices=(2,))
+                assert_layouts("mymodel:build", "o ... -> o* ...", golden="golden/mymodel.json", device_counts=(2,))
                 assert "jax" not in sys.modules
             """
         )
@@ -243,7 +245,7 @@ def test_counts_callables_and_methods_are_taken_as_written():
 
     assert device_counts(8, "x", None) == (8,)
     assert device_counts([2, 8], "x", None) == (2, 8)
-    with pytest.raises(eqshard.EqshardError, match=r"`devices` is a device count or a seq"):
+    with pytest.raises(eqshard.EqshardError, match=r"`device_counts` is a device count or a seq"):
         device_counts("8", "x", None)
     reference = callable_reference(m.Factory.build, "build")
     assert reference == "harness_models:Factory.build"
@@ -258,7 +260,7 @@ def test_a_suite_that_sets_xla_flags_still_tests_any_count(monkeypatch, tmp_path
 
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     monkeypatch.setenv("EQSHARD_UPDATE", "1")
-    assert_layouts(m.build, "o ... -> o* ...", golden=tmp_path / "g.json", devices=(4,))
+    assert_layouts(m.build, "o ... -> o* ...", golden=tmp_path / "g.json", device_counts=(4,))
     assert '"4": {\n   "mesh": {"m0": 4}' in (tmp_path / "g.json").read_text()
 
 
@@ -271,7 +273,7 @@ def test_a_stateful_model_trains_as_unsharded_on_4_and_8_devices():
         eqshard.load(m.NET_SPEC),
         m.loss_stateful,
         m.batch_stateful,
-        devices=(4, 8),
+        device_counts=(4, 8),
         optimizer=m.optimizer_stateful,
         max_communication={"all-to-all": 0, "collective-permute": 0},
     )
@@ -287,7 +289,7 @@ def test_a_wrong_state_update_is_named_by_its_layer():
             eqshard.load(m.NET_SPEC),
             m.loss_stateful_scaled_by_devices,
             m.batch_stateful,
-            devices=(4,),
+            device_counts=(4,),
         )
     first, leaf, smallest = str(caught.value).split("\n")
     assert first == "on 4 devices, 1 leaf differs from the unsharded run:"
@@ -320,7 +322,9 @@ def test_a_loss_of_the_wrong_shape_for_the_build_says_which_is_expected():
     with pytest.raises(eqshard.EqshardError, match=r"`loss` \(m:loss\): `build\(\)` returns the "):
         _check_loss(m.loss_stateful, "m:loss", m.build(), m.batch(), False)
     with pytest.raises(eqshard.EqshardError) as caught:  # a stateless loss, through a worker
-        assert_equivalent(m.build_stateful, "... -> * ...", m.loss, m.batch_stateful, devices=(2,))
+        assert_equivalent(
+            m.build_stateful, "... -> * ...", m.loss, m.batch_stateful, device_counts=(2,)
+        )
     assert re.match(
         "`loss` \\(harness_models:loss\\): " + expected.format(r"takes \(model, batch\)"),
         str(caught.value),
@@ -386,7 +390,7 @@ def test_golden_layouts_record_a_models_state_under_its_layers(tmp_path, monkeyp
     spec = tmp_path / "net.eqshard.json"
     spec.write_text(json.dumps(m.NET_SPEC))
     monkeypatch.setenv("EQSHARD_UPDATE", "1")
-    assert_layouts(m.build_stateful, spec, golden=golden, devices=(4,))
+    assert_layouts(m.build_stateful, spec, golden=golden, device_counts=(4,))
     monkeypatch.delenv("EQSHARD_UPDATE")
     leaves = json.loads(golden.read_text())["layouts"]["4"]["leaves"]
     assert list(leaves)[-3:] == [
@@ -403,7 +407,7 @@ def test_golden_layouts_record_a_models_state_under_its_layers(tmp_path, monkeyp
     }
     spec.write_text(json.dumps({**m.NET_SPEC, "rules": m.NET_SPEC["rules"][::2]}))  # no state rule
     with pytest.raises(AssertionError) as caught:
-        assert_layouts(m.build_stateful, spec, golden=golden, devices=(4,))
+        assert_layouts(m.build_stateful, spec, golden=golden, device_counts=(4,))
     assert (
         "  ~ bn.batch_state_index.0\n      expression: 'c -> c*' -> 'input_size -> input_size*'"
         in str(caught.value)
@@ -419,7 +423,7 @@ def test_a_spec_files_rules_name_the_activations_in_the_workers(tmp_path):
         named,
         "harness_models:loss_named",
         "harness_models:batch_named",
-        devices=(8,),
+        device_counts=(8,),
     )
     unnamed = tmp_path / "unnamed.eqshard.json"
     unnamed.write_text(json.dumps({"eqshard": 1}))
@@ -429,7 +433,7 @@ def test_a_spec_files_rules_name_the_activations_in_the_workers(tmp_path):
             unnamed,
             "harness_models:loss_named",
             "harness_models:batch_named",
-            devices=(8,),
+            device_counts=(8,),
         )
 
 
@@ -447,23 +451,23 @@ def test_a_spec_files_batch_lays_out_the_batch_and_the_budgets_step(tmp_path):
         spec,
         m.loss,
         m.batch,
-        devices=(2, 3),
+        device_counts=(2, 3),
         optimizer=m.optimizer,
         max_communication={"all-reduce": 0, "all-gather": 0},
     )
-    with pytest.raises(AssertionError) as caught:  # `batch_spec=` wins over the file's
+    with pytest.raises(AssertionError) as caught:  # `batch=` wins over the file's
         assert_equivalent(
             m.build,
             spec,
             m.loss,
             m.batch,
-            devices=(2,),
-            batch_spec="b ... -> b* ...",
+            device_counts=(2,),
+            batch="b ... -> b* ...",
             max_communication={"all-reduce": 0},
         )
     assert str(caught.value).startswith("on 2 devices, the step's all-reduces move ")
     with pytest.raises(eqshard.EqshardError) as refused:
         assert_equivalent(
-            m.build, spec, m.loss, m.batch, devices=(3,), batch_spec="b ... -> b* ..."
+            m.build, spec, m.loss, m.batch, device_counts=(3,), batch="b ... -> b* ..."
         )
-    assert "the batch cannot be laid out by 'b ... -> b* ...' (`batch_spec=`)" in str(refused.value)
+    assert "the batch cannot be laid out by 'b ... -> b* ...' (`batch=`)" in str(refused.value)

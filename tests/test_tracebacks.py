@@ -122,8 +122,15 @@ def test_a_step_that_raises_in_the_models_call_names_the_users_lines(run_python,
     result = _check(
         run_python,
         user,
-        *("--model", f"{user}:build_net", "--step", f"{user}:step", "--batch", f"{user}:batch"),
-        *("--devices", "2"),
+        *(
+            "--model",
+            f"{user}:build_net",
+            "--step",
+            f"{user}:step",
+            "--make-batch",
+            f"{user}:batch",
+        ),
+        *("--device-counts", "2"),
     )
     assert result.returncode == 2, result.stderr
     assert "raised ValueError: bad input shape\n" in result.stderr
@@ -190,7 +197,14 @@ def test_in_process_the_users_frames_and_on_request_the_traceback(run_cli, user)
     _names_the_users_frames(result.err, user, *BUILD_FRAMES)
     assert "Traceback" not in result.err
     assert PACKAGE not in result.err
-    step = ("--step", f"{user}:step", "--batch", f"{user}:batch", "--devices", "8")  # JAX's
+    step = (
+        "--step",
+        f"{user}:step",
+        "--make-batch",
+        f"{user}:batch",
+        "--device-counts",
+        "8",
+    )  # JAX's
     result = run_cli("check", spec, "--model", f"{user}:build_net", *step)
     assert result.code == 2
     assert "raised ValueError: bad input shape\nin the user's code" in result.err
@@ -242,7 +256,7 @@ def test_call_notes_a_user_function_of_any_file(tmp_path):
         return 1 / 0
 
     with pytest.raises(eqshard.ModelError) as raised:
-        call("--batch", "here:divides", "divides()", divides)
+        call("--make-batch", "here:divides", "divides()", divides)
     assert isinstance(raised.value.__cause__, ZeroDivisionError)
     [note] = raised.value.__notes__
     assert f"{__file__}:" in note
@@ -272,7 +286,7 @@ def test_cost_in_a_worker_brings_the_users_frames_back(user):
     module = importlib.import_module("eqshard_traceback_user")
     model, batch = _step_arguments(module)
     with pytest.raises(eqshard.StepError) as raised:  # 16 devices: a worker of its own
-        eqshard.cost(model, batch, step=module.step, spec="... -> * ...", devices=16)
+        eqshard.cost(model, batch, step=module.step, spec="... -> * ...", simulate=16)
     error = raised.value
     text = "".join(traceback.format_exception_only(error))
     assert "it raised ValueError: bad input shape\nin the user's code" in text

@@ -102,7 +102,7 @@ def _arguments(module):
 @pytest.mark.slow  # compiles in worker processes
 def test_a_step_in_the_users_own_module_costs_on_more_devices(user_module):
     model, state, batch = _arguments(user_module)
-    c = eqshard.cost(model, state, batch, step=user_module.step, spec="... -> * ...", devices=16)
+    c = eqshard.cost(model, state, batch, step=user_module.step, spec="... -> * ...", simulate=16)
     assert c.devices == 16
     assert c.mesh is not None
     assert c.mesh.size == 16
@@ -120,7 +120,7 @@ def test_the_cost_workers_errors_come_back_as_the_same_class(user_module):
         {"eqshard": 1, "rules": [{"path": "layers.0.weight", "expr": "o i -> o32 i"}]}
     )
     with pytest.raises(eqshard.SpecError) as raised:
-        eqshard.cost(model, state, batch, step=user_module.step, spec=spec, devices=16)
+        eqshard.cost(model, state, batch, step=user_module.step, spec=spec, simulate=16)
     [problem] = raised.value.problems
     assert problem.where == "layers.0.weight (Linear.weight)"
     assert problem.message == (
@@ -135,7 +135,7 @@ def test_the_cost_workers_errors_come_back_as_the_same_class(user_module):
         r"under the expression '\.\.\. -> \* \.\.\.': it raised StepError: no step here\n",
     ):  # the user's own error, named
         eqshard.cost(
-            model, state, batch, step=user_module.failing_step, spec="... -> * ...", devices=16
+            model, state, batch, step=user_module.failing_step, spec="... -> * ...", simulate=16
         )
 
 
@@ -158,7 +158,7 @@ def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
                 "eqshard_user_steps:slow_build",
                 "... -> * ...",
                 golden=tmp_path / "golden.json",
-                devices=(2,),
+                device_counts=(2,),
                 timeout=0.5,
             )
     else:
@@ -168,7 +168,7 @@ def test_a_worker_past_its_timeout_is_stopped_with_an_eqshard_error(
             eqshard.EqshardError, match=r"^compiling the step on 16 devices took longer than 0.5 s"
         ):
             eqshard.cost(
-                model, state, batch, step=user_module.slow_step, spec="... -> * ...", devices=16
+                model, state, batch, step=user_module.slow_step, spec="... -> * ...", simulate=16
             )
 
 
@@ -478,7 +478,8 @@ model = eqx.filter_eval_shape(build)
 params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
 state = jax.eval_shape(OPTIMIZER.init, params)
 batch = jax.ShapeDtypeStruct((32, 64), jnp.float32)
-c = eqshard.cost(model, state, batch, step=step, spec=eqshard.FSDP, devices=16)
+where = {"devices": 16} if len(jax.devices()) >= 16 else {"simulate": 16}  # here, or a worker
+c = eqshard.cost(model, state, batch, step=step, spec=eqshard.FSDP, **where)
 found = {
     "devices": c.devices,
     "memory": [c.memory.parameters, c.memory.optimizer, c.memory.peak],
@@ -546,7 +547,7 @@ def test_a_script_s_module_classes_rebuild_in_another_process_with_their_fields(
 
 @pytest.mark.slow  # compiles in worker processes, from two fresh interpreters
 def test_a_script_s_model_costs_on_more_devices_and_suggest_ranks_it(run_python, script):
-    """`cost(devices=16)` beyond the script's one device compiles in a worker, which
+    """`cost(simulate=16)` beyond the script's one device compiles in a worker, which
     rebuilds the script's classes with their fields: the same figures as on 16
     devices in the script's own process; and `suggest`'s workers rank it."""
     in_a_worker = _ran(run_python([str(script), "1", "suggest"]))

@@ -313,8 +313,8 @@ def check_slices(names: Sequence[str], devices: Sequence[int] | None = None) -> 
         if devices and set(devices) != {len(on.devices)}:
             given = " ".join(map(str, dict.fromkeys(devices)))
             raise UsageError(
-                f"--devices {given} and --target {name}: the slice has {len(on.devices)} "
-                "devices, and its check is made on all of them; leave --devices out with "
+                f"--device-counts {given} and --target {name}: the slice has {len(on.devices)} "
+                "devices, and its check is made on all of them; leave --device-counts out with "
                 "--target (the slice sets the count)"
             )
 

@@ -1,5 +1,5 @@
 """`eqshard check` from the command line, in named steps: its options checked
-(`step_options`, `--batch-spec`), the files loaded and what each is checked on
+(`step_options`, `--batch`, `--device-counts`), the files loaded and what each is checked on
 (`_planned`: device counts or TPU slices), the checks run (`_run_in_workers`, in
 fresh processes, or `_run_here`, in this process where JAX is already imported),
 and the results printed (`_print_result`, then a summary table) or emitted as one
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._errors import EqshardError
-from ._commands import in_workers, step_options, use_devices
+from ._commands import deprecated_option, in_workers, step_options, use_devices
 from ._output import EVERY_ONE, console, emit_json, out, safe, styled
 from ._parser import MAX_SIMULATED
 
@@ -40,12 +40,13 @@ def check_command(args: argparse.Namespace) -> int:
     """`eqshard check`: exit 0 when every check is ok, else 1.
 
     **Raises:** `BadUsage` for options that do not go together; `EqshardError` for
-    a `--batch-spec` or a device count that cannot be; what loading a file,
+    a `--batch` or a device count that cannot be; what loading a file,
     building the user's code or a worker raises (`SpecError`, `ModelError`,
     `StepError`).
     """
-    step_options("check", args, "--batch-spec")
-    batch_spec = _batch_spec(args.batch_spec)
+    step_options("check", args)
+    batch_spec = _batch_spec(args.batch)
+    args.device_counts = _device_counts(args)
     targets = list(dict.fromkeys(args.target or []))
     planned = _planned(args, targets)
     if in_workers():
@@ -66,8 +67,20 @@ def check_command(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _device_counts(args: argparse.Namespace) -> list[int] | None:
+    """`--device-counts`, else `--simulate` (one count), else the deprecated
+    `--devices` (with its notice on stderr)."""
+    if args.devices is not None:
+        counts = " ".join(map(str, args.devices))
+        deprecated_option("check", f"--devices {counts}", f"--device-counts {counts}")
+        return list(args.devices)
+    if args.simulate is not None:
+        return [args.simulate]
+    return args.device_counts
+
+
 def _batch_spec(text: str | None) -> str | None:
-    """`--batch-spec`, checked (a complete expression) before any worker starts."""
+    """`--batch`, the layout, checked (a complete expression) before any worker starts."""
     from .._errors import ExpressionError
     from .._specfile._model import batch_expression  # no JAX
 
@@ -76,21 +89,21 @@ def _batch_spec(text: str | None) -> str | None:
     try:
         return str(batch_expression(text))
     except ExpressionError as error:
-        raise EqshardError(f"--batch-spec {text!r}: {error}") from None
+        raise EqshardError(f"--batch {text!r}: {error}") from None
 
 
 def _planned(args: argparse.Namespace, targets: Sequence[str]) -> list[_Planned]:
     """Each file given, loaded once, with what to check it on: the TPU slices, else
-    `--devices`, else the file's `"devices"`, else 8; a step compiles on at most
+    `--device-counts`, else the file's `"devices"`, else 8; a step compiles on at most
     `MAX_SIMULATED` simulated devices."""
     from .._specfile._read import load
 
     planned = []
     for source in dict.fromkeys(args.files):
         rules = load(source)
-        simulated: list[int] = args.devices or [rules.devices or 8]
+        simulated: list[int] = args.device_counts or [rules.devices or 8]
         if not targets and args.step is not None and max(simulated) > MAX_SIMULATED:
-            given = "--devices" if args.devices else f'{source} says "devices":'
+            given = "--device-counts" if args.device_counts else f'{source} says "devices":'
             raise EqshardError(
                 f"{given} {max(simulated)}: --step compiles the step on simulated devices, "
                 f"up to {MAX_SIMULATED}, or with --target on a TPU slice's, any number; "
@@ -114,10 +127,10 @@ def _run_in_workers(
         strict=args.strict,
         step=args.step,
         optimizer=args.optimizer,
-        batch=args.batch,
+        batch=args.make_batch,
         max_memory=args.max_memory,
         batch_spec=batch_spec,
-        devices=args.devices,
+        devices=args.device_counts,
     )
 
 
@@ -140,7 +153,7 @@ def _run_here(
     from ._check import check, check_slices
 
     if targets:
-        check_slices(targets, args.devices)
+        check_slices(targets, args.device_counts)
     if compiling and len(jax.devices()) < most:
         raise EqshardError(
             f"checking on {most} devices needs {most} simulated devices, "
@@ -151,7 +164,7 @@ def _run_here(
     model = abstract_model(args.model, modules=modules)
     step = None
     if args.step is not None:
-        step = step_inputs(model, args.step, str(args.batch), args.optimizer, modules=modules)
+        step = step_inputs(model, args.step, str(args.make_batch), args.optimizer, modules=modules)
     results = []
     for p in planned:
         results += check(

@@ -19,7 +19,9 @@ from ._output import EVERY_ONE, console, emit_json, err, out, progress
 from ._parser import MAX_SIMULATED, BadUsage
 
 __all__ = [
+    "batch_options",
     "demo",
+    "deprecated_option",
     "diff",
     "in_workers",
     "schema",
@@ -63,21 +65,68 @@ def in_workers() -> bool:
     return "jax" not in sys.modules
 
 
+def deprecated_option(command: str, old: str, new: str) -> None:
+    """The one-line notice, on stderr, that an old spelling still works."""
+    err(f"eqshard {command}: {old} is deprecated: pass {new}")
+
+
+def _is_builder(text: str) -> bool:
+    """Whether `--batch TEXT` names the batch's builder (`MODULE:CALLABLE`, the old
+    meaning) rather than a layout: a colon and no arrow, which no expression has."""
+    return ":" in text and "->" not in text
+
+
+def batch_options(command: str, args: argparse.Namespace) -> None:
+    """`--make-batch` (the builder) and `--batch` (the layout) as the user meant
+    them: `--batch MODULE:CALLABLE` and `--batch-spec EXPR`, the old spellings, moved
+    to their new places with a notice each.
+
+    **Raises:** `BadUsage` for an old spelling given with its new one, or a layout
+    where the command takes none.
+    """
+    if args.batch is not None and _is_builder(args.batch):
+        if args.make_batch is not None:
+            raise BadUsage(
+                f"eqshard {command}: error: --make-batch and --batch {args.batch} both name "
+                "the batch's builder; pass --make-batch alone"
+            )
+        deprecated_option(
+            command, f"--batch {args.batch}", f"--make-batch {args.batch} (--batch is the layout)"
+        )
+        args.make_batch, args.batch = args.batch, None
+    old = getattr(args, "batch_spec", None)
+    if old is not None:
+        if args.batch is not None:
+            raise BadUsage(
+                f"eqshard {command}: error: --batch and --batch-spec both give the batch's "
+                "layout; pass --batch alone"
+            )
+        deprecated_option(command, "--batch-spec", f"--batch {old!r}")
+        args.batch, args.batch_spec = old, None
+    if args.batch is not None and not hasattr(args, "batch_spec"):
+        raise BadUsage(
+            f"eqshard {command}: error: --batch {args.batch!r} is a batch layout, which "
+            f"{command} does not take; name the batch's builder with --make-batch "
+            "MODULE:CALLABLE"
+        )
+
+
 def step_options(command: str, args: argparse.Namespace, *others: str) -> None:
-    """`--batch`, `--optimizer` and the `others` (option names) belong to `--step`,
-    which needs `--batch`.
+    """`--make-batch`, `--batch`, `--optimizer` and the `others` (option names)
+    belong to `--step`, which needs `--make-batch` (`batch_options` read first).
 
     **Raises:** `BadUsage` naming the option given without `--step`, or `--step`
-    without `--batch`.
+    without `--make-batch`.
     """
-    for option in ("--batch", "--optimizer", *others):
-        if args.step is None and getattr(args, option[2:].replace("-", "_")) is not None:
+    batch_options(command, args)
+    for option in ("--make-batch", "--batch", "--optimizer", *others):
+        if args.step is None and getattr(args, option[2:].replace("-", "_"), None) is not None:
             raise BadUsage(
                 f"eqshard {command}: error: {option} is for the step: name it with --step"
             )
-    if args.step is not None and args.batch is None:
+    if args.step is not None and args.make_batch is None:
         raise BadUsage(
-            f"eqshard {command}: error: --step needs --batch MODULE:CALLABLE, where "
+            f"eqshard {command}: error: --step needs --make-batch MODULE:CALLABLE, where "
             "CALLABLE() returns the step's batch"
         )
 
@@ -153,8 +202,8 @@ def schema(args: argparse.Namespace) -> int:
 
 def _step_request(args: argparse.Namespace) -> dict[str, object]:
     """What a worker needs to build the model and the step's inputs, and where."""
-    names = ("model", "step", "batch", "optimizer", "devices", "target")
-    return {name: getattr(args, name) for name in names}
+    names = ("model", "step", "optimizer", "devices", "target")
+    return {"batch": args.make_batch, **{name: getattr(args, name) for name in names}}
 
 
 def _writable(path: str) -> None:

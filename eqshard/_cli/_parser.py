@@ -164,9 +164,10 @@ def _max_memory_option(parser: argparse.ArgumentParser, text: str) -> None:
 def _user_code_options(
     parser: argparse.ArgumentParser, *, step: str, batch: str, required: bool = False
 ) -> None:
-    """`--model`, `--step`, `--optimizer` and `--batch`: the user's code, named
+    """`--model`, `--step`, `--optimizer` and `--make-batch`: the user's code, named
     `MODULE:CALLABLE`, as `check`, `suggest` and `diff` take it; `required` makes
-    the step and its batch so."""
+    the step so (and its batch, checked by `_commands.step_options`, as the old
+    spelling `--batch MODULE:CALLABLE` may give it). `--batch` is the batch's layout."""
     code = "MODULE:CALLABLE"
     parser.add_argument(
         "--model",
@@ -180,7 +181,13 @@ def _user_code_options(
         metavar=code,
         help="what returns the optax optimizer whose state the step takes",
     )
-    parser.add_argument("--batch", required=required, metavar=code, help=batch)
+    parser.add_argument("--make-batch", metavar=code, help=batch)
+    parser.add_argument(
+        "--batch",
+        metavar="EXPR",
+        help="the batch's layout, an einshard expression for each of its arrays (check "
+        f"only); {code} here is the deprecated spelling of --make-batch",
+    )
 
 
 # One function per command ------------------------------------------------------
@@ -294,16 +301,15 @@ def _check(add: _Add) -> None:
         "step(model, state, batch); compiled (never run) to find its cost",
         batch="what returns the step's batch (needed with --step); traced abstractly, "
         "or, if it needs concrete values (np.asarray of a JAX array), run once on the "
-        "host, which holds one batch in memory",
+        "host, which holds one batch in memory; --batch EXPR is its layout",
     )
     check.add_argument(
         "--batch-spec",
         metavar="EXPR",
-        help="the einshard expression that lays out the step's batch (each of its "
-        "arrays), both sides: 'b ... -> b* ...' splits the leading dim over every "
-        "device, '... -> * ...' gives each device a whole copy, as tensor parallelism "
-        'alone does (default: the spec file\'s "batch", else the leading dim over the '
-        "first axis of its mesh, else over every device)",
+        help="deprecated: the batch's layout is --batch EXPR ('b ... -> b* ...' splits the "
+        "leading dim over every device, '... -> * ...' gives each device a whole copy; "
+        'default: the spec file\'s "batch", else the leading dim over the first axis of '
+        "its mesh, else over every device)",
     )
     check.add_argument(
         "--target",
@@ -312,7 +318,7 @@ def _check(add: _Add) -> None:
         help="TPU slices to check on, as jax.experimental.topologies names them, e.g. "
         "v5e:4x4 or v5p:8x8x16: each on its devices, the step (with --step) compiled "
         "for them by XLA:TPU on this machine (libtpu: pip install 'eqshard[tpu]'), "
-        "--max-memory by default the chip's HBM; --devices, if given, must be the "
+        "--max-memory by default the chip's HBM; --device-counts, if given, must be the "
         "slice's count",
     )
     _max_memory_option(
@@ -322,13 +328,27 @@ def _check(add: _Add) -> None:
         '"memory": "pinned_host", are not counted) does not fit (default with --target: '
         "the chip's HBM)",
     )
-    check.add_argument(
+    counts = check.add_mutually_exclusive_group()
+    counts.add_argument(
+        "--device-counts",
+        type=_layout_count,
+        nargs="+",
+        metavar="N",
+        help="device counts to check, each on simulated devices (default: the file's "
+        f'"devices", or 8); any count for layouts, at most {MAX_SIMULATED} with --step',
+    )
+    counts.add_argument(
+        "--simulate",
+        type=_layout_count,
+        metavar="N",
+        help="one device count to check on simulated devices: --device-counts N",
+    )
+    counts.add_argument(
         "--devices",
         type=_layout_count,
         nargs="+",
         metavar="N",
-        help='device counts to check (default: the file\'s "devices", or 8); any count '
-        f"for layouts, at most {MAX_SIMULATED} with --step",
+        help="deprecated: --device-counts N [N ...]",
     )
     check.add_argument(
         "--strict", action="store_true", help="a rule that matches nothing is an error"

@@ -9,30 +9,30 @@ compiler, and a roofline estimate on a hardware profile (`_hardware.py`); what i
 gives is `_results.py`'s `Cost`. XLA's SPMD partitioner runs the same on simulated
 CPU devices as on accelerators, so the communication is known from a laptop;
 XLA:CPU's own peak leaves out the temporaries it allocates, so `Memory.peak` counts
-them (what each compiler's peak is: `_results.py`'s `PEAK_RULES`). More
-devices than this process has are costed in a worker (`_process/_workers.py`).
+them (what each compiler's peak is: `_results.py`'s `PEAK_RULES`). `simulate=n` is
+costed in a worker on n simulated XLA:CPU devices (`_process/_workers.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import Mesh
+from jaxtyping import PyTree
 
 from .._activations import recording_laid_out
 from .._compat import filter_jit_donation
 from .._errors import EqshardError, step_error
 from .._expression import Expression
-from .._layout import device_count_of
 from .._pipeline import recording as recording_pipelines
 from .._plan import Plan, Spec, placing, plan
 from .._process._usercode import with_user_frames
-from .._sharding import AnyMesh, Device, device_count, on_devices
+from .._sharding import AnyMesh, Device, Devices, device_count, on_devices, placement
 from .._specfile._model import BatchRules, Rules
 from .._step import Donate, Step, abstract_array, batch_layout, planned_for
 from ._compile import (
@@ -48,150 +48,72 @@ from ._hlo._flops import flops, value_dependent_flops
 from ._results import Cost
 from ._targets import CompileTarget, compile_target
 
-__all__ = ["cost", "portable", "unplaced"]
+__all__ = ["compiler_label", "cost", "portable", "unplaced"]
 
 
 def cost(
-    model: Any,
-    *args: Any,
-    step: Any,
+    model: PyTree[Any],
+    *args: PyTree[Any],
+    step: Callable[..., Any],
     spec: Spec,
     batch: str | Expression | BatchRules | None = None,
     mesh: AnyMesh | None = None,
-    devices: int | Sequence[Device] | None = None,
+    devices: Devices = None,
+    simulate: int | None = None,
     target: str | None = None,
     compile_for: Literal["running", "costing"] = "running",
 ) -> Cost:
     """Compiles the user's step under a spec, without running it, and reads what one
-    step costs on each device: its memory, its collectives by mesh axes and the FLOPs
-    of its matrix products, from which `Cost.estimate` gives a roofline estimate on a
-    hardware profile. The step is compiled as `eqshard.jit` compiles it: with the same
-    input and output layouts.
+    step costs on each device: memory, collectives by mesh axes, FLOPs, and a roofline
+    estimate (`Cost.estimate`). The step is compiled as `eqshard.jit` compiles it.
 
     **Example:**
 
     ```python
-    c = eqshard.cost(model, opt_state, batch, step=train_step, spec=rules, devices=8)
+    c = eqshard.cost(model, opt_state, batch, step=train_step, spec=rules)
     c.memory.parameters, c.memory.optimizer, c.memory.peak    # bytes per device
     [(k.kind, k.bytes, k.axes) for k in c.collectives]        # "all-reduce", ...
     c.flops                                                   # per device
     c.estimate("h100").seconds                                # a roofline estimate
 
-    # a stateful model: the step takes its eqx.nn.State after the model
-    c = eqshard.cost(model, state, opt_state, batch, step=step, spec=plan)
-    c.memory.state                                            # bytes per device
+    c = eqshard.cost(model, opt_state, batch, step=train_step, spec=rules, simulate=64)
     ```
 
     **Arguments:**
 
     - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`).
     - `*args`: the rest of the step's arguments, concrete or abstract: the model's
-        `eqx.nn.State`, an optimizer state, the batch (see "How the arguments are laid out").
+        `eqx.nn.State`, an optimizer state, the batch.
     - `step`: the training step, called as `step(model, *args)`: an `eqx.filter_jit`
         function (its donation is kept), an `eqshard.jit` one, or a plain one.
-    - `spec`: anything `eqshard.apply` takes, a `Plan` included: a plan made for the model,
-        or for `(model, state)`.
-    - `batch`: the complete expression that lays out every array leaf of the batch
-        (`"b ... -> b* ..."`), or `eqshard.BatchRules`, leaf by leaf; without it, see
-        "How the arguments are laid out".
-    - `mesh`, `devices`: as for `eqshard.plan`; `devices` may be a count, more than this
-        process has (see "More devices than this process has").
-    - `target`: a TPU slice (`"v5e:4x4"`) to compile for with XLA:TPU, on this machine,
-        without a TPU (see "On a TPU target").
-    - `compile_for`: `"costing"` compiles with less optimisation of the generated code,
-        for the same figures in less time (see "Compiled only to be costed").
+    - `spec`: anything `eqshard.apply` takes, a `Plan` included.
+    - `batch`: the layout of every batch leaf: a complete expression
+        (`"b ... -> b* ..."`) or `eqshard.BatchRules`; by default as `eqshard.jit` does.
+    - `mesh`: as for `eqshard.plan`.
+    - `devices`: else, this process's devices: a list, or a count (the first that
+        many); by default all of `jax.devices()`.
+    - `simulate`: else, a count of simulated XLA:CPU devices to compile on, in a
+        worker process (cloudpickle: the `eqshard[cost]` extra).
+    - `target`: a TPU slice (`"v5e:4x4"`) to compile for with XLA:TPU, without a TPU.
+    - `compile_for`: `"costing"` spends less time on machine code, for the same
+        figures.
 
     **Returns:**
 
-    A `Cost`.
+    A `Cost`; `Cost.compiler` names the compiler and the devices it compiled for.
 
     **Raises:**
 
     - `eqshard.SpecError`: the spec does not lay out the model, its state, the optimizer
-        state or a batch leaf (naming the leaf, its shape and the batch's rule).
+        state or a batch leaf.
     - `eqshard.ExpressionError`: `batch` is malformed or a short form.
-    - `eqshard.EqshardError`: the step cannot be costed as asked (see "Errors").
+    - `eqshard.StepError`: the step cannot be traced or compiled.
+    - `eqshard.UsageError`: `devices` and `simulate` are both given.
+    - `eqshard.EqshardError`: the step cannot be costed as asked (an `AbstractMesh`, a
+        `target` with `devices`, no cloudpickle, a program it cannot read).
 
-    !!! info "How the arguments are laid out"
-
-        The model's `eqx.nn.State` (a stateful model's, such as BatchNorm's running
-        statistics) is laid out by the plan, as `eqshard.apply(state, plan)` does, and
-        counted as `memory.state`. With a spec and a state among `args`, the plan is made
-        for `(model, state)`, so that one mesh fits both; a plan made for `(model,
-        state)` lays out both, and the step still takes the model alone first.
-
-        An argument built from the model (an optimizer state: it holds subtrees shaped
-        like the model) is laid out by the model's plan, its optimizer section where it
-        has one, as `eqshard.apply(opt_state, plan)` does.
-
-        The array leaves of the other arguments (the batch) are laid out by `batch`, a
-        complete expression: `"b ... -> b* ..."` splits their leading dim over every
-        device, `"... -> * ..."` gives each device a whole copy; or by `BatchRules`,
-        each leaf by its path within its argument. Given, it lays out every batch leaf. Without it, a leaf already placed on the plan's devices (a
-        `jax.Array`, or a `jax.ShapeDtypeStruct` carrying a sharding, whose
-        `NamedSharding`'s mesh holds the plan's devices in the plan's order) keeps its
-        sharding; the others (an array on one device, as `jnp.asarray` makes it, on
-        other devices, or abstract without a sharding) are laid out by the spec file's
-        `"batch"` (`Rules.batch`, an expression or a section of rules, also where `spec`
-        is a `Plan` made from `Rules`), else
-        data parallel: their leading dim split over the first axis of a mesh the user
-        or the spec file gives (the data axis, by convention), else over every device.
-
-    !!! info "Activations"
-
-        A spec file's rules (or a plan made from them) are active while the step is
-        traced, as under `eqshard.use`: activations the model names
-        (`eqshard.constrain(x, ("batch", "embed"))`) are laid out by its `"dims"`, on the
-        plan's mesh, and costed so.
-
-    !!! info "More devices than this process has"
-
-        `devices=n` is the first `n` devices of this process; where it has fewer, `n`
-        simulated CPU devices in a new process: the step and the abstract arguments
-        travel there with cloudpickle (the `eqshard[cost]` extra), so a laptop can ask
-        for 64.
-
-    !!! info "On a TPU target"
-
-        `target` names a slice as `jax.experimental.topologies` names it (`"v5e:4x4"`,
-        `"v5p:4x4x4"`, `"v6e:2x2"`, `"v4:2x2x1"`); the `eqshard[tpu]` extra installs
-        libtpu. The step is compiled by XLA:TPU for that slice's devices, on this
-        machine, without a TPU. The mesh is laid over the slice's devices in their
-        order, with `mesh=`'s axis names and sizes where it is given, else the spec's.
-        Memory is then the TPU compiler's own, `memory_per_device` the chip's HBM, and
-        `estimate()` runs on the chip's profile. JAX cannot compile for a GPU without
-        one: leave `target` out there.
-
-    !!! info "Compiled only to be costed"
-
-        With `compile_for="costing"` the step is compiled with options that spend less
-        time on the machine code it would run (`Cost.compiler_options` names them):
-        on XLA:CPU `xla_backend_optimization_level=0` and
-        `xla_llvm_disable_expensive_passes=true`, about 0.6x the compile time. They
-        change nothing `cost` reads: the partitioned HLO (its collectives and FLOPs)
-        and the buffer assignment (its memory) come before that code generation, and
-        the tests check every figure equal to the default compile's. On XLA:TPU and a
-        GPU no option measured cheaper with the same figures: none is passed there.
-        The compiled program is never run, so its speed does not matter.
-
-    !!! failure "Errors"
-
-        `eqshard.SpecError` when the spec does not lay out the model, its
-        `eqx.nn.State`, the optimizer state or a batch leaf. `eqshard.ExpressionError`
-        (with a caret) when `batch` is malformed or a short form.
-        `eqshard.EqshardError`:
-
-        - for a `target` that is no TPU slice, or without libtpu (saying how to
-            install it); for a `compile_for` other than `"running"` or `"costing"`;
-        - when the step cannot be traced or compiled, naming the step, the device
-            count and the spec, with the step's or JAX's error as its cause (the
-            command line exits 2 for it, as for a model that cannot be built);
-        - when the mesh is a `jax.sharding.AbstractMesh`;
-        - when more devices are asked for than this process has and cloudpickle is
-            not installed;
-        - when the compiled program holds a collective, a notation of device groups, a
-            dtype or a matrix-product call that eqshard cannot read, naming it and its
-            line: a figure is never a silent zero.
+    The guide "Cost and targets" says more: how the arguments are laid out,
+    activations, simulated devices, TPU targets, `compile_for` and the errors.
     """
     if compile_for not in ("running", "costing"):
         raise EqshardError(
@@ -201,12 +123,12 @@ def cost(
     batch = batch_layout(batch)  # checked here, with a caret, before anything is compiled
     on: CompileTarget | None = None
     if target is not None:
-        on, mesh, devices = _on_target(target, spec, mesh, devices)
-    elif isinstance(devices, int):  # a count, which `True` or `-1` is not
-        count = device_count_of(devices, "`devices`")
-        if count > len(jax.devices()):
-            return _in_a_process_of_its_own(step, model, args, spec, batch, count, compile_for)
-        devices = jax.devices()[:count]
+        on, mesh, devices = _on_target(target, spec, mesh, devices, simulate)
+    else:
+        placed = placement(devices, simulate, what="`eqshard.cost`", was_simulated=True)
+        if isinstance(placed, int):  # simulated: compiled in a worker that has them
+            return _in_a_process_of_its_own(step, model, args, spec, batch, placed, compile_for)
+        devices = placed
     abstract_model = jax.tree_util.tree_map(abstract_array, model)
     abstract_args = [jax.tree_util.tree_map(abstract_array, arg) for arg in args]
     if isinstance(spec, Plan) and on is None:  # made for a count: the first n devices
@@ -250,7 +172,7 @@ def cost(
         mesh=p.mesh,
         devices=n,
         dtype=max(set(dtypes), key=dtypes.count) if dtypes else "float32",
-        compiler=on.compiler if on is not None else f"XLA:CPU, {n} simulated devices",
+        compiler=on.compiler if on is not None else compiler_label(_devices_of(p), n),
         compiler_options=compiled.options,
         target=None if on is None else on.name,
         hardware=None if on is None else on.hardware,
@@ -264,14 +186,15 @@ def cost(
 
 
 def _on_target(
-    target: str, spec: Any, mesh: AnyMesh | None, devices: Any
+    target: str, spec: Any, mesh: AnyMesh | None, devices: Any, simulate: int | None = None
 ) -> tuple[CompileTarget, AnyMesh | None, Sequence[Device] | None]:
     """The TPU slice `target`, and the `mesh=` or `devices=` that lay the step out on
     its devices: the user's mesh, its axes over the slice's devices in their order;
     else the slice's devices, all of them."""
-    if devices is not None:
+    if devices is not None or simulate is not None:
+        given = "devices" if devices is not None else "simulate"
         raise EqshardError(
-            f"`devices=` and `target={target!r}` are both given; the slice has its devices "
+            f"`{given}=` and `target={target!r}` are both given; the slice has its devices "
             "(pass `mesh=` for axis names, or neither)"
         )
     if isinstance(spec, Plan):
@@ -301,6 +224,27 @@ def _platform(p: Plan, on: CompileTarget | None) -> str:
     devices = getattr(p.mesh, "devices", None)
     first = np.asarray(devices).flat[0] if devices is not None else jax.devices()[0]
     return str(first.platform)
+
+
+def compiler_label(devices: Sequence[Any] | None, n: int) -> str:
+    """The compiler a step was compiled with here, and for what, by the devices'
+    platform: `"XLA:GPU (NVIDIA H100 80GB HBM3), 1 device"`; `"XLA:CPU, 8 simulated
+    devices"` for a count (`devices` is `None`) and for this process's CPU devices
+    beyond one, which are XLA's simulated ones."""
+    if not devices:
+        return f"XLA:CPU, {n} simulated devices"
+    first = devices[0]
+    platform = str(getattr(first, "platform", "cpu"))
+    count = f"{n} device{'s' * (n != 1)}"
+    if platform == "cpu":
+        return f"XLA:CPU, {n} simulated devices" if n > 1 else f"XLA:CPU, {count}"
+    return f"XLA:{platform.upper()} ({first.device_kind}), {count}"
+
+
+def _devices_of(p: Plan) -> list[Any]:
+    """The plan's devices, else this process's first (a plan on no mesh)."""
+    devices = getattr(p.mesh, "devices", None)
+    return list(np.asarray(devices).flat) if devices is not None else jax.devices()[:1]
 
 
 def _spec_name(spec: Any) -> str:
@@ -351,10 +295,10 @@ def _in_a_process_of_its_own(
         import cloudpickle  # noqa: F401
     except ImportError:
         raise EqshardError(
-            f"the cost on {devices} devices needs {devices} devices, and this process has "
-            f"{len(jax.devices())}: eqshard compiles in a process of its own that has them, "
-            "which needs cloudpickle (`pip install 'eqshard[cost]'`); or run `eqshard check "
-            "SPEC --model ... --step ...`, which starts one per device count"
+            f"the cost on `simulate={devices}` devices is compiled in a process of its own "
+            f"with {devices} simulated devices, which needs cloudpickle (`pip install "
+            "'eqshard[cost]'`); or run `eqshard check SPEC --model ... --step ...`, which "
+            "starts one per device count"
         ) from None
     if isinstance(spec, Plan):
         raise EqshardError(
@@ -412,7 +356,7 @@ def _cost_here(request: Any) -> str:
         step=step,
         spec=spec,
         batch=batch,
-        devices=devices,
+        devices=devices,  # this worker's own, simulated by XLA:CPU
         compile_for=request.get("compile_for", "running"),
     )
     return pickled(portable(found), "the cost", "report it as a bug in eqshard")

@@ -363,10 +363,10 @@ def diff(
     plans = []
     for spec in specs:
         try:
-            plans.append(plan(model, spec, devices=on))
+            plans.append(plan(model, spec, devices=on) if listed else plan(model, spec, simulate=n))
         except SpecError as error:  # which of the two, in the headline
-            where = f"{n} devices" if target is None else target
-            headline = f"{_spec_name(spec)} does not lay the model out on {where}"
+            on_what = f"{n} devices" if target is None else target
+            headline = f"{_spec_name(spec)} does not lay the model out on {on_what}"
             raise SpecError(error.problems, headline) from None
     changes = _changes(plans[0], plans[1], "parameters")
     if plans[0].section is not None or plans[1].section is not None:
@@ -377,12 +377,17 @@ def diff(
     )
     costs = None
     if step is not None:
+        import jax
+
         from .._cost._driver import cost
 
         first = model[0] if is_stateful_pair(model) else model
-        count = None if target is not None else on
+        where: dict[str, Any] = {}  # this process's devices, else `n` simulated in a worker
+        if target is None:
+            here = listed or n <= len(jax.devices())
+            where = {"devices": on} if here else {"simulate": n}
         costs = tuple(
-            cost(first, *args, step=step, spec=spec, devices=count, target=target) for spec in specs
+            cost(first, *args, step=step, spec=spec, target=target, **where) for spec in specs
         )
     return Diff(
         _spec_name(specs[0]),

@@ -113,15 +113,21 @@ def cost_one(
     step: Any, model: Any, args: Sequence[Any], rules: Rules, devices: Devices, target: str | None
 ) -> Cost | str:
     """`eqshard.cost` of one candidate, or why it failed."""
+    import jax
+
+    where: dict[str, Any] = {}  # this process's devices, else a count simulated in a worker
+    if not target:
+        more = isinstance(devices, int) and devices > len(jax.devices())
+        where = {"simulate": devices} if more else {"devices": devices}
     try:
         return cost(
             model,
             *args,
             step=step,
             spec=rules,
-            devices=None if target else devices,
             target=target,
             compile_for="costing",  # cheaper, with the same figures (tests/test_cost.py)
+            **where,
         )
     except Exception as error:  # a candidate that does not compile is listed, not fatal
         return _error_text(error)

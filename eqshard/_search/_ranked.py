@@ -29,7 +29,6 @@ __all__ = [
     "Ranked",
     "Suggestion",
     "communication",
-    "compiler_label",
     "name_of",
     "out_of_memory",
     "ranked",
@@ -508,20 +507,6 @@ class Ranked(Sequence[Suggestion]):
         }
 
 
-def compiler_label(devices: Sequence[Any] | None, count: int) -> str:
-    """Whose compiler `suggest` compiles with where no candidate compiled to say so:
-    `"XLA:GPU (NVIDIA H100), 1 device"` for this process's `devices`, by their
-    platform, or `"XLA:CPU, 8 simulated devices"` for a count (`devices` is `None`)."""
-    if not devices:
-        return f"XLA:CPU, {count} simulated devices"
-    first = devices[0]
-    platform = str(getattr(first, "platform", "cpu")).upper()
-    kind = str(getattr(first, "device_kind", "") or "")
-    chip = f" ({kind})" if kind and platform != "CPU" else ""
-    n = len(devices)
-    return f"XLA:{platform}{chip}, {n} device{'s' if n != 1 else ''}"
-
-
 def ranked(
     candidates: Sequence[Candidate],
     results: Sequence[Cost | str | None],
@@ -577,7 +562,9 @@ def ranked(
     order += failed
     found = next((r.compiler for r in results if r is not None and not isinstance(r, str)), "")
     if not found:  # none compiled to say whose: the target's, else the one given
-        found = on.compiler if on is not None else compiler or compiler_label(None, devices)
+        found = (
+            on.compiler if on is not None else compiler or f"XLA:CPU, {devices} simulated devices"
+        )
     return Ranked(
         tuple(order),
         tuple(dropped) + tuple((s.name, s.error or "") for s in failed),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .._cost._driver import unplaced
+from .._cost._driver import compiler_label, unplaced
 from .._cost._hardware import memory_size
 from .._cost._targets import compile_target
 from .._errors import EqshardError, UsageError, whole_number
@@ -32,7 +32,7 @@ from .._sharding import device_tuple
 from ._candidates import candidates
 from ._policy import TOLERANCE, search
 from ._pool import cost_one, in_workers
-from ._ranked import GIVEN, HBM, Progress, Ranked, Suggestion, compiler_label
+from ._ranked import GIVEN, HBM, Progress, Ranked, Suggestion
 
 if TYPE_CHECKING:
     from .._cost._results import Cost

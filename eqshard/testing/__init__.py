@@ -10,11 +10,11 @@ SPEC = Path("specs/model.eqshard.json")
 
 def test_spec_is_equivalent():
     assert_equivalent(mypkg.model.build, SPEC, mypkg.model.loss, mypkg.model.batch,
-                      devices=(1, 2, 8), optimizer=mypkg.model.optimizer)
+                      device_counts=(1, 2, 8), optimizer=mypkg.model.optimizer)
 
 def test_spec_layouts():
     assert_layouts(mypkg.model.build, SPEC,
-                   golden="tests/golden/model.json", devices=(8, 64))
+                   golden="tests/golden/model.json", device_counts=(8, 64))
 ```
 
 Each device count runs in a process of its own, with that many simulated CPU devices. So

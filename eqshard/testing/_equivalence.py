@@ -6,12 +6,19 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._cost._hlo._collectives import KINDS
-from .._errors import EqshardError, whole_number
-from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_per_count
+from .._errors import EqshardError, UsageError, whole_number
+from .._warnings import deprecated
+from ._processes import (
+    TIMEOUT_SECONDS,
+    device_counts as device_counts_of,
+    mesh_template,
+    run_per_count,
+)
 from ._references import callable_reference, spec_reference
 from ._tolerances import Needed
 
 if TYPE_CHECKING:  # JAX only for the type: the harness starts none
+    from .._expression import Expression
     from .._plan import Spec
 
 __all__ = ["COLLECTIVE_KINDS", "assert_equivalent"]
@@ -24,16 +31,18 @@ def assert_equivalent(
     build: Callable[[], Any] | str,
     spec: Spec,
     loss: Callable[..., Any] | str,
-    batch: Callable[[], Any] | str,
+    make_batch: Callable[[], Any] | str | None = None,
     *,
-    devices: Sequence[int] | None = None,
+    device_counts: int | Sequence[int] | None = None,
     optimizer: Callable[[], Any] | str | None = None,
     mesh: Mapping[str, int | str] | None = None,
-    batch_spec: str | None = None,
+    batch: str | Expression | None = None,
     rtol: float | None = None,
     atol: float | None = None,
     max_communication: Mapping[str, int] | None = None,
     timeout: float = TIMEOUT_SECONDS,
+    devices: int | Sequence[int] | None = None,
+    batch_spec: str | None = None,
 ) -> None:
     """Asserts that the sharded model computes what the unsharded one does: the loss,
     the gradients and one optimizer step, on each device count.
@@ -47,162 +56,58 @@ def assert_equivalent(
     def test_spec_is_equivalent():
         assert_equivalent(mypkg.model.build, Path("specs/model.eqshard.json"),
                           mypkg.model.loss, mypkg.model.batch,
-                          devices=(1, 2, 8), optimizer=mypkg.model.optimizer)
+                          device_counts=(1, 2, 8), optimizer=mypkg.model.optimizer)
     ```
 
     **Arguments:**
 
-    - `build`: `build()` returns the model, or a stateful model and its state
-        (`eqx.nn.make_with_state(Net)(key)` returns `(model, state)`); see "Callables".
-    - `spec`: anything `eqshard.apply` takes that can cross into another process (see
-        "The spec").
-    - `loss`: `loss(model, batch)` returns a scalar; for a `(model, state)` build, see
-        "Stateful models".
-    - `batch`: `batch()` returns a batch.
-    - `devices`: the device counts; by default the spec's own: its file's `"devices"`,
-        else counts its mesh fits, else 1, 2 and 8.
+    - `build`: `build()` returns the model, or `(model, state)` as
+        `eqx.nn.make_with_state` does; a top-level function or `"module:callable"`.
+    - `spec`: anything `eqshard.apply` takes that can cross into another process.
+    - `loss`: `loss(model, batch)` returns a scalar (`loss(model, state, batch)`
+        returns `(value, state)` for a `(model, state)` build).
+    - `make_batch`: `make_batch()` returns a batch.
+    - `device_counts`: the device counts, each run in a worker with that many
+        simulated devices; by default the spec file's `"devices"`, else counts its mesh
+        fits, else 1, 2 and 8.
     - `optimizer`: `optimizer()` returns an optax optimizer; without one, the loss and
         gradients are compared.
     - `mesh`: a mesh template for each count, `{"data": "*", "model": 4}` (`"*"`: the
         rest of the devices), instead of the spec's own mesh.
-    - `batch_spec`: the expression of every batch leaf; by default the spec file's
-        `"batch"` (see "The batch").
+    - `batch`: the batch's layout, an expression for every batch leaf; by default the
+        spec file's `"batch"`, else data parallel.
     - `rtol`, `atol`: the tolerance for every leaf; by default per dtype, from
-        `eqshard.testing.TOLERANCES` (float32: 1e-5 and 1e-6). Integer leaves must be
-        equal.
-    - `max_communication`: bytes per collective kind that the compiled step may move on
-        each device (see "Communication budgets").
+        `eqshard.testing.TOLERANCES`. Integer leaves must be equal.
+    - `max_communication`: bytes per collective kind (`COLLECTIVE_KINDS`) that the
+        compiled step may move on each device.
     - `timeout`: seconds per device count.
+    - `devices`, `batch_spec`: deprecated spellings of `device_counts` and `batch`.
 
     **Raises:**
 
-    - `AssertionError`: names each leaf that differs, or each collective kind over its
-        budget (see "Failures").
+    - `AssertionError`: names each leaf that differs (with the smallest tolerances that
+        pass), or each collective kind over its budget.
+    - `eqshard.UsageError`: a deprecated spelling given with its new one, or no
+        `make_batch`.
     - `eqshard.EqshardError`: arguments that cannot cross into the worker processes, a
         `loss` of the wrong shape for what `build` returns, or the user's code failing
-        there (see "Failures").
+        there.
 
-    !!! info "What runs"
-
-        Each device count runs in a fresh Python process with that many simulated CPU
-        devices. It builds the model and the batch. It runs one jitted step on one
-        device: loss and gradients with `eqx.filter_value_and_grad`, then the
-        optimizer's update. Then it runs the same step with the model (and its state)
-        and its optimizer state placed by the spec. The batch is laid out as
-        `eqshard.jit` lays it out (see "The batch"). Then every leaf is compared. The
-        optimizer state follows the spec's optimizer section, where it has one (ZeRO-1).
-        Leaves a spec holds in host memory (`"memory": "pinned_host"`) are moved to the
-        device inside each step, as a host-offload step moves them.
-
-    !!! info "The spec"
-
-        `spec` may be a spec file as a `pathlib.Path` (its declared mesh is used),
-        `Rules`, an expression, or `eqshard.resolvers.FROM_FIELDS`. For a `(model, state)` build
-        the plan is made from the pair, so it lays out the state too. Rules may name
-        state leaves (`bn.batch_state_index.*`), and a spec tree is a pair.
-
-    !!! info "Callables"
-
-        `build`, `loss`, `batch` and `optimizer` are imported again in each process.
-        Pass them as top-level functions of an importable module. Or pass them as
-        strings: `"mypkg.model:build"`, `"path/to/file.py:build"`.
-
-    !!! info "The batch"
-
-        `batch_spec` lays out every batch leaf. By default it is the spec file's
-        `"batch"` (`Rules.batch`: an expression, or a section of rules over the batch's
-        paths), as `eqshard.cost` and `eqshard.jit` take it. Else the batch is data
-        parallel: the leading dim split over the mesh's first axis (else over every
-        device). `"... -> * ..."` replicates the batch.
-
-    !!! info "Stateful models"
-
-        A stateful model (BatchNorm's running statistics in an `eqx.nn.State`) is built
-        as `eqx.nn.make_with_state` builds it. Its loss is written as in Equinox's
-        BatchNorm example. `loss(model, state, batch)` returns `(value, new_state)`; its
-        gradients are taken with `has_aux=True`. The new state is compared leaf by leaf
-        too. Each leaf is named by its layer (`bn.batch_state_index.0`, the running
-        mean):
-
-        ```python
-        def build():
-            return eqx.nn.make_with_state(Net)(jax.random.key(0))   # (model, state)
-
-        def loss(model, state, batch):
-            x, y = batch
-            out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None),
-                                  out_axes=(0, None))(x, state)
-            return jnp.mean((out - y) ** 2), state
-        ```
-
-    !!! info "Communication budgets"
-
-        `max_communication` maps a collective kind to bytes. The kinds are
-        `"all-gather"`, `"all-reduce"`, `"reduce-scatter"`, `"collective-permute"`,
-        `"all-to-all"`, `"ragged-all-to-all"` and `"collective-broadcast"`
-        (`COLLECTIVE_KINDS`). The bytes are summed over the step, as `eqshard.cost`
-        counts them: a reduce-scatter by its operand, any other by its result. The batch
-        is laid out as above. `{"all-gather": 0}` asserts that no parameter is gathered.
-
-        A collective in a loop counts once per trip where XLA knows the trip count
-        (`jax.lax.scan`), else once. Of a `cond`'s branches, the one that moves the most
-        of each kind counts. The compiled program may hold a collective, a device-group
-        notation or a dtype eqshard cannot read. Then the step fails with an
-        `EqshardError` naming it: a budget never passes on what was not read.
-
-    !!! info "Tolerances"
-
-        A sharded step adds in another order than an unsharded one: partial sums on each
-        device, then an all-reduce. So floats differ in their last bits, and the
-        defaults allow for that. A failure prints, for each leaf and for the whole
-        comparison, two values. One is the smallest `rtol` (with `atol` as given) that
-        would pass. The other is the smallest `atol` (with `rtol` as given) that would
-        pass. Loosening them is right for differences that are rounding, amplified:
-
-        - Batch statistics reduced across devices (BatchNorm in a data-parallel step).
-            The mean and variance are all-reduced, and the difference reaches every
-            activation, gradient and running statistic after them. A deep BatchNorm
-            ResNet's float32 gradients differ by about 3e-6.
-        - A value that is zero up to rounding: the gradient of a bias just before a
-            BatchNorm, which takes the mean out. Its relative difference means nothing,
-            so it needs `atol`. A printed `rtol` of 1 or more says so.
-        - An adaptive optimizer after a reduction. Adam's first step divides by
-            `|g| + eps`. So a gradient near zero that differs in its last bits moves a
-            parameter by a visible part of the learning rate (after
-            `optax.clip_by_global_norm`'s all-reduced norm, say). The optimizer step
-            here starts from the unsharded gradients, so the step's own differences are
-            not amplified.
-
-    !!! warning "Loosening hides real bugs"
-
-        Where the difference is not rounding, loosening hides a real bug. A relative
-        difference of 1e-3 or more, or one that grows with the device count, comes from
-        what was computed, not from the order of a sum. Examples: statistics of each
-        device's part of the batch only, a state update that depends on the device
-        count, a leaf laid out with the wrong dims. Loosen to a small multiple of the
-        printed smallest value, for the leaves that need it. Never loosen to a round
-        1e-2.
-
-    !!! info "Failures"
-
-        For a leaf that differs, the `AssertionError` gives its device count, the
-        largest difference and the smallest tolerances that would pass it. Then it gives
-        those that would pass every leaf. For a collective kind over its budget, it
-        gives its largest operations. For a `loss` of the wrong shape,
-        `eqshard.EqshardError` says which shape is expected. When the user's code fails,
-        it says what raised.
+    The guide "Testing specs" says more: what runs, the spec, stateful models,
+    communication budgets and the failures.
     """
+    make_batch, batch = batch_arguments(make_batch, batch, batch_spec)
     template = mesh_template(mesh)
-    counts = device_counts(devices, spec, template)
+    counts = device_counts_of(device_counts, spec, template, devices)
     request: dict[str, Any] = {
         "task": "equivalence",
         "build": callable_reference(build, "build"),
         "loss": callable_reference(loss, "loss"),
-        "batch": callable_reference(batch, "batch"),
+        "batch": callable_reference(make_batch, "make_batch"),
         "optimizer": None if optimizer is None else callable_reference(optimizer, "optimizer"),
         "spec": spec_reference(spec),
         "mesh": template,
-        "batch_spec": batch_spec,
+        "batch_spec": None if batch is None else str(batch),
         "rtol": rtol,
         "atol": atol,
         "max_communication": _budget(max_communication),
@@ -211,6 +116,48 @@ def assert_equivalent(
     text = failure_text(results, rtol, atol)
     if text:
         raise AssertionError(text)
+
+
+def _is_builder(batch: object) -> bool:
+    """Whether `batch=` names the batch's builder, the old meaning: a callable, or
+    `"module:callable"` (text with a colon and no arrow, which no expression is)."""
+    if callable(batch):
+        return True
+    return isinstance(batch, str) and ":" in batch and "->" not in batch
+
+
+def batch_arguments(
+    make_batch: Callable[[], Any] | str | None, batch: Any, batch_spec: str | None
+) -> tuple[Callable[[], Any] | str, str | Expression | None]:
+    """`make_batch` and the batch's layout, from the arguments as given: a builder
+    passed as `batch=` and `batch_spec=` are the deprecated spellings.
+
+    **Raises:** `UsageError` for a spelling given with its new one, or no builder.
+    """
+    if batch is not None and _is_builder(batch):
+        if make_batch is not None:
+            raise UsageError(
+                "`make_batch` and a builder as `batch=` are both given; pass the builder as "
+                "`make_batch` alone (`batch=` is the batch's layout)"
+            )
+        deprecated(
+            "passing the batch's builder as `batch=` is deprecated: pass it as `make_batch=` "
+            "(`batch=` is the batch's layout, such as 'b ... -> b* ...')"
+        )
+        make_batch, batch = batch, None
+    if batch_spec is not None:
+        if batch is not None:
+            raise UsageError(
+                "`batch=` and `batch_spec=` are both given; pass the layout as `batch=` alone"
+            )
+        deprecated("`batch_spec=` is deprecated: pass the batch's layout as `batch=`")
+        batch = batch_spec
+    if make_batch is None:
+        raise UsageError(
+            "`assert_equivalent` needs `make_batch`, the callable (or 'module:callable') "
+            "that returns a batch"
+        )
+    return make_batch, batch
 
 
 def failure_text(

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any
 from .._errors import EqshardError
 from .._specfile._write import write_atomically
 from ._plugin import update_requested
-from ._processes import TIMEOUT_SECONDS, device_counts, mesh_template, run_in_one_process
+from ._processes import (
+    TIMEOUT_SECONDS,
+    device_counts as device_counts_of,
+    mesh_template,
+    run_in_one_process,
+)
 from ._references import callable_reference, spec_reference
 
 if TYPE_CHECKING:  # JAX only for the type: the harness starts none
@@ -46,9 +51,10 @@ def assert_layouts(
     spec: Spec,
     *,
     golden: str | Path,
-    devices: Sequence[int] | None = None,
+    device_counts: int | Sequence[int] | None = None,
     mesh: Mapping[str, int | str] | None = None,
     timeout: float = TIMEOUT_SECONDS,
+    devices: int | Sequence[int] | None = None,
 ) -> None:
     """Asserts that every leaf's layout, on each device count, is the one a golden file
     in the user's repository records.
@@ -61,7 +67,7 @@ def assert_layouts(
 
     def test_spec_layouts():
         assert_layouts(mypkg.model.build, Path("specs/model.eqshard.json"),
-                       golden="tests/golden/model.json", devices=(8, 64))
+                       golden="tests/golden/model.json", device_counts=(8, 64))
     ```
 
     **Arguments:**
@@ -70,41 +76,17 @@ def assert_layouts(
         (`eqx.nn.make_with_state(Net)(key)`), importable by name (as for
         `assert_equivalent`).
     - `spec`: as for `assert_equivalent`.
-    - `golden`: the golden file (JSON); see "What a golden file records".
-    - `devices`, `mesh`, `timeout`: as for `assert_equivalent`.
+    - `golden`: the golden file (JSON) (see the guide).
+    - `device_counts`: the device counts, each laid out abstractly (so a count may be
+        65,536); by default as for `assert_equivalent`.
+    - `mesh`, `timeout`: as for `assert_equivalent`.
+    - `devices`: the deprecated spelling of `device_counts`.
 
     **Raises:**
 
     - `AssertionError`: a leaf's layout changed, a leaf was added or is gone, or the
         golden file is missing or too old (see "Failures").
     - `eqshard.EqshardError`: the golden file is not one, or an argument is bad.
-
-    !!! info "Updating"
-
-        `pytest --eqshard-update` (or `EQSHARD_UPDATE=1`) writes the file instead of
-        comparing. Run it once to create it, and again when a change is intended. The
-        file's diff then shows what changed.
-
-    !!! info "No devices"
-
-        The model is only built abstractly, once, in a fresh process. It is laid out on
-        each count without devices (an abstract mesh), so a count may be 65,536.
-
-    !!! info "What a golden file records"
-
-        For each count, the file records the mesh, and each leaf's expression,
-        `PartitionSpec`, shape, dtype and bytes per device. It also records:
-
-        - the leaf's memory kind, where it is not the device's
-            (`"memory": "pinned_host"`);
-        - for a leaf FSDP replicated, the origin that says why;
-        - the optimizer state's layout (`"optimizer"`: its expression, `PartitionSpec`,
-            bytes per device, memory kind), where the spec's optimizer section lays it
-            out otherwise than the leaf (ZeRO-1, moments in host memory).
-
-        A state that follows its parameter records nothing: the parameter's layout is
-        its own. A stateful model's state leaves are recorded under the names of their
-        layers (`bn.batch_state_index.0`).
 
     !!! info "Failures"
 
@@ -114,9 +96,12 @@ def assert_layouts(
         leaves added and the leaves gone. It may instead say that the golden file is
         missing. Or it says that the file was written before golden files recorded
         memory kinds and optimizer states (version 1), while the spec now has them.
+
+    The guide "Testing specs" says more: updating, what a golden file records and the
+    failures.
     """
     template = mesh_template(mesh)
-    counts = device_counts(devices, spec, template)
+    counts = device_counts_of(device_counts, spec, template, devices)
     request = {
         "task": "layouts",
         "build": callable_reference(build, "build"),

@@ -7,11 +7,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .._errors import EqshardError, ModelError, whole_number
+from .._errors import EqshardError, ModelError, UsageError, whole_number
 from .._process._usercode import with_user_frames
 from .._process._workers import Worker, start_worker, without_device_count, worker_answer
 from .._specfile._model import Rules
 from .._specfile._read import read_path
+from .._warnings import deprecated
 
 __all__ = [
     "TIMEOUT_SECONDS",
@@ -53,19 +54,35 @@ def mesh_template(mesh: Any) -> dict[str, int | str] | None:
 
 
 def device_counts(
-    devices: Any, spec: Any, template: Mapping[str, int | str] | None
+    counts: Any, spec: Any, template: Mapping[str, int | str] | None, devices: Any = None
 ) -> tuple[int, ...]:
-    """The device counts to test: `devices` (a count or a sequence of counts), else
-    the spec's own (`default_counts`)."""
-    if devices is None:
-        return default_counts(spec, template)
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        return (devices,)
-    if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
-        raise EqshardError(
-            f"`devices` is a device count or a sequence of them, such as (1, 2, 8), not {devices!r}"
+    """The device counts to test: `device_counts=` (a count or a sequence of counts),
+    else the deprecated `devices=` of the same, else the spec's own (`default_counts`).
+
+    **Raises:** `UsageError` for both given; `EqshardError` for what is no counts.
+    """
+    if devices is not None:
+        if counts is not None:
+            raise UsageError(
+                "`device_counts=` and `devices=` are both given; pass the counts as "
+                "`device_counts=` alone"
+            )
+        deprecated(
+            f"`devices={devices!r}` as the counts to test is deprecated: pass "
+            f"`device_counts={devices!r}` (each count runs in a worker with that many "
+            "simulated devices)"
         )
-    return tuple(devices)
+        counts = devices
+    if counts is None:
+        return default_counts(spec, template)
+    if isinstance(counts, int) and not isinstance(counts, bool):
+        return (counts,)
+    if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence):
+        raise EqshardError(
+            "`device_counts` is a device count or a sequence of them, such as (1, 2, 8), "
+            f"not {counts!r}"
+        )
+    return tuple(counts)
 
 
 def default_counts(spec: Any, template: Mapping[str, int | str] | None) -> tuple[int, ...]:

@@ -73,8 +73,9 @@ def _spec(request: Mapping[str, Any]) -> Any:
 
 
 def _target(request: Mapping[str, Any], devices: int, abstract: bool) -> dict[str, Any]:
-    """`plan`'s `mesh=` (from the request's mesh template) or `devices=`: the first
-    `devices` of this process, or, `abstract`, their count and an abstract mesh."""
+    """`plan`'s `mesh=` (from the request's mesh template), else `devices=`: the first
+    `devices` of this process, or, `abstract`, `simulate=`: their count, laid out on an
+    abstract mesh."""
     import jax
     import numpy as np
     from jax.sharding import Mesh
@@ -83,7 +84,7 @@ def _target(request: Mapping[str, Any], devices: int, abstract: bool) -> dict[st
 
     template = request.get("mesh")
     if template is None:
-        return {"devices": devices if abstract else jax.devices()[:devices]}
+        return {"simulate": devices} if abstract else {"devices": jax.devices()[:devices]}
     sizes = [int(size) if size != "*" else 0 for size in template.values()]
     fixed = math.prod(size for size in sizes if size)
     if devices % fixed:
@@ -415,14 +416,14 @@ def _step(loss: Callable[..., Any], optimizer: Any, stateful: bool) -> Callable[
 
 def _batch_layout(given: str | None, p: Any) -> tuple[Any, str]:
     """What the batch is laid out by, as `eqshard.cost` and `eqshard.jit` choose it
-    (`eqshard._step.Batches`): `batch_spec=`, else the spec file's `"batch"` (an
+    (`eqshard._step.Batches`): `batch=`, else the spec file's `"batch"` (an
     expression or its rules: `Rules.batch`, the plan's spec), else data parallel over
     the mesh's first axis (or every device); and where it came from, for messages."""
     from .._specfile._model import Rules
     from .._step import data_parallel
 
     if given is not None:
-        return given, "`batch_spec=`"
+        return given, "`batch=`"
     if isinstance(p.spec, Rules) and p.spec.batch is not None:
         return p.spec.batch, f'the "batch" of {p.spec.source}'
     return data_parallel(p), "data parallel, the default"
@@ -455,7 +456,7 @@ def _placed_batch(batch: Any, layout: Any, where: str, p: Any) -> Any:
         faults = "\n".join(f"  {line}" for line in problem_lines(problems))
         by = where if batches.rules is not None else f"{str(layout)!r} ({where})"
         raise EqshardError(
-            f"the batch cannot be laid out by {by}:\n{faults}\npass `batch_spec=` (an "
+            f"the batch cannot be laid out by {by}:\n{faults}\npass `batch=` (an "
             'expression for every batch leaf, which wins over a spec file\'s "batch"; '
             "'... -> * ...' replicates it)"
         )
