@@ -7,7 +7,7 @@ from typing import Any
 import jax
 from jaxtyping import PyTree
 
-from ._derive import plan_for
+from ._derive import derived_plan
 from ._errors import SpecError
 from ._fields import FROM_FIELDS
 from ._plan import Planned, Spec, Unspecified, placing
@@ -86,7 +86,7 @@ def apply(
         key path, shape, expression, and the rule it breaks.
     """
     devices = local_devices(devices, "`eqshard.apply`")
-    planned = plan_for(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+    planned = derived_plan(model, spec, mesh=mesh, devices=devices, unspecified=unspecified)
     return place(model, planned)
 
 

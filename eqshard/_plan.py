@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, Union
 
+import equinox as eqx
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
@@ -60,10 +61,12 @@ __all__ = [
     "Planned",
     "Spec",
     "Unspecified",
+    "alone",
+    "as_plan",
     "declared_mesh",
-    "make_plan",
     "placing",
     "plan",
+    "plan_faults",
     "spec_tree",
 ]
 
@@ -387,7 +390,7 @@ def _sharding_mesh(tree: Any, devices: object) -> AnyMesh | None:
     return meshes[0]
 
 
-def make_plan(
+def plan_faults(
     model: PyTree[Any],
     spec: Spec = FROM_FIELDS,
     *,
@@ -703,13 +706,56 @@ def plan(
         where they fit. Where the spec's structure differs from the model's, it names
         the first path that differs.
     """
-    planned = make_plan(
+    planned = plan_faults(
         model, spec, mesh=mesh, devices=devices, unspecified=unspecified, optimizer=optimizer
     )
     if planned.problems:
         raise SpecError(planned.problems)
     warn(planned.warnings)
     return planned.plan
+
+
+def as_plan(
+    tree: PyTree[Any],
+    spec: Spec,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Sequence[Device] | int | None = None,
+    unspecified: Unspecified = "replicate",
+    optimizer: Any = None,
+    args: Sequence[Any] = (),
+) -> Plan:
+    """Any spec as a `Plan`, the one place a spec becomes one: a `Plan` as it is;
+    anything else (a spec file's path read) planned for `tree`, its faults raised as
+    one `SpecError`, as `plan` raises them.
+
+    `args` are a step's other arguments: the model's `eqx.nn.State` among them is
+    planned with the model, as `(tree, state)`, so that one mesh fits both, where the
+    spec can lay it out (a resolver, a path or an expression; a spec tree has a place
+    for the model's leaves only, and its plan replicates the state).
+
+    **Raises:** `EqshardError` where `mesh=` or `devices=` comes with a `Plan`;
+    `SpecError` for the spec's faults.
+    """
+    if isinstance(spec, Plan):
+        alone(mesh, devices)
+        return spec
+    lays_out_state = is_resolver(spec) or isinstance(spec, (str, Expression, os.PathLike))
+    if lays_out_state and not is_stateful_pair(tree):
+        state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
+        tree = tree if state is None else (tree, state)
+    return plan(
+        tree, spec, mesh=mesh, devices=devices, unspecified=unspecified, optimizer=optimizer
+    )
+
+
+def alone(mesh: AnyMesh | None, devices: object) -> None:
+    """Refuses `mesh=` or `devices=` given with a `Plan`, which has its mesh already."""
+    if devices is not None or mesh is not None:
+        raise EqshardError(
+            f"`{'devices' if devices is not None else 'mesh'}=` is given with a `Plan`, "
+            "which has its mesh already; pass one or the other"
+        )
 
 
 def spec_tree(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | None]:

@@ -221,7 +221,7 @@ def check(
     import jax
 
     from .._fields import is_array_like, is_stateful_pair
-    from .._plan import make_plan
+    from .._plan import plan_faults as make_plan
     from .._report import device_bytes_per_device, leaf_rows
 
     state_leaves = 0

@@ -59,7 +59,8 @@ import jax
 import numpy as np
 
 from .._activations import recording
-from .._derive import plan_for
+from .._arguments import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
+from .._derive import derived_plan as plan_for
 from .._errors import EqshardError, whole_number
 from .._expression import parse
 from .._fields import LeafInfo, is_array_like, leaf_name, walk_fields
@@ -67,12 +68,11 @@ from .._fsdp import Over, fsdp_leaf, is_fsdp_replicated
 from .._paths._globs import readable_rules
 from .._paths._names import name, segments
 from .._pipeline import marking
-from .._plan import make_plan
+from .._plan import plan_faults as make_plan
 from .._problems import problem_lines
 from .._report import STAGE
 from .._rules import match_rules
 from .._specfile._model import Rule, Rules
-from .._step import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
 from ._estimate import Estimated, HeldLeaf, estimated
 from ._megatron import Pipelined, Role, StepProfile, abstract_leaf, step_profile
 
