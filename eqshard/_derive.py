@@ -59,7 +59,7 @@ from ._fields import (
     state_markers,
 )
 from ._paths._match import match
-from ._plan import Plan, Planned, Unspecified, alone, plan_faults
+from ._plan import Plan, Planned, Unspecified, as_plan, plan_faults
 from ._problems import Problem
 from ._protocol import is_resolver
 from ._resolve import Resolved, abstract_leaves
@@ -599,7 +599,7 @@ def derived_plan(
     """
     if not isinstance(spec, Plan):
         return plan_faults(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
-    alone(mesh, devices)
+    spec = as_plan(tree, spec, mesh=mesh, devices=devices)  # as it is, given alone
     same = _same_structure(tree, spec)
     if same is not None:
         return same

@@ -33,7 +33,7 @@ from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like, is_stateful_pair
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
-from ._partition import sharding_meshes
+from ._partition import sharding_mesh
 from ._problems import Problem
 from ._protocol import Resolver, SpecLeaf, Target, is_resolver, is_spec_leaf
 from ._resolve import Resolved, resolve
@@ -61,7 +61,6 @@ __all__ = [
     "Planned",
     "Spec",
     "Unspecified",
-    "alone",
     "as_plan",
     "declared_mesh",
     "placing",
@@ -247,9 +246,8 @@ _PLACING: weakref.WeakKeyDictionary[Plan, tuple[tuple[Device, ...], Plan]] = (
 
 
 def placing(plan: Plan, what: str) -> Plan:
-    """The plan that places arrays: `plan` itself where it holds devices; for a plan
-    made for a count `n`, the same layouts on the first `n` of `jax.devices()`, as
-    `devices=n` places them (one concrete plan per plan, cached).
+    """The plan that places arrays: `plan` itself where it holds devices; for one made
+    for a count `n`, its layouts on the first `n` of `jax.devices()` (cached).
 
     **Raises:** `EqshardError` where this process has fewer than `n` devices, or the
     plan's mesh is the user's `jax.sharding.AbstractMesh`.
@@ -282,9 +280,8 @@ def _on(plan: Plan, devices: tuple[Device, ...]) -> Plan:
 
 
 class Planned(NamedTuple):
-    """A plan with the faults found while making it: leaves with a problem have no
-    sharding (see `Plan.failed`). `matched`, for a plan applied to another tree,
-    counts the leaves that took a parameter's or the state's layout by structure."""
+    """A plan with the faults found while making it (a faulty leaf has no sharding);
+    `matched`: the leaves of another tree that took a layout by structure."""
 
     plan: Plan
     problems: list[Problem]
@@ -364,32 +361,6 @@ def optimizer_spec(spec: Any, optimizer: Any) -> Any:
     return optimizer if optimizer is not None else declared
 
 
-def _sharding_mesh(tree: Any, devices: object) -> AnyMesh | None:
-    """The mesh of the `NamedSharding`s in a spec tree, which the plan is then made
-    on, as they hold their devices; `None` where the tree holds none.
-
-    **Raises:** `EqshardError` where they are on several meshes, or `devices=` is
-    given too.
-    """
-    meshes = sharding_meshes(jax.tree_util.tree_leaves(tree, is_leaf=is_spec_leaf))
-    if not meshes:
-        return None
-    if len(meshes) > 1:
-        shown = "; ".join(
-            " x ".join(f"{n}={s}" for n, s in zip(m.axis_names, m.axis_sizes)) for m in meshes
-        )
-        raise EqshardError(
-            f"the spec's NamedShardings are on {len(meshes)} meshes ({shown}); a plan "
-            "places every leaf on one mesh: give them one, or pass `mesh=`"
-        )
-    if devices is not None:
-        raise EqshardError(
-            "`devices=` is given, and the spec's NamedShardings hold their own devices; "
-            "pass one or the other"
-        )
-    return meshes[0]
-
-
 def plan_faults(
     model: PyTree[Any],
     spec: Spec = FROM_FIELDS,
@@ -417,7 +388,7 @@ def plan_faults(
     section_spec = optimizer_spec(spec, optimizer)
     target_mesh = user_mesh(mesh, devices)
     if target_mesh is None and not (is_resolver(spec) or isinstance(spec, (str, Expression))):
-        target_mesh = _sharding_mesh(spec, devices)
+        target_mesh = sharding_mesh(jax.tree_util.tree_leaves(spec, is_leaf=is_spec_leaf), devices)
     problems: list[Problem] = []
     placed_on: Placement | None
     if target_mesh is None:
@@ -725,20 +696,20 @@ def as_plan(
     optimizer: Any = None,
     args: Sequence[Any] = (),
 ) -> Plan:
-    """Any spec as a `Plan`, the one place a spec becomes one: a `Plan` as it is;
-    anything else (a spec file's path read) planned for `tree`, its faults raised as
-    one `SpecError`, as `plan` raises them.
+    """Any spec as a `Plan`, the one place a spec becomes one: a `Plan` as it is; else
+    (a path read) planned for `tree`, raising as `plan` does, with the model's
+    `eqx.nn.State` among a step's other arguments `args` where the spec can lay it out
+    (not a spec tree): `(tree, state)`, so that one mesh fits both.
 
-    `args` are a step's other arguments: the model's `eqx.nn.State` among them is
-    planned with the model, as `(tree, state)`, so that one mesh fits both, where the
-    spec can lay it out (a resolver, a path or an expression; a spec tree has a place
-    for the model's leaves only, and its plan replicates the state).
-
-    **Raises:** `EqshardError` where `mesh=` or `devices=` comes with a `Plan`;
-    `SpecError` for the spec's faults.
+    **Raises:** `EqshardError` for `mesh=` or `devices=` with a `Plan`; `SpecError`.
     """
     if isinstance(spec, Plan):
-        alone(mesh, devices)
+        if devices is not None or mesh is not None:
+            given = "devices" if devices is not None else "mesh"
+            raise EqshardError(
+                f"`{given}=` is given with a `Plan`, which has its mesh already; pass one "
+                "or the other"
+            )
         return spec
     lays_out_state = is_resolver(spec) or isinstance(spec, (str, Expression, os.PathLike))
     if lays_out_state and not is_stateful_pair(tree):
@@ -747,15 +718,6 @@ def as_plan(
     return plan(
         tree, spec, mesh=mesh, devices=devices, unspecified=unspecified, optimizer=optimizer
     )
-
-
-def alone(mesh: AnyMesh | None, devices: object) -> None:
-    """Refuses `mesh=` or `devices=` given with a `Plan`, which has its mesh already."""
-    if devices is not None or mesh is not None:
-        raise EqshardError(
-            f"`{'devices' if devices is not None else 'mesh'}=` is given with a `Plan`, "
-            "which has its mesh already; pass one or the other"
-        )
 
 
 def spec_tree(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | None]:

@@ -391,7 +391,10 @@ def test_plan_is_deprecated_for_spec(tmp_path):
     with pytest.warns(DeprecationWarning, match="spec="):
         decorated = eqshard.jit(plan=p)(lambda m: m)
     assert decorated.spec is p
-    with pytest.warns(DeprecationWarning), pytest.raises(eqshard.EqshardError, match="both"):
+    with (
+        pytest.warns(DeprecationWarning, match="spec="),
+        pytest.raises(eqshard.EqshardError, match="both"),
+    ):
         eqshard.jit(plain_step, spec=p, plan=p)
 
 
