@@ -670,12 +670,12 @@ def jit(
     !!! info
 
         Each argument and output is laid out by structure, as `eqshard.apply(tree,
-        plan)` lays out a tree built from the model: the model (and its optimizer
-        state, by the optimizer section) as the plan says; an argument that holds
-        nothing of the model's is the batch, laid out by `batch`, else the spec file's
-        `"batch"`, else data parallel; any other output replicated. The step is traced
-        and compiled once per plan. See the [sharded training guide](../guides/jit.md)
-        for the details: tracing on Explicit axes, the batch, and errors.
+        plan)` lays out a tree built from the model: the model and its optimizer state
+        as the plan says; an argument that holds nothing of the model's is the batch
+        (by `batch`, else the spec file's `"batch"`, else data parallel); any other
+        output replicated. The step is traced and compiled once per plan. Getting
+        started's [Training](../index.md#training-eqshardjit) covers tracing on
+        Explicit axes, the batch and lowering.
     """
     if plan is not None:
         warnings.warn(
