@@ -330,7 +330,9 @@ class Step(Generic[_P, _T]):
         leaves, treedef = jax.tree_util.tree_flatten((bound, named))
         traced = [x for x in leaves if _is_array(x)]
         layout, laid = self._layout(on, bound, named, leaves, treedef, traced, _is_array)
-        bound, named = self._into(leaves, treedef, traced, laid.targets, layout.batch)
+        moved = self._into(leaves, treedef, traced, laid.targets, layout.batch)
+        if moved is not None:
+            bound, named = moved
         try:
             return layout.context.jitted(*bound, **named)
         except eqx.EquinoxRuntimeError as error:
@@ -499,7 +501,8 @@ class Step(Generic[_P, _T]):
         batch: frozenset[int],
     ) -> Any:
         """The arguments, `leaves` of `treedef`, with every traced leaf in its layout
-        (see `_sorted`), moved in one `jax.device_put` as `eqshard.apply` moves them.
+        (see `_sorted`), moved in one `jax.device_put` as `eqshard.apply` moves them;
+        `None` where every leaf is in its layout already.
 
         **Raises:** `SpecError` naming each leaf placed otherwise."""
         moved, misplaced = _sorted(traced, targets, batch)
@@ -507,7 +510,7 @@ class Step(Generic[_P, _T]):
             args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
             raise self._misplaced(targets, args, kwargs, traced, misplaced)
         if not moved:
-            return jax.tree_util.tree_unflatten(treedef, leaves)
+            return None
         positions = [k for k, x in enumerate(leaves) if _is_array(x)]
         chosen = [targets[i] for i in moved]
         sources = [source_for(traced[i], target) for i, target in zip(moved, chosen)]
@@ -584,7 +587,9 @@ class Compiled:
         args, kwargs = self._step._bound(args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         traced = [x for x in leaves if _is_array(x)]
-        args, kwargs = self._step._into(leaves, treedef, traced, self._targets, self._batch)
+        moved = self._step._into(leaves, treedef, traced, self._targets, self._batch)
+        if moved is not None:
+            args, kwargs = moved
         try:
             return self.compiled(*args, **kwargs)
         except eqx.EquinoxRuntimeError as error:
