@@ -7,7 +7,7 @@ from typing import Any, TypeVar, overload
 import equinox as eqx
 import jax
 
-from ._derive import plan_for
+from ._derive import derived_plan
 from ._errors import SpecError
 from ._fields import FROM_FIELDS
 from ._plan import Planned, Spec, Unspecified, placing
@@ -105,7 +105,7 @@ def apply(
         numbers, static fields) pass through untouched. The input model is not modified.
     """
     placed = placement(devices, what="`eqshard.apply`")
-    planned = plan_for(model, spec, mesh=mesh, devices=placed, unspecified=unspecified)
+    planned = derived_plan(model, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     return place(model, planned)
 
 

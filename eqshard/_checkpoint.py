@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._derive import plan_for, unmatched_copies
+from ._derive import derived_plan, unmatched_copies
 from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, is_array_like
 from ._init import traced_closures
@@ -75,7 +75,7 @@ def abstract(
     - `eqshard.UsageError`: both `devices` and `simulate` are given.
     """
     placed = placement(devices, simulate, what="`eqshard.abstract`", was_simulated=True)
-    planned = plan_for(tree, spec, mesh=mesh, devices=placed, unspecified=unspecified)
+    planned = derived_plan(tree, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     if planned.problems:
         raise SpecError(planned.problems)
     return planned.plan.abstract
@@ -294,7 +294,7 @@ def restore(
         Equinox's format is written from fully addressable arrays, so it is saved by one
         process. Across hosts, save and restore with Orbax into `eqshard.abstract`.
     """
-    planned = plan_for(
+    planned = derived_plan(
         like,
         spec,
         mesh=mesh,

@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.metadata
-import logging
 import math
 import os
 import threading
@@ -29,21 +28,19 @@ from ._errors import EqshardError
 from ._warnings import VersionWarning, warn
 
 __all__ = [
-    "EQUINOX_JIT_ID",
     "LARGE",
     "MemoryStats",
     "VersionWarning",
     "backends_started",
     "dce_jaxpr",
-    "equinox_runtime_error",
     "exclude_from_tracebacks",
     "filter_jit_donation",
+    "filter_jit_lower",
     "hide_eqshard_frames",
     "is_transposed",
     "memory_stats",
     "missing",
     "param",
-    "quiet_callback_failures",
     "sharding_type_error",
     "subjaxprs",
     "unrolled_threefry",
@@ -160,63 +157,51 @@ def _identity(x: Any) -> Any:
     return x
 
 
-class _CallbackFailures(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            record.name == "jax._src.callback" and record.getMessage() == "jax.pure_callback failed"
-        )
+def filter_jit_lower(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What `step.lower(*args, **kwargs)` gives for an `eqx.filter_jit` step, Equinox's
+    `Lowered` (whose `compile()` gives Equinox's compiled step), with each
+    `jax.ShapeDtypeStruct` among the arguments traced as an array of its shape, dtype
+    and sharding, as `jax.jit(...).lower` traces one: Equinox's own `lower` holds it
+    static. The arguments go through Equinox's own preprocessing, each abstract leaf
+    standing in for itself as an empty NumPy array, swapped back before lowering.
 
-
-@contextlib.contextmanager
-def quiet_callback_failures() -> Iterator[None]:
-    """Leaves out of JAX's log the traceback of a host callback that raised, as
-    `eqx.filter_jit` does while it runs a step: an `eqx.error_if` that fires raises
-    its own error, with the user's message."""
-    logger = logging.getLogger("jax._src.callback")
-    quiet = _CallbackFailures()
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)
-
-
-EQUINOX_JIT_ID = "__equinox_jit_id__"
-"""The local that marks a frame as `eqx.filter_jit`'s call: `eqx.error_if` records the
-stack it is traced under up to that frame, for the message of the error it raises."""
-
-
-def equinox_runtime_error(error: BaseException, jit_id: bytes) -> BaseException | None:
-    """The `EquinoxRuntimeError` that `eqx.filter_jit` raises for `error`, JAX's
-    runtime error from a compiled program where an `eqx.error_if` fired: the user's
-    message and the stack inside the step, as Equinox writes them. `None` where
-    `error` is not one (any other runtime error is the user's to see as it is).
-
-    `jit_id` is the bytes the calling frame holds in its local `EQUINOX_JIT_ID`,
-    as `eqx.filter_jit`'s own call does.
-
-    **Raises:** `EqshardError` where this Equinox keeps its last runtime error, its
-    message or its exception class elsewhere.
+    **Raises:** `EqshardError` where this Equinox keeps a step's preprocessing, its
+    `jax.jit` or its `Lowered` elsewhere.
     """
-    if "_EquinoxRuntimeError: " not in str(error):
-        return None
+    import jax
+    import numpy as np
+
+    stand_ins: dict[int, tuple[Any, Any]] = {}
+
+    def stand_in(x: Any) -> Any:
+        if not isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        held = np.empty((0,), np.int8)  # an array to Equinox: traced
+        stand_ins[id(held)] = (held, x)
+        return held
+
+    def back(x: Any) -> Any:
+        found = stand_ins.get(id(x))
+        return found[1] if found is not None and found[0] is x else x
+
+    args, kwargs = jax.tree_util.tree_map(stand_in, (args, kwargs))
     try:
         jit = importlib.import_module("equinox._jit")
-        last = jit.last_error_info
-        template: str = jit._on_error_msg
-        runtime: type[BaseException] = jit.EquinoxRuntimeError
+        lowered_type = importlib.import_module("equinox._compile_utils").Lowered
+        preprocess, postprocess = jit._preprocess, jit._postprocess
+        info = (
+            step._signature,
+            step._dynamic_fun,
+            step._static_fun,
+            step.donate_first,
+            step.donate_rest,
+        )
+        cached = step._cached
     except (ImportError, AttributeError):
-        raise missing("the message of an eqx.error_if that fired", "equinox") from None
-    if last is None:
-        return None
-    message, stack = last
-    pieces: list[str] = []
-    for piece in stack:  # innermost first, up to the frame of this call
-        if type(piece) is str:
-            pieces.append(piece)
-        elif piece == jit_id:
-            break
-    return runtime(template.format(msg=message, stack="".join(reversed(pieces))))
+        raise missing("how an eqx.filter_jit step lowers", "equinox") from None
+    donated, kept, static = preprocess(info, args, kwargs, return_static=True)
+    donated, kept = jax.tree_util.tree_map(back, (donated, kept))
+    return lowered_type(cached.lower(donated, kept, static), info, preprocess, postprocess)
 
 
 # The compiler's memory analysis ----------------------------------------------------

@@ -12,7 +12,7 @@ from jaxtyping import Array, ArrayLike
 
 from ._activations import activation_sharding, active, is_names, marked
 from ._apply import place
-from ._derive import plan_for
+from ._derive import derived_plan
 from ._errors import EqshardError, SpecError
 from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like
@@ -209,7 +209,7 @@ def constrain(
             placed_one: Any = _shard(one, spec, mesh, placed)
             return placed_one
         return constrained([one], [placed_sharding(spec, one.shape, mesh, placed)])[0]
-    planned = plan_for(x, spec, mesh=mesh, devices=placed, unspecified=unspecified)
+    planned = derived_plan(x, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     if not traced:
         return place(x, planned, "`eqshard.constrain`")
     if planned.problems:
@@ -232,7 +232,7 @@ def _by_the_active_plan(x: Any, mesh: Any, devices: Any) -> Spec:
     p = None if found is None else found.plan
     if p is None:
         return FROM_FIELDS
-    planned = plan_for(x, p)
+    planned = derived_plan(x, p)
     if not planned.matched:
         return FROM_FIELDS
     return p.spec if mesh is not None or devices is not None else p

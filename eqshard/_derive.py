@@ -50,7 +50,6 @@ import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
-from ._errors import EqshardError
 from ._expression import Expression
 from ._fields import (
     is_array_like,
@@ -60,16 +59,15 @@ from ._fields import (
     state_markers,
 )
 from ._paths._match import match
-from ._plan import Plan, Planned, Unspecified, make_plan
+from ._plan import Plan, Planned, Unspecified, as_plan, plan_faults
 from ._problems import Problem
 from ._protocol import is_resolver
 from ._resolve import Resolved, abstract_leaves
 from ._sharding import AnyMesh, Device
 from ._specfile._model import Rules
-from ._specfile._read import read_path
 from ._warnings import EqshardWarning, UnusedRule, UnusedRuleWarning, unused_message
 
-__all__ = ["REPLICATED", "plan_for", "plan_for_outputs", "unmatched_copies"]
+__all__ = ["REPLICATED", "derived_plan", "plan_for_outputs", "unmatched_copies"]
 
 REPLICATED = "replicated: no parameter here"
 """The origin of a leaf that sits in no subtree shaped like the plan's model."""
@@ -549,7 +547,7 @@ def _state_plan(state: Any, given: Plan) -> _StateLayout:
     else:
         where = {"devices": given.devices, "fit_onto": given.mesh}
     spec = _without_section(spec)  # the optimizer section's paths name parameters
-    found = make_plan(state, spec, unspecified=given.unspecified, context=model, **where)
+    found = plan_faults(state, spec, unspecified=given.unspecified, context=model, **where)
     names = state_leaf_names(model)
     warnings: list[EqshardWarning] = []
     for warning in found.warnings:
@@ -586,7 +584,7 @@ def _rules_alone(rules: Rules) -> Rules:
     return dataclasses.replace(rules, optimizer=None)
 
 
-def plan_for(
+def derived_plan(
     tree: PyTree[Any],
     spec: Any,
     *,
@@ -594,19 +592,14 @@ def plan_for(
     devices: Sequence[Device] | int | None = None,
     unspecified: Unspecified = "replicate",
 ) -> Planned:
-    """The plan that lays out `tree`. For a spec, `make_plan(tree, spec, ...)`. For a
-    `Plan`: the plan itself when `tree` is shaped like its model, else the plan
-    applied by structure (a training state or an optimizer state built from the
-    model; see the module's notes).
+    """The plan that lays out `tree`, collecting its faults. For a `Plan`: the plan
+    itself when `tree` is shaped like its model, else the plan applied by structure
+    (a training state or an optimizer state built from the model; see the module's
+    notes). Any other spec is planned for `tree` (`plan_faults`).
     """
-    spec = read_path(spec)
     if not isinstance(spec, Plan):
-        return make_plan(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
-    if devices is not None or mesh is not None:
-        raise EqshardError(
-            f"`{'devices' if devices is not None else 'mesh'}=` is given with a `Plan`, "
-            "which has its mesh already; pass one or the other"
-        )
+        return plan_faults(tree, spec, mesh=mesh, devices=devices, unspecified=unspecified)
+    spec = as_plan(tree, spec, mesh=mesh, devices=devices)  # as it is, given alone
     same = _same_structure(tree, spec)
     if same is not None:
         return same
@@ -615,7 +608,7 @@ def plan_for(
 
 def plan_for_outputs(tree: PyTree[Any], given: Plan) -> Planned:
     """The plan that lays out a step's output `tree` by `given`'s structure, as
-    `plan_for` does, except that a tree is built from the model only where its shapes
+    `derived_plan` does, except that a tree is built from the model only where its shapes
     say so too: a leaf at a parameter's place with another shape (the scalar a
     one-array model's step returns, a slice of a parameter) is replicated, as any
     other output, not refused. Problems remain for an `eqx.nn.State` the plan cannot

@@ -34,7 +34,7 @@ import jax.core
 import numpy as np
 
 from ._compat import dce_jaxpr, subjaxprs, unrolled_threefry, warn_once
-from ._derive import plan_for
+from ._derive import derived_plan
 from ._errors import EqshardError, SpecError
 from ._fields import FROM_FIELDS, leaf_name
 from ._plan import Plan, Spec, Unspecified, placing
@@ -138,7 +138,7 @@ def init(
             f"{type(error).__name__}: {error}; `factory` takes no arguments and is pure "
             "JAX (use functools.partial(MyModel, ..., key=key))"
         ) from error
-    planned = plan_for(
+    planned = derived_plan(
         abstract,
         spec,
         mesh=mesh,

@@ -32,7 +32,7 @@ __all__ = [
     "expression_of",
     "is_jax_layout",
     "same_mesh",
-    "sharding_meshes",
+    "sharding_mesh",
     "text_of",
 ]
 
@@ -161,13 +161,33 @@ def expression_of(
     return parse(f"{left} -> {right}")
 
 
-def sharding_meshes(leaves: Sequence[Any]) -> list[Any]:
-    """The distinct meshes of the `NamedSharding`s among `leaves`, in order."""
+def sharding_mesh(leaves: Sequence[Any], devices: object) -> Any:
+    """The mesh of the `NamedSharding`s among a spec tree's `leaves`, which the plan
+    is then made on, as they hold their devices; `None` where they hold none.
+
+    **Raises:** `EqshardError` where they are on several meshes, or `devices=` is
+    given too.
+    """
     meshes: list[Any] = []
     for leaf in leaves:
         if isinstance(leaf, NamedSharding) and not any(leaf.mesh == m for m in meshes):
             meshes.append(leaf.mesh)
-    return meshes
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        shown = "; ".join(
+            " x ".join(f"{n}={s}" for n, s in zip(m.axis_names, m.axis_sizes)) for m in meshes
+        )
+        raise EqshardError(
+            f"the spec's NamedShardings are on {len(meshes)} meshes ({shown}); a plan "
+            "places every leaf on one mesh: give them one, or pass `mesh=`"
+        )
+    if devices is not None:
+        raise EqshardError(
+            "`devices=` is given, and the spec's NamedShardings hold their own devices; "
+            "pass one or the other"
+        )
+    return meshes[0]
 
 
 def same_mesh(a: Any, b: Any) -> bool:

@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple, Union
 
+import equinox as eqx
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
@@ -32,7 +33,7 @@ from ._expression import Expression
 from ._fields import FROM_FIELDS, is_array_like, is_stateful_pair
 from ._fit import MeshShape, fit, grouping, groupings, mesh_shape_of, misfit, shared_mesh
 from ._layout import Layout, layout
-from ._partition import sharding_meshes
+from ._partition import sharding_mesh
 from ._problems import Problem
 from ._protocol import Resolver, SpecLeaf, Target, is_resolver, is_spec_leaf
 from ._resolve import Resolved, resolve
@@ -62,10 +63,11 @@ __all__ = [
     "Planned",
     "Spec",
     "Unspecified",
+    "as_plan",
     "declared_mesh",
-    "make_plan",
     "placing",
     "plan",
+    "plan_faults",
     "spec_tree",
 ]
 
@@ -234,9 +236,8 @@ _PLACING: weakref.WeakKeyDictionary[Plan, tuple[tuple[Device, ...], Plan]] = (
 
 
 def placing(plan: Plan, what: str) -> Plan:
-    """The plan that places arrays: `plan` itself where it holds devices; for a plan
-    made for a count `n`, the same layouts on the first `n` of `jax.devices()`, as
-    `devices=n` places them (one concrete plan per plan, cached).
+    """The plan that places arrays: `plan` itself where it holds devices; for one made
+    for a count `n`, its layouts on the first `n` of `jax.devices()` (cached).
 
     **Raises:** `EqshardError` where this process has fewer than `n` devices, or the
     plan's mesh is the user's `jax.sharding.AbstractMesh`.
@@ -269,9 +270,8 @@ def _on(plan: Plan, devices: tuple[Device, ...]) -> Plan:
 
 
 class Planned(NamedTuple):
-    """A plan with the faults found while making it: leaves with a problem have no
-    sharding (see `Plan.failed`). `matched`, for a plan applied to another tree,
-    counts the leaves that took a parameter's or the state's layout by structure."""
+    """A plan with the faults found while making it (a faulty leaf has no sharding);
+    `matched`: the leaves of another tree that took a layout by structure."""
 
     plan: Plan
     problems: list[Problem]
@@ -351,33 +351,7 @@ def optimizer_spec(spec: Any, optimizer: Any) -> Any:
     return optimizer if optimizer is not None else declared
 
 
-def _sharding_mesh(tree: Any, devices: object) -> AnyMesh | None:
-    """The mesh of the `NamedSharding`s in a spec tree, which the plan is then made
-    on, as they hold their devices; `None` where the tree holds none.
-
-    **Raises:** `EqshardError` where they are on several meshes, or `devices=` is
-    given too.
-    """
-    meshes = sharding_meshes(jax.tree_util.tree_leaves(tree, is_leaf=is_spec_leaf))
-    if not meshes:
-        return None
-    if len(meshes) > 1:
-        shown = "; ".join(
-            " x ".join(f"{n}={s}" for n, s in zip(m.axis_names, m.axis_sizes)) for m in meshes
-        )
-        raise EqshardError(
-            f"the spec's NamedShardings are on {len(meshes)} meshes ({shown}); a plan "
-            "places every leaf on one mesh: give them one, or pass `mesh=`"
-        )
-    if devices is not None:
-        raise EqshardError(
-            "`devices=` is given, and the spec's NamedShardings hold their own devices; "
-            "pass one or the other"
-        )
-    return meshes[0]
-
-
-def make_plan(
+def plan_faults(
     model: PyTree[Any],
     spec: Spec = FROM_FIELDS,
     *,
@@ -404,7 +378,7 @@ def make_plan(
     section_spec = optimizer_spec(spec, optimizer)
     target_mesh = user_mesh(mesh, devices)
     if target_mesh is None and not (is_resolver(spec) or isinstance(spec, (str, Expression))):
-        target_mesh = _sharding_mesh(spec, devices)
+        target_mesh = sharding_mesh(jax.tree_util.tree_leaves(spec, is_leaf=is_spec_leaf), devices)
     problems: list[Problem] = []
     placed_on: Placement | None
     if target_mesh is None:
@@ -656,13 +630,47 @@ def plan(
     the optimizer section and the errors.
     """
     placed = placement(devices, simulate, what="`eqshard.plan`", was_simulated=True)
-    planned = make_plan(
+    planned = plan_faults(
         model, spec, mesh=mesh, devices=placed, unspecified=unspecified, optimizer=optimizer
     )
     if planned.problems:
         raise SpecError(planned.problems)
     warn(planned.warnings)
     return planned.plan
+
+
+def as_plan(
+    tree: PyTree[Any],
+    spec: Spec,
+    *,
+    mesh: AnyMesh | None = None,
+    devices: Sequence[Device] | int | None = None,
+    unspecified: Unspecified = "replicate",
+    optimizer: Any = None,
+    args: Sequence[Any] = (),
+) -> Plan:
+    """Any spec as a `Plan`, the one place a spec becomes one: a `Plan` as it is; else
+    (a path read) planned for `tree`, raising as `plan` does, with the model's
+    `eqx.nn.State` among a step's other arguments `args` where the spec can lay it out
+    (not a spec tree): `(tree, state)`, so that one mesh fits both.
+
+    **Raises:** `EqshardError` for `mesh=` or `devices=` with a `Plan`; `SpecError`.
+    """
+    if isinstance(spec, Plan):
+        if devices is not None or mesh is not None:
+            given = "devices" if devices is not None else "mesh"
+            raise EqshardError(
+                f"`{given}=` is given with a `Plan`, which has its mesh already; pass one "
+                "or the other"
+            )
+        return spec
+    lays_out_state = is_resolver(spec) or isinstance(spec, (str, Expression, os.PathLike))
+    if lays_out_state and not is_stateful_pair(tree):
+        state = next((arg for arg in args if isinstance(arg, eqx.nn.State)), None)
+        tree = tree if state is None else (tree, state)
+    return plan(
+        tree, spec, mesh=mesh, devices=devices, unspecified=unspecified, optimizer=optimizer
+    )
 
 
 def spec_tree(model: PyTree[Any], spec: Spec = FROM_FIELDS) -> PyTree[Expression | None]:

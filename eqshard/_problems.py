@@ -1,6 +1,6 @@
 """Faults as data: `Problem`, and the text a list of them makes.
 
-Resolvers, `make_plan` and the spec-file layer collect `Problem`s, each naming its
+Resolvers, `plan_faults` and the spec-file layer collect `Problem`s, each naming its
 place (a leaf's dotted path, or `file::$.json.path`), so one pass finds every
 independent fault. At the edge, `problem_lines` groups them by message, so a model
 of any size gets at most `MAX_LINES` lines: `SpecError` and the command line both

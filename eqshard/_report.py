@@ -11,7 +11,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from ._derive import plan_for
+from ._derive import derived_plan
 from ._errors import SpecError
 from ._fields import FROM_FIELDS, is_array_like
 from ._plan import Plan, Spec, Unspecified
@@ -374,7 +374,7 @@ def report(
         memory.
     """
     placed = placement(devices, simulate, what="`eqshard.report`", was_simulated=True)
-    planned = plan_for(tree, spec, mesh=mesh, devices=placed, unspecified=unspecified)
+    planned = derived_plan(tree, spec, mesh=mesh, devices=placed, unspecified=unspecified)
     if planned.problems:
         raise SpecError(planned.problems)
     return Report(leaf_rows(planned.plan))

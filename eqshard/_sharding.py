@@ -68,7 +68,7 @@ devices), or a list of devices (`None`: all of this process's)."""
 
 
 def as_placement(devices: Sequence[Device] | np.ndarray | int | None) -> Placement:
-    """A `Placement` as eqshard passes one inside (`make_plan`, a plan's devices, a
+    """A `Placement` as eqshard passes one inside (`plan_faults`, a plan's devices, a
     spec file's count): a count (an `int`) as it is, laid out abstractly, else the
     devices (`device_tuple`). Never the user's `devices=`: `placement` reads that.
 

@@ -20,7 +20,7 @@ from llama_model import COLUMNS, DIM, HIDDEN, LAYERS, LLAMA_SPEC, ROWS, VOCAB, b
 import eqshard
 from eqshard import EqshardError
 from eqshard._cli._demo_model import build as build_demo
-from eqshard._plan import make_plan
+from eqshard._plan import plan_faults
 from eqshard._report import leaf_rows
 
 ROOT = Path(__file__).parent.parent
@@ -74,7 +74,7 @@ def _lay_out_on_devices(monkeypatch):
     devices, not on an abstract mesh."""
     import eqshard._plan
 
-    abstract = eqshard._plan.make_plan
+    abstract = eqshard._plan.plan_faults
     meshes = []  # each plan's mesh, to show that they had devices
 
     def on_devices(model, spec, *, devices=None, **kwargs):
@@ -84,7 +84,7 @@ def _lay_out_on_devices(monkeypatch):
         meshes.append(planned.plan.mesh)
         return planned
 
-    monkeypatch.setattr(eqshard._plan, "make_plan", on_devices)
+    monkeypatch.setattr(eqshard._plan, "plan_faults", on_devices)
     return meshes
 
 
@@ -153,8 +153,8 @@ def test_without_a_shared_mesh_each_expression_keeps_its_own_abstract_mesh():
     # On 6 devices, (2, 3) and (3, 2) splits share no mesh: 2 does not divide 3.
     tree = {"a": jnp.zeros((6, 6)), "b": jnp.zeros((6, 6))}
     spec = {"a": "x y -> x2 y3", "b": "x y -> x3 y2"}
-    concrete = make_plan(tree, spec, devices=jax.devices()[:6]).plan
-    abstract = make_plan(tree, spec, devices=6).plan
+    concrete = plan_faults(tree, spec, devices=jax.devices()[:6]).plan
+    abstract = plan_faults(tree, spec, devices=6).plan
     assert concrete.mesh is None
     assert abstract.mesh is None
     for a, c in zip(abstract.flat_shardings, concrete.flat_shardings):

@@ -25,7 +25,7 @@ import eqshard
 from eqshard._cli import _demo, _demo_model
 from eqshard._fields import leaf_name
 from eqshard._paths._globs import readable_rules
-from eqshard._plan import make_plan
+from eqshard._plan import plan_faults
 from eqshard._search._candidates import Candidate, candidates
 from eqshard._search._profile import tensor_roles
 
@@ -267,7 +267,7 @@ def _planned_for(model: Any, args: tuple[Any, ...]) -> Any:
 def _plans_cleanly(candidate: Candidate, model: Any, devices: int) -> Any:
     """The candidate's plan on `devices` (a count: no devices), which must have no
     problem and no warning, on its declared mesh."""
-    planned = make_plan(model, candidate.rules, devices=devices)
+    planned = plan_faults(model, candidate.rules, devices=devices)
     assert planned.problems == [], candidate.name
     assert planned.warnings == [], candidate.name
     mesh = planned.plan.mesh
@@ -635,8 +635,8 @@ def test_every_candidate_loads_back_to_its_layouts(gpt, llama, tmp_path, devices
             assert document["comment"] == candidate.rules.comment
             assert all("comment" in rule for rule in document["rules"])
             for loaded in (eqshard.load(path), eqshard.load(candidate.rules.to_json())):
-                before = make_plan(ns["model"], candidate.rules, devices=devices).plan
-                after = make_plan(ns["model"], loaded, devices=devices)
+                before = plan_faults(ns["model"], candidate.rules, devices=devices).plan
+                after = plan_faults(ns["model"], loaded, devices=devices)
                 assert after.problems == [], candidate.name
                 _same_layouts(before, after.plan)
                 assert loaded.batch == candidate.rules.batch
@@ -824,8 +824,8 @@ def test_an_8_layer_mlp_is_written_in_at_most_half_as_many_rules_as_leaves(tmp_p
         path = tmp_path / f"{k}.eqshard.json"
         eqshard.dump(candidate.rules, path)
         loaded = eqshard.load(path)
-        before = make_plan(mlp, candidate.rules, devices=8).plan
-        after = make_plan(mlp, loaded, devices=8)
+        before = plan_faults(mlp, candidate.rules, devices=8).plan
+        after = plan_faults(mlp, loaded, devices=8)
         assert after.problems == [], candidate.name
         _same_layouts(before, after.plan)
     by = {c.name: c for c in kept}

@@ -188,12 +188,20 @@ def test_sharding_type_error_names_the_version_where_jax_moved_it(monkeypatch):
         _compat.sharding_type_error()
 
 
-def test_equinox_runtime_error_is_none_for_any_other_error():
-    assert _compat.equinox_runtime_error(ValueError("another"), b"id") is None
+def test_filter_jit_lower_traces_abstract_arguments_as_equinox_lowers():
+    """Equinox's own `Lowered`, over a `jax.ShapeDtypeStruct` (traced, with its
+    sharding) and a static argument; compiled, it is called as the step is."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    step = eqx.filter_jit(lambda x, n: x * n, donate="all")
+    abstract = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=sharding)
+    lowered = _compat.filter_jit_lower(step, (abstract, 3), {})
+    assert "stablehlo.multiply" in lowered.as_text()
+    out = lowered.compile()(jnp.ones(4), 3)
+    assert out.tolist() == [3.0] * 4
 
 
-def test_equinox_runtime_error_names_the_version_where_equinox_moved_it(monkeypatch):
-    monkeypatch.delattr(importlib.import_module("equinox._jit"), "last_error_info")
-    error = RuntimeError("_EquinoxRuntimeError: the message")
-    with pytest.raises(eqshard.EqshardError, match=r"eqx\.error_if .* equinox \d"):
-        _compat.equinox_runtime_error(error, b"id")
+def test_filter_jit_lower_names_the_version_where_equinox_moved_it(monkeypatch):
+    monkeypatch.delattr(importlib.import_module("equinox._jit"), "_preprocess")
+    step = eqx.filter_jit(lambda x: x)
+    with pytest.raises(eqshard.EqshardError, match=r"eqx\.filter_jit step lowers .* equinox \d"):
+        _compat.filter_jit_lower(step, (jax.ShapeDtypeStruct((2,), jnp.float32),), {})

@@ -267,7 +267,7 @@ def test_cost_compiles_the_program_that_trains(name, tmp_path):
         for label, step in [
             ("plain", plain_step),
             ("constrained", constrained_step),
-            ("eqshard.jit", eqshard.jit(plain_step, plan=other)),
+            ("eqshard.jit", eqshard.jit(plain_step, spec=other)),
             ("eqx.filter_jit", eqx.filter_jit(plain_step)),
         ]
     }
@@ -318,8 +318,9 @@ def test_a_megatron_mlp_trains_on_a_mesh_of_explicit_axes():
         x, y = _batch()
         with jax.set_mesh(mesh), pytest.raises(Exception, match="out_sharding"):
             eqx.filter_jit(plain_step)(placed_model, placed_state, x, y)
-        with jax.set_mesh(mesh), eqshard.use(p):
+        with jax.set_mesh(mesh), eqshard.use(p), _compiles() as compiled:
             got = _train(eqshard.jit(plain_step), placed_model, placed_state)
+    assert compiled.count("plain_step") == 1  # refused on Explicit axes, in one trace
     for g, w in zip(_leaves(got), _leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
     w0 = got[0].layers[0].weight
@@ -354,6 +355,47 @@ def test_with_no_plan_it_is_eqx_filter_jit():
         assert np.array_equal(np.asarray(g), np.asarray(w))
     with pytest.raises(eqshard.EqshardError, match=r"eqshard\.use\(plan\)"):
         eqshard.jit(plain_step).lower(model, opt_state, *_batch())
+
+
+@pytest.mark.parametrize(
+    "kind", ["plan", "rules", "path", "fsdp", "expression", "spec tree", "partition specs"]
+)
+def test_spec_takes_every_kind_of_spec(kind, tmp_path):
+    """`spec=` takes what `eqshard.plan` takes, planned for the first argument: the
+    step's outputs take that plan's layouts, with no plan active."""
+    model = _model()
+    opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
+    rules = _rules("fsdp", tmp_path)
+    p = eqshard.plan(model, rules)
+    spec = {
+        "plan": p,
+        "rules": rules,
+        "path": tmp_path / "fsdp.eqshard.json",
+        "fsdp": eqshard.FSDP,
+        "expression": "... -> * ...",
+        "spec tree": p.expressions,
+        "partition specs": p.shardings,
+    }[kind]
+    want = p if kind not in ("fsdp", "expression") else eqshard.plan(model, spec)
+    got = _train(eqshard.jit(plain_step, spec=spec), model, opt_state, steps=2)
+    for g, target in zip(_leaves(got[0]), jax.tree_util.tree_leaves(want.shardings)):
+        assert _same_blocks(g, target), kind
+
+
+def test_plan_is_deprecated_for_spec(tmp_path):
+    model = _model()
+    p = eqshard.plan(model, _rules("fsdp", tmp_path))
+    with pytest.warns(DeprecationWarning, match=r"eqshard\.jit\(spec=\.\.\.\)"):
+        step = eqshard.jit(lambda m, x: jax.vmap(m)(x), plan=p)
+    assert step.spec is p
+    with pytest.warns(DeprecationWarning, match="spec="):
+        decorated = eqshard.jit(plan=p)(lambda m: m)
+    assert decorated.spec is p
+    with (
+        pytest.warns(DeprecationWarning, match="spec="),
+        pytest.raises(eqshard.EqshardError, match="both"),
+    ):
+        eqshard.jit(plain_step, spec=p, plan=p)
 
 
 def test_rules_alone_plan_the_first_argument(tmp_path):
@@ -416,9 +458,7 @@ def test_a_batch_the_layout_cannot_split_is_named_with_a_caret(tmp_path):
 
 def test_bad_arguments_to_jit():
     with pytest.raises(eqshard.EqshardError, match="`donate='some'` is not one of"):
-        eqshard.jit(plain_step, donate="some")  # pyright: ignore[reportArgumentType]
-    with pytest.raises(eqshard.EqshardError, match=r"`plan=` takes an `eqshard\.Plan`"):
-        eqshard.jit(plain_step, plan="x -> x*")  # pyright: ignore[reportArgumentType]
+        eqshard.jit(plain_step, donate="some")  # pyright: ignore[reportCallIssue, reportArgumentType]
     with pytest.raises(eqshard.ExpressionError, match=r"\^"):
         eqshard.jit(plain_step, batch="b ... -> b** ...")
 
@@ -631,6 +671,10 @@ def test_an_error_if_that_fires_raises_what_eqx_filter_jit_raises():
     raised = []
     with eqshard.use(p):
         for jit in (eqx.filter_jit, eqshard.jit):
+            # Equinox caches `error_if`'s own jitted check, stack and all: a second step
+            # reaching it unchanged would show the first one's stack, under filter_jit too
+            eqx.clear_caches()
+            jax.clear_caches()
             with pytest.raises(eqx.EquinoxRuntimeError, match="the loss is finite") as caught:
                 jit(step)(eqshard.apply(model, p), x)
             raised.append(str(caught.value))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import pytest
 
 import eqshard
-from eqshard._plan import make_plan
+from eqshard._plan import plan_faults
 from eqshard._search._candidates import Candidate, _normal, candidates
 from eqshard._search._families import STRATEGIES
 
@@ -73,7 +73,7 @@ def _layouts(model: Any, rules: eqshard.Rules, devices: int, batch: Any) -> tupl
     """The rules' plan on `devices` (no devices), which must have no problem and no
     warning: its mesh, and every leaf's, optimizer state leaf's and the batch's
     layout as the devices see it (`_normal`, the candidates' own check)."""
-    planned = make_plan(model, rules, devices=devices)
+    planned = plan_faults(model, rules, devices=devices)
     assert planned.problems == []
     assert planned.warnings == []
     plan = planned.plan
@@ -157,7 +157,7 @@ def test_the_rules_for_8_devices_plan_on_more_as_those_generated_there(gpt, devi
         assert dict(other.mesh)["model"] == (
             devices if candidate.strategy == "megatron" else dict(candidate.mesh)["model"]
         )
-        planned = make_plan(gpt["model"], candidate.rules, devices=devices)
+        planned = plan_faults(gpt["model"], candidate.rules, devices=devices)
         if planned.problems:  # the split does not divide there: the planner says so
             assert (candidate.strategy, devices) == ("megatron", 64), candidate.name
             assert other.repairs  # generated there, the attention is replicated
@@ -192,7 +192,7 @@ def test_each_written_file_declares_star_and_plans_on_16_and_64(gpt, tmp_path):
         loaded = eqshard.load(path)
         for devices in (16, 64):
             if candidate.strategy == "megatron" and devices == 64:
-                assert make_plan(gpt["model"], loaded, devices=devices).problems
+                assert plan_faults(gpt["model"], loaded, devices=devices).problems
                 continue
             assert _layouts(gpt["model"], loaded, devices, gpt["batch"]) == _layouts(
                 gpt["model"], candidate.rules, devices, gpt["batch"]

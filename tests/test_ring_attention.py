@@ -307,5 +307,6 @@ def test_inside_eqshard_jit_on_a_mesh_of_explicit_axes_it_equals_plain_attention
         want = plain(model, x)
         with eqshard.use(p):
             got = eqshard.jit(step, batch="b s h d -> b s* h d")(eqshard.apply(model, p), x)
+    assert isinstance(got.sharding, NamedSharding)
     assert got.sharding.mesh.axis_types == (AxisType.Explicit,)  # an output: replicated
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -2,7 +2,7 @@
 
 Nothing here touches device memory: the model is built with
 `eqx.filter_eval_shape` (`_usercode.abstract_model`). Layouts need no devices
-either: each device count is laid out on an abstract mesh (`make_plan(...,
+either: each device count is laid out on an abstract mesh (`plan_faults(...,
 devices=n)`), so 65,536 devices cost what 8 do. Only a step to compile (`--step`)
 needs devices: a subset of simulated devices, or a TPU slice's (`--target
 v5e:4x4`), which XLA:TPU compiles for on this machine through libtpu.
@@ -221,7 +221,7 @@ def check(
     import jax
 
     from .._fields import is_array_like, is_stateful_pair
-    from .._plan import make_plan
+    from .._plan import plan_faults
     from .._report import device_bytes_per_device, leaf_rows
 
     state_leaves = 0
@@ -235,7 +235,7 @@ def check(
             on = _slice(entry)
             n = len(on.devices)
         on_cpu = step is not None and on is None  # compiled here, on simulated devices
-        planned = make_plan(model, rules, devices=jax.devices()[:n] if on_cpu else n)
+        planned = plan_faults(model, rules, devices=jax.devices()[:n] if on_cpu else n)
         problems = list(planned.problems)
         notes: list[str] = []
         warnings: list[dict[str, Any]] = []

@@ -37,6 +37,7 @@ from jaxtyping import Array, Int
 
 from .._activations import use
 from .._apply import apply
+from .._arguments import batch_sharding, data_parallel
 from .._cost._driver import cost
 from .._cost._results import Cost
 from .._errors import EqshardError, UnreadableError
@@ -46,7 +47,7 @@ from .._problems import Problem
 from .._report import human_bytes
 from .._specfile._model import BatchRules, Rules
 from .._specfile._read import load
-from .._step import batch_sharding, data_parallel, jit
+from .._step import jit
 from ._demo_model import (
     GPT,
     GPT_VARIANT,

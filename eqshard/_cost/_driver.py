@@ -26,15 +26,16 @@ from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._activations import recording_laid_out
+from .._arguments import abstract_array, batch_layout
 from .._compat import filter_jit_donation
 from .._errors import EqshardError, step_error
 from .._expression import Expression
 from .._pipeline import recording as recording_pipelines
-from .._plan import Plan, Spec, placing, plan
+from .._plan import Plan, Spec, as_plan, placing
 from .._process._usercode import with_user_frames
-from .._sharding import AnyMesh, Device, Devices, device_count, on_devices, placement
+from .._sharding import AnyMesh, Device, Devices, device_count, placement
 from .._specfile._model import BatchRules, Rules
-from .._step import Donate, Step, abstract_array, batch_layout, planned_for
+from .._step import Donate, Step
 from ._compile import (
     Held,
     compile_step,
@@ -131,17 +132,14 @@ def cost(
         devices = placed
     abstract_model = jax.tree_util.tree_map(abstract_array, model)
     abstract_args = [jax.tree_util.tree_map(abstract_array, arg) for arg in args]
-    if isinstance(spec, Plan) and on is None:  # made for a count: the first n devices
-        p = placing(spec, "`eqshard.cost`")
-    else:
-        # with the model's eqx.nn.State, one mesh fits both
-        made = planned_for(abstract_model, abstract_args, spec)
-        p = spec if isinstance(spec, Plan) else plan(made, spec, mesh=mesh, devices=devices)
-        on_devices(p.mesh, "`eqshard.cost`", p.devices)
+    if isinstance(spec, Plan):  # it has its devices: the command line's `--devices` aside
+        mesh = devices = None
+    p = as_plan(abstract_model, spec, mesh=mesh, devices=devices, args=abstract_args)
+    p = placing(p, "`eqshard.cost`")  # a plan made for a count: the first n devices
     fn = getattr(step, "__wrapped__", step)
     n = device_count(p.devices) if p.devices is not None else (p.mesh.size if p.mesh else 1)
     # The program `eqshard.jit` runs under this plan: the same input and output layouts.
-    program = Step(fn, donate=_donation(step), plan=p, batch=batch)
+    program = Step(fn, donate=_donation(step), spec=p, batch=batch)
     try:
         with recording_pipelines() as pipelines, recording_laid_out() as activations:
             lowered = program.lower(abstract_model, *abstract_args)

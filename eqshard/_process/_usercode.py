@@ -1,6 +1,6 @@
 """The user's code, named `MODULE:CALLABLE`: imported, called, and built abstractly.
 
-The command line's `--model`, `--step`, `--batch` and `--optimizer`, `eqshard
+The command line's `--model`, `--step`, `--make-batch` and `--optimizer`, `eqshard
 suggest`'s and `diff`'s, and the harness's callables sent to its workers by name
 all come here. This is the one place where eqshard imports user code, and only
 because the user named it; a spec file never does. What the user's code raises is a
@@ -301,7 +301,7 @@ def step_inputs(
     *,
     modules: dict[str, Any] | None = None,
 ) -> StepInputs:
-    """Imports `--step`, `--batch` and `--optimizer` (each `MODULE:CALLABLE`, as
+    """Imports `--step`, `--make-batch` and `--optimizer` (each `MODULE:CALLABLE`, as
     for `abstract_model`) and builds the batch and the optimizer's state of the
     abstract `model` abstractly (no device memory). A `batch()` that needs concrete
     values (`np.asarray` of a JAX array) is run once on the host instead. For a
@@ -318,7 +318,7 @@ def step_inputs(
         modules,
     )
     name, make_batch = user_callable(
-        batch, "--batch", "batch", "CALLABLE() returns the step's batch", modules
+        batch, "--make-batch", "batch", "CALLABLE() returns the step's batch", modules
     )
     batch_value = _abstract_batch(batch, name, make_batch)
     stateful = is_stateful_pair(model)
@@ -441,7 +441,7 @@ def _abstract_batch(target: str, name: str, make_batch: Callable[[], Any]) -> An
     )
     try:
         return call(
-            "--batch", target, f"{name}()", lambda: eqx.filter_eval_shape(make_batch), needs_values
+            "--make-batch", target, f"{name}()", lambda: eqx.filter_eval_shape(make_batch), needs_values
         )
     except needs_values:
         pass
@@ -451,7 +451,7 @@ def _abstract_batch(target: str, name: str, make_batch: Callable[[], Any]) -> An
         host = jax.devices()[0]
     with jax.default_device(host):
         value = call(
-            "--batch",
+            "--make-batch",
             target,
             f"{name}() (run on the host, as it needs concrete values: it calls NumPy on a "
             "JAX array, or branches on one)",

@@ -13,7 +13,7 @@ left with nothing split that its strategy is about (Megatron where no column- or
 row-parallel weight divides, FSDP where no leaf does) is dropped with the reason,
 as is a candidate whose batch does not split over `data`, and one whose layouts
 (device by device: every leaf, every optimizer state leaf and the batch) are those
-of a candidate before it. Every candidate kept is planned here (`make_plan` on a
+of a candidate before it. Every candidate kept is planned here (`plan_faults` on a
 device count: no devices), and its rules checked to give each leaf exactly the
 expression meant, so no candidate is ever silently wrong.
 
@@ -45,12 +45,12 @@ from typing import Any
 
 import jax
 
-from .._derive import plan_for
+from .._derive import derived_plan
 from .._errors import EqshardError, whole_number
 from .._expression import parse
 from .._paths._globs import readable_rules
 from .._paths._names import name
-from .._plan import make_plan
+from .._plan import plan_faults
 from .._problems import problem_lines
 from .._rules import match_rules
 from .._specfile._model import Rule, Rules
@@ -206,7 +206,7 @@ def _checked(setup: Setup, candidate: Candidate, splits_batch: bool) -> tuple[An
     fault = _activation_fault(setup, candidate)
     if fault is not None:
         return None, None, fault
-    planned = make_plan(setup.planned_for, candidate.rules, devices=setup.devices)
+    planned = plan_faults(setup.planned_for, candidate.rules, devices=setup.devices)
     if planned.problems or planned.warnings:
         faults = problem_lines(planned.problems) if planned.problems else []
         faults += [str(w) for w in planned.warnings]
@@ -377,7 +377,7 @@ def _estimated(setup: Setup, family: Family, candidate: Candidate, plan: Any) ->
         )
         for leaf in setup.leaves
     ]
-    optimizer = [plan_for(arg, plan).plan for arg in setup.built]
+    optimizer = [derived_plan(arg, plan).plan for arg in setup.built]
     return estimated(
         plan,
         leaves,

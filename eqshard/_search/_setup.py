@@ -14,13 +14,13 @@ import jax
 import numpy as np
 
 from .._activations import recording
-from .._derive import plan_for
+from .._arguments import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
+from .._derive import derived_plan
 from .._fields import LeafInfo, is_array_like, leaf_name, walk_fields
 from .._paths._names import segments
 from .._pipeline import marking
-from .._plan import make_plan
+from .._plan import plan_faults
 from .._specfile._model import Rules
-from .._step import is_built  # a batch is what `cost` (and `eqshard.jit`) take for one
 from ._profile import Role, StepProfile, abstract_leaf, step_profile
 
 __all__ = ["SOURCE", "Draft", "Leaf", "Setup", "setup_of"]
@@ -92,14 +92,14 @@ def setup_of(step: Callable[..., Any], model: Any, args: Sequence[Any], devices:
         for i, item in enumerate(items)
         if is_array_like(item.leaf)
     )
-    whole = make_plan(planned_for, "... -> * ...", devices=devices).plan
+    whole = plan_faults(planned_for, "... -> * ...", devices=devices).plan
     batch: list[tuple[str, tuple[int, ...]]] = []
     batch_bytes: list[int] = []
     built: list[Any] = []
     for k, arg in enumerate(args):
         if isinstance(arg, eqx.nn.State):
             continue
-        if is_built(plan_for(arg, whole)):
+        if is_built(derived_plan(arg, whole)):
             built.append(arg)
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:

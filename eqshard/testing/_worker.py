@@ -419,8 +419,8 @@ def _batch_layout(given: str | None, p: Any) -> tuple[Any, str]:
     (`eqshard._step.Batches`): `batch=`, else the spec file's `"batch"` (an
     expression or its rules: `Rules.batch`, the plan's spec), else data parallel over
     the mesh's first axis (or every device); and where it came from, for messages."""
+    from .._arguments import data_parallel
     from .._specfile._model import Rules
-    from .._step import data_parallel
 
     if given is not None:
         return given, "`batch=`"
@@ -435,8 +435,8 @@ def _placed_batch(batch: Any, layout: Any, where: str, p: Any) -> Any:
     import equinox as eqx
     import jax
 
+    from .._arguments import Batches
     from .._problems import Problem, problem_lines
-    from .._step import Batches
     from .._warnings import warn
 
     batches = Batches(layout, p)
