@@ -363,7 +363,7 @@ def test_a_batch_that_needs_values_runs_on_the_host(run_cli, files, report):
     assert result.code == 2
     raises = MODULE.splitlines().index('    raise ValueError("no data here")') + 1
     assert result.err == (
-        f"eqshard check: error: --batch '{module}:failing_numpy_batch': failing_numpy_batch() "
+        f"eqshard check: error: --make-batch '{module}:failing_numpy_batch': failing_numpy_batch() "
         "(run on the host, as it needs concrete values: it calls NumPy on a JAX array, or "
         "branches on one) raised ValueError: no data here\n"
         "in the user's code (most recent call last):\n"  # where, in the user's file

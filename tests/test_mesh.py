@@ -99,7 +99,7 @@ def test_a_layout_that_does_not_fit_names_the_leaf_the_mesh_and_a_fix():
 
 def test_mesh_and_devices_and_plans_do_not_mix():
     model = {"w": jnp.ones(8)}
-    with pytest.raises(EqshardError, match="`mesh=` and `devices=` are both given"):
+    with pytest.raises(EqshardError, match=r"`mesh=` and `devices=` \(or `simulate=`\) are both given"):
         eqshard.apply(model, "a -> a*", mesh=_mesh(), devices=jax.devices())
     with pytest.raises(EqshardError, match=r"`mesh=` is a `jax\.sharding\.Mesh`"):
         eqshard.apply(model, "a -> a*", mesh=jax.devices())  # type: ignore[arg-type]
@@ -259,7 +259,7 @@ def _linear():
 @pytest.mark.parametrize(
     ("what", "call"),
     [
-        ("shard", lambda m, path: eqshard.apply(jnp.ones((8, 16)), "a b -> a2 b4", mesh=m)),
+        ("apply", lambda m, path: eqshard.apply(jnp.ones((8, 16)), "a b -> a2 b4", mesh=m)),
         ("apply", lambda m, path: eqshard.apply(_linear(), _ABSTRACT_RULES, mesh=m)),
         ("constrain", lambda m, path: eqshard.constrain(_linear(), _ABSTRACT_RULES, mesh=m)),
         ("init", lambda m, path: eqshard.init(_linear, _ABSTRACT_RULES, mesh=m)),
