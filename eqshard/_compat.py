@@ -40,6 +40,7 @@ __all__ = [
     "is_transposed",
     "memory_stats",
     "missing",
+    "module_cost_analysis",
     "param",
     "sharding_type_error",
     "subjaxprs",
@@ -231,6 +232,27 @@ _REQUIRED = {
     "host_outputs": "host_output_size_in_bytes",
     "host_aliased": "host_alias_size_in_bytes",
 }
+
+
+def module_cost_analysis(compiled: Any) -> dict[str, Any]:
+    """XLA's HLO cost analysis of a compiled program's optimized module, for a compiler
+    that reports none of its own (XLA:GPU compiling without a GPU answers
+    `GetCostAnalysis is not supported`): the same `HloCostAnalysis`, run by the CPU
+    client over the accelerator's module (`_jax.hlo_module_cost_analysis`).
+
+    **Raises:** `EqshardError` where this JAX keeps no such function, or the compiled
+    program no module.
+    """
+    try:
+        bridge = importlib.import_module("jax._src.xla_bridge")
+        analyse = importlib.import_module("jax._src.lib")._jax.hlo_module_cost_analysis
+        modules = compiled.runtime_executable().hlo_modules()
+    except (ImportError, AttributeError):
+        raise missing("its HLO cost analysis (_jax.hlo_module_cost_analysis)") from None
+    found = analyse(bridge.get_backend("cpu"), modules[0])
+    if isinstance(found, list):
+        found = found[0] if found else {}
+    return dict(found or {})
 
 
 def memory_stats(analysis: Any) -> MemoryStats:

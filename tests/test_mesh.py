@@ -99,7 +99,9 @@ def test_a_layout_that_does_not_fit_names_the_leaf_the_mesh_and_a_fix():
 
 def test_mesh_and_devices_and_plans_do_not_mix():
     model = {"w": jnp.ones(8)}
-    with pytest.raises(EqshardError, match=r"`mesh=` and `devices=` \(or `simulate=`\) are both given"):
+    with pytest.raises(
+        EqshardError, match=r"`mesh=` and `devices=` \(or `simulate=`\) are both given"
+    ):
         eqshard.apply(model, "a -> a*", mesh=_mesh(), devices=jax.devices())
     with pytest.raises(EqshardError, match=r"`mesh=` is a `jax\.sharding\.Mesh`"):
         eqshard.apply(model, "a -> a*", mesh=jax.devices())  # type: ignore[arg-type]

@@ -94,8 +94,8 @@ def test_a_v4_chip_shows_its_two_cores_as_devices_with_half_its_memory_each():
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ("h100", r"JAX cannot compile for a GPU without one, so eqshard cannot either"),
-        ("v5e", r"is not a TPU slice; write one as `jax.experimental.topologies` names it"),
+        ("a100:8", r"eqshard describes these GPUs to XLA: 'h100:8', 'h200:8'"),
+        ("v5e", r"is neither a TPU slice nor GPUs; write a slice as `jax.experimental"),
         ("v2:2x2", r"eqshard has no profile of TPU v2; the generations it knows are v4, v5e"),
         ("v5e:3x3", r"libtpu refuses the slice: .*not divisible"),
     ],

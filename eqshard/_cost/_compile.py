@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._compat import memory_stats
+from .._compat import memory_stats, module_cost_analysis
 from .._errors import EqshardError
 from .._fields import is_array_like
 from .._plan import Plan
@@ -84,10 +84,13 @@ def compile_step(lowered: Lowered, options: dict[str, bool | int] | None = None)
     its own), with `options` for this compile only (`costing_options`), and keeps
     what `cost` reads."""
     compiled = lowered.compile(dict(options) if options else None)
+    costs = _first(compiled.cost_analysis())
+    if not costs:  # XLA:GPU compiling for GPUs it does not have reports none
+        costs = module_cost_analysis(compiled)
     return Compiled(
         compiled.as_text() or "",
         compiled.memory_analysis(),
-        _first(compiled.cost_analysis()),
+        costs,
         _host_bytes(lowered.abstract),
         _host_bytes(getattr(compiled, "out_info", ())),
         tuple(f"{name}={str(value).lower()}" for name, value in sorted((options or {}).items())),

@@ -218,7 +218,7 @@ def _platform(p: Plan, on: CompileTarget | None) -> str:
     """The platform whose compiler compiles the step: the target's, else that of the
     plan's devices (`"cpu"` for simulated ones)."""
     if on is not None:
-        return "tpu"
+        return on.platform
     devices = getattr(p.mesh, "devices", None)
     first = np.asarray(devices).flat[0] if devices is not None else jax.devices()[0]
     return str(first.platform)

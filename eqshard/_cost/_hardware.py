@@ -62,6 +62,14 @@ HARDWARE: dict[str, Hardware] = {
         "NVIDIA H100 Tensor Core GPU datasheet (dense, without sparsity)",
         80 * _GIB,
     ),
+    "h200": Hardware(
+        "NVIDIA H200 SXM",
+        {"bfloat16": 989.4e12, "float16": 989.4e12, "float32": 494.7e12},  # as the H100's
+        4.8e12,
+        450e9,  # NVLink 4: 900 GB/s both directions
+        "NVIDIA H200 Tensor Core GPU datasheet (dense, without sparsity)",
+        141 * 10**9,
+    ),
     "tpu-v4": Hardware(
         "Google Cloud TPU v4",
         {"bfloat16": 275e12, "float32": 275e12 / 4},

@@ -6,9 +6,9 @@ slice such as `"v5e:4x4"` (its devices, in their order), and a step laid out on 
 mesh of those devices is lowered and compiled by XLA:TPU on this CPU. Its memory
 analysis is then the TPU compiler's own: exact for that compiler, not a bound.
 
-GPUs cannot be compiled for without one (JAX offers no deviceless GPU
-compilation): there, and without a target, `cost` compiles with XLA:CPU on
-simulated CPU devices, whose communication is the SPMD partitioner's (the same
+A GPU target (`"h100:8"`) is compiled for by XLA:GPU the same way, through JAX's
+CUDA plugin, with no GPU (`_gpu.py`). Without a target, `cost` compiles with XLA:CPU
+on simulated CPU devices, whose communication is the SPMD partitioner's (the same
 on every backend) and whose memory is XLA:CPU's.
 """
 
@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._errors import EqshardError, UsageError, joined
+from ._gpu import gpu_target, is_gpu_name
 from ._hardware import HARDWARE, Hardware
 
 __all__ = ["CompileTarget", "compile_target"]
@@ -37,7 +38,6 @@ _PROFILES = {"v4": "tpu-v4", "v5e": "tpu-v5e", "v5p": "tpu-v5p", "v6e": "tpu-v6e
 # libtpu 0.0.50 die with SIGFPE).
 _DIMS = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
 _POD_CHIPS = {"v4": 4096, "v5e": 256, "v5p": 8960, "v6e": 256}
-_GPUS = ("h100", "h200", "a100", "b200", "gpu", "cuda")
 
 # libtpu looks for a TPU VM's metadata when it starts, and logs at length when it
 # finds none: tell it there is none to find (only where the user has not said). It
@@ -58,7 +58,7 @@ _QUIET = {
 
 @dataclasses.dataclass(frozen=True)
 class CompileTarget:
-    """A TPU slice to compile for, from any machine.
+    """A TPU slice or GPUs to compile for, from any machine.
 
     - `name`: as given, `"v5e:4x4"`.
     - `devices`: the slice's devices, in `jax.experimental.topologies`' order: a mesh
@@ -67,6 +67,7 @@ class CompileTarget:
     - `memory_per_device`: bytes of HBM each device has (a chip's, or its share
         where a chip shows each of its cores as a device, as v4's does).
     - `compiler`: which compiler's figures these are, with its version.
+    - `platform`: `"tpu"` or `"gpu"`, whose peak rule reads its memory.
     """
 
     name: str
@@ -74,32 +75,33 @@ class CompileTarget:
     hardware: Hardware
     memory_per_device: int
     compiler: str
+    platform: str = "tpu"
 
 
 @functools.lru_cache(maxsize=32)
 def compile_target(name: str) -> CompileTarget:
-    """The TPU slice `name` (`"v5e:4x4"`, `"v5p:4x4x4"`, `"v6e:2x2"`, `"v4:2x2x1"`).
+    """The TPU slice `name` (`"v5e:4x4"`, `"v5p:4x4x4"`, `"v6e:2x2"`, `"v4:2x2x1"`), or
+    the GPUs `name` (`"h100:8"`, `"h200:2x8"`: hosts x GPUs).
 
     **Raises:**
 
-    `EqshardError` for a name that is no TPU slice (a GPU's, which cannot be
-    compiled for without one, says so), for a slice libtpu refuses (with its
-    reason); `UsageError` (an `EqshardError` the command line exits 2 for) where
-    libtpu is not installed, with the command that installs it.
+    `EqshardError` for a name that is neither, for a slice libtpu refuses or a GPU
+    the CUDA plugin refuses (with its reason); `UsageError` (an `EqshardError` the
+    command line exits 2 for) where libtpu, the CUDA plugin or `ptxas` is not
+    installed, with the command that installs it.
     """
+    if isinstance(name, str) and is_gpu_name(name):
+        gpus = gpu_target(name)
+        hardware = HARDWARE[gpus.profile]
+        return CompileTarget(
+            name, gpus.devices, hardware, gpus.memory, gpus.compiler, platform="gpu"
+        )
     found = _TOPOLOGY.fullmatch(name.strip()) if isinstance(name, str) else None
     if found is None:
-        if isinstance(name, str) and name.strip().lower().startswith(_GPUS):
-            raise EqshardError(
-                f"`target={name!r}`: JAX cannot compile for a GPU without one, so eqshard "
-                "cannot either; leave `target` out, and `cost` compiles with XLA:CPU on "
-                "simulated devices (its communication is the same SPMD partitioning; its "
-                "memory is XLA:CPU's: on an H100, three MLP steps measured 1.00x of it)"
-            )
         raise EqshardError(
-            f"`target={name!r}` is not a TPU slice; write one as "
+            f"`target={name!r}` is neither a TPU slice nor GPUs; write a slice as "
             "`jax.experimental.topologies` names it, GENERATION:GRID, such as 'v5e:4x4', "
-            "'v5p:4x4x4', 'v6e:2x2' or 'v4:2x2x1'"
+            "'v5p:4x4x4', 'v6e:2x2' or 'v4:2x2x1', or GPUs as 'h100:8'"
         )
     generation = found["generation"]
     if generation not in _PROFILES:

@@ -441,7 +441,11 @@ def _abstract_batch(target: str, name: str, make_batch: Callable[[], Any]) -> An
     )
     try:
         return call(
-            "--make-batch", target, f"{name}()", lambda: eqx.filter_eval_shape(make_batch), needs_values
+            "--make-batch",
+            target,
+            f"{name}()",
+            lambda: eqx.filter_eval_shape(make_batch),
+            needs_values,
         )
     except needs_values:
         pass
