@@ -16,17 +16,26 @@ Every number comes from this one run; `--json` writes them to PATH.
    raises `EquinoxRuntimeError` with the user's message, as `eqx.filter_jit` does.
 3. **Speed.** The same placed step under `eqshard.jit` and under `eqx.filter_jit`,
    called in interleaved rounds: median seconds per call and their ratio.
+4. **Without the GPU.** Each model's step costed for this GPU as a target
+   (`target="h200:1"`, XLA:GPU from XLA's description, no device used) beside the
+   same step compiled for the GPU itself (autotuned, as a user's step is): memory
+   analysis, FLOPs and collectives, side by side.
+
+Each part runs in a process of its own (`--part`), so that XLA's flags for one
+(the autotuner off, for part 1) do not reach the others.
 """
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+if "--part=memory" in sys.argv:  # compiling then allocates nothing the step seems to hold
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
 
 import equinox as eqx
 import jax
@@ -35,7 +44,7 @@ import optax
 
 import eqshard
 
-MODELS = {  # name: (in, width, depth, rows): the largest holds about 2 GB at once
+MODELS = {  # name: (in, width, depth, rows): the largest holds about 13 GB at once
     "mlp-1024x4096x4": (1024, 4096, 4, 8192),
     "mlp-2048x8192x6": (2048, 8192, 6, 16384),
 }
@@ -131,7 +140,9 @@ def runtime_error() -> dict:
     return texts
 
 
-def speed(name: str, rounds: int = 30) -> dict:
+def speed(name: str, rounds: int = 30) -> dict | None:
+    if name != next(iter(MODELS)):
+        return None  # the first model only
     model, opt_state, x, optimizer = _arguments(name)
     step = _step(optimizer)
     plan = eqshard.plan(model, "... -> * ...", devices=jax.devices()[:1])
@@ -155,26 +166,70 @@ def speed(name: str, rounds: int = 30) -> dict:
     }
 
 
+def deviceless(name: str) -> dict:
+    model, opt_state, x, optimizer = _arguments(name)
+    model, opt_state, x = (
+        eqx.filter_eval_shape(lambda t: t, tree) for tree in (model, opt_state, x)
+    )
+    step = _step(optimizer)
+    spec = "... -> * ..."
+    kind = jax.devices()[0].device_kind.lower()
+    target = "h200:1" if "h200" in kind else "h100:1"
+    found: dict = {"model": name, "target": target}
+    for label, where in (("target", {"target": target}), ("gpu", {"devices": 1})):
+        c = eqshard.cost(model, opt_state, x, step=step, spec=spec, **where)
+        found[label] = {
+            "compiler": c.compiler,
+            "arguments": c.memory.arguments,
+            "outputs": c.memory.outputs,
+            "temporaries": c.memory.temporaries,
+            "reported_peak": c.memory.reported_peak,
+            "peak": c.memory.peak,
+            "flops": c.flops,
+            "bytes_accessed": c.bytes_accessed,
+        }
+    return found
+
+
+PARTS = {"memory": memory, "deviceless": deviceless, "speed": speed}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--any-device", action="store_true", help="run on a CPU too (a dry run)")
+    parser.add_argument("--part", choices=[*PARTS, "runtime_error"], help="run one part only")
     args = parser.parse_args()
     device = jax.devices()[0]
     results: dict = {
         "jax": jax.__version__,
         "device": f"{device.platform}: {device.device_kind}",
-        "memory": [],
     }
     if device.platform != "gpu" and not args.any_device:
         sys.exit(f"gpu_check needs a GPU; this process has {device.platform}")
-    for name in MODELS:
+    if args.part:  # one part, in this process: its JSON on stdout's last line
+        if args.part == "runtime_error":
+            found: object = runtime_error()
+        else:
+            found = [PARTS[args.part](name) for name in MODELS]
+        print(json.dumps(found, default=str))
+        return
+    for part in ("memory", "deviceless", "runtime_error", "speed"):
+        run = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                f"--part={part}",
+                *(["--any-device"] if args.any_device else []),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        lines = run.stdout.strip().splitlines()
         try:
-            results["memory"].append(memory(name))
-        except Exception as error:  # report each part's failure, then go on
-            results["memory"].append({"model": name, "error": f"{type(error).__name__}: {error}"})
-    results["runtime_error"] = runtime_error()
-    results["speed"] = speed(next(iter(MODELS)))
+            results[part] = json.loads(lines[-1])
+        except (IndexError, json.JSONDecodeError):
+            results[part] = {"error": run.stderr[-3000:]}
     text = json.dumps(results, indent=2, default=str)
     print(text)
     if args.json:
