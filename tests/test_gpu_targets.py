@@ -56,6 +56,8 @@ def test_a_step_compiled_for_gpus_reports_xla_gpus_figures():
     assert c.hardware is eqshard.targets.HARDWARE["h100"]
     assert c.memory.platform == "gpu"
     assert c.memory.peak == c.memory.reported_peak  # XLA:GPU's own (benchmarks/gpu_check.py)
+    assert c.memory.autotuned is False  # no GPU to time kernels on: said beside the peak
+    assert "compiled with no GPU and so not autotuned" in c.memory.peak_includes
     # the program `eqshard.jit` trains with, compiled for the same devices: the same figures
     p = eqshard.plan(model, FSDP, devices=list(gpus.devices))
     with eqshard.use(p):

@@ -163,7 +163,10 @@ def cost(
     module = parse_hlo(compiled.text, p.mesh)
     dtypes = [row.dtype for row in held.parameters]
     return Cost(
-        memory=read_memory(held, compiled, platform),
+        memory=dataclasses.replace(
+            read_memory(held, compiled, platform),
+            autotuned=on is None or on.platform != "gpu",  # a GPU target has no GPU to time
+        ),
         collectives=read_collectives(module, p.mesh),
         flops=float(flops(module)),
         bytes_accessed=float(compiled.costs.get("bytes accessed", 0.0)),
