@@ -72,3 +72,14 @@ def test_each_gpu_has_a_description_and_a_profile(gpu):
     assert "Licensed under the Apache License" in text  # as openxla/xla ships it
     assert 'platform_name: "CUDA"' in text
     assert profile in eqshard.targets.HARDWARE
+
+
+def test_a_plugin_that_did_not_load_says_how_to_start_jax(monkeypatch):
+    from jax.experimental import topologies
+
+    def refused(**_):
+        raise NotImplementedError("topology not implemented for cuda")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", refused)
+    with pytest.raises(eqshard.UsageError, match=r'jax.config.update\("jax_platforms", "cpu"\)'):
+        _gpu._devices("h100:8", "gpu_device_info {}\n", "1x1x8")

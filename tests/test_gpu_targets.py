@@ -91,3 +91,17 @@ def test_several_hosts_of_gpus():
     assert {d.process_index for d in gpus.devices} == {0, 1}
     assert gpus.memory_per_device == 151_397_597_184
     assert gpus.compiler.startswith("XLA:GPU (NVIDIA H200 141GB HBM3e, no GPU: ")
+
+
+@pytest.mark.slow  # compiles candidates in worker processes
+def test_suggest_ranks_on_gpus_by_xla_gpus_figures():
+    model, opt_state, x = _arguments()
+    ranked = eqshard.suggest(
+        model, opt_state, x, step=_step, target="h100:8", strategies=["fsdp", "data parallel"]
+    )
+    assert ranked.compiler.startswith("XLA:GPU (NVIDIA H100 80GB HBM3, no GPU: ")
+    compiled = [s for s in ranked.suggestions if s.cost is not None]
+    assert compiled
+    for s in compiled:
+        assert s.cost is not None and s.cost.memory.platform == "gpu"
+        assert s.cost.memory_per_device == 84_942_979_072

@@ -126,6 +126,14 @@ def _devices(name: str, description: str, topology: str) -> tuple[Any, ...]:
             error = raised
             if "parse GpuTargetConfigProto" not in str(raised):
                 break
+    if "topology not implemented for cuda" in str(error):  # the plugin did not load
+        raise UsageError(
+            f"`target={name!r}`: JAX's CUDA plugin did not load in this process: JAX "
+            "looked for a GPU when it started, found none, and left the plugin out. Start "
+            'JAX with `jax.config.update("jax_platforms", "cpu")` (or set '
+            "`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`) before anything uses it; `eqshard check` "
+            "and `suggest`'s workers do"
+        ) from None
     raise EqshardError(
         f"`target={name!r}`: JAX's CUDA plugin refuses the GPU's description: {error}"
     ) from None
