@@ -103,5 +103,6 @@ def test_suggest_ranks_on_gpus_by_xla_gpus_figures():
     compiled = [s for s in ranked.suggestions if s.cost is not None]
     assert compiled
     for s in compiled:
-        assert s.cost is not None and s.cost.memory.platform == "gpu"
+        assert s.cost is not None
+        assert s.cost.memory.platform == "gpu"
         assert s.cost.memory_per_device == 84_942_979_072
