@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 import eqshard
-from eqshard._cli._demo_model import build, loss as gpt_loss, tokens
+from eqshard._demo._model import build, loss as gpt_loss, tokens
 
 
 def mlp_case():

@@ -1,6 +1,6 @@
 """A small GPT with stacked blocks, sharded Megatron-style on a ("data", "model") mesh.
 
-The model is the GPT that `eqshard demo` trains (`eqshard/_cli/_demo_model.py`), at
+The model is the GPT that `eqshard demo` trains (`eqshard/_demo/_model.py`), at
 smaller sizes and with its activations named. Its transformer blocks are one
 `Block` built for N keys with `eqx.filter_vmap`, so every block leaf has a leading
 layer axis, and the model runs them with `jax.lax.scan`. `specs/gpt.eqshard.json` lays the stacked leaves out (its `...`
@@ -38,7 +38,7 @@ from jax.sharding import AxisType
 from jaxtyping import Array, Float, Int
 
 import eqshard
-from eqshard._cli._demo_model import GPT, Sizes, build as build_gpt
+from eqshard._demo._model import GPT, Sizes, build as build_gpt
 
 SPEC = Path(__file__).parent / "specs" / "gpt.eqshard.json"
 SIZES = Sizes(vocab=64, dim=32, heads=4, hidden=128, layers=2, seq=16)

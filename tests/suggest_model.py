@@ -17,7 +17,7 @@ import optax
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "gpt_stacked.py"
 _GPT = runpy.run_path(str(EXAMPLE), run_name=__name__)
-# every function by name here (the model's classes live in eqshard._cli._demo_model, which
+# every function by name here (the model's classes live in eqshard._demo._model, which
 # workers import by name; a class a worker cannot find by name is sent by value, rebuilt
 # there by eqshard's pickler with its fields: tests/test_workers.py)
 globals().update({name: value for name, value in _GPT.items() if not name.startswith("__")})

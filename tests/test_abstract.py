@@ -19,7 +19,7 @@ from llama_model import COLUMNS, DIM, HIDDEN, LAYERS, LLAMA_SPEC, ROWS, VOCAB, b
 
 import eqshard
 from eqshard import EqshardError
-from eqshard._cli._demo_model import build as build_demo
+from eqshard._demo._model import build as build_demo
 from eqshard._plan import plan_faults
 from eqshard._report import leaf_rows
 
@@ -59,10 +59,7 @@ def _pairs(tmp_path):
     return [
         (SPECS / "transformer.eqshard.json", TRANSFORMER),
         (SPECS / "gpt.eqshard.json", GPT),
-        *(
-            (path, "eqshard._cli._demo_model:build")
-            for path in sorted((SPECS / "demo").glob("*.json"))
-        ),
+        *((path, "eqshard._demo._model:build") for path in sorted((SPECS / "demo").glob("*.json"))),
         *((path, TRANSFORMER) for path in sorted((ROOT / "tests/specs/valid").glob("*.json"))),
         (tmp_path / "faulty.eqshard.json", TRANSFORMER),
         (tmp_path / "disagreeing.eqshard.json", TRANSFORMER),

@@ -247,7 +247,7 @@ def test_batch_rules_in_python_win_over_the_files_and_are_checked():
 
 
 def test_the_demo_lays_its_one_array_out_by_a_batch_section():
-    from eqshard._cli._demo import batch_expression
+    from eqshard._demo._run import batch_expression
 
     model = eqx.nn.Linear(4, 4, key=jax.random.key(0))
     every = {"rules": [{"path": "**", "expr": "b ... -> b* ..."}]}

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float
 from optimizer_state_oracle import blocks
 
 import eqshard
-from eqshard._cli import _demo, _demo_model
+from eqshard._demo import _model as _demo_model, _run as _demo
 from eqshard._fields import leaf_name
 from eqshard._paths._globs import readable_rules
 from eqshard._plan import plan_faults

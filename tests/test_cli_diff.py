@@ -17,7 +17,7 @@ from eqshard._search._diff import diff
 TESTS = Path(__file__).parent
 DEMO = TESTS.parent / "examples" / "specs" / "demo"
 MEGATRON, TWO_D = DEMO / "megatron.eqshard.json", DEMO / "2d.eqshard.json"
-DEMO_MODEL = "eqshard._cli._demo_model:build"
+DEMO_MODEL = "eqshard._demo._model:build"
 MODULE = TESTS / "suggest_model.py"
 STEP = (
     *("--step", f"{MODULE}:mlp_step", "--optimizer", f"{MODULE}:mlp_optimizer"),

@@ -21,8 +21,8 @@ DEMO = """
 import jax
 import jax.numpy as jnp
 
-from eqshard._cli._demo import make_step
-from eqshard._cli._demo_model import GPT, adamw_init, tokens
+from eqshard._demo._run import make_step
+from eqshard._demo._model import GPT, adamw_init, tokens
 
 
 def build():

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 import eqshard
-from eqshard._cli import _demo, _demo_model
+from eqshard._demo import _model as _demo_model, _run as _demo
 
 STEPS = 2  # the second step's loss shows the first update
 

@@ -16,7 +16,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 from jaxtyping import Array, Float
 
 import eqshard
-from eqshard._cli import _demo, _demo_model
+from eqshard._demo import _model as _demo_model, _run as _demo
 from eqshard.testing import assert_layouts
 
 ROOT = Path(__file__).parent.parent

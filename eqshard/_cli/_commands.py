@@ -154,7 +154,7 @@ def show(args: argparse.Namespace) -> int:
 def demo(args: argparse.Namespace) -> int:
     """`eqshard demo`: the GPT trained under each strategy (`_demo.py`)."""
     use_devices(args.devices)
-    from ._demo import main as run_demo
+    from .._demo._run import main as run_demo
 
     return run_demo(
         console(),

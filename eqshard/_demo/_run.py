@@ -13,7 +13,7 @@ over the mesh's `data` axis, and keeps every layout through the step; `eqshard.c
 compiles the same step over the same layouts to say what it holds and moves per
 device. The table compares them, final loss against the reference's.
 
-Three more rows train variants of the same GPT (`_demo_model.Variant`), each against
+Three more rows train variants of the same GPT (`_model.Variant`), each against
 its own unsharded run: `expert-parallel`, a GPT whose MLPs are 8 experts (`MOE`),
 each device holding its own expert; `context-parallel`, the GPT on sequences of 128
 (`LONG`), each device holding a quarter of each sequence; and `pipeline`, a 4-layer
@@ -48,7 +48,7 @@ from .._report import human_bytes
 from .._specfile._model import BatchRules, Rules
 from .._specfile._read import load
 from .._step import jit
-from ._demo_model import (
+from ._model import (
     GPT,
     GPT_VARIANT,
     LAYERS,

@@ -1,0 +1,1 @@
+"""`eqshard demo`: an application beside the library (see README.md)."""
