@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
 
 from ._activations import active_mesh
 from ._constrain import constrained
@@ -217,8 +218,8 @@ def recording() -> Iterator[list[Stages]]:
 
 def pipeline(
     layer: Callable[[Any, Any], Any],
-    layers: Any,
-    x: Any,
+    layers: PyTree[Any],
+    x: PyTree[Any],
     *,
     microbatches: int,
     schedule: Schedule = "gpipe",

@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from jaxtyping import PyTree
 from rich.table import Table
 from rich.text import Text
 
@@ -329,7 +330,7 @@ class Report:
 
 
 def report(
-    tree: Any,
+    tree: PyTree[Any],
     spec: Spec = FROM_FIELDS,
     *,
     mesh: AnyMesh | None = None,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,8 +24,10 @@ from .._errors import EqshardError, SpecError
 from .._fit import mesh_text
 
 if TYPE_CHECKING:
+    from jaxtyping import PyTree
+
     from .._cost._results import Cost
-    from .._plan import Plan
+    from .._plan import Plan, Spec
     from .._report import LeafRow
     from .._sharding import Devices
 
@@ -293,11 +295,11 @@ def _spec_name(spec: Any) -> str:
 
 
 def diff(
-    model: Any,
-    a: Any,
-    b: Any,
-    *args: Any,
-    step: Any = None,
+    model: PyTree[Any],
+    a: Spec,
+    b: Spec,
+    *args: PyTree[Any],
+    step: Callable[..., Any] | None = None,
     devices: Devices = None,
     simulate: int | None = None,
     target: str | None = None,

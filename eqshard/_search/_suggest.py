@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+from jaxtyping import PyTree
 
 from .._cost._driver import compiler_label, unplaced
 from .._cost._hardware import memory_size
@@ -261,9 +262,9 @@ def rank(
 
 
 def suggest(
-    model: Any,
-    *args: Any,
-    step: Any,
+    model: PyTree[Any],
+    *args: PyTree[Any],
+    step: Callable[..., Any],
     devices: Devices = None,
     simulate: int | None = None,
     target: str | None = None,

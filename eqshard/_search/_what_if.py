@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from jaxtyping import PyTree
+
 from .._cost._hardware import seconds_text
 from .._errors import EqshardError
 from .._fit import mesh_text
@@ -188,9 +190,9 @@ def target_names(targets: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def suggest_targets(
-    model: Any,
-    *args: Any,
-    step: Any,
+    model: PyTree[Any],
+    *args: PyTree[Any],
+    step: Callable[..., Any],
     targets: str | Sequence[str],
     max_memory: int | str | None = None,
     workers: int | None = None,
