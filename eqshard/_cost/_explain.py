@@ -107,6 +107,14 @@ class _Why:
         done = [u.name for u in users if u.opcode.endswith("-done")]
         return [(o, done[0] if done else c.name) for o in c.operands[:1]]
 
+    def value(self, instruction: Instruction) -> str:
+        """What a collective's first operand is a part of, in words."""
+        part = self.flow.part_of(instruction.operands[0]) if instruction.operands else None
+        if part is not None and self.flow.holds(part, PRODUCTS):
+            file, line = self.where(part)
+            return f"the output of the matmul at {file}:{line}" if file else "a matmul's output"
+        return "a value"
+
     def explained(self, op: CollectiveOp, c: Collective) -> Explained:
         instruction = self.module.instructions.get(op.name)
         if instruction is None:
@@ -161,6 +169,16 @@ class _Why:
                     f"the output of the matmul{at} is summed over {axes}: its contracting "
                     "dim is split"
                 )
+        if c.kind in ("collective-permute", "all-to-all") and _slices(c.source):
+            parts = [
+                self.leaf(self.flow.part_of(operand)) for operand, _ in self.parts(instruction)
+            ]
+            leaves = tuple(dict.fromkeys(n for n in parts if n))
+            names = ", ".join(f"`{n}`" for n in leaves) or self.value(instruction)
+            return leaves, (
+                f"{names} is split over {axes} and the step slices it across the split's "
+                "boundaries (a fused qkv cut into q, k, v): its parts move between devices"
+            )
         named = [self.leaf(o) for o in origins]
         if named and all(named):
             leaves = tuple(dict.fromkeys(n for n in named if n))
@@ -175,3 +193,9 @@ class _Why:
             return leaves, f"{c.kind} of {names} over {axes}"
         source = c.brief_source or "an op XLA does not name"
         return (), f"{UNKNOWN} which leaf: its data comes from {source}"
+
+
+def _slices(source: str) -> bool:
+    """Whether an op name is a slice's or a split's (`jit(step)/split`)."""
+    last = source.rsplit("/", 1)[-1]
+    return last in ("split", "slice", "dynamic_slice") or last.startswith("split")

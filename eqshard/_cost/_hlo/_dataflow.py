@@ -7,6 +7,8 @@ it (`sliced`), and whether it runs in a `while` loop's body (`in_loop`).
 
 from __future__ import annotations
 
+import re
+
 from ._calls import calls_of
 from ._parse import Instruction, Module
 
@@ -33,6 +35,7 @@ _MOVES = {
 # a gradient only through a product or a sum over the batch).
 _MIXES = {*PRODUCTS, "reduce", "reduce-window", "custom-call", "while", "call", "conditional"}
 _SLICES = {"slice", "dynamic-slice"}
+_COLLECTIVE = re.compile(r"all-|collective-|reduce-scatter")
 _STILL = _MOVES | {"parameter", "constant", "tuple"}  # what a fusion that moves holds
 
 
@@ -92,6 +95,22 @@ class Flow:
             seen.add(found.name)
             arrays = [o for o in found.operands if self._is_computed(o)]
             found = self.module.instructions.get(arrays[0]) if arrays else None
+        return found
+
+    def part_of(self, name: str) -> Instruction | None:
+        """What `name`'s data is a part of: past any op of one array that neither
+        multiplies, sums nor calls (a slice, a pad, elementwise work), to an entry
+        parameter, a product, a collective, ..."""
+        seen: set[str] = set()
+        found = self.module.instructions.get(name)
+        while found is not None and found.name not in seen:
+            seen.add(found.name)
+            arrays = [o for o in found.operands if self._is_computed(o)]
+            if found.opcode in ("parameter", "constant") or len(arrays) != 1:
+                break
+            if self.holds(found, _MIXES) or _COLLECTIVE.search(found.opcode):
+                break
+            found = self.module.instructions.get(arrays[0])
         return found
 
     def outputs(self, name: str) -> set[int]:
