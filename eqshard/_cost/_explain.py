@@ -170,10 +170,8 @@ class _Why:
                     "dim is split"
                 )
         if c.kind in ("collective-permute", "all-to-all") and _slices(c.source):
-            parts = [
-                self.leaf(self.flow.part_of(operand)) for operand, _ in self.parts(instruction)
-            ]
-            leaves = tuple(dict.fromkeys(n for n in parts if n))
+            pieces = [self.leaf(self.flow.part_of(operand)) for operand, _ in parts]
+            leaves = tuple(dict.fromkeys(n for n in pieces if n))
             names = ", ".join(f"`{n}`" for n in leaves) or self.value(instruction)
             return leaves, (
                 f"{names} is split over {axes} and the step slices it across the split's "
