@@ -2,11 +2,13 @@
 real `eqx.nn` models and the 8 simulated CPU devices."""
 
 import inspect
+import io
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+import rich.console
 from jax.sharding import AxisType
 
 import eqshard
@@ -81,6 +83,9 @@ def test_data_parallel_sums_each_gradient():
         assert "summed over `" in e.reason
         assert all(f"`{leaf}`" in e.reason for leaf in e.leaves)
     assert "gradients of `layers.0.weight`" in str(c.explain())
+    console = rich.console.Console(width=200, record=True, file=io.StringIO())
+    console.print(c.explain())
+    assert "summed over" in console.export_text()
 
 
 class Block(eqx.Module):
