@@ -11,7 +11,13 @@ def budget(c: Cost) -> bool:
 ```
 """
 
-from ._cost._results import Collective as Collective, Cost as Cost, Memory as Memory
+from ._cost._results import (
+    Collective as Collective,
+    Cost as Cost,
+    Explained as Explained,
+    Explanation as Explanation,
+    Memory as Memory,
+)
 from ._report import Report as Report
 from ._search._diff import Diff as Diff, LeafChange as LeafChange
 from ._search._ranked import Ranked as Ranked, Suggestion as Suggestion
@@ -21,6 +27,8 @@ __all__ = [
     "Collective",
     "Cost",
     "Diff",
+    "Explained",
+    "Explanation",
     "LeafChange",
     "Memory",
     "Ranked",

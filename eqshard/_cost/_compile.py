@@ -24,7 +24,7 @@ from .._plan import Plan
 from .._report import LeafRow, leaf_rows, memory_kind
 from .._sharding import AnyMesh
 from .._step import Lowered
-from ._hlo._collectives import collectives
+from ._hlo._collectives import CollectiveOp, collectives
 from ._hlo._parse import Module, parse
 from ._results import Collective, Memory
 
@@ -32,6 +32,7 @@ __all__ = [
     "COSTING_OPTIONS",
     "Compiled",
     "Held",
+    "as_collectives",
     "compile_step",
     "costing_options",
     "parse_hlo",
@@ -127,6 +128,11 @@ def read_collectives(hlo: str | Module, mesh: AnyMesh | None) -> list[Collective
     `_hlo._collectives.collectives` reads them, each with the mesh axes its groups
     run over."""
     module = hlo if isinstance(hlo, Module) else parse_hlo(hlo, mesh)
+    return as_collectives(collectives(module), mesh)
+
+
+def as_collectives(ops: list[CollectiveOp], mesh: AnyMesh | None) -> list[Collective]:
+    """`_hlo`'s collectives as `Cost` holds them, each with its mesh axes."""
     return [
         Collective(
             op.kind,
@@ -137,7 +143,7 @@ def read_collectives(hlo: str | Module, mesh: AnyMesh | None) -> list[Collective
             max((len(g) for g in op.groups), default=1),
             op.loop,
         )
-        for op in collectives(module)
+        for op in ops
     ]
 
 

@@ -16,6 +16,8 @@ costed in a worker on n simulated XLA:CPU devices (`_process/_workers.py`).
 from __future__ import annotations
 
 import dataclasses
+import os
+import sysconfig
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -30,6 +32,7 @@ from .._arguments import abstract_array, batch_layout
 from .._compat import filter_jit_donation
 from .._errors import EqshardError, step_error
 from .._expression import Expression
+from .._fields import is_array_like, leaf_name
 from .._pipeline import recording as recording_pipelines
 from .._plan import Plan, Spec, as_plan, placing
 from .._process._usercode import with_user_frames
@@ -38,13 +41,15 @@ from .._specfile._model import BatchRules, Rules
 from .._step import Donate, Step
 from ._compile import (
     Held,
+    as_collectives,
     compile_step,
     costing_options,
     parse_hlo,
-    read_collectives,
     read_memory,
 )
+from ._explain import explain
 from ._hlo._calls import value_dependent
+from ._hlo._collectives import collectives
 from ._hlo._flops import flops, value_dependent_flops
 from ._results import Cost
 from ._targets import CompileTarget, compile_target
@@ -161,13 +166,17 @@ def cost(
         if argument.plan is not None:  # the model, its state, an optimizer state
             held.count(argument.plan, "parameters" if i == 0 else "optimizer")
     module = parse_hlo(compiled.text, p.mesh)
+    ops = collectives(module)
+    found = as_collectives(ops, p.mesh)
+    inputs, parameters = _argument_names(abstract_model, abstract_args, lowered.arguments)
+    explained = explain(module, ops, found, inputs, _output_names(lowered), parameters, _is_user)
     dtypes = [row.dtype for row in held.parameters]
     return Cost(
         memory=dataclasses.replace(
             read_memory(held, compiled, platform),
             autotuned=on is None or on.platform != "gpu",  # a GPU target has no GPU to time
         ),
-        collectives=read_collectives(module, p.mesh),
+        collectives=found,
         flops=float(flops(module)),
         bytes_accessed=float(compiled.costs.get("bytes accessed", 0.0)),
         mesh=p.mesh,
@@ -183,6 +192,63 @@ def cost(
         loop_flops=float(value_dependent_flops(module)),
         pipelines=tuple(pipelines),
         activations=tuple(activations),
+        explanations=explained,
+    )
+
+
+def _argument_names(
+    model: Any, args: Sequence[Any], arguments: Sequence[Any]
+) -> tuple[dict[tuple[str, int], str], list[str]]:
+    """The name of each leaf of the step's arguments, by where `eqx.filter_jit`
+    lowers it (`_explain.argument_index`): the model's by its path, the others' by
+    their argument's part (`optimizer: 0.mu.layers.0.weight`, `batch`); and the
+    model's array leaves' names."""
+    names: dict[tuple[str, int], str] = {}
+    parameters = []
+    for i, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(model)[0]):
+        names[("first", i)] = leaf_name(path)
+        if is_array_like(leaf):
+            parameters.append(leaf_name(path))
+    for j, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(tuple(args))[0]):
+        k = getattr(path[0], "idx", 0)
+        kind = getattr(arguments[k + 1], "kind", "") if k + 1 < len(arguments) else ""
+        label = (
+            "state"
+            if isinstance(args[k], eqx.nn.State)
+            else {"built": "optimizer", "batch": "batch", "model": "model"}.get(kind, f"args[{k}]")
+        )
+        names[("rest", j)] = f"{label}: {leaf_name(path[1:])}" if path[1:] else label
+    return names, parameters
+
+
+def _output_names(lowered: Any) -> list[str]:
+    """The path of each of the compiled step's outputs, in order; none where this JAX
+    does not say its outputs' structure."""
+    try:
+        tree = lowered.out_tree
+        paths = jax.tree_util.tree_flatten_with_path(
+            jax.tree_util.tree_unflatten(tree, range(tree.num_leaves))
+        )[0]
+    except Exception:  # an `out_tree` that this JAX keeps elsewhere
+        return []
+    return [leaf_name(path) for path, _ in paths]
+
+
+_EQSHARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARIES = tuple(
+    {os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "purelib", "platlib")}
+)
+
+
+def _is_user(file: str) -> bool:
+    """Whether a traced frame's file is the user's: not eqshard's, not an installed
+    package's, not the standard library's."""
+    path = os.path.abspath(file)
+    return not (
+        file.startswith("<")
+        or path.startswith((_EQSHARD, *_LIBRARIES))
+        or f"{os.sep}site-packages{os.sep}" in path
+        or f"{os.sep}dist-packages{os.sep}" in path
     )
 
 

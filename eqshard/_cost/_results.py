@@ -1,5 +1,6 @@
 """What `eqshard.cost` gives: `Cost`, what one step costs per device, holding its
-`Memory` and its `Collective`s; the text that tables and messages show of them
+`Memory` and its `Collective`s, and why each moves what it moves (`Explained`,
+`Explanation`: `Cost.explain`); the text that tables and messages show of them
 (`brief_source`, `Cost.unknown_text`); and the roofline estimate on a hardware
 profile (`Cost.estimate`). No JAX is imported here.
 """
@@ -7,7 +8,8 @@ profile (`Cost.estimate`). No JAX is imported here.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from ._hardware import Estimate, Hardware, Moved, hardware_profile, roofline
 
@@ -16,7 +18,16 @@ if TYPE_CHECKING:
     from .._pipeline import Stages
     from .._sharding import AnyMesh
 
-__all__ = ["PEAK_RULES", "SOURCE_WIDTH", "Collective", "Cost", "Memory", "brief_source"]
+__all__ = [
+    "PEAK_RULES",
+    "SOURCE_WIDTH",
+    "Collective",
+    "Cost",
+    "Explained",
+    "Explanation",
+    "Memory",
+    "brief_source",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +94,89 @@ class Collective:
         """`source`, cut to at most `SOURCE_WIDTH` characters for a table (see
         `brief_source`)."""
         return brief_source(self.source)
+
+
+UNKNOWN = "eqshard cannot tell"  # the start of a reason eqshard could not find
+
+
+@dataclasses.dataclass(frozen=True)
+class Explained:
+    """Why one collective of the compiled step moves what it moves.
+
+    **Attributes:**
+
+    - `collective`: the `Collective`.
+    - `file`, `line`: the user's line that traced it (XLA's metadata records the
+        Python stack; the innermost frame outside installed packages and eqshard), its
+        operand's or its caller's where it has none of its own; `""` and 0 where none
+        is recorded.
+    - `leaves`: the argument leaves its data comes from or goes to: the model's by
+        their dotted path (`layers.0.weight`), others by their argument
+        (`optimizer: 0.mu.layers.0.weight`, `batch`).
+    - `reason`: why, in words; it starts "eqshard cannot tell" where eqshard cannot.
+    """
+
+    collective: Collective
+    file: str
+    line: int
+    leaves: tuple[str, ...]
+    reason: str
+
+    @property
+    def where(self) -> str:
+        """`file:line`, or `""` where no line is recorded."""
+        return f"{self.file}:{self.line}" if self.file else ""
+
+    @property
+    def known(self) -> bool:
+        """Whether eqshard found why (the reason is not "eqshard cannot tell")."""
+        return not self.reason.startswith(UNKNOWN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    """`Cost.explain()`: an `Explained` per collective, the most bytes first; iterated,
+    indexed and printed as a table."""
+
+    items: tuple[Explained, ...]
+
+    def __iter__(self) -> Iterator[Explained]:
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> Explained:
+        return self.items[index]
+
+    def lines(self, top: int | None = None) -> list[str]:
+        """One line per collective (the `top` most bytes, else all): its kind, bytes
+        per step and axes, where and why."""
+        from .._report import human_bytes
+
+        found = []
+        for e in self.items[:top]:
+            c = e.collective
+            axes = ", ".join(c.axes) or "no axis"
+            where = f" at {e.where}" if e.where else ""
+            found.append(f"{c.kind} {human_bytes(c.total_bytes)} over {axes}{where}: {e.reason}")
+        return found
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        from .._report import human_bytes
+
+        table = Table(title="why each byte moves", title_justify="left")
+        for column in ("collective", "bytes/step", "axes", "where", "why"):
+            table.add_column(column, justify="right" if column == "bytes/step" else "left")
+        for e in self.items:
+            c = e.collective
+            table.add_row(c.kind, human_bytes(c.total_bytes), ", ".join(c.axes), e.where, e.reason)
+        return table
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
 
 SOURCE_WIDTH = 100  # characters of a collective's source that a table shows
@@ -299,6 +393,8 @@ class Cost:
     - `pipelines`: each `eqshard.parallel.pipeline` the step runs over a mesh axis of stages, as
         its trace recorded it (`Stages`: stages, microbatches, schedule and its
         `bubble`).
+    - `explanations`: why each collective moves what it moves, in the order of
+        `collectives` (`explain()` gives them the most bytes first).
 
     !!! info "FLOPs"
 
@@ -331,6 +427,26 @@ class Cost:
     loop_flops: float = 0.0
     pipelines: tuple[Stages, ...] = ()
     activations: tuple[NamedActivation, ...] = ()
+    explanations: tuple[Explained, ...] = ()
+
+    def explain(self) -> Explanation:
+        """Why each collective moves what it moves: the user's line that traced it, the
+        argument leaves its data comes from or goes to, and a reason, the most bytes
+        first. Read from the compiled step when it was costed: nothing is compiled.
+
+        **Example:**
+
+        ```python
+        for e in eqshard.cost(model, opt_state, x, step=step, spec="fsdp").explain():
+            print(e.collective.kind, e.where, e.leaves, e.reason)
+        ```
+
+        **Returns:**
+
+        An `Explanation`: an `Explained` per collective, printed as a table.
+        """
+        ranked = sorted(self.explanations, key=lambda e: -e.collective.total_bytes)
+        return Explanation(tuple(ranked))
 
     @property
     def peak_per_stage(self) -> int | None:

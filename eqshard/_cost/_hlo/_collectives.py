@@ -41,6 +41,7 @@ class CollectiveOp:
     - `loop`: where it runs inside a `while` loop whose trip count depends on
         values (`value_dependent`), that loop, as `loop_name` gives it; then `count`
         is per trip of that loop, and the runs per step are not known. Else `None`.
+    - `name`: its instruction's name in the text (`all-reduce.5`).
     """
 
     kind: str
@@ -50,6 +51,7 @@ class CollectiveOp:
     count: int
     line: int
     loop: str | None = None
+    name: str = ""
 
 
 _ASYNC_PARTS = ("-done", "-update")
@@ -167,6 +169,7 @@ def collectives(module: Module) -> list[CollectiveOp]:
                 instruction.op_name or _caller_source(module, computation.name),
                 0,
                 instruction.line,
+                name=instruction.name,
             )
             found.append((computation.name, op))
     for chain, piece in pieces.items():

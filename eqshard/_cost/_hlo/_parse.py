@@ -1,7 +1,8 @@
 """An HLO module's text, parsed: `parse` reads `compiled.as_text()` into a `Module`
 of `Computation`s of `Instruction`s, each with its `Array` shape (or a tuple of
 them), opcode, operands by name and attributes by key, and a symbol table of every
-instruction's shape. `DTYPE_BITS` holds every primitive type XLA writes;
+instruction's shape, and the Python stack XLA records for each instruction
+(`Module.stack`). `DTYPE_BITS` holds every primitive type XLA writes;
 `unreadable` is the error every module here raises for what it cannot read, naming
 the line.
 """
@@ -20,6 +21,7 @@ __all__ = [
     "DTYPE_BITS",
     "Array",
     "Computation",
+    "Frame",
     "Instruction",
     "Module",
     "Shape",
@@ -127,6 +129,21 @@ class Instruction:
         return found.group(1) if found else ""
 
     @property
+    def source(self) -> tuple[str, int] | None:
+        """The file and line its own metadata names (`source_file=`, `source_line=`),
+        as older JAX releases record them; else `None`."""
+        metadata = self.attributes.get("metadata", "")
+        file = re.search(r'source_file="((?:[^"\\]|\\.)*)"', metadata)
+        line = re.search(r"\bsource_line=(\d+)", metadata)
+        return (file.group(1), int(line.group(1))) if file and line else None
+
+    @property
+    def stack_frame(self) -> int:
+        """The id of its innermost frame in the module's `StackFrames` (0: none)."""
+        found = re.search(r"\bstack_frame_id=(\d+)", self.attributes.get("metadata", ""))
+        return int(found.group(1)) if found else 0
+
+    @property
     def backend_config(self) -> str:
         """Its `backend_config` attribute's text, or "" where it has none."""
         return self.attributes.get("backend_config", "")
@@ -143,15 +160,41 @@ class Computation:
 
 
 @dataclasses.dataclass(frozen=True)
+class Frame:
+    """One frame of the Python stack that traced an instruction."""
+
+    file: str
+    line: int
+    function: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Module:
     """A parsed HLO module: its computations by name, the entry's name, every
-    instruction by name (XLA names them uniquely in a module), and its device
-    count (`num_partitions` times `replica_count`, 0 where the text does not say)."""
+    instruction by name (XLA names them uniquely in a module), its device count
+    (`num_partitions` times `replica_count`, 0 where the text does not say), and its
+    stack frames by id (`StackFrames`, each with its file, line and function, from
+    the `FileNames`, `FunctionNames` and `FileLocations` tables JAX has XLA print)."""
 
     computations: Mapping[str, Computation]
     entry: str
     instructions: Mapping[str, Instruction]
     devices: int
+    frames: Mapping[int, tuple[Frame, int]] = dataclasses.field(default_factory=dict)
+
+    def stack(self, instruction: Instruction) -> tuple[Frame, ...]:
+        """The Python stack that traced `instruction`, innermost frame first; its
+        metadata's own `source_file` and `source_line` where it has no frame id;
+        empty where the text records neither."""
+        found: list[Frame] = []
+        at, seen = instruction.stack_frame, set()
+        while at in self.frames and at not in seen:
+            seen.add(at)
+            frame, at = self.frames[at]
+            found.append(frame)
+        if not found and instruction.source is not None:
+            found.append(Frame(*instruction.source, ""))
+        return tuple(found)
 
     def shape(self, name: str, user: Instruction) -> Shape:
         """The shape of the instruction `name`, which `user` reads."""
@@ -209,10 +252,21 @@ def parse(text: str, devices: int = 0) -> Module:
     entry = ""
     current: list[Instruction] | None = None
     name, root = "", ""
+    tables: dict[str, dict[int, str]] = {}
+    table: dict[int, str] | None = None
     for number, line in enumerate(text.splitlines(), 1):
         if line.startswith("HloModule"):
             devices = _device_count(line) or devices
             continue
+        if current is None and line.strip() in _TABLES:
+            table = tables.setdefault(line.strip(), {})
+            continue
+        if current is None and table is not None:
+            row = re.match(r"^(\d+) (.*)$", line)
+            if row is not None:
+                table[int(row.group(1))] = row.group(2)
+                continue
+            table = None
         if current is None:
             header = _HEADER.match(line)
             if header is not None:
@@ -238,7 +292,37 @@ def parse(text: str, devices: int = 0) -> Module:
         instructions[instruction.name] = instruction
     if not entry and computations:
         entry = next(reversed(computations))  # XLA prints the entry last
-    return Module(computations, entry, instructions, devices)
+    return Module(computations, entry, instructions, devices, _frames(tables))
+
+
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def _frames(tables: dict[str, dict[int, str]]) -> dict[int, tuple[Frame, int]]:
+    """Each stack frame by id: its frame and its parent's id (0: none). XLA prints a
+    frame's parent one above its id (`parent_frame_id=1`: none; 2: frame 1)."""
+    files = {k: _unquoted(v) for k, v in tables.get("FileNames", {}).items()}
+    functions = {k: _unquoted(v) for k, v in tables.get("FunctionNames", {}).items()}
+    locations: dict[int, Frame] = {}
+    for k, v in tables.get("FileLocations", {}).items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", v))
+        locations[k] = Frame(
+            files.get(int(fields.get("file_name_id", 0)), ""),
+            int(fields.get("line", 0)),
+            functions.get(int(fields.get("function_name_id", 0)), ""),
+        )
+    frames: dict[int, tuple[Frame, int]] = {}
+    for k, v in tables.get("StackFrames", {}).items():
+        fields = dict(re.findall(r"(\w+)=(\d+)", v))
+        location = locations.get(int(fields.get("file_location_id", 0)))
+        if location is not None:
+            frames[k] = (location, int(fields.get("parent_frame_id", 0)) - 1)
+    return frames
+
+
+def _unquoted(text: str) -> str:
+    text = text.strip()
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text
 
 
 def _device_count(header: str) -> int:

@@ -1,0 +1,176 @@
+"""Where a collective's data comes from and goes to, read from a module's dataflow
+(`Flow`): its operand followed back through ops that only move or retype data
+(`origin`: an entry parameter, a matrix product, ...), its result followed forward
+to the entry's outputs through elementwise work (`outputs`), whether the step slices
+it (`sliced`), and whether it runs in a `while` loop's body (`in_loop`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from ._calls import calls_of
+from ._parse import Instruction, Module
+
+__all__ = ["PRODUCTS", "Flow"]
+
+PRODUCTS = ("dot", "convolution")
+# Ops that move or retype their one operand's data and compute nothing.
+_MOVES = {
+    "bitcast",
+    "bitcast-convert",
+    "convert",
+    "copy",
+    "copy-start",
+    "copy-done",
+    "reshape",
+    "transpose",
+    "get-tuple-element",
+    "all-gather-done",
+    "all-reduce-done",
+    "collective-permute-done",
+}
+# Ops past which a value is no longer the collective's data, elementwise: products,
+# reductions and calls (a gradient feeds its update elementwise; an activation feeds
+# a gradient only through a product or a sum over the batch).
+_MIXES = {*PRODUCTS, "reduce", "reduce-window", "custom-call", "while", "call", "conditional"}
+_SLICES = {"slice", "dynamic-slice"}
+_COLLECTIVE = re.compile(r"all-|collective-|reduce-scatter")
+_STILL = _MOVES | {"parameter", "constant", "tuple"}  # what a fusion that moves holds
+
+
+class Flow:
+    """A module's dataflow: each instruction's users, and what fused computations
+    hold."""
+
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self.users: dict[str, list[Instruction]] = {}
+        self.callers: dict[str, list[Instruction]] = {}
+        for instruction in module.instructions.values():
+            for operand in instruction.operands:
+                self.users.setdefault(operand, []).append(instruction)
+            for call in calls_of(module, instruction):
+                self.callers.setdefault(call.callee, []).append(instruction)
+
+    def holds(self, instruction: Instruction, opcodes: set[str] | tuple[str, ...]) -> bool:
+        """Whether `instruction` is one of `opcodes`, or a fusion that holds one."""
+        if instruction.opcode in opcodes:
+            return True
+        if instruction.opcode != "fusion":
+            return False
+        for call in calls_of(self.module, instruction):
+            computation = self.module.computations.get(call.callee)
+            if computation is not None and any(
+                self.holds(inner, opcodes) for inner in computation.instructions
+            ):
+                return True
+        return False
+
+    def _moves(self, instruction: Instruction) -> bool:
+        """Whether it only moves or retypes one operand: a copy, a reshape, a
+        fusion of one array that computes nothing."""
+        if instruction.opcode in _MOVES:
+            return True
+        if instruction.opcode != "fusion":
+            return False
+        arrays = [o for o in instruction.operands if self._is_computed(o)]
+        inner = [
+            i
+            for call in calls_of(self.module, instruction)
+            if call.callee in self.module.computations
+            for i in self.module.computations[call.callee].instructions
+        ]
+        return len(arrays) == 1 and all(i.opcode in _STILL for i in inner)
+
+    def _is_computed(self, name: str) -> bool:
+        found = self.module.instructions.get(name)
+        return found is not None and found.opcode not in ("constant", "partition-id", "iota")
+
+    def origin(self, name: str) -> Instruction | None:
+        """The instruction `name`'s data comes from, past ops that only move it."""
+        seen: set[str] = set()
+        found = self.module.instructions.get(name)
+        while found is not None and found.name not in seen and self._moves(found):
+            seen.add(found.name)
+            arrays = [o for o in found.operands if self._is_computed(o)]
+            found = self.module.instructions.get(arrays[0]) if arrays else None
+        return found
+
+    def part_of(self, name: str) -> Instruction | None:
+        """What `name`'s data is a part of: past any op of one array that neither
+        multiplies, sums nor calls (a slice, a pad, elementwise work), to an entry
+        parameter, a product, a collective, ..."""
+        seen: set[str] = set()
+        found = self.module.instructions.get(name)
+        while found is not None and found.name not in seen:
+            seen.add(found.name)
+            arrays = [o for o in found.operands if self._is_computed(o)]
+            if found.opcode in ("parameter", "constant") or len(arrays) != 1:
+                break
+            if self.holds(found, _MIXES) or _COLLECTIVE.search(found.opcode):
+                break
+            found = self.module.instructions.get(arrays[0])
+        return found
+
+    def outputs(self, name: str) -> set[int]:
+        """The positions of the entry's outputs that `name`'s data reaches through
+        elementwise work (not past a product, a reduction or a call); empty where
+        `name` is not in the entry computation."""
+        entry = self.module.computations.get(self.module.entry)
+        if entry is None or name not in {i.name for i in entry.instructions}:
+            return set()
+        root = self.module.instructions.get(entry.root)
+        found: set[int] = set()
+        stack, seen = [name], {name}
+        while stack:
+            at = stack.pop()
+            if root is not None and at == root.name:
+                continue
+            for user in self.users.get(at, []):
+                if root is not None and user.name == root.name:
+                    if root.opcode == "tuple":
+                        found |= {k for k, o in enumerate(root.operands) if o == at}
+                    else:
+                        found.add(0)
+                    continue
+                if user.name in seen or self.holds(user, _MIXES):
+                    continue
+                seen.add(user.name)
+                stack.append(user.name)
+        return found
+
+    def sliced(self, name: str) -> bool:
+        """Whether the step slices `name`'s data (past ops that only move it): a
+        `slice`, a `dynamic-slice`, or a fusion that holds one."""
+        stack, seen = [name], {name}
+        while stack:
+            for user in self.users.get(stack.pop(), []):
+                if self.holds(user, _SLICES):
+                    return True
+                if user.name not in seen and self._moves(user):
+                    seen.add(user.name)
+                    stack.append(user.name)
+        return False
+
+    def in_loop(self, computation: str) -> bool:
+        """Whether `computation` runs in a `while` loop's body, called from it or
+        from what it calls."""
+        stack, seen = [computation], {computation}
+        while stack:
+            for caller in self.callers.get(stack.pop(), []):
+                if caller.opcode == "while":
+                    return True
+                owner = self.computation_of(caller.name)
+                if owner is not None and owner not in seen:
+                    seen.add(owner)
+                    stack.append(owner)
+        return False
+
+    def computation_of(self, name: str) -> str | None:
+        """The computation that holds the instruction `name`."""
+        if not hasattr(self, "_owners"):
+            self._owners = {
+                i.name: c.name for c in self.module.computations.values() for i in c.instructions
+            }
+        return self._owners.get(name)

@@ -1,0 +1,187 @@
+"""`Cost.explain()`: why each collective of a compiled step moves what it moves, on
+real `eqx.nn` models and the 8 simulated CPU devices."""
+
+import inspect
+import io
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import rich.console
+from jax.sharding import AxisType
+
+import eqshard
+from eqshard._cost._hlo._parse import parse
+
+OPTIMIZER = optax.adam(1e-3)
+D = 64
+MLP = eqx.filter_eval_shape(lambda: eqx.nn.MLP(D, D, 256, 1, key=jax.random.key(0)))
+WEIGHTS = ("layers.0.weight", "layers.1.weight")
+PARAMETERS = ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias")
+BATCH = jax.ShapeDtypeStruct((1024, D), jnp.float32)  # more rows than weights: FSDP gathers these
+MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def _state(model):
+    return jax.eval_shape(
+        OPTIMIZER.init, eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    )
+
+
+@eqx.filter_jit(donate="all-except-first")
+def step(model, state, x):
+    def loss(m):
+        y = jax.vmap(m)(x)  # the model's matmuls
+        return jnp.mean(y**2)
+
+    value, grads = eqx.filter_value_and_grad(loss)(model)
+    updates, state = OPTIMIZER.update(grads, state)
+    return eqx.apply_updates(model, updates), state, value
+
+
+def _line(fn, marker):
+    """The line of `fn`'s source (in this file) that holds `marker`."""
+    lines, first = inspect.getsourcelines(fn)
+    [found] = [first + k for k, text in enumerate(lines) if marker in text]
+    return found
+
+
+def _explain(model, spec, batch, **kwargs):
+    c = eqshard.cost(model, _state(model), batch[0], step=step, spec=spec, batch=batch[1], **kwargs)
+    return c, list(c.explain())
+
+
+def test_fsdp_gathers_each_weight_where_the_step_uses_it_and_sums_its_gradient():
+    fsdp = eqshard.load({"eqshard": 1, "default": "fsdp"})
+    c, explained = _explain(MLP, fsdp, (BATCH, "b ... -> b* ..."), devices=8)
+    assert len(explained) == len(c.collectives)
+    gathers = [e for e in explained if e.collective.kind == "all-gather"]
+    assert {leaf for e in gathers for leaf in e.leaves} >= set(WEIGHTS)
+    line = _line(step, "# the model's matmuls")
+    for e in gathers:
+        [leaf] = e.leaves
+        assert leaf in PARAMETERS
+        assert (e.file, e.line) == (__file__, line)
+        assert e.reason == (
+            f"`{leaf}` is split over `{e.collective.axes[0]}` and the step uses it whole: "
+            "gathered before use"
+        )
+    sums = [e for e in explained if e.collective.kind in ("all-reduce", "reduce-scatter")]
+    assert {leaf for e in sums for leaf in e.leaves} == set(PARAMETERS)
+    assert all("summed over" in e.reason for e in sums)
+
+
+def test_data_parallel_sums_each_gradient():
+    c, explained = _explain(MLP, "... -> * ...", (BATCH, "b ... -> b* ..."), devices=8)
+    assert explained
+    assert {e.collective.kind for e in explained} == {"all-reduce"}
+    assert {leaf for e in explained for leaf in e.leaves} == set(PARAMETERS)
+    for e in explained:
+        assert e.leaves
+        assert e.known
+        assert "summed over `" in e.reason
+        assert all(f"`{leaf}`" in e.reason for leaf in e.leaves)
+    assert "gradients of `layers.0.weight`" in str(c.explain())
+    console = rich.console.Console(width=200, record=True, file=io.StringIO())
+    console.print(c.explain())
+    assert "summed over" in console.export_text()
+
+
+class Block(eqx.Module):
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.up(x))
+        return self.down(h)  # the second matmul
+
+
+MEGATRON = eqshard.load(
+    {
+        "eqshard": 1,
+        "rules": [
+            {"path": "up.weight", "expr": "o i -> * o4 i"},
+            {"path": "up.bias", "expr": "o -> * o4"},
+            {"path": "down.weight", "expr": "o i -> * o i4"},
+        ],
+    }
+)
+
+
+def test_megatron_sums_the_second_matmuls_output_over_the_model_axis():
+    keys = jax.random.split(jax.random.key(0))
+    block = eqx.filter_eval_shape(
+        lambda: Block(eqx.nn.Linear(D, 256, key=keys[0]), eqx.nn.Linear(256, D, key=keys[1]))
+    )
+    _, explained = _explain(block, MEGATRON, (BATCH, "b ... -> b2 ... 4"), mesh=MESH)
+    line = _line(Block.__call__, "# the second matmul")
+    [activation] = [e for e in explained if e.collective.axes == ("model",)]
+    assert activation.collective.kind == "all-reduce"
+    assert (activation.file, activation.line) == (__file__, line)
+    assert activation.reason == (
+        f"the output of the matmul at {__file__}:{line} is summed over `model`: its "
+        "contracting dim is split"
+    )
+    assert activation.leaves == ("down.weight",)
+    gradients = [e for e in explained if e.collective.axes == ("data",)]
+    assert {leaf for e in gradients for leaf in e.leaves} == {
+        "up.weight",
+        "up.bias",
+        "down.weight",
+        "down.bias",
+    }
+    assert all("summed over `data`" in e.reason for e in gradients)
+
+
+class Attention(eqx.Module):
+    qkv: eqx.nn.Linear
+
+    def __call__(self, x):
+        wq, wk, wv = jnp.split(self.qkv.weight, 3)  # the fused qkv, cut
+        q, k, v = x @ wq.T, x @ wk.T, x @ wv.T
+        return jax.nn.softmax(q @ k.T, axis=-1) @ v
+
+
+def test_a_fused_qkv_split_over_model_and_sliced_moves_its_parts():
+    """XLA:CPU cuts the weight's rows split over `model` into q, k and v with
+    collective-permutes of their parts, not with an all-gather before the slice."""
+    attention = eqx.filter_eval_shape(
+        lambda: Attention(eqx.nn.Linear(D, 3 * D, key=jax.random.key(0)))
+    )
+    rules = eqshard.load(
+        {
+            "eqshard": 1,
+            "rules": [
+                {"path": "qkv.weight", "expr": "o i -> * o4 i"},
+                {"path": "qkv.bias", "expr": "o -> * o4"},
+            ],
+        }
+    )
+    batch = jax.ShapeDtypeStruct((8, 16, D), jnp.float32)
+    _, explained = _explain(attention, rules, (batch, "b ... -> b2 ... 4"), mesh=MESH)
+    line = _line(Attention.__call__, "# the fused qkv, cut")
+    permutes = [e for e in explained if e.collective.kind == "collective-permute"]
+    assert permutes
+    assert not [e for e in explained if e.collective.kind == "all-gather"]
+    for e in permutes:
+        assert e.leaves == ("qkv.weight",)
+        assert (e.file, e.line) == (__file__, line)
+        assert e.reason.startswith(
+            "`qkv.weight` is split over `model` and the step slices it across the split's "
+            "boundaries"
+        )
+
+
+def test_the_parser_reads_each_instructions_python_stack():
+    text = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(3)).compile().as_text() or ""
+    module = parse(text)
+    stacks = [module.stack(i) for i in module.instructions.values()]
+    assert any(frame.file == __file__ for stack in stacks for frame in stack)
+    legacy = parse(
+        "HloModule m\n\nENTRY %main (p: f32[2]) -> f32[2] {\n"
+        '  ROOT %p = f32[2]{0} parameter(0), metadata={op_name="x" source_file="a.py" '
+        "source_line=7}\n}\n"
+    )
+    [frame] = legacy.stack(legacy.instructions["p"])
+    assert (frame.file, frame.line) == ("a.py", 7)
