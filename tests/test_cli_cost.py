@@ -393,3 +393,20 @@ def test_a_step_needs_as_many_devices_as_its_count(run_cli, files):
     result = run_cli("check", specs[0], "--model", f"{module}:build", "--device-counts", 65536)
     assert result.code == 0, result.err
     assert f"{specs[0]} on 65536 devices: ok" in result.out
+
+
+def test_check_says_why_each_byte_moves(run_cli, files, report):
+    """The replicated spec's one all-reduce, explained in the JSON and under the cost
+    line: the gradients of the MLP's four leaves, summed over the batch's axis, at the
+    step's line in the user's module."""
+    specs, module = files
+    (why,) = report["checks"][0]["cost"]["explained"]
+    line = MODULE.splitlines().index("        return jnp.mean(jax.vmap(m)(x) ** 2)") + 1
+    assert why.startswith(f"all-reduce 129.3 KiB over m0 at {module}:{line}: the gradients of ")
+    for leaf in ("layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"):
+        assert leaf in why
+    assert "summed over" in why
+    result = run_cli("check", specs[0], *_step_args(module), "--device-counts", 8)
+    assert result.code == 0, result.out + result.err
+    shown = [text for text in result.out.splitlines() if text.startswith("why: ")]
+    assert shown == [f"why: {why}"]

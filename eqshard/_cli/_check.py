@@ -444,5 +444,6 @@ def _cost_entry(
         ],
         "pipeline": found.pipeline_text(),
         "activations": [dataclasses.asdict(a) for a in found.activations],
+        "explained": found.explain().lines(),  # why each collective moves, most bytes first
     }
     return entry, ours

@@ -190,6 +190,7 @@ def _print_result(shown: Any, result: CheckResult) -> None:
         activation_lines,
         compiler_line,
         cost_line,
+        explained_lines,
         memory_line,
         result_table,
         warning_lines,
@@ -205,6 +206,8 @@ def _print_result(shown: Any, result: CheckResult) -> None:
         out(cost_line(result.cost))
         out(compiler_line(result.cost))
         for line in activation_lines(result.cost):
+            out(line)
+        for line in explained_lines(result.cost):
             out(line)
     memory = memory_line(result)
     if memory is not None:

@@ -17,6 +17,7 @@ __all__ = [
     "activation_lines",
     "compiler_line",
     "cost_line",
+    "explained_lines",
     "memory_line",
     "result_table",
     "summary_table",
@@ -82,6 +83,17 @@ def cost_line(cost: Mapping[str, Any]) -> str:
         + ("" if not cost.get("promoted") else f" ({cost['promoted']})")
         + ("" if not cost.get("pipeline") else f"; {cost['pipeline']}")
     )
+
+
+def explained_lines(cost: Mapping[str, Any], top: int = 3) -> list[str]:
+    """Why the `top` collectives that move the most bytes move them (`Cost.explain`):
+    `why: all-reduce 4.0 KiB over data at model.py:12: the gradient of ...`; the rest
+    counted."""
+    found = cost.get("explained") or []
+    lines = [f"why: {line}" for line in found[:top]]
+    if len(found) > top:
+        lines.append(f"why: {len(found) - top} more (`--format json`, or `Cost.explain()`)")
+    return lines
 
 
 def activation_lines(cost: Mapping[str, Any], limit: int = 12) -> list[str]:
