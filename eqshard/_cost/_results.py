@@ -344,8 +344,8 @@ class Memory:
             if not self.autotuned:
                 return (
                     f"{compiler}'s own peak (reported_peak), compiled with no GPU and so "
-                    "not autotuned: an H200's own compile of two MLP steps held 2% and 27% "
-                    "more (benchmarks/gpu_check.py)"
+                    "not autotuned: an H100's and an H200's own compiles of two MLP steps "
+                    "held 2% and 27% more (benchmarks/gpu_check.py)"
                 )
             return f"{compiler}'s own peak (reported_peak)"
         if self.reported_peak >= self.allocated:
