@@ -34,6 +34,7 @@ __all__ = [
     "backends_started",
     "dce_jaxpr",
     "exclude_from_tracebacks",
+    "filter_jit_compile",
     "filter_jit_donation",
     "filter_jit_lower",
     "hide_eqshard_frames",
@@ -203,6 +204,26 @@ def filter_jit_lower(step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     donated, kept, static = preprocess(info, args, kwargs, return_static=True)
     donated, kept = jax.tree_util.tree_map(back, (donated, kept))
     return lowered_type(cached.lower(donated, kept, static), info, preprocess, postprocess)
+
+
+def filter_jit_compile(lowered: Any, options: dict[str, Any] | None) -> Any:
+    """Equinox's `Lowered` compiled, with XLA's `options` for this compile where any:
+    Equinox before 0.13.2 takes none in its `compile()`, so there the JAX program it
+    holds is compiled with them and wrapped as Equinox wraps it.
+
+    **Raises:** `EqshardError` where this Equinox keeps its `Compiled` elsewhere.
+    """
+    if not options:
+        return lowered.compile()
+    try:
+        return lowered.compile(options)
+    except TypeError:  # Equinox 0.13.1: `compile(self)`
+        try:
+            compiled_type = importlib.import_module("equinox._compile_utils").Compiled
+            inner = lowered.lowered.compile(compiler_options=options)
+            return compiled_type(inner, lowered.info, lowered.preprocess, lowered.postprocess)
+        except (ImportError, AttributeError):
+            raise missing("how a lowered eqx.filter_jit step compiles", "equinox") from None
 
 
 # The compiler's memory analysis ----------------------------------------------------

@@ -562,7 +562,7 @@ class Lowered:
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         """Compiles it; `compiler_options` as `jax.stages.Lowered.compile` takes them
         (XLA's debug options by name, for this compile only)."""
-        compiled = self.lowered.compile(compiler_options)
+        compiled = _compat.filter_jit_compile(self.lowered, compiler_options)
         return Compiled(compiled, self._laid.targets, self._batch, self._step)
 
 

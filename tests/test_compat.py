@@ -205,3 +205,15 @@ def test_filter_jit_lower_names_the_version_where_equinox_moved_it(monkeypatch):
     step = eqx.filter_jit(lambda x: x)
     with pytest.raises(eqshard.EqshardError, match=r"eqx\.filter_jit step lowers .* equinox \d"):
         _compat.filter_jit_lower(step, (jax.ShapeDtypeStruct((2,), jnp.float32),), {})
+
+
+@pytest.mark.parametrize("options", [None, {"xla_llvm_disable_expensive_passes": True}])
+def test_filter_jit_compile_takes_xlas_options_on_every_equinox(options):
+    """With options, or none: Equinox before 0.13.2 takes none in `compile()`, and the
+    JAX program it holds is compiled with them instead. Either way, Equinox's compiled
+    step, called as the step is."""
+    step = eqx.filter_jit(lambda x, n: x * n)
+    lowered = _compat.filter_jit_lower(step, (jnp.ones(4), 3), {})
+    compiled = _compat.filter_jit_compile(lowered, options)
+    assert compiled(jnp.ones(4), 3).tolist() == [3.0] * 4
+    assert "multiply" in compiled.compiled.as_text()
