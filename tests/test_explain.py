@@ -185,3 +185,27 @@ def test_the_parser_reads_each_instructions_python_stack():
     )
     [frame] = legacy.stack(legacy.instructions["p"])
     assert (frame.file, frame.line) == ("a.py", 7)
+
+
+def test_zero1_gathers_each_update_made_on_the_split_optimizer_state():
+    """ZeRO-1: the parameters whole, Adam's moments split over the devices. Each
+    parameter's update is made on its part of the moments, then gathered back whole
+    for the model's layout: each all-gather names the parameter it rebuilds."""
+    zero1 = eqshard.load(
+        {
+            "eqshard": 1,
+            "mesh": [["data", "*"]],
+            "default": "replicate",
+            "optimizer": {"rules": [{"path": "**", "expr": "fsdp"}], "default": "parameter"},
+        }
+    )
+    c, explained = _explain(MLP, zero1, (BATCH, "b ... -> b8 ..."), devices=8)
+    gathers = [e for e in explained if e.collective.kind == "all-gather"]
+    assert gathers
+    assert {leaf for e in gathers for leaf in e.leaves} == set(PARAMETERS)  # each divides by 8
+    for e in gathers:
+        names = ", ".join(f"`{leaf}`" for leaf in e.leaves)
+        assert e.reason == (
+            f"the update of {names} is made where the optimizer state is split over `data`, "
+            "and the model holds it whole: gathered after the update"
+        )

@@ -178,6 +178,14 @@ class _Why:
                 "boundaries (a fused qkv cut into q, k, v): its parts move between devices"
             )
         named = [self.leaf(o) for o in origins]
+        if c.kind == "all-gather" and not (named and all(named)):
+            fed = list(dict.fromkeys(p for _, result in parts if result for p in self.fed(result)))
+            if fed:  # ZeRO-1: the update made on the split optimizer state, gathered back
+                names = ", ".join(f"`{p}`" for p in fed)
+                return tuple(fed), (
+                    f"the update of {names} is made where the optimizer state is split over "
+                    f"{axes}, and the model holds it whole: gathered after the update"
+                )
         if named and all(named):
             leaves = tuple(dict.fromkeys(n for n in named if n))
             names = ", ".join(f"`{n}`" for n in leaves)
