@@ -199,7 +199,7 @@ def test_zero1_gathers_each_update_made_on_the_split_optimizer_state():
             "optimizer": {"rules": [{"path": "**", "expr": "fsdp"}], "default": "parameter"},
         }
     )
-    c, explained = _explain(MLP, zero1, (BATCH, "b ... -> b8 ..."), devices=8)
+    _, explained = _explain(MLP, zero1, (BATCH, "b ... -> b8 ..."), devices=8)
     gathers = [e for e in explained if e.collective.kind == "all-gather"]
     assert gathers
     assert {leaf for e in gathers for leaf in e.leaves} == set(PARAMETERS)  # each divides by 8
