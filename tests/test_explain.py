@@ -23,6 +23,17 @@ BATCH = jax.ShapeDtypeStruct((1024, D), jnp.float32)  # more rows than weights: 
 MESH = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
+def _records_stacks() -> bool:
+    """Whether this JAX records each op's whole Python stack in the compiled HLO (JAX
+    0.10 does); JAX 0.8.1 records only the innermost frame outside JAX, which for an
+    `eqx.nn.Linear`'s matmul is Equinox's own, so no line of the user's is known."""
+    text = jax.jit(lambda x: x * 2).lower(jnp.ones(2)).compile().as_text() or ""
+    return "stack_frame_id" in text
+
+
+STACKS = _records_stacks()
+
+
 def _state(model):
     return jax.eval_shape(
         OPTIMIZER.init, eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
@@ -62,7 +73,7 @@ def test_fsdp_gathers_each_weight_where_the_step_uses_it_and_sums_its_gradient()
     for e in gathers:
         [leaf] = e.leaves
         assert leaf in PARAMETERS
-        assert (e.file, e.line) == (__file__, line)
+        assert (e.file, e.line) == ((__file__, line) if STACKS else ("", 0))
         assert e.reason == (
             f"`{leaf}` is split over `{e.collective.axes[0]}` and the step uses it whole: "
             "gathered before use"
@@ -118,10 +129,10 @@ def test_megatron_sums_the_second_matmuls_output_over_the_model_axis():
     line = _line(Block.__call__, "# the second matmul")
     [activation] = [e for e in explained if e.collective.axes == ("model",)]
     assert activation.collective.kind == "all-reduce"
-    assert (activation.file, activation.line) == (__file__, line)
+    assert (activation.file, activation.line) == ((__file__, line) if STACKS else ("", 0))
+    at = f" at {__file__}:{line}" if STACKS else ""
     assert activation.reason == (
-        f"the output of the matmul at {__file__}:{line} is summed over `model`: its "
-        "contracting dim is split"
+        f"the output of the matmul{at} is summed over `model`: its contracting dim is split"
     )
     assert activation.leaves == ("down.weight",)
     gradients = [e for e in explained if e.collective.axes == ("data",)]

@@ -568,9 +568,9 @@ def test_cli_targets_refuses_what_it_cannot_do(run_cli, monkeypatch, args, messa
 def test_suggest_targets_refuses_bad_names_before_compiling():
     with pytest.raises(eqshard.EqshardError, match=r"names v5e:2x2 twice"):
         eqshard.targets.suggest_targets(object(), step=models.mlp_step, targets="v5e:2x2,v5e:2x2")
-    with pytest.raises(eqshard.EqshardError, match=r"`target='h100:8'`: JAX cannot compile"):
+    with pytest.raises(eqshard.EqshardError, match=r"`target='a100:8'`: eqshard describes"):
         eqshard.targets.suggest_targets(
-            object(), step=models.mlp_step, targets=["v5e:2x2", "h100:8"]
+            object(), step=models.mlp_step, targets=["v5e:2x2", "a100:8"]
         )
 
 
