@@ -220,3 +220,43 @@ def test_zero1_gathers_each_update_made_on_the_split_optimizer_state():
             f"the update of {names} is made where the optimizer state is split over `data`, "
             "and the model holds it whole: gathered after the update"
         )
+
+
+def _demo_gpt():
+    from eqshard._demo import _model as gpt, _run as demo
+
+    model = eqx.filter_eval_shape(gpt.build)
+    state = eqx.filter_eval_shape(
+        gpt.adamw_init, eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    )
+    tokens = jax.ShapeDtypeStruct((gpt.BATCH, gpt.SEQ + 1), jnp.int32)
+    return model, state, tokens, demo
+
+
+def test_a_scanned_stacks_gradients_and_gathers_name_their_layers():
+    """The demo's GPT, its blocks stacked and scanned (a `while` loop): data parallel
+    sums every parameter's gradient, the blocks' inside the loop, each named; under
+    FSDP each all-gather that names a leaf names one the plan splits, the blocks'
+    among them."""
+    model, state, tokens, demo = _demo_gpt()
+    step = demo.make_step()
+    rows = eqshard.report(model, "... -> * ...").to_json()["leaves"]
+    names = {row["path"] for row in rows}
+    dp = eqshard.load(demo.SPECS / "data-parallel.eqshard.json")
+    explained = list(eqshard.cost(model, state, tokens, step=step, spec=dp).explain())
+    assert not [e for e in explained if e.reason.startswith("eqshard cannot tell")]
+    assert {leaf for e in explained for leaf in e.leaves} == names
+    fsdp = eqshard.load(demo.SPECS / "fsdp.eqshard.json")
+    split = {
+        row["path"]
+        for row in eqshard.report(model, fsdp).to_json()["leaves"]
+        if row["bytes_per_device"] < row["total_bytes"]
+    }
+    gathered = {
+        leaf
+        for e in eqshard.cost(model, state, tokens, step=step, spec=fsdp).explain()
+        if e.collective.kind == "all-gather"
+        for leaf in e.leaves
+    }
+    assert gathered <= split
+    assert {n for n in gathered if n.startswith("blocks.")}  # inside the scan's loop

@@ -178,6 +178,8 @@ class _Why:
                 "boundaries (a fused qkv cut into q, k, v): its parts move between devices"
             )
         named = [self.leaf(o) for o in origins]
+        if c.kind == "all-gather" and not (named and all(named)):  # a layer of a scanned stack
+            named = [self.leaf(self.flow.part_of(operand)) for operand, _ in parts]
         if c.kind == "all-gather" and not (named and all(named)):
             fed = list(dict.fromkeys(p for _, result in parts if result for p in self.fed(result)))
             if fed:  # ZeRO-1: the update made on the split optimizer state, gathered back

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ._calls import calls_of
-from ._parse import Instruction, Module
+from ._parse import Array, Instruction, Module
 
 __all__ = ["PRODUCTS", "Flow"]
 
@@ -105,7 +105,13 @@ class Flow:
         found = self.module.instructions.get(name)
         while found is not None and found.name not in seen:
             seen.add(found.name)
-            arrays = [o for o in found.operands if self._is_computed(o)]
+            carried = self._carried(found) or self._called_with(found)
+            if carried is not None:  # a scan's stacked array read in its body, or a call's
+                found = carried
+                continue
+            arrays = [o for o in found.operands if self._is_computed(o) and not self._scalar(o)]
+            if found.opcode == "dynamic-slice" and found.operands:  # its offsets aside
+                arrays = found.operands[:1]
             if found.opcode in ("parameter", "constant") or len(arrays) != 1:
                 break
             if self.holds(found, _MIXES) or _COLLECTIVE.search(found.opcode):
@@ -113,31 +119,89 @@ class Flow:
             found = self.module.instructions.get(arrays[0])
         return found
 
+    def _scalar(self, name: str) -> bool:
+        """Whether `name` is one number (a loop's counter, a slice's offset)."""
+        found = self.module.instructions.get(name)
+        return found is not None and isinstance(found.shape, Array) and not found.shape.dims
+
+    def _carried(self, instruction: Instruction) -> Instruction | None:
+        """For a `get-tuple-element` of a `while` body's parameter, what the loop was
+        given at that index (the body reads the loop-carried tuple); else `None`."""
+        if instruction.opcode != "get-tuple-element" or not instruction.operands:
+            return None
+        tuple_ = self.module.instructions.get(instruction.operands[0])
+        index = re.match(r"\s*(\d+)", instruction.attributes.get("index", ""))
+        if tuple_ is None or tuple_.opcode != "parameter" or index is None:
+            return None
+        body = self.computation_of(tuple_.name) or ""
+        for loop in self.callers.get(body, []):
+            if loop.opcode == "while" and loop.attributes.get("body", "").lstrip("%") == body:
+                given = self.module.instructions.get(loop.operands[0]) if loop.operands else None
+                if given is not None and given.opcode == "tuple":
+                    k = int(index[1])
+                    if k < len(given.operands):
+                        return self.module.instructions.get(given.operands[k])
+        return None
+
+    def _called_with(self, instruction: Instruction) -> Instruction | None:
+        """For a parameter of a computation one `call` calls (not the entry's, not a
+        loop body's), the caller's operand at its number; else `None`."""
+        if instruction.opcode != "parameter" or not instruction.operands:
+            return None
+        owner = self.computation_of(instruction.name)
+        callers = [c for c in self.callers.get(owner or "", []) if c.opcode == "call"]
+        if owner == self.module.entry or len(callers) != 1 or not instruction.operands[0].isdigit():
+            return None
+        number = int(instruction.operands[0])
+        operands = callers[0].operands
+        return self.module.instructions.get(operands[number]) if number < len(operands) else None
+
     def outputs(self, name: str) -> set[int]:
         """The positions of the entry's outputs that `name`'s data reaches through
-        elementwise work (not past a product, a reduction or a call); empty where
-        `name` is not in the entry computation."""
+        elementwise work (not past a product, a reduction or a call), out of the
+        `while` loops that hold it (a scan's body: its loop-carried tuple, then the
+        loop's result at the same index)."""
         entry = self.module.computations.get(self.module.entry)
-        if entry is None or name not in {i.name for i in entry.instructions}:
+        if entry is None:
             return set()
-        root = self.module.instructions.get(entry.root)
+        roots = {c.name: c.root for c in self.module.computations.values()}
         found: set[int] = set()
         stack, seen = [name], {name}
         while stack:
             at = stack.pop()
-            if root is not None and at == root.name:
-                continue
             for user in self.users.get(at, []):
-                if root is not None and user.name == root.name:
-                    if root.opcode == "tuple":
-                        found |= {k for k, o in enumerate(root.operands) if o == at}
-                    else:
-                        found.add(0)
+                owner = self.computation_of(user.name)
+                if owner is not None and user.name == roots.get(owner):
+                    places = (
+                        {k for k, o in enumerate(user.operands) if o == at}
+                        if user.opcode == "tuple"
+                        else {0}
+                    )
+                    if owner == entry.name:
+                        found |= places
+                    else:  # a loop body's result: on past the loop, at the same places
+                        for out in self._loop_results(owner, places):
+                            if out.name not in seen:
+                                seen.add(out.name)
+                                stack.append(out.name)
                     continue
                 if user.name in seen or self.holds(user, _MIXES):
                     continue
                 seen.add(user.name)
                 stack.append(user.name)
+        return found
+
+    def _loop_results(self, body: str, places: set[int]) -> list[Instruction]:
+        """The `get-tuple-element`s at `places` of each `while` loop whose body is
+        `body`."""
+        found = []
+        for loop in self.callers.get(body, []):
+            if loop.opcode != "while" or loop.attributes.get("body", "").lstrip("%") != body:
+                continue
+            for user in self.users.get(loop.name, []):
+                index = re.match(r"\s*(\d+)", user.attributes.get("index", ""))
+                if user.opcode == "get-tuple-element" and index and int(index[1]) in places:
+                    found.append(user)
         return found
 
     def sliced(self, name: str) -> bool:
