@@ -122,7 +122,15 @@ def test_with_a_step_it_shows_the_change_in_memory_and_communication(run_cli, tm
     assert found.costs is not None
     assert found.costs[0].memory == cost_a.memory
     assert found.costs[0].bytes_by_axes() == cost_a.bytes_by_axes()
-    memory, moved, estimate = found.lines()[-3:]
+    lines = found.lines()
+    why_a = [line for line in lines if line.startswith("why, in A: ")]
+    why_b = [line for line in lines if line.startswith("why, in B: ")]
+    assert why_a
+    assert why_b
+    assert all("cannot tell" not in line for line in why_a)
+    assert "are summed over `data`" in why_a[0]  # replicated: the gradients' all-reduce
+    assert [f"why, in A: {line}" for line in found.costs[0].explain().lines(2)] == why_a
+    memory, moved, estimate = [line for line in lines if not line.startswith("why, in ")][-3:]
     assert memory.startswith("memory per device: peak (XLA:CPU) ")
     assert ", parameters 16.4 KiB -> 2.0 KiB (-88%), optimizer 32.8 KiB -> 4.1 KiB (-87%)" in memory
     assert moved.startswith("communication per step: data ")
@@ -132,6 +140,7 @@ def test_with_a_step_it_shows_the_change_in_memory_and_communication(run_cli, tm
     costs = json.loads(json_done.out)["cost"]
     assert costs["a"]["peak"] == cost_a.memory.peak
     assert costs["b"]["optimizer"] == found.costs[1].memory.optimizer
+    assert costs["a"]["explained"] == found.costs[0].explain().lines()
 
 
 @pytest.mark.parametrize(

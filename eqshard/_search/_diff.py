@@ -184,6 +184,7 @@ def _cost_json(c: Cost) -> dict[str, Any]:
         "estimate": {"hardware": estimate.hardware.name, "seconds": estimate.seconds},
         "compiler": c.compiler,
         "batch": c.batch,
+        "explained": c.explain().lines(),  # why each collective moves, most bytes first
     }
 
 
@@ -224,7 +225,12 @@ def _cost_lines(a: Cost, b: Cost) -> list[str]:
         f"communication per step: {', '.join(moved) or 'none in either'}",
         f"estimate on {ea.hardware.name}: {seconds_text(ea.seconds)} -> "
         f"{seconds_text(eb.seconds)} (compiled by {a.compiler})",
+        *(f"why, in A: {line}" for line in a.explain().lines(_WHY)),
+        *(f"why, in B: {line}" for line in b.explain().lines(_WHY)),
     ]
+
+
+_WHY = 2  # the collectives of each spec that move the most bytes, explained
 
 
 @functools.lru_cache(maxsize=4096)
