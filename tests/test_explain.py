@@ -217,8 +217,8 @@ def test_zero1_gathers_each_update_made_on_the_split_optimizer_state():
     for e in gathers:
         names = ", ".join(f"`{leaf}`" for leaf in e.leaves)
         assert e.reason == (
-            f"the update of {names} is made where the optimizer state is split over `data`, "
-            "and the model holds it whole: gathered after the update"
+            f"the update of {names} is made split over `data`, and the model holds it whole: "
+            "gathered after the update"
         )
 
 

@@ -182,11 +182,11 @@ class _Why:
             named = [self.leaf(self.flow.part_of(operand)) for operand, _ in parts]
         if c.kind == "all-gather" and not (named and all(named)):
             fed = list(dict.fromkeys(p for _, result in parts if result for p in self.fed(result)))
-            if fed:  # ZeRO-1: the update made on the split optimizer state, gathered back
+            if fed:  # the update made split (ZeRO-1's split optimizer state), held whole
                 names = ", ".join(f"`{p}`" for p in fed)
                 return tuple(fed), (
-                    f"the update of {names} is made where the optimizer state is split over "
-                    f"{axes}, and the model holds it whole: gathered after the update"
+                    f"the update of {names} is made split over {axes}, and the model holds "
+                    "it whole: gathered after the update"
                 )
         if named and all(named):
             leaves = tuple(dict.fromkeys(n for n in named if n))
