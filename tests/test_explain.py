@@ -73,7 +73,10 @@ def test_fsdp_gathers_each_weight_where_the_step_uses_it_and_sums_its_gradient()
     for e in gathers:
         [leaf] = e.leaves
         assert leaf in PARAMETERS
-        assert (e.file, e.line) == ((__file__, line) if STACKS else ("", 0))
+        if STACKS:
+            assert (e.file, e.line) == (__file__, line)
+        else:  # at most the nearest op of the user's that touches it
+            assert e.file in ("", __file__)
         assert e.reason == (
             f"`{leaf}` is split over `{e.collective.axes[0]}` and the step uses it whole: "
             "gathered before use"
@@ -129,11 +132,17 @@ def test_megatron_sums_the_second_matmuls_output_over_the_model_axis():
     line = _line(Block.__call__, "# the second matmul")
     [activation] = [e for e in explained if e.collective.axes == ("model",)]
     assert activation.collective.kind == "all-reduce"
-    assert (activation.file, activation.line) == ((__file__, line) if STACKS else ("", 0))
-    at = f" at {__file__}:{line}" if STACKS else ""
-    assert activation.reason == (
-        f"the output of the matmul{at} is summed over `model`: its contracting dim is split"
-    )
+    if STACKS:
+        assert (activation.file, activation.line) == (__file__, line)
+        assert activation.reason == (
+            f"the output of the matmul at {__file__}:{line} is summed over `model`: its "
+            "contracting dim is split"
+        )
+    else:  # JAX 0.8.1 records the matmul at Equinox's Linear
+        assert activation.file in ("", __file__)
+        assert activation.reason == (
+            "the output of the matmul is summed over `model`: its contracting dim is split"
+        )
     assert activation.leaves == ("down.weight",)
     gradients = [e for e in explained if e.collective.axes == ("data",)]
     assert {leaf for e in gradients for leaf in e.leaves} == {
@@ -156,7 +165,8 @@ class Attention(eqx.Module):
 
 def test_a_fused_qkv_split_over_model_and_sliced_moves_its_parts():
     """XLA:CPU cuts the weight's rows split over `model` into q, k and v with
-    collective-permutes of their parts, not with an all-gather before the slice."""
+    collective-permutes of their parts, not with an all-gather before the slice. (JAX
+    0.12's XLA:CPU also makes the weight's update split and gathers it back whole.)"""
     attention = eqx.filter_eval_shape(
         lambda: Attention(eqx.nn.Linear(D, 3 * D, key=jax.random.key(0)))
     )
@@ -174,7 +184,9 @@ def test_a_fused_qkv_split_over_model_and_sliced_moves_its_parts():
     line = _line(Attention.__call__, "# the fused qkv, cut")
     permutes = [e for e in explained if e.collective.kind == "collective-permute"]
     assert permutes
-    assert not [e for e in explained if e.collective.kind == "all-gather"]
+    for e in [e for e in explained if e.collective.kind == "all-gather"]:
+        assert e.leaves == ("qkv.weight",)
+        assert e.reason.startswith("the update of `qkv.weight` is made split over `model`")
     for e in permutes:
         assert e.leaves == ("qkv.weight",)
         assert (e.file, e.line) == (__file__, line)

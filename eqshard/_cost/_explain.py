@@ -127,6 +127,8 @@ class _Why:
                 file, line = self.where(origin)
                 if file:
                     break
+        if not file:  # a gathered parameter (JAX 0.12 keeps the parameter's metadata):
+            file, line = self.used_at([result or instruction.name for _, result in parts])
         if not file:
             computation = self.flow.computation_of(instruction.name) or ""
             callers = self.flow.callers.get(computation, [])
@@ -135,6 +137,23 @@ class _Why:
         axes = " and ".join(f"`{a}`" for a in c.axes) or "its devices"
         leaves, reason = self.reason(c, instruction, parts, origins, axes)
         return Explained(c, file, line, leaves, reason)
+
+    def used_at(self, names: list[str], depth: int = 4) -> tuple[str, int]:
+        """The user's line where the step first uses what `names` hold, past ops that
+        record none (a copy, a bitcast), at most `depth` ops on; `("", 0)` if none."""
+        frontier, seen = list(names), set(names)
+        for _ in range(depth):
+            later = []
+            for name in frontier:
+                for user in self.flow.users.get(name, []):
+                    file, line = self.where(user)
+                    if file:
+                        return file, line
+                    if user.name not in seen:
+                        seen.add(user.name)
+                        later.append(user.name)
+            frontier = later
+        return "", 0
 
     def reason(
         self,
