@@ -178,8 +178,11 @@ def deviceless(name: str) -> dict:
     kind = jax.devices()[0].device_kind.lower()
     target = "h200:1" if "h200" in kind else "h100:1"
     found: dict = {"model": name, "target": target}
-    for label, where in (("target", {"target": target}), ("gpu", {"devices": 1})):
-        c = eqshard.cost(model, opt_state, x, step=step, spec=spec, **where)
+    for label, on in (("target", target), ("gpu", None)):
+        if on is None:  # the GPU itself, autotuned
+            c = eqshard.cost(model, opt_state, x, step=step, spec=spec, devices=1)
+        else:  # XLA:GPU from the GPU's description, the device unused
+            c = eqshard.cost(model, opt_state, x, step=step, spec=spec, target=on)
         found[label] = {
             "compiler": c.compiler,
             "arguments": c.memory.arguments,
@@ -197,7 +200,7 @@ PARTS = {"memory": memory, "deviceless": deviceless, "speed": speed}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--any-device", action="store_true", help="run on a CPU too (a dry run)")
     parser.add_argument("--part", choices=[*PARTS, "runtime_error"], help="run one part only")
