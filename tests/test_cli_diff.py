@@ -197,6 +197,9 @@ def test_the_command_line_diffs_in_a_worker_of_its_own(run_python, tmp_path):
     args = ("diff", a, b, "--model", f"{MODULE}:mlp_build", *STEP, "--simulate", 4)
     done = run_python(["-m", "eqshard", *map(str, args)])
     assert done.returncode == 1, done.stderr
-    lines = done.stdout.splitlines()
+    lines = [line for line in done.stdout.splitlines() if not line.startswith("why, in ")]
     assert lines[-4] == "on 4 devices, 4 of 4 array leaves are laid out differently"
     assert lines[-1].endswith("(compiled by XLA:CPU, 4 simulated devices)")
+    why = [line for line in done.stdout.splitlines() if line.startswith("why, in ")]
+    assert why  # explained in the worker, carried back with the costs
+    assert all(" over data at " in line for line in why)
