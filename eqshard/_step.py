@@ -288,7 +288,17 @@ class Step(Generic[_P, _T]):
         donate: Donate = "none",
         spec: Spec = None,
         batch: str | Expression | BatchRules | None = None,
+        plan: Plan | None = None,
     ) -> None:
+        if plan is not None:  # its name before 0.2
+            warnings.warn(
+                "`Step(fn, plan=...)` is now `Step(fn, spec=...)`, which takes any spec",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if spec is not None:
+                raise EqshardError("`spec=` and `plan=` are both given; pass `spec=` alone")
+            spec = plan
         if not callable(fn):
             raise EqshardError(f"`eqshard.jit` takes a function, not {type(fn).__name__}")
         if donate not in _DONATE:
@@ -321,6 +331,12 @@ class Step(Generic[_P, _T]):
     def __reduce__(self) -> Any:  # to a worker process: a plan holds this one's devices
         spec = None if isinstance(self.spec, Plan) else self.spec
         return (_rebuilt, (self.__wrapped__, self.donate, spec, self.batch))
+
+    @property
+    def plan(self) -> Spec:
+        """Deprecated: the spec the step was made with is `spec`."""
+        warnings.warn("`Step.plan` is now `Step.spec`", DeprecationWarning, stacklevel=2)
+        return self.spec
 
     def __call__(self, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         on = self._on()

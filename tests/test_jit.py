@@ -680,3 +680,15 @@ def test_an_error_if_that_fires_raises_what_eqx_filter_jit_raises():
             raised.append(str(caught.value))
     assert raised[0] == raised[1]
     assert "test_jit.py" in raised[1]  # the user's frame inside the step
+
+
+def test_a_step_made_with_plan_still_works_and_says_spec():
+    model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+    p = eqshard.plan(model, "... -> * ...")
+    with pytest.warns(
+        DeprecationWarning, match=r"`Step\(fn, plan=\.\.\.\)` is now `Step\(fn, spec"
+    ):
+        step = eqshard.results.Step(lambda m: m, plan=p)
+    assert step.spec is p
+    with pytest.warns(DeprecationWarning, match=r"`Step.plan` is now `Step.spec`"):
+        assert step.plan is p
