@@ -5,11 +5,9 @@ against a real GPU's compile."""
 
 import importlib.util
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
-import optax
 import pytest
+from target_models import arguments as _arguments, step as _step
 
 import eqshard
 from eqshard._cost._targets import compile_target
@@ -21,26 +19,7 @@ try:
 except eqshard.UsageError as error:  # no ptxas here
     pytest.skip(str(error), allow_module_level=True)
 
-OPTIMIZER = optax.adamw(1e-3)
 FSDP = eqshard.load({"eqshard": 1, "mesh": [["data", "*"]], "default": "fsdp"})
-
-
-def _model():
-    return eqx.nn.MLP(256, 256, 1024, 2, key=jax.random.key(0))
-
-
-@eqx.filter_jit
-def _step(model, opt_state, x):
-    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
-    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state
-
-
-def _arguments():
-    model = eqx.filter_eval_shape(_model)
-    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    opt_state = eqx.filter_eval_shape(OPTIMIZER.init, params)
-    return model, opt_state, jax.ShapeDtypeStruct((64, 256), jnp.float32)
 
 
 def test_a_step_compiled_for_gpus_reports_xla_gpus_figures():

@@ -5,38 +5,17 @@ import subprocess
 import sys
 import textwrap
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from target_models import arguments as _arguments, step as _step
 
 import eqshard
 from eqshard._cost._targets import compile_target
 
 pytest.importorskip("libtpu", reason="the TPU compiler comes with libtpu (eqshard[tpu])")
 
-OPTIMIZER = optax.adamw(1e-3)
 FSDP = eqshard.load({"eqshard": 1, "default": "fsdp"})
-
-
-def _model():
-    return eqx.nn.MLP(256, 256, 1024, 2, key=jax.random.key(0))
-
-
-@eqx.filter_jit
-def _step(model, opt_state, x):
-    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
-    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state
-
-
-def _arguments():
-    model = eqx.filter_eval_shape(_model)
-    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    opt_state = eqx.filter_eval_shape(OPTIMIZER.init, params)
-    return model, opt_state, jax.ShapeDtypeStruct((64, 256), jnp.float32)
 
 
 def test_a_step_compiled_for_a_tpu_slice_reports_the_tpu_compilers_figures():
