@@ -220,6 +220,9 @@ _HEADER = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*->.*\{\
 _INSTRUCTION = re.compile(r"^\s*(?P<root>ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<rest>.*)$")
 _OPCODE = re.compile(r"\s*(?P<opcode>[a-z][a-z0-9\-]*)\(")
 _COMMENT = re.compile(r"/\*.*?\*/")
+# a computation's end: `}`, or with attributes, as XLA:TPU ends a SparseCore's
+# computations (`}, execution_thread="sparsecore"`)
+_CLOSING = re.compile(r"^\s*\}\s*(,\s*\w+=.*)?$")
 
 
 def parse(text: str, devices: int = 0) -> Module:
@@ -277,7 +280,7 @@ def parse(text: str, devices: int = 0) -> Module:
                 where = Instruction("", (), "", (), {}, number, line)
                 raise unreadable(where, "it is an instruction outside any computation")
             continue
-        if line.strip() == "}":
+        if _CLOSING.match(line):
             computations[name] = Computation(
                 name, tuple(current), root or (current[-1].name if current else "")
             )
