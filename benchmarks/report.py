@@ -326,17 +326,20 @@ def suggest_table(found: Found) -> str:
                 _x(full / search),
                 "yes" if run["same_best"] else "**no**",
                 f"{run['kendall']:.2f} ({run['ranked_with']})",
+                f"{run['overstated']:.1%}" if "overstated" in run else "-",
             ]
         )
+    others = {t["tolerance"] for run in found["runs"].values() for t in run.get("tolerances", [])}
     header = [
         "search",
         "compiled",
         "suggest",
-        "suggest, tolerance 0.02",
+        "suggest, tolerance " + ", ".join(map(str, sorted(others))),
         "exhaustive",
         "exhaustive / suggest",
         "same best",
         "rank agreement (Kendall's tau, candidates)",
+        "estimates overstated the leaders by",
     ]
     workers = found["workers"] or "one per core"
     return f"Workers: {workers}.\n\n" + _table(header, rows)
@@ -453,6 +456,11 @@ RUNS = [
     Run("bench_suggest_llama", ("benchmarks/bench_suggest.py", "--only", "llama"), {}, {
         "bench_suggest_llama": Block("docs/performance.md", suggest_table),
         "suggest-llama": Block("docs/suggest-and-diff.md", ranking("llama")),
+    }),
+    # run by the newest JAX's Python: `PYTHON -m pip install -e '.[tpu]'`, then
+    # `PYTHON benchmarks/report.py --only bench_suggest_llama_newest`
+    Run("bench_suggest_llama_newest", ("benchmarks/bench_suggest.py", "--only", "llama"), {}, {
+        "bench_suggest_llama_newest": Block("docs/performance.md", suggest_table),
     }),
 ]  # fmt: skip
 

@@ -25,7 +25,7 @@ from eqshard._process._pickles import pickled
 from eqshard._report import human_bytes
 from eqshard._search._candidates import Candidate
 from eqshard._search._policy import proxy_guess
-from eqshard._search._ranked import Progress, Suggestion, communication, ranked
+from eqshard._search._ranked import Progress, Suggestion, communication, name_of, ranked
 from eqshard._search._suggest import rank
 
 TESTS = Path(__file__).parent
@@ -941,3 +941,57 @@ def test_a_ranking_names_the_compiler_of_the_devices_it_compiled_on():
     text = str(found)
     assert "compiled by XLA:GPU (NVIDIA H100), 1 device" in text
     assert "XLA:CPU" not in text
+
+
+def test_slices_of_one_size_share_xla_cpu_s_figures_of_each_candidate():
+    """Within `sharing_proxies` (as `suggest_targets` and `--targets` run), a second
+    slice of as many devices ranks the candidates by the figures XLA:CPU gave for the
+    first: no candidate is compiled twice by XLA:CPU. Outside it, each search compiles
+    its own."""
+    import types
+
+    from eqshard._cost._hardware import HARDWARE
+    from eqshard._search._policy import search, sharing_proxies
+
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    candidates = _mlp_candidates()
+    here = rank(candidates, models.mlp_step, *mlp, devices=8, workers=0)
+    costs = {s.name: _cost(s) for s in here}
+    asked: list[tuple[str | None, list[str]]] = []
+
+    def compile_each(chosen, where, wanted, answered):
+        found = []
+        names = []
+        for k, c in enumerate(chosen):
+            if wanted is None or wanted(k, found):
+                names.append(name_of(c))
+                found.append(costs[name_of(c)])
+            else:
+                found.append(None)
+        asked.append((where, names))
+        return found
+
+    def on(name: str):
+        return types.SimpleNamespace(name=name, hardware=HARDWARE["tpu-v5e"])
+
+    def searched(name: str):
+        return search(candidates, compile_each, 8, on(name), None, None, proxy=True)  # pyright: ignore[reportArgumentType]
+
+    with sharing_proxies():
+        first, second = searched("v5e:2x4"), searched("v5p:2x2x2")
+    cheap = [names for where, names in asked if where is None]
+    assert cheap[0]  # the first slice's XLA:CPU pass compiled
+    assert cheap[1:] == []  # the second's asked XLA:CPU for nothing
+    assert [s.name for s in first] == [s.name for s in second]
+    assert [s.proxy for s in first] == [s.proxy for s in second]
+    asked.clear()
+    searched("v5e:2x4")
+    assert [names for where, names in asked if where is None] == [cheap[0]]
+
+
+def test_cli_help_gives_suggest_s_default_tolerance(run_cli):
+    from eqshard._search._policy import TOLERANCE
+
+    done = run_cli("suggest", "--help")
+    assert done.code == 0
+    assert f"(default {TOLERANCE})" in " ".join(done.out.split())

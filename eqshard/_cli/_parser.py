@@ -446,7 +446,7 @@ def _suggest(add: _Add) -> None:
         type=_fraction,
         metavar="F",
         help="compile a candidate while its estimate is within this fraction of the best "
-        "compiled one's (default 0.05); smaller is faster and riskier",
+        "compiled one's (default 0.02); smaller is faster and riskier",
     )
     suggest.add_argument(
         "--strategies",

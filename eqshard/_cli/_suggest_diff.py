@@ -172,15 +172,17 @@ def targets_here(request: Mapping[str, Any], progress: Told = None) -> Targets:
     """`eqshard suggest --targets` in this process: every slice of the request's
     `"targets"` (a list of names) checked first, then `suggest_here` on each in
     turn, the rows built as `eqshard.targets.suggest_targets` builds them."""
+    from .._search._policy import sharing_proxies
     from .._search._suggest import placement
     from .._search._what_if import Targets, target_names
 
     names = target_names(request["targets"])
     for name in names:  # a bad name is said before the first slice compiles
         placement(None, None, name)
-    rankings = [
-        suggest_here({**request, "devices": None, "target": name}, progress) for name in names
-    ]
+    with sharing_proxies():  # XLA:CPU ranks a candidate once for slices of one size
+        rankings = [
+            suggest_here({**request, "devices": None, "target": name}, progress) for name in names
+        ]
     return Targets.of(names, rankings)
 
 

@@ -6,7 +6,10 @@ than `tolerance` (`TOLERANCE`), or every one (`exhaustive`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import contextvars
+import json
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeGuard
 
 from .._cost._hardware import HARDWARE
@@ -21,12 +24,38 @@ if TYPE_CHECKING:
     from ._estimate import Estimated
     from ._pool import Answered, CompileEach, Found, Wanted
 
-__all__ = ["TOLERANCE", "proxy_guess", "search"]
+__all__ = ["TOLERANCE", "proxy_guess", "search", "sharing_proxies"]
 
-TOLERANCE = 0.05
+TOLERANCE = 0.02
 """`suggest`'s default `tolerance`: a candidate is compiled while its estimate, times
 the lowest ratio of compiled to estimated seconds seen (at most 1), times
-`1 - tolerance`, is below the best compiled one's seconds."""
+`1 - tolerance`, is below the best compiled one's seconds.
+
+The ratio follows, in each run, how far the guesses overstated what the target's
+compiler found; the tolerance covers what one run has not yet seen. It is chosen from
+how far XLA:CPU's corrected guesses overstated XLA:TPU's figures for the candidates
+that lead (`benchmarks/bench_suggest.py`'s `overstated`): at most 1.9% on the Llama 8B
+on `v5p:4x4x4`, where 0.05 compiled three candidates to pick the one 0.02 picks with
+one."""
+
+_SHARED: contextvars.ContextVar[dict[tuple[int, str], Cost | str] | None] = contextvars.ContextVar(
+    "eqshard_shared_proxies", default=None
+)
+
+
+@contextlib.contextmanager
+def sharing_proxies() -> Iterator[None]:
+    """Within it, the searches share XLA:CPU's figures of each candidate on each count
+    of devices: `suggest_targets` compiles a candidate once for slices of one size."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
+def _key(candidate: Candidate, devices: int) -> tuple[int, str]:
+    return devices, json.dumps(candidate.rules.to_json(), sort_keys=True)
 
 
 def proxy_guess(proxy: Cost, figures: Estimated | None, hardware: Hardware) -> float:
@@ -127,7 +156,24 @@ def search(
                 seen = [r.estimate(hardware).seconds for r in found if _compiled(r)]
                 return guess is None or not seen or guess * (1 - tolerance) < min(seen)
 
-            cheap = compile_each([candidates[i] for i in open_], None, promising, None)
+            shared = _SHARED.get()
+            known = {} if shared is None else shared
+            keys = [_key(candidates[i], devices) for i in open_]
+            cheap: list[Cost | str | None] = [known.get(key) for key in keys]
+            left = [k for k, found in enumerate(cheap) if found is None]
+            if left:  # those not compiled on this count for an earlier slice
+                seen = [r for r in cheap if _compiled(r)]
+
+                def promising_left(k: int, found: Sequence[Cost | str | None]) -> bool:
+                    return promising(left[k], [*seen, *found])
+
+                fresh = compile_each(
+                    [candidates[open_[k]] for k in left], None, promising_left, None
+                )
+                for k, found in zip(left, fresh):
+                    cheap[k] = found
+                    if found is not None:
+                        known[keys[k]] = found
             for i, found in zip(open_, cheap):
                 if _compiled(found):
                     proxies[i] = found

@@ -145,7 +145,7 @@ def rank(
     workers: int | None = None,
     dropped: Sequence[tuple[str, str]] = (),
     exhaustive: bool = False,
-    tolerance: float = 0.05,
+    tolerance: float = TOLERANCE,
     progress: Callable[[Progress], None] | None = None,
 ) -> Ranked:
     """Costs the candidates by compiling the user's step under their rules, and ranks

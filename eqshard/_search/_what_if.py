@@ -19,6 +19,7 @@ from .._cost._hardware import seconds_text
 from .._errors import EqshardError
 from .._fit import mesh_text
 from .._report import as_text, human_bytes
+from ._policy import TOLERANCE, sharing_proxies
 from ._ranked import WIDTH, Progress, Ranked, Suggestion, out_of_memory
 from ._suggest import placement, suggest
 
@@ -197,7 +198,7 @@ def suggest_targets(
     max_memory: int | str | None = None,
     workers: int | None = None,
     exhaustive: bool = False,
-    tolerance: float = 0.05,
+    tolerance: float = TOLERANCE,
     progress: Callable[[Progress], None] | None = None,
 ) -> Targets:
     """The best spec on each of several TPU slices: `eqshard.suggest` on each, side
@@ -241,18 +242,19 @@ def suggest_targets(
     names = target_names(targets)
     for name in names:  # every name checked before the first slice compiles
         placement(None, None, name)
-    rankings = [
-        suggest(
-            model,
-            *args,
-            step=step,
-            target=name,
-            max_memory=max_memory,
-            workers=workers,
-            exhaustive=exhaustive,
-            tolerance=tolerance,
-            progress=progress,
-        )
-        for name in names
-    ]
+    with sharing_proxies():  # XLA:CPU ranks a candidate once for slices of one size
+        rankings = [
+            suggest(
+                model,
+                *args,
+                step=step,
+                target=name,
+                max_memory=max_memory,
+                workers=workers,
+                exhaustive=exhaustive,
+                tolerance=tolerance,
+                progress=progress,
+            )
+            for name in names
+        ]
     return Targets.of(names, rankings)
