@@ -1,7 +1,10 @@
 """Why each collective of a compiled step moves what it moves (`explain`), from the
 HLO's dataflow (`_hlo/_dataflow.py`) and the names of the step's argument leaves: a
 gradient summed over the batch's axes, a split weight gathered before use (and
-sliced after), a matmul's output summed over its split contracting dim, a pipeline's
+sliced after), a matmul's output summed over its split contracting dim (in the
+backward pass, its input's gradient over its split output dim), a gather or a
+reduction over a split dim, an activation gathered for a split weight's matmul, a
+split array sliced across its parts (and its slices' gradients joined), a pipeline's
 activations passed on; else "eqshard cannot tell". No JAX is imported here.
 """
 
@@ -211,7 +214,10 @@ class _Why:
             )
         if c.kind in ("collective-permute", "all-to-all") and _joins(c.source):
             products = [p for _, r in parts if r for p in self.flow.products_fed(r)]
-            leaves = tuple(dict.fromkeys(w for p in products for w in self.weights(p)))
+            # the forward matmul's weight, or the parameter whose gradient it makes
+            leaves = tuple(
+                dict.fromkeys(w for p in products for w in self.weights(p) or self.fed(p.name))
+            )
             names = ", ".join(f"`{n}`" for n in leaves)
             into = f"the gradient of the output of the matmul of {names}" if names else "one array"
             return leaves, (
@@ -261,7 +267,7 @@ class _Why:
         for operand, result in parts:
             origin = self.flow.origin(operand)
             product = origin if origin is not None and self.flow.holds(origin, PRODUCTS) else None
-            if product is not None and self.weights(product, parameters=True):
+            if product is not None and self.weights(product):
                 # a matmul with a parameter makes an activation (or, in the backward
                 # pass, its gradient), never a parameter's gradient: not `fed`
                 products.setdefault(self.matmul_key(product), []).append(product)
@@ -362,9 +368,9 @@ class _Why:
             f"{axes}: the dim {'they contract' if many else 'it contracts'} is split"
         )
 
-    def weights(self, product: Instruction, parameters: bool = False) -> tuple[str, ...]:
-        """The argument leaves among a matmul's operands (through a scan's stack);
-        with `parameters`, the model's parameters only (not the batch)."""
+    def weights(self, product: Instruction) -> tuple[str, ...]:
+        """The model's parameters among a matmul's operands (through a scan's stack;
+        not the batch)."""
         found = []
         for operand in product.operands:
             for at in (self.flow.origin(operand), self.flow.part_of(operand)):
@@ -372,9 +378,7 @@ class _Why:
                 if name is not None:
                     found.append(name)
                     break
-        if parameters:
-            found = [n for n in found if n in self.parameters]
-        return tuple(dict.fromkeys(found))
+        return tuple(dict.fromkeys(n for n in found if n in self.parameters))
 
     def activation(self, names: list[str]) -> tuple[str, tuple[str, ...]]:
         """An activation in words (`an activation of the matmul at f.py:3`), and the

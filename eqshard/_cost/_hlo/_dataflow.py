@@ -346,6 +346,22 @@ class Flow:
                 if user.name in seen or self.holds(user, _MIXES):
                     continue
                 seen.add(user.name)
+                if isinstance(user.shape, tuple) and user.opcode not in ("tuple", "fusion"):
+                    # a collective of several arrays (not an async `-start`, whose
+                    # `-done` reads it whole): on only from this one's element
+                    places = {k for k, o in enumerate(user.operands) if o == at}
+                    for element in self.users.get(user.name, []):
+                        index = re.match(r"\s*(\d+)", element.attributes.get("index", ""))
+                        own = index is not None and int(index[1]) in places
+                        if (
+                            element.opcode == "get-tuple-element"
+                            and own
+                            and element.name not in seen
+                        ):
+                            seen.add(element.name)
+                            stack.append(element.name)
+                    if not user.opcode.endswith("-start"):
+                        continue
                 stack.append(user.name)
         return found
 
