@@ -292,7 +292,8 @@ def _shape(e):
     for leaf in e.leaves:
         reason = reason.replace(f"`{leaf}`", "`*`")
     reason = re.sub(r"`\*`(, `\*`)+", "`*`", reason)
-    return e.collective.kind, e.collective.axes, e.where, frozenset(e.leaves), reason
+    where = e.where if STACKS else ""  # JAX 0.8.1: the innermost frame's, whichever it is
+    return e.collective.kind, e.collective.axes, where, frozenset(e.leaves), reason
 
 
 QKV = frozenset(f"blocks.attn.{p}_proj.weight" for p in ("query", "key", "value"))
@@ -425,54 +426,54 @@ def test_fsdp_gathers_weights_and_runs_the_mlp_on_gathered_activations(demo):
     """FSDP: each weight gathered where it is used, but XLA:CPU runs the MLP (whose
     weights are split on their hidden dim) as tensor parallelism over `data`: it gathers
     the activations instead, sums the second layer's output and the first layer's
-    input's gradient, and the weights' gradients stay split."""
+    input's gradient, and the weights' gradients stay split. (An activation's gather
+    is recorded at the line of the op that made it, which differs by JAX version; its
+    reason names the matmul's line.)"""
     costs, names = demo
     explained = list(costs["fsdp"].explain())
-    shapes = {_shape(e) for e in explained}
-    mlp = _at(MLP_LINE)
+    shapes = {(kind, axes, leaves, why) for kind, axes, _, leaves, why in map(_shape, explained)}
+    up, down = frozenset({"blocks.up.weight"}), frozenset({"blocks.down.weight"})
+    data = ("data",)
     assert {
         (
             "all-gather",
-            ("data",),
-            mlp,
-            frozenset({"blocks.up.weight"}),
-            "an activation split "
-            "over `data` is gathered whole for the matmul with `*`, split over `data` too: XLA "
-            "moves the activation, not the weight",
+            data,
+            up,
+            "an activation split over `data` is gathered whole for the "
+            "matmul with `*`, split over `data` too: XLA moves the activation, not the weight",
         ),
         (
             "all-gather",
-            ("data",),
-            mlp,
-            frozenset({"blocks.down.weight"}),
-            "an activation split "
-            "over `data` is gathered whole for the backward pass of the matmul with `*`, split "
-            "over `data` too: XLA moves the activation, not the weight",
+            data,
+            down,
+            "an activation split over `data` is gathered whole for the "
+            "backward pass of the matmul with `*`, split over `data` too: XLA moves the "
+            "activation, not the weight",
         ),
         (
             "all-gather",
-            ("data",),
-            mlp,
+            data,
             frozenset(),
             "an activation split over `data` is gathered whole for the backward pass of the matmul",
         ),
         (
             "all-reduce",
-            ("data",),
-            mlp,
-            frozenset({"blocks.down.weight"}),
+            data,
+            down,
             "the output of the matmul is summed over `data`: its contracting dim is split",
         ),
         (
             "all-reduce",
-            ("data",),
-            mlp,
-            frozenset({"blocks.up.weight"}),
-            "in the backward pass, "
-            "the gradient of the input of the matmul of `*` is summed over `data`: the matmul's "
-            "output dim, which the backward contracts, is split",
+            data,
+            up,
+            "in the backward pass, the gradient of the input of the "
+            "matmul of `*` is summed over `data`: the matmul's output dim, which the backward "
+            "contracts, is split",
         ),
     } <= shapes
+    for e in explained:
+        if STACKS and e.reason.startswith("an activation"):
+            assert f"the matmul at {_at(MLP_LINE)}" in e.reason
     used = {
         leaf
         for e in explained
@@ -507,7 +508,7 @@ def test_a_vits_fused_qkv_cut_into_q_k_v_moves_its_parts_at_the_split(vit):
     for e in cuts:
         [block] = {leaf.split(".attn.")[0] for leaf in e.leaves}
         assert set(e.leaves) == {f"{block}.attn.qkv.weight", f"{block}.attn.qkv.bias"}
-        assert e.where == split
+        assert e.where == split or not STACKS
         if e.collective.kind == "all-gather":  # the form another XLA may choose
             assert "all-gather before the slice" in e.reason
         else:
@@ -524,7 +525,8 @@ def test_a_vits_fused_qkv_cut_into_q_k_v_moves_its_parts_at_the_split(vit):
     assert {leaf for e in joins for leaf in e.leaves} == {
         f"blocks.{k}.attn.qkv.weight" for k in range(vit_model.DEPTH)
     }
-    assert all(e.collective.kind == "all-to-all" and e.where == split for e in joins)
+    assert all(e.collective.kind == "all-to-all" for e in joins)
+    assert all(e.where == split for e in joins) or not STACKS
 
 
 def test_every_other_collective_of_the_vit_is_named(vit):
