@@ -3,16 +3,20 @@ real `eqx.nn` models and the 8 simulated CPU devices."""
 
 import inspect
 import io
+import re
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 import rich.console
+import vit_model
 from jax.sharding import AxisType
 
 import eqshard
 from eqshard._cost._hlo._parse import parse
+from eqshard._demo import _model as gpt_model, _run as demo_run
 
 OPTIMIZER = optax.adam(1e-3)
 D = 64
@@ -245,30 +249,302 @@ def _demo_gpt():
     return model, state, tokens, demo
 
 
-def test_a_scanned_stacks_gradients_and_gathers_name_their_layers():
-    """The demo's GPT, its blocks stacked and scanned (a `while` loop): data parallel
-    sums every parameter's gradient, the blocks' inside the loop, each named; under
-    FSDP each all-gather that names a leaf names one the plan splits, the blocks'
-    among them."""
-    model, state, tokens, demo = _demo_gpt()
-    step = demo.make_step()
-    rows = eqshard.report(model, "... -> * ...").to_json()["leaves"]
-    names = {row["path"] for row in rows}
-    dp = eqshard.load(demo.SPECS / "data-parallel.eqshard.json")
-    explained = list(eqshard.cost(model, state, tokens, step=step, spec=dp).explain())
-    assert not [e for e in explained if e.reason.startswith("eqshard cannot tell")]
-    assert {leaf for e in explained for leaf in e.leaves} == names
-    fsdp = eqshard.load(demo.SPECS / "fsdp.eqshard.json")
-    split = {
-        row["path"]
-        for row in eqshard.report(model, fsdp).to_json()["leaves"]
-        if row["bytes_per_device"] < row["total_bytes"]
+STRATEGIES = ("data-parallel", "zero-1", "fsdp", "megatron", "2d")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The demo's GPT costed under each of the five classic strategies (one compile
+    each, shared by the tests below), and the names of its parameters."""
+    model, state, tokens, run = _demo_gpt()
+    step = run.make_step()
+    costs = {
+        name: eqshard.cost(
+            model, state, tokens, step=step, spec=eqshard.load(run.SPECS / f"{name}.eqshard.json")
+        )
+        for name in STRATEGIES
     }
-    gathered = {
+    names = {row["path"] for row in eqshard.report(model, "... -> * ...").to_json()["leaves"]}
+    return costs, names
+
+
+def _at(marker: str, path: str = gpt_model.__file__) -> str:
+    """`file:line` of the line of `path` that holds `marker`, where this JAX records
+    the user's lines; else `""` (JAX 0.8.1 records only the innermost frame)."""
+    with open(path) as f:
+        [line] = [k for k, text in enumerate(f, 1) if marker in text]
+    return f"{path}:{line}" if STACKS else ""
+
+
+ATTENTION = "x = x + self.attn(y, y, y"
+MLP_LINE = "return x + jax.vmap(self.down)"
+EMBEDDING = "x = jnp.vectorize(self.embed"
+LOGITS = "return jnp.vectorize(lambda v: self.unembed"
+SOFTMAX = "logp = jax.nn.log_softmax"
+TARGETS = "return -jnp.mean(jnp.take_along_axis"
+
+
+def _shape(e):
+    """A collective as a hand analysis writes it: its kind, axes, line, leaves (as a
+    set) and reason, with its lines (`at file:line`) left out and its leaves' names
+    written `*`."""
+    reason = re.sub(r" at \S+:\d+", "", e.reason)
+    for leaf in e.leaves:
+        reason = reason.replace(f"`{leaf}`", "`*`")
+    reason = re.sub(r"`\*`(, `\*`)+", "`*`", reason)
+    where = e.where if STACKS else ""  # JAX 0.8.1: the innermost frame's, whichever it is
+    return e.collective.kind, e.collective.axes, where, frozenset(e.leaves), reason
+
+
+QKV = frozenset(f"blocks.attn.{p}_proj.weight" for p in ("query", "key", "value"))
+MODEL_SUMS = [  # Megatron's collectives over `model`, by hand (2-D has the same)
+    (
+        ATTENTION,
+        QKV,
+        "in the backward pass, the gradients of the inputs of the matmuls of `*` "
+        "are summed over `model`: each matmul's output dim, which the backward contracts, is "
+        "split",
+    ),
+    (
+        ATTENTION,
+        {"blocks.attn.output_proj.weight"},
+        "the output of the matmul is summed over `model`: its contracting dim is split",
+    ),
+    (
+        MLP_LINE,
+        {"blocks.down.weight"},
+        "the output of the matmul is summed over `model`: its contracting dim is split",
+    ),
+    (
+        MLP_LINE,
+        {"blocks.up.weight"},
+        "in the backward pass, the gradient of the input of the "
+        "matmul of `*` is summed over `model`: the matmul's output dim, which the backward "
+        "contracts, is split",
+    ),
+    (
+        LOGITS,
+        {"unembed.weight"},
+        "in the backward pass, the gradient of the input of the "
+        "matmul of `*` is summed over `model`: the matmul's output dim, which the backward "
+        "contracts, is split",
+    ),
+    (
+        EMBEDDING,
+        {"embed.weight"},
+        "`eqx.nn.Embedding` gathers from `*`, split over `model` "
+        "along the dim it indexes: each device gathers what it holds, summed over `model`",
+    ),
+    (
+        SOFTMAX,
+        {"unembed.weight"},
+        "the max in `log_softmax` runs over a dim of an activation "
+        "from the matmul of `*` split over `model`: each device reduces its part, combined by "
+        "max over `model`",
+    ),
+    (
+        SOFTMAX,
+        {"unembed.weight"},
+        "the sum in `log_softmax` runs over a dim of an activation "
+        "from the matmul of `*` split over `model`: each device reduces its part, summed over "
+        "`model`",
+    ),
+    (
+        TARGETS,
+        {"unembed.weight"},
+        "`take_along_axis` gathers from an activation from the "
+        "matmul of `*`, split over `model` along the dim it indexes: each device gathers what it "
+        "holds, summed over `model`; the sum in the backward pass of `log_softmax` runs over a "
+        "dim of an activation split over `model`: each device reduces its part, summed over "
+        "`model`",
+    ),
+]
+
+
+def _expected(table, kind="all-reduce", axes=("model",)):
+    return {(kind, axes, _at(m), frozenset(leaves), why) for m, leaves, why in table}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_collective_of_the_demo_gpt_is_explained_at_the_models_lines(demo, name):
+    costs, _ = demo
+    explained = list(costs[name].explain())
+    assert explained
+    assert [e.reason for e in explained if not e.known] == []
+    model_file, step_file = gpt_model.__file__, demo_run.__file__
+    for e in explained:
+        assert e.file in ((model_file, step_file) if STACKS else ("", model_file, step_file))
+
+
+def test_megatron_sums_activations_over_model_and_no_gradient(demo):
+    """Megatron with a whole batch: no gradient is summed. Forward, the row-parallel
+    layers' outputs (attention's output projection, the MLP's second layer); backward,
+    the column-parallel layers' inputs' gradients (q, k, v, the MLP's first layer, the
+    vocab-parallel logits); the vocab-parallel embedding's lookup; log_softmax's max and
+    sum over the vocabulary split over `model`; the targets' logits picked from it."""
+    costs, _ = demo
+    found = {_shape(e) for e in costs["megatron"].explain()}
+    assert found == _expected(MODEL_SUMS)
+    assert not [e for e in costs["megatron"].explain() if e.reason.startswith("the gradient")]
+
+
+def test_2d_sums_megatrons_activations_over_model_and_the_gradients_over_data(demo):
+    costs, names = demo
+    explained = list(costs["2d"].explain())
+    over_model = {_shape(e) for e in explained if e.collective.axes == ("model",)}
+    assert over_model == _expected(MODEL_SUMS)
+    over_data = [e for e in explained if e.collective.axes == ("data",)]
+    assert {leaf for e in over_data for leaf in e.leaves} == names
+    for e in over_data:
+        assert e.reason.startswith("the gradients of ")
+        assert e.collective.kind == "all-reduce"
+
+
+def test_data_parallel_and_zero1_sum_every_gradient_and_the_loss(demo):
+    """Both sum every gradient over `data`, and the loss's sum over the batch with
+    them; ZeRO-1 then gathers each parameter's update, made where its moments are."""
+    costs, names = demo
+    for name in ("data-parallel", "zero-1"):
+        sums = [e for e in costs[name].explain() if e.collective.kind == "all-reduce"]
+        gradients = {leaf for e in sums for leaf in e.leaves if e.reason.startswith("the grad")}
+        assert gradients == names
+        [loss] = [e for e in sums if "; the sum" in e.reason]
+        assert _shape(loss)[2] == _at(TARGETS)
+        assert _shape(loss)[4].endswith(
+            "; the sum runs over a dim of an activation from the matmul of `*` split over "
+            "`data`: each device reduces its part, summed over `data`"
+        )
+    gathers = [e for e in costs["zero-1"].explain() if e.collective.kind == "all-gather"]
+    assert {leaf for e in gathers for leaf in e.leaves} == names
+    assert {_shape(e)[4] for e in gathers} == {
+        "the update of `*` is made split over `data`, and the model holds it whole: gathered "
+        "after the update"
+    }
+
+
+def test_fsdp_gathers_weights_and_runs_the_mlp_on_gathered_activations(demo):
+    """FSDP: each weight gathered where it is used, but XLA:CPU runs the MLP (whose
+    weights are split on their hidden dim) as tensor parallelism over `data`: it gathers
+    the activations instead, sums the second layer's output and the first layer's
+    input's gradient, and the weights' gradients stay split. (An activation's gather
+    is recorded at the line of the op that made it, which differs by JAX version; its
+    reason names the matmul's line.)"""
+    costs, names = demo
+    explained = list(costs["fsdp"].explain())
+    shapes = {(kind, axes, leaves, why) for kind, axes, _, leaves, why in map(_shape, explained)}
+    up, down = frozenset({"blocks.up.weight"}), frozenset({"blocks.down.weight"})
+    data = ("data",)
+    assert {
+        (
+            "all-gather",
+            data,
+            up,
+            "an activation split over `data` is gathered whole for the "
+            "matmul with `*`, split over `data` too: XLA moves the activation, not the weight",
+        ),
+        (
+            "all-gather",
+            data,
+            down,
+            "an activation split over `data` is gathered whole for the "
+            "backward pass of the matmul with `*`, split over `data` too: XLA moves the "
+            "activation, not the weight",
+        ),
+        (
+            "all-gather",
+            data,
+            frozenset(),
+            "an activation split over `data` is gathered whole for the backward pass of the matmul",
+        ),
+        (
+            "all-reduce",
+            data,
+            down,
+            "the output of the matmul is summed over `data`: its contracting dim is split",
+        ),
+        (
+            "all-reduce",
+            data,
+            up,
+            "in the backward pass, the gradient of the input of the "
+            "matmul of `*` is summed over `data`: the matmul's output dim, which the backward "
+            "contracts, is split",
+        ),
+    } <= shapes
+    for e in explained:
+        if STACKS and e.reason.startswith("an activation"):
+            assert f"the matmul at {_at(MLP_LINE)}" in e.reason
+    used = {
         leaf
-        for e in eqshard.cost(model, state, tokens, step=step, spec=fsdp).explain()
-        if e.collective.kind == "all-gather"
+        for e in explained
+        if "the step uses it whole: gathered before use" in e.reason
         for leaf in e.leaves
     }
-    assert gathered <= split
-    assert {n for n in gathered if n.startswith("blocks.")}  # inside the scan's loop
+    assert used == names - {"blocks.up.weight", "blocks.up.bias", "blocks.down.weight"}
+    gradients = {leaf for e in explained if e.reason.startswith("the grad") for leaf in e.leaves}
+    assert gradients == names - {"blocks.up.weight", "blocks.up.bias", "blocks.down.weight"}
+
+
+@pytest.fixture(scope="module")
+def vit():
+    """The DINOv3-style ViT (tests/vit_model.py) under data x tensor parallelism: its
+    fused qkv's output dim split over `model`, its output projection row-parallel,
+    the images over `data`."""
+    model = vit_model.build()
+    images = jax.ShapeDtypeStruct((8, 3, vit_model.IMAGE, vit_model.IMAGE), jnp.float32)
+    c = eqshard.cost(model, _state(model), images, step=step, spec=eqshard.load(vit_model.SPEC))
+    return list(c.explain())
+
+
+def test_a_vits_fused_qkv_cut_into_q_k_v_moves_its_parts_at_the_split(vit):
+    """The fused qkv's output, split over `model` in four, is cut into q, k and v at
+    thirds, which do not fall on the split's boundaries. XLA:CPU moves the parts with
+    collective-permutes after the slice (no all-gather before it); the backward pass
+    joins q's, k's and v's gradients back with all-to-alls. Each names the block's qkv
+    weight at the line of the split."""
+    split = _at("# the fused qkv, split", vit_model.__file__)
+    cuts = [e for e in vit if "slices it across the split's boundaries" in e.reason]
+    assert cuts
+    for e in cuts:
+        [block] = {leaf.split(".attn.")[0] for leaf in e.leaves}
+        assert set(e.leaves) == {f"{block}.attn.qkv.weight", f"{block}.attn.qkv.bias"}
+        assert e.where == split or not STACKS
+        if e.collective.kind == "all-gather":  # the form another XLA may choose
+            assert "all-gather before the slice" in e.reason
+        else:
+            assert e.collective.kind == "collective-permute"
+            assert _shape(e)[4] == (
+                "the output of the matmul of `*` is split over `model` and the step slices it "
+                "across the split's boundaries (a fused qkv cut into q, k, v): its parts move "
+                "between devices"
+            )
+    assert {leaf for e in cuts for leaf in e.leaves} >= {
+        f"blocks.{k}.attn.qkv.weight" for k in range(vit_model.DEPTH)
+    }
+    joins = [e for e in vit if e.reason.startswith("in the backward pass, the gradients of slices")]
+    assert {leaf for e in joins for leaf in e.leaves} == {
+        f"blocks.{k}.attn.qkv.weight" for k in range(vit_model.DEPTH)
+    }
+    assert all(e.collective.kind == "all-to-all" for e in joins)
+    assert all(e.where == split for e in joins) or not STACKS
+
+
+def test_every_other_collective_of_the_vit_is_named(vit):
+    """No collective is left unexplained: the output projection's output summed over
+    `model` (row-parallel), the qkv's input's gradient summed in the backward pass,
+    and every gradient with the loss summed over `data`."""
+    assert [e.reason for e in vit if not e.known] == []
+    projection = _at("# the output projection", vit_model.__file__)
+    sums = {_shape(e)[2:] for e in vit if e.collective.axes == ("model",)}
+    for k in range(vit_model.DEPTH):
+        assert (
+            projection,
+            frozenset({f"blocks.{k}.attn.proj.weight"}),
+            "the output of the matmul is summed over `model`: its contracting dim is split",
+        ) in sums
+    over_data = [e for e in vit if e.collective.axes == ("data",)]
+    names = {
+        row["path"] for row in eqshard.report(vit_model.build(), "... -> * ...").to_json()["leaves"]
+    }
+    assert {leaf for e in over_data for leaf in e.leaves} == names
+    assert all(e.reason.startswith("the gradients of ") for e in over_data)

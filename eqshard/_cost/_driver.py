@@ -169,7 +169,9 @@ def cost(
     ops = collectives(module)
     found = as_collectives(ops, p.mesh)
     inputs, parameters = _argument_names(abstract_model, abstract_args, lowered.arguments)
-    explained = explain(module, ops, found, inputs, _output_names(lowered), parameters, _is_user)
+    explained = explain(
+        module, ops, found, inputs, _output_names(lowered), parameters, _is_user, _is_caller
+    )
     dtypes = [row.dtype for row in held.parameters]
     return Cost(
         memory=dataclasses.replace(
@@ -235,21 +237,31 @@ def _output_names(lowered: Any) -> list[str]:
 
 
 _EQSHARD = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_DEMO = os.path.join(_EQSHARD, "_demo") + os.sep
+_COST = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARIES = tuple(
     {os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("stdlib", "purelib", "platlib")}
 )
 
 
 def _is_user(file: str) -> bool:
-    """Whether a traced frame's file is the user's: not eqshard's, not an installed
-    package's, not the standard library's."""
+    """Whether a traced frame's file is the user's: not eqshard's (but its demo's
+    model and step, an application beside the library), not an installed package's,
+    not the standard library's."""
     path = os.path.abspath(file)
     return not (
         file.startswith("<")
-        or path.startswith((_EQSHARD, *_LIBRARIES))
+        or (path.startswith(_EQSHARD) and not path.startswith(_DEMO))
+        or path.startswith(_LIBRARIES)
         or f"{os.sep}site-packages{os.sep}" in path
         or f"{os.sep}dist-packages{os.sep}" in path
     )
+
+
+def _is_caller(file: str) -> bool:
+    """Whether a traced frame is `cost`'s own (`_cost/`): the frames outer to it
+    called `cost`, and traced none of the step."""
+    return os.path.abspath(file).startswith(_COST)
 
 
 def _on_target(

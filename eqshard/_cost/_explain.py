@@ -1,7 +1,10 @@
 """Why each collective of a compiled step moves what it moves (`explain`), from the
 HLO's dataflow (`_hlo/_dataflow.py`) and the names of the step's argument leaves: a
 gradient summed over the batch's axes, a split weight gathered before use (and
-sliced after), a matmul's output summed over its split contracting dim, a pipeline's
+sliced after), a matmul's output summed over its split contracting dim (in the
+backward pass, its input's gradient over its split output dim), a gather or a
+reduction over a split dim, an activation gathered for a split weight's matmul, a
+split array sliced across its parts (and its slices' gradients joined), a pipeline's
 activations passed on; else "eqshard cannot tell". No JAX is imported here.
 """
 
@@ -11,9 +14,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 
 from ._hlo._collectives import CollectiveOp
-from ._hlo._dataflow import PRODUCTS, Flow
+from ._hlo._dataflow import GATHERS, PRODUCTS, REDUCES, Flow
 from ._hlo._parse import Instruction, Module
-from ._results import UNKNOWN, Collective, Explained
+from ._results import UNKNOWN, Collective, Explained, brief_source
 
 __all__ = ["argument_index", "explain"]
 
@@ -34,6 +37,7 @@ def explain(
     outputs: Sequence[str],
     parameters: Sequence[str],
     is_user: Callable[[str], bool],
+    is_caller: Callable[[str], bool] = lambda file: False,
 ) -> tuple[Explained, ...]:
     """An `Explained` for each collective.
 
@@ -46,13 +50,15 @@ def explain(
     - `outputs`: the path of each of the step's outputs (`1.0.layers.0.weight`).
     - `parameters`: the model's parameters' names (`layers.0.weight`).
     - `is_user`: whether a file is the user's (a frame to name).
+    - `is_caller`: whether a frame is the caller's of the compile (`cost`'s own):
+        no frame from it outwards traced the step, so none is named.
 
     **Returns:**
 
     A tuple of `Explained`, in the order of `found`.
     """
     flow = Flow(module)
-    why = _Why(module, flow, inputs, outputs, parameters, is_user)
+    why = _Why(module, flow, inputs, outputs, parameters, is_user, is_caller)
     return tuple(why.explained(op, c) for op, c in zip(ops, found))
 
 
@@ -65,15 +71,19 @@ class _Why:
         outputs: Sequence[str],
         parameters: Sequence[str],
         is_user: Callable[[str], bool],
+        is_caller: Callable[[str], bool],
     ) -> None:
         self.module, self.flow, self.inputs = module, flow, inputs
         self.outputs, self.parameters, self.is_user = outputs, parameters, is_user
+        self.is_caller = is_caller
 
     def where(self, instruction: Instruction | None) -> tuple[str, int]:
         """The user's frame that traced `instruction`, or `("", 0)`."""
         if instruction is None:
             return "", 0
-        for frame in self.module.stack(instruction):
+        for frame in self.module.stack(instruction):  # innermost first
+            if frame.file and self.is_caller(frame.file):
+                break
             if frame.file and self.is_user(frame.file):
                 return frame.file, frame.line
         return "", 0
@@ -106,6 +116,34 @@ class _Why:
             return [(o, by_index.get(k, "")) for k, o in enumerate(c.operands)]
         done = [u.name for u in users if u.opcode.endswith("-done")]
         return [(o, done[0] if done else c.name) for o in c.operands[:1]]
+
+    def sliced(
+        self, parts: list[tuple[str, str]], instruction: Instruction
+    ) -> tuple[tuple[str, ...], str]:
+        """The leaves a sliced value is, or is made of (a matmul's weight, a bias
+        added to its output), and the value in words."""
+        pieces = [self.leaf(self.flow.part_of(operand)) for operand, _ in parts]
+        leaves = tuple(dict.fromkeys(n for n in pieces if n))
+        if leaves:
+            return leaves, ", ".join(f"`{n}`" for n in leaves)
+        found: list[str] = []
+        products: list[Instruction] = []
+        for operand, _ in parts:
+            part = self.flow.part_of(operand)
+            for name in part.operands if part is not None else ():
+                origin = self.flow.origin(name)
+                if origin is not None and self.flow.holds(origin, PRODUCTS):
+                    products.append(origin)
+                    found += self.weights(origin)
+                elif (leaf := self.leaf(origin)) is not None:
+                    found.append(leaf)
+        if not products:
+            return (), self.value(instruction)
+        file, line = self.where(products[0])
+        at = f" at {file}:{line}" if file else ""
+        names = ", ".join(f"`{w}`" for w in self.weights(products[0]))
+        of = f" of {names}" if names else ""
+        return tuple(dict.fromkeys(found)), f"the output of the matmul{of}{at}"
 
     def value(self, instruction: Instruction) -> str:
         """What a collective's first operand is a part of, in words."""
@@ -167,34 +205,25 @@ class _Why:
         if c.kind == "collective-permute" and in_loop:
             return (), "the pipeline passes activations to the next stage"
         if c.kind in ("all-reduce", "reduce-scatter"):
-            fed = list(dict.fromkeys(p for _, result in parts if result for p in self.fed(result)))
-            if fed:
-                names = ", ".join(f"`{p}`" for p in fed)
-                which = "gradient" if len(fed) == 1 else "gradients"
-                verb = "is" if len(fed) == 1 else "are"
-                return tuple(fed), f"the {which} of {names} {verb} summed over {axes}"
-            products = [o for o in origins if o is not None and self.flow.holds(o, PRODUCTS)]
-            if products:
-                file, line = self.where(products[0])
-                at = f" at {file}:{line}" if file else ""
-                weights = tuple(
-                    dict.fromkeys(
-                        name
-                        for o in products[0].operands
-                        if (name := self.leaf(self.flow.origin(o))) is not None
-                    )
-                )
-                return weights, (
-                    f"the output of the matmul{at} is summed over {axes}: its contracting "
-                    "dim is split"
-                )
+            return self.summed(instruction, parts, axes)
         if c.kind in ("collective-permute", "all-to-all") and _slices(c.source):
-            pieces = [self.leaf(self.flow.part_of(operand)) for operand, _ in parts]
-            leaves = tuple(dict.fromkeys(n for n in pieces if n))
-            names = ", ".join(f"`{n}`" for n in leaves) or self.value(instruction)
+            leaves, what = self.sliced(parts, instruction)
             return leaves, (
-                f"{names} is split over {axes} and the step slices it across the split's "
+                f"{what} is split over {axes} and the step slices it across the split's "
                 "boundaries (a fused qkv cut into q, k, v): its parts move between devices"
+            )
+        if c.kind in ("collective-permute", "all-to-all") and _joins(c.source):
+            products = [p for _, r in parts if r for p in self.flow.products_fed(r)]
+            # the forward matmul's weight, or the parameter whose gradient it makes
+            leaves = tuple(
+                dict.fromkeys(w for p in products for w in self.weights(p) or self.fed(p.name))
+            )
+            names = ", ".join(f"`{n}`" for n in leaves)
+            into = f"the gradient of the output of the matmul of {names}" if names else "one array"
+            return leaves, (
+                f"in the backward pass, the gradients of slices are joined into {into}, "
+                f"split over {axes} across the slices' boundaries (the transpose of a fused "
+                "qkv's cut): its parts move between devices"
             )
         named = [self.leaf(o) for o in origins]
         if c.kind == "all-gather" and not (named and all(named)):  # a layer of a scanned stack
@@ -207,6 +236,9 @@ class _Why:
                     f"the update of {names} is made split over {axes}, and the model holds "
                     "it whole: gathered after the update"
                 )
+            products = [p for _, result in parts if result for p in self.flow.products_fed(result)]
+            if products:  # an activation gathered for a matmul with a split weight
+                return self.gathered_activation(products[0], axes)
         if named and all(named):
             leaves = tuple(dict.fromkeys(n for n in named if n))
             names = ", ".join(f"`{n}`" for n in leaves)
@@ -220,6 +252,202 @@ class _Why:
             return leaves, f"{c.kind} of {names} over {axes}"
         source = c.brief_source or "an op XLA does not name"
         return (), f"{UNKNOWN} which leaf: its data comes from {source}"
+
+    def summed(
+        self, instruction: Instruction, parts: list[tuple[str, str]], axes: str
+    ) -> tuple[tuple[str, ...], str]:
+        """Why an all-reduce or a reduce-scatter sums what it sums, part by part (a
+        tuple collective combines several): gradients; a matmul's output over its
+        split contracting dim; a gather, or a reduction, over a split dim."""
+        fed: list[str] = []
+        products: dict[tuple[bool, str], list[Instruction]] = {}
+        leaves: list[str] = []
+        reasons: list[str] = []
+        how = _COMBINES.get(self.flow.reducer(instruction), "combined")
+        for operand, result in parts:
+            origin = self.flow.origin(operand)
+            product = origin if origin is not None and self.flow.holds(origin, PRODUCTS) else None
+            if product is not None and self.weights(product):
+                # a matmul with a parameter makes an activation (or, in the backward
+                # pass, its gradient), never a parameter's gradient: not `fed`
+                products.setdefault(self.matmul_key(product), []).append(product)
+                continue
+            feeds = self.fed(result) if result else []
+            if feeds:
+                fed += feeds
+            elif product is not None:
+                products.setdefault(self.matmul_key(product), []).append(product)
+            elif (found := self.part(operand, axes, how)) is not None:
+                leaves += found[0]
+                reasons.append(found[1])
+            else:
+                return (), self.unknown(instruction)
+        for group in products.values():
+            found = self.products_summed(group, axes, how)
+            leaves += found[0]
+            reasons.append(found[1])
+        if fed:
+            fed = list(dict.fromkeys(fed))
+            names = ", ".join(f"`{p}`" for p in fed)
+            which, verb = ("gradient", "is") if len(fed) == 1 else ("gradients", "are")
+            reasons.insert(0, f"the {which} of {names} {verb} {how} over {axes}")
+        return tuple(dict.fromkeys(fed + leaves)), "; ".join(dict.fromkeys(reasons))
+
+    def matmul_key(self, product: Instruction) -> tuple[bool, str]:
+        """Matmuls told apart in words: the backward pass's or not, and their line."""
+        file, line = self.where(product)
+        return "transpose(" in product.op_name, f"{file}:{line}" if file else ""
+
+    def part(self, operand: str, axes: str, how: str) -> tuple[tuple[str, ...], str] | None:
+        """Why one part of a reducing collective is reduced where it is neither a
+        gradient nor a matmul's output: a gather from, or a reduction over, a dim
+        split over `axes`; `(leaves, reason)`, or `None` where eqshard cannot tell."""
+        holders = [self.flow.origin(operand), self.flow.part_of(operand)]
+        found = [
+            (at, held)
+            for at in holders
+            if at is not None and (held := self.flow.inner(at, (*GATHERS, *REDUCES)))
+        ]
+        if not found:
+            return None
+        holder, held = found[0]
+        fn, backward = _function(held.op_name)
+        file, line = self.where(held)
+        at = f" at {file}:{line}" if file else ""
+        sources = [s.name for s in self.flow.feeding(holder, held)]
+        named = [self.leaf(self.flow.origin(s)) for s in sources]
+        leaves = tuple(dict.fromkeys(n for n in named if n is not None))
+        if named and all(named):  # leaves themselves, not an activation made of them
+            what = ", ".join(f"`{n}`" for n in leaves)
+        else:
+            what, leaves = self.activation(sources)
+        if held.opcode in GATHERS:
+            by = f"`{fn}`" if fn else "a gather"
+            return leaves, (
+                f"{by}{at} gathers from {what}, split over {axes} along the dim it indexes: "
+                f"each device gathers what it holds, {how} over {axes}"
+            )
+        kind = _REDUCED.get(self.flow.reducer(held), "reduction")
+        if backward:
+            of = f" in the backward pass of `{fn}`" if fn else " in the backward pass"
+        else:
+            of = f" in `{fn}`" if fn else ""
+        return leaves, (
+            f"the {kind}{of}{at} runs over a dim of {what} split over {axes}: each device "
+            f"reduces its part, {how} over {axes}"
+        )
+
+    def products_summed(
+        self, products: list[Instruction], axes: str, how: str
+    ) -> tuple[tuple[str, ...], str]:
+        """Matmuls' outputs (of one line) summed over their split contracting dim; in
+        the backward pass, with weights among their operands, their inputs' gradients."""
+        backward, at = self.matmul_key(products[0])
+        at = f" at {at}" if at else ""
+        weights = tuple(dict.fromkeys(w for p in products for w in self.weights(p)))
+        many = len(products) > 1
+        matmul = "matmuls" if many else "matmul"
+        verb = "are" if many else "is"
+        if not backward:
+            outputs = "outputs" if many else "output"
+            return weights, (
+                f"the {outputs} of the {matmul}{at} {verb} {how} over {axes}: "
+                f"{'their' if many else 'its'} contracting dim is split"
+            )
+        if weights:
+            names = ", ".join(f"`{w}`" for w in weights)
+            gradients = "gradients of the inputs" if many else "gradient of the input"
+            return weights, (
+                f"in the backward pass, the {gradients} of the {matmul} of {names}{at} {verb} "
+                f"{how} over {axes}: {'each' if many else 'the'} matmul's output dim, which "
+                "the backward contracts, is split"
+            )
+        outputs = "outputs" if many else "output"
+        return weights, (
+            f"in the backward pass, the {outputs} of the {matmul}{at} {verb} {how} over "
+            f"{axes}: the dim {'they contract' if many else 'it contracts'} is split"
+        )
+
+    def weights(self, product: Instruction) -> tuple[str, ...]:
+        """The model's parameters among a matmul's operands (through a scan's stack;
+        not the batch)."""
+        found = []
+        for operand in product.operands:
+            for at in (self.flow.origin(operand), self.flow.part_of(operand)):
+                name = self.leaf(at)
+                if name is not None:
+                    found.append(name)
+                    break
+        return tuple(dict.fromkeys(n for n in found if n in self.parameters))
+
+    def activation(self, names: list[str]) -> tuple[str, tuple[str, ...]]:
+        """An activation in words (`an activation of the matmul at f.py:3`), and the
+        weights of the matmul it comes from."""
+        products = [p for n in names for p in self.flow.products_behind(n)]
+        if not products:
+            return "an activation", ()
+        file, line = self.where(products[0])
+        weights = self.weights(products[0])
+        of = " of " + ", ".join(f"`{w}`" for w in weights) if weights else ""
+        at = f" at {file}:{line}" if file else ""
+        return f"an activation from the matmul{of}{at}", weights
+
+    def gathered_activation(self, product: Instruction, axes: str) -> tuple[tuple[str, ...], str]:
+        """An activation gathered whole for a matmul, with a weight split over the same
+        axes (XLA moved the activation rather than the weight)."""
+        file, line = self.where(product)
+        at = f" at {file}:{line}" if file else ""
+        weights = self.weights(product)
+        backward = "the backward pass of " if "transpose(" in product.op_name else ""
+        if weights:
+            names = ", ".join(f"`{w}`" for w in weights)
+            return weights, (
+                f"an activation split over {axes} is gathered whole for {backward}the matmul"
+                f"{at} with {names}, split over {axes} too: XLA moves the activation, not "
+                "the weight"
+            )
+        return (), (
+            f"an activation split over {axes} is gathered whole for {backward}the matmul{at}"
+        )
+
+    def unknown(self, instruction: Instruction) -> str:
+        source = brief_source(instruction.op_name) or "an op XLA does not name"
+        return f"{UNKNOWN} which leaf: its data comes from {source}"
+
+
+_COMBINES = {
+    "add": "summed",
+    "maximum": "combined by max",
+    "minimum": "combined by min",
+    "multiply": "multiplied",
+}
+_REDUCED = {"add": "sum", "maximum": "max", "minimum": "min", "multiply": "product"}
+_WRAPPERS = re.compile(
+    r"^(?:jvp|vmap|transpose|jit|pjit|remat|checkpoint|custom_jvp_call|"
+    r"custom_vjp_call|closed_call)\("
+)
+_PLACES = {"", "while", "body", "cond", "closed_call", "branch"}
+
+
+def _function(op_name: str) -> tuple[str, bool]:
+    """The innermost function an op's name names, and whether it is the backward
+    pass: `jit(step)/transpose(jvp(jit(log_softmax)))/reduce_sum` is
+    `("log_softmax", True)`; `""` where only the step is named."""
+    backward = "transpose(" in op_name
+    for part in reversed(op_name.split("/")[1:-1]):
+        name = part
+        while (stripped := _WRAPPERS.sub("", name)) != name:
+            name = stripped
+        name = name.strip("()")
+        if name not in _PLACES:
+            return name, backward
+    return "", backward
+
+
+def _joins(source: str) -> bool:
+    """Whether an op name is the backward pass's join of slices (a `concatenate`
+    under `transpose(...)`: a split's transpose)."""
+    return "transpose(" in source and source.rsplit("/", 1)[-1] == "concatenate"
 
 
 def _slices(source: str) -> bool:

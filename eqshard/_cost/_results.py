@@ -107,7 +107,8 @@ class Explained:
 
     - `collective`: the `Collective`.
     - `file`, `line`: the user's line that traced it (XLA's metadata records the
-        Python stack; the innermost frame outside installed packages and eqshard), its
+        Python stack; the innermost frame outside installed packages and eqshard, the
+        demo's files counting as the user's, and inside the step `cost` traced), its
         operand's or its caller's where it has none of its own; `""` and 0 where none
         is recorded.
     - `leaves`: the argument leaves its data comes from or goes to: the model's by

@@ -12,7 +12,7 @@ import re
 from ._calls import calls_of
 from ._parse import Array, Instruction, Module
 
-__all__ = ["PRODUCTS", "Flow"]
+__all__ = ["GATHERS", "PRODUCTS", "REDUCES", "Flow"]
 
 PRODUCTS = ("dot", "convolution")
 # Ops that move or retype their one operand's data and compute nothing.
@@ -33,9 +33,20 @@ _MOVES = {
 # Ops past which a value is no longer the collective's data, elementwise: products,
 # reductions and calls (a gradient feeds its update elementwise; an activation feeds
 # a gradient only through a product or a sum over the batch).
-_MIXES = {*PRODUCTS, "reduce", "reduce-window", "custom-call", "while", "call", "conditional"}
+_MIXES = {
+    *PRODUCTS,
+    "reduce",
+    "reduce-window",
+    "custom-call",
+    "while",
+    "call",
+    "conditional",
+}
+GATHERS = ("gather",)
+REDUCES = ("reduce", "reduce-window")
 _SLICES = {"slice", "dynamic-slice"}
 _COLLECTIVE = re.compile(r"all-|collective-|reduce-scatter")
+_REDUCING = re.compile(r"all-reduce|reduce-scatter")
 _STILL = _MOVES | {"parameter", "constant", "tuple"}  # what a fusion that moves holds
 
 
@@ -66,6 +77,126 @@ class Flow:
             ):
                 return True
         return False
+
+    def inner(
+        self, instruction: Instruction, opcodes: set[str] | tuple[str, ...]
+    ) -> Instruction | None:
+        """`instruction` where it is one of `opcodes`; for a fusion, the one of them
+        it holds nearest its root (a gather whose rows a fusion then sums: the sum);
+        `None` where it holds none."""
+        if instruction.opcode in opcodes:
+            return instruction
+        if instruction.opcode != "fusion":
+            return None
+        for call in calls_of(self.module, instruction):
+            computation = self.module.computations.get(call.callee)
+            if computation is None:
+                continue
+            by_name = {i.name: i for i in computation.instructions}
+            frontier, seen = [computation.root], {computation.root}
+            while frontier:
+                later = []
+                for name in frontier:
+                    at = by_name.get(name)
+                    found = self.inner(at, opcodes) if at is not None else None
+                    if found is not None:
+                        return found
+                    for operand in at.operands if at is not None else ():
+                        if operand not in seen:
+                            seen.add(operand)
+                            later.append(operand)
+                frontier = later
+        return None
+
+    def products_behind(self, name: str, depth: int = 6) -> list[Instruction]:
+        """The matrix products nearest behind `name`'s data: back through any op but
+        a collective, at most `depth` ops back (a softmax's logits, past the
+        subtraction of their max)."""
+        found: list[Instruction] = []
+        frontier, seen = [name], {name}
+        for _ in range(depth):
+            later = []
+            for at in frontier:
+                instruction = self.module.instructions.get(at)
+                if instruction is None or instruction.opcode == "parameter":
+                    continue
+                if self.holds(instruction, PRODUCTS):
+                    found.append(instruction)
+                    continue
+                if _COLLECTIVE.search(instruction.opcode):
+                    continue
+                for operand in instruction.operands:
+                    if operand not in seen and self._is_computed(operand):
+                        seen.add(operand)
+                        later.append(operand)
+            frontier = later
+            if found:
+                break
+        return found
+
+    def feeding(
+        self, instruction: Instruction, held: Instruction, operand: int = 0
+    ) -> list[Instruction]:
+        """What feeds `held`'s operand number `operand` (by default the array a gather
+        or a reduction reads): where `instruction` is `held`, that operand; where
+        `instruction` is a fusion that holds it, the fusion's operands whose data
+        reaches it there."""
+        if instruction is held:
+            name = held.operands[operand] if operand < len(held.operands) else ""
+            found = self.module.instructions.get(name)
+            return [found] if found is not None else []
+        by_name = {}
+        for call in calls_of(self.module, instruction):
+            computation = self.module.computations.get(call.callee)
+            by_name.update({i.name: i for i in computation.instructions} if computation else {})
+        numbers: set[int] = set()
+        stack = list(held.operands[operand : operand + 1])
+        seen = set(stack)
+        while stack:
+            at = by_name.get(stack.pop())
+            if at is None:
+                continue
+            if at.opcode == "parameter" and at.operands and at.operands[0].isdigit():
+                numbers.add(int(at.operands[0]))
+            for name in at.operands:
+                if name not in seen:
+                    seen.add(name)
+                    stack.append(name)
+        return [
+            found
+            for k in sorted(numbers)
+            if k < len(instruction.operands)
+            and (found := self.module.instructions.get(instruction.operands[k])) is not None
+            and self._is_computed(found.name)
+        ]
+
+    def reducer(self, collective: Instruction) -> str:
+        """The opcode that a reducing collective combines its parts with (`add`,
+        `maximum`): its `to_apply` computation's root; "" where it has none."""
+        name = collective.attributes.get("to_apply", "").strip().lstrip("%")
+        computation = self.module.computations.get(name)
+        root = self.module.instructions.get(computation.root) if computation else None
+        return root.opcode if root is not None else ""
+
+    def products_fed(self, name: str, depth: int = 8) -> list[Instruction]:
+        """The matrix products that `name`'s data reaches, forward through ops that
+        move it or work on it elementwise, and collectives that only move it (not past
+        a reduction, a call, an all-reduce), at most `depth` ops on."""
+        found: list[Instruction] = []
+        frontier, seen = [name], {name}
+        for _ in range(depth):
+            later = []
+            for at in frontier:
+                for user in self.users.get(at, []):
+                    if user.name in seen:
+                        continue
+                    seen.add(user.name)
+                    if self.holds(user, PRODUCTS):
+                        found.append(user)
+                    elif not (self.holds(user, _MIXES) or _REDUCING.search(user.opcode)):
+                        later.append(user.name)  # past a collective that only moves data
+            frontier = later
+        return found
 
     def _moves(self, instruction: Instruction) -> bool:
         """Whether it only moves or retypes one operand: a copy, a reshape, a
@@ -105,7 +236,7 @@ class Flow:
         found = self.module.instructions.get(name)
         while found is not None and found.name not in seen:
             seen.add(found.name)
-            carried = self._carried(found) or self._called_with(found)
+            carried = self._carried(found) or self._called_with(found) or self._passed(found)
             if carried is not None:  # a scan's stacked array read in its body, or a call's
                 found = carried
                 continue
@@ -142,6 +273,33 @@ class Flow:
                     if k < len(given.operands):
                         return self.module.instructions.get(given.operands[k])
         return None
+
+    def _passed(self, instruction: Instruction) -> Instruction | None:
+        """For a `get-tuple-element` of a `while` loop's result that its body passes
+        on unchanged (a scan's stacked weights, carried to the backward pass), what
+        the loop was given at that index; for one its body writes a slice of per trip
+        (a scan's stacked output, a layer's weight saved for the backward pass), what
+        it writes; else `None`."""
+        if instruction.opcode != "get-tuple-element" or not instruction.operands:
+            return None
+        loop = self.module.instructions.get(instruction.operands[0])
+        index = re.match(r"\s*(\d+)", instruction.attributes.get("index", ""))
+        if loop is None or loop.opcode != "while" or index is None or not loop.operands:
+            return None
+        body = self.module.computations.get(loop.attributes.get("body", "").lstrip("%"))
+        root = self.module.instructions.get(body.root) if body is not None else None
+        k = int(index[1])
+        if root is None or root.opcode != "tuple" or k >= len(root.operands):
+            return None
+        passed = self.origin(root.operands[k])
+        written = self.inner(passed, ("dynamic-update-slice",)) if passed is not None else None
+        if passed is not None and written is not None:  # a scan's output, a slice per trip
+            updates = [u for u in self.feeding(passed, written, 1) if not self._scalar(u.name)]
+            return updates[0] if len(updates) == 1 else None
+        if passed is None or self._carried(passed) is None:
+            return None
+        at = re.match(r"\s*(\d+)", passed.attributes.get("index", ""))
+        return self._carried(passed) if at is not None and int(at[1]) == k else None
 
     def _called_with(self, instruction: Instruction) -> Instruction | None:
         """For a parameter of a computation one `call` calls (not the entry's, not a
@@ -188,6 +346,22 @@ class Flow:
                 if user.name in seen or self.holds(user, _MIXES):
                     continue
                 seen.add(user.name)
+                if isinstance(user.shape, tuple) and user.opcode not in ("tuple", "fusion"):
+                    # a collective of several arrays (not an async `-start`, whose
+                    # `-done` reads it whole): on only from this one's element
+                    places = {k for k, o in enumerate(user.operands) if o == at}
+                    for element in self.users.get(user.name, []):
+                        index = re.match(r"\s*(\d+)", element.attributes.get("index", ""))
+                        own = index is not None and int(index[1]) in places
+                        if (
+                            element.opcode == "get-tuple-element"
+                            and own
+                            and element.name not in seen
+                        ):
+                            seen.add(element.name)
+                            stack.append(element.name)
+                    if not user.opcode.endswith("-start"):
+                        continue
                 stack.append(user.name)
         return found
 
