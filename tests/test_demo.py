@@ -267,6 +267,14 @@ def test_pipeline_gives_each_stage_its_layer_and_permutes_microbatches(outcomes)
         if c.kind == "collective-permute" and "transpose" not in c.source and c.count > 1
     ]
     assert forward == [(hand, 11)]
+    (passed,) = [
+        e
+        for e in outcome.cost.explain()
+        if e.collective.kind == "collective-permute"
+        and e.collective.count > 1
+        and "transpose" not in e.collective.source
+    ]
+    assert passed.reason == "the pipeline passes activations to the next stage"
 
 
 def test_a_spec_that_does_not_fit_is_named(devices):

@@ -23,6 +23,7 @@ import optax
 import pytest
 
 import eqshard
+from eqshard._fields import leaf_name
 
 OPTIMIZER = optax.adam(1e-3)
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -230,7 +231,9 @@ def _cell(model_name: str, strategy: str, target: str | None) -> dict[str, Any]:
         if s is not None and not s.is_fully_replicated and sum(d > 1 for d in x.shape) >= 2
     )
     memory = compiled.memory_analysis()
+    paths = jax.tree_util.tree_leaves_with_path(params)
     return {
+        "leaf_bytes": {leaf_name(path): x.size * x.dtype.itemsize for path, x in paths},
         "split_matrices": matrices,
         "cost": c,
         "xla_flops": float(costs["flops"]),
@@ -336,6 +339,49 @@ def test_each_cell_agrees_with_the_compiler_and_the_hand_count(model_name, strat
             assert gathered == cell["split_bytes"] > 0
         else:  # XLA:TPU may update a small vector whole on every device instead
             assert cell["split_matrices"] <= gathered <= cell["split_bytes"]
+    _explained_as_by_hand(c, cell, strategy, target)
+
+
+def _explained_as_by_hand(c: Any, cell: dict[str, Any], strategy: str, target: str | None):
+    """`explain` against the hand analysis of each strategy: every collective has a
+    reason; every parameter's gradient is summed over `data` where the parameters are
+    copied over it; a ZeRO-1 gather brings back one parameter's whole update, and an
+    FSDP gather one parameter before use (its bytes, on XLA:CPU, the parameter's
+    own); Megatron sums the row-parallel layer's output over `model`."""
+    explained = c.explain()
+    assert [e for e in explained if not e.known] == []
+    sizes = cell["leaf_bytes"]
+    summed = {
+        leaf
+        for e in explained
+        if e.collective.kind in ("all-reduce", "reduce-scatter") and "gradient" in e.reason
+        for leaf in e.leaves
+    }
+    if strategy in ("data parallel", "ZeRO-1", "2D"):
+        assert summed == set(sizes)
+    gathers = [e for e in explained if e.collective.kind == "all-gather" and e.leaves]
+    if strategy == "ZeRO-1":
+        assert {leaf for e in gathers for leaf in e.leaves} <= set(sizes)
+        for e in gathers:
+            (leaf,) = e.leaves
+            assert e.reason.startswith(f"the update of `{leaf}` is made split over `data`")
+            assert target is not None or e.collective.bytes == sizes[leaf]
+    if strategy == "FSDP":  # a parameter gathered, or an activation for its matmul
+        for e in gathers:
+            if not set(e.leaves) <= set(sizes):
+                continue  # the batch, gathered whole
+            (leaf,) = e.leaves
+            if e.reason.startswith("an activation split over `data` is gathered whole"):
+                assert f"with `{leaf}`, split over `data` too" in e.reason
+                continue
+            assert e.reason == (
+                f"`{leaf}` is split over `data` and the step uses it whole: gathered before use"
+            )
+            assert target is not None or e.collective.bytes == sizes[leaf]
+    if strategy == "Megatron" and target is None:
+        (e,) = explained
+        assert e.leaves == ("layers.1.weight",)
+        assert e.reason.endswith("is summed over `model`: its contracting dim is split")
 
 
 def _table() -> str:

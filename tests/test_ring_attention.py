@@ -310,3 +310,25 @@ def test_inside_eqshard_jit_on_a_mesh_of_explicit_axes_it_equals_plain_attention
     assert isinstance(got.sharding, NamedSharding)
     assert got.sharding.mesh.axis_types == (AxisType.Explicit,)  # an output: replicated
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_explain_names_the_rings_permutes_and_no_pipeline():
+    """Each permute of the ring is ring attention's, not a pipeline's (a permute in a
+    loop is a pipeline's only where the step runs `eqshard.parallel.pipeline`)."""
+    mesh, dims, _ = CASES["context 8"]
+    q = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+
+    def forward(model, q, k, v):
+        return jnp.sum(ring_attention(q, k, v, NAMES, causal=True))
+
+    b, s, h = (f"{name}{n}" if n > 1 else name for name, n in zip("bsh", _splits("context 8")))
+    batch = f"b s h d -> {b} {s} {h} d"
+    found = eqshard.cost((), q, q, q, step=forward, spec=_rules(mesh, dims), batch=batch)
+    permutes = [e for e in found.explain() if e.collective.kind == "collective-permute"]
+    assert len(permutes) == 2  # k's and v's, 7 turns each
+    for e in permutes:
+        assert e.collective.count == 7
+        assert e.reason == (
+            "ring attention passes each device's block of keys and values to the next over "
+            "`context`, once a turn of the ring"
+        )

@@ -170,7 +170,15 @@ def cost(
     found = as_collectives(ops, p.mesh)
     inputs, parameters = _argument_names(abstract_model, abstract_args, lowered.arguments)
     explained = explain(
-        module, ops, found, inputs, _output_names(lowered), parameters, _is_user, _is_caller
+        module,
+        ops,
+        found,
+        inputs,
+        _output_names(lowered),
+        parameters,
+        _is_user,
+        _is_caller,
+        pipelined=bool(pipelines),
     )
     dtypes = [row.dtype for row in held.parameters]
     return Cost(

@@ -20,6 +20,8 @@ from ._results import UNKNOWN, Collective, Explained, brief_source
 
 __all__ = ["argument_index", "explain"]
 
+_RING = "eqshard/_ring_attention.py"  # `eqshard.parallel.ring_attention`'s permutes
+
 
 def argument_index(op_name: str) -> tuple[str, int] | None:
     """Which argument leaf an entry parameter is, from its op name as `eqx.filter_jit`
@@ -38,6 +40,7 @@ def explain(
     parameters: Sequence[str],
     is_user: Callable[[str], bool],
     is_caller: Callable[[str], bool] = lambda file: False,
+    pipelined: bool = False,
 ) -> tuple[Explained, ...]:
     """An `Explained` for each collective.
 
@@ -52,13 +55,15 @@ def explain(
     - `is_user`: whether a file is the user's (a frame to name).
     - `is_caller`: whether a frame is the caller's of the compile (`cost`'s own):
         no frame from it outwards traced the step, so none is named.
+    - `pipelined`: whether the step runs `eqshard.parallel.pipeline`, whose loop
+        passes activations from stage to stage with permutes.
 
     **Returns:**
 
     A tuple of `Explained`, in the order of `found`.
     """
     flow = Flow(module)
-    why = _Why(module, flow, inputs, outputs, parameters, is_user, is_caller)
+    why = _Why(module, flow, inputs, outputs, parameters, is_user, is_caller, pipelined)
     return tuple(why.explained(op, c) for op, c in zip(ops, found))
 
 
@@ -72,10 +77,17 @@ class _Why:
         parameters: Sequence[str],
         is_user: Callable[[str], bool],
         is_caller: Callable[[str], bool],
+        pipelined: bool,
     ) -> None:
         self.module, self.flow, self.inputs = module, flow, inputs
         self.outputs, self.parameters, self.is_user = outputs, parameters, is_user
-        self.is_caller = is_caller
+        self.is_caller, self.pipelined = is_caller, pipelined
+
+    def traced_by(self, instruction: Instruction, file: str) -> bool:
+        """Whether a frame of `file` (eqshard's own, such as `_RING`) traced it."""
+        return any(
+            frame.file.replace("\\", "/").endswith(file) for frame in self.module.stack(instruction)
+        )
 
     def where(self, instruction: Instruction | None) -> tuple[str, int]:
         """The user's frame that traced `instruction`, or `("", 0)`."""
@@ -202,8 +214,13 @@ class _Why:
         axes: str,
     ) -> tuple[tuple[str, ...], str]:
         in_loop = self.flow.in_loop(self.flow.computation_of(instruction.name) or "")
-        if c.kind == "collective-permute" and in_loop:
+        if c.kind == "collective-permute" and in_loop and self.pipelined:
             return (), "the pipeline passes activations to the next stage"
+        if c.kind == "collective-permute" and in_loop and self.traced_by(instruction, _RING):
+            return (), (
+                f"ring attention passes each device's block of keys and values to the next "
+                f"over {axes}, once a turn of the ring"
+            )
         if c.kind in ("all-reduce", "reduce-scatter"):
             return self.summed(instruction, parts, axes)
         if c.kind in ("collective-permute", "all-to-all") and _slices(c.source):
