@@ -410,3 +410,45 @@ def test_check_says_why_each_byte_moves(run_cli, files, report):
     assert result.code == 0, result.out + result.err
     shown = [text for text in result.out.splitlines() if text.startswith("why: ")]
     assert shown == [f"why: {why}"]
+
+
+def test_explain_says_why_each_collective_moves_by_leaf_and_line(run_cli, files):
+    """`eqshard explain`: under Megatron the one all-reduce is the row-parallel layer's
+    output, summed over the mesh's axis at the MLP's line; JSON carries each
+    collective's fields; `--top` keeps the most bytes and counts the rest."""
+    specs, module = files
+    done = run_cli("explain", specs[1], *_step_args(module), "--format", "json")
+    assert done.code == 0, done.err
+    found = json.loads(done.out)
+    assert (found["ok"], found["devices"], found["compiler"][:7]) == (True, 8, "XLA:CPU")
+    (summed,) = [c for c in found["collectives"] if c["kind"] == "all-reduce"]
+    assert summed["leaves"] == ["layers.1.weight"]
+    assert summed["reason"].endswith("is summed over `m0`: its contracting dim is split")
+    assert summed["file"].endswith("costmodel.py")
+    assert summed["line"] == 27
+    assert summed["known"]
+    assert summed["count"] == 1
+    assert all(c["known"] for c in found["collectives"])
+    text = run_cli("explain", specs[1], *_step_args(module), "--top", 1)
+    assert text.code == 0, text.err
+    assert "why each byte moves" in text.out
+    assert "1 more collectives move fewer bytes" in text.out
+    assert f"{specs[1]} on 8 devices: 2 of 2 collectives explained" in text.out
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        ((), 2, "the following arguments are required: --step"),
+        (("--simulate", 8, "--target", "v5e:2x4"), 2, "not allowed with argument"),
+        (("--top", 0), 2, "argument --top"),
+    ],
+)
+def test_explain_refuses_what_it_cannot_do(run_cli, files, args, code, message):
+    specs, module = files
+    base = ["--model", f"{module}:build"]
+    if args:
+        base = _step_args(module)
+    done = run_cli("explain", specs[1], *base, *args)
+    assert done.code == code
+    assert message in done.err

@@ -445,5 +445,6 @@ def _cost_entry(
         "pipeline": found.pipeline_text(),
         "activations": [dataclasses.asdict(a) for a in found.activations],
         "explained": found.explain().lines(),  # why each collective moves, most bytes first
+        "explanations": [e.to_json() for e in found.explain()],  # the same, as fields
     }
     return entry, ours

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .._specfile._model import Rules
     from ._check import CheckResult
 
-__all__ = ["check_command"]
+__all__ = ["check_command", "run_checks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,15 +44,7 @@ def check_command(args: argparse.Namespace) -> int:
     building the user's code or a worker raises (`SpecError`, `ModelError`,
     `StepError`).
     """
-    step_options("check", args)
-    batch_spec = _batch_spec(args.batch)
-    args.device_counts = _device_counts(args)
-    targets = list(dict.fromkeys(args.target or []))
-    planned = _planned(args, targets)
-    if in_workers():
-        results = _run_in_workers(args, planned, batch_spec)
-    else:
-        results = _run_here(args, planned, targets, batch_spec)
+    results = run_checks("check", args)
     ok = all(r.ok for r in results)
     if args.format == "json":
         emit_json({"ok": ok, "checks": [r.to_json() for r in results]})
@@ -65,6 +57,19 @@ def check_command(args: argparse.Namespace) -> int:
 
         shown.print(summary_table(results))
     return 0 if ok else 1
+
+
+def run_checks(command: str, args: argparse.Namespace) -> list[CheckResult]:
+    """The checks `args` ask for (`check`'s options), in workers or here, for
+    `eqshard check` and `eqshard explain` (`command`, the name its errors give)."""
+    step_options(command, args)
+    batch_spec = _batch_spec(args.batch)
+    args.device_counts = _device_counts(args)
+    targets = list(dict.fromkeys(args.target or []))
+    planned = _planned(args, targets)
+    if in_workers():
+        return _run_in_workers(args, planned, batch_spec)
+    return _run_here(args, planned, targets, batch_spec)
 
 
 def _device_counts(args: argparse.Namespace) -> list[int] | None:

@@ -27,6 +27,7 @@ from .._errors import EqshardError, SpecError, UnreadableError
 from .._process._usercode import with_user_frames
 from ._check_command import check_command
 from ._commands import demo, diff, schema, show, suggest, validate
+from ._explain_command import explain_command
 from ._output import EVERY_ONE, emit_json, err
 from ._parser import BadUsage, parser
 
@@ -48,6 +49,7 @@ _COMMANDS: dict[str, Callable[[Any], int]] = {
     "demo": demo,
     "validate": validate,
     "check": check_command,
+    "explain": explain_command,
     "suggest": suggest,
     "diff": diff,
     "schema": schema,

@@ -356,6 +356,51 @@ def _check(add: _Add) -> None:
     _format_option(check)
 
 
+def _explain(add: _Add) -> None:
+    explain = add(
+        "explain",
+        help="say why each collective of the step moves what it moves, by leaf and line",
+        description=(
+            "Compile the training step under one spec file, as check --step does (on "
+            '--simulate N devices with XLA:CPU, default the file\'s "devices" or 8, or '
+            "for a --target slice with XLA:TPU), and print each collective it runs, the "
+            "most bytes first: its bytes per step and mesh axes, the line of the step "
+            "that traced it, the leaves whose layouts it moves, and why (a gradient "
+            "summed, a split weight gathered before use, a matmul's output summed over "
+            "its split contracting dim, a split array sliced across its parts, ...). "
+            "Exit 0 when each has a reason, 1 when the spec is at fault or eqshard "
+            "cannot tell why one moves, 2 for bad usage or a step that does not compile."
+        ),
+    )
+    explain.add_argument("file", metavar="FILE")
+    _user_code_options(
+        explain,
+        step="the training step, as check takes it (step(model, opt_state, batch) with "
+        "--optimizer, else step(model, batch)); compiled, never run",
+        batch="what returns the step's batch; traced abstractly",
+        required=True,
+    )
+    where = explain.add_mutually_exclusive_group()
+    where.add_argument(
+        "--simulate",
+        type=_device_count,
+        metavar="N",
+        help=f"compile on N simulated devices with XLA:CPU (at most {MAX_SIMULATED})",
+    )
+    where.add_argument(
+        "--target",
+        metavar="SLICE",
+        help="compile for a TPU slice (v5e:2x4) or GPUs (h100:8), deviceless",
+    )
+    explain.add_argument(
+        "--top",
+        type=_positive,
+        metavar="K",
+        help="show the K collectives that move the most bytes (default: every one)",
+    )
+    _format_option(explain)
+
+
 def _suggest(add: _Add) -> None:
     suggest = add(
         "suggest",
@@ -531,7 +576,16 @@ def _schema(add: _Add) -> None:
     add("schema", help="print the JSON Schema of spec files")
 
 
-_COMMANDS = (_show, _demo, _validate, _check, _suggest, _diff, _schema)  # in --help's order
+_COMMANDS = (
+    _show,
+    _demo,
+    _validate,
+    _check,
+    _explain,
+    _suggest,
+    _diff,
+    _schema,
+)  # in --help's order
 
 
 def parser() -> argparse.ArgumentParser:

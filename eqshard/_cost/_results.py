@@ -133,6 +133,22 @@ class Explained:
         """Whether eqshard found why (the reason is not "eqshard cannot tell")."""
         return not self.reason.startswith(UNKNOWN)
 
+    def to_json(self) -> dict[str, Any]:
+        """Its fields as JSON: the collective's `kind`, `bytes` per step (all its
+        runs), `axes` and `count`, then `file`, `line`, `leaves`, `reason`, `known`."""
+        c = self.collective
+        return {
+            "kind": c.kind,
+            "bytes": c.total_bytes,
+            "axes": list(c.axes),
+            "count": c.count,
+            "file": self.file,
+            "line": self.line,
+            "leaves": list(self.leaves),
+            "reason": self.reason,
+            "known": self.known,
+        }
+
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
