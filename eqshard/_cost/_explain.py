@@ -127,6 +127,9 @@ class _Why:
                         by_index[int(index.group(1))] = user.name
             return [(o, by_index.get(k, "")) for k, o in enumerate(c.operands)]
         done = [u.name for u in users if u.opcode.endswith("-done")]
+        finished = self.flow.finished(c)  # XLA:TPU's async collective fusion's end
+        if finished is not None:
+            done = [finished.name]
         return [(o, done[0] if done else c.name) for o in c.operands[:1]]
 
     def sliced(
@@ -281,9 +284,22 @@ class _Why:
         leaves: list[str] = []
         reasons: list[str] = []
         how = _COMBINES.get(self.flow.reducer(instruction), "combined")
+        joined: list[str] = []  # updates, each device's part written into zeros
+        gathered: list[str] = []  # parameters, so
         for operand, result in parts:
-            origin = self.flow.origin(operand)
-            product = origin if origin is not None and self.flow.holds(origin, PRODUCTS) else None
+            written = self.flow.joined(operand)
+            if written is not None:
+                feeds = self.fed(result) if result else []
+                own = self.leaf(self.flow.origin(written.name)) or self.leaf(
+                    self.flow.part_of(written.name)
+                )
+                if feeds:
+                    joined += feeds
+                    continue
+                if own is not None:
+                    gathered.append(own)
+                    continue
+            product = self.flow.product(self.flow.origin(operand))
             if product is not None and self.weights(product):
                 # a matmul with a parameter makes an activation (or, in the backward
                 # pass, its gradient), never a parameter's gradient: not `fed`
@@ -303,12 +319,35 @@ class _Why:
             found = self.products_summed(group, axes, how)
             leaves += found[0]
             reasons.append(found[1])
+        if gathered:
+            gathered = list(dict.fromkeys(gathered))
+            names = ", ".join(f"`{p}`" for p in gathered)
+            verb, it = ("is", "it") if len(gathered) == 1 else ("are", "them")
+            reasons.insert(
+                0,
+                f"{names} {verb} split over {axes} and the step uses {it} whole: gathered "
+                f"before use, each device writing its part into zeros and the parts {how} "
+                f"over {axes}, an all-gather made of an all-reduce",
+            )
+        if joined:
+            joined = list(dict.fromkeys(joined))
+            names = ", ".join(f"`{p}`" for p in joined)
+            which = "update" if len(joined) == 1 else "updates"
+            verb = "is" if len(joined) == 1 else "are"
+            reasons.insert(
+                0,
+                f"the {which} of {names} {verb} made split over {axes}, and the model holds "
+                f"{'it' if len(joined) == 1 else 'them'} whole: each device writes its part "
+                f"into zeros and the parts are {how} over {axes}, an all-gather made of an "
+                "all-reduce",
+            )
         if fed:
             fed = list(dict.fromkeys(fed))
             names = ", ".join(f"`{p}`" for p in fed)
             which, verb = ("gradient", "is") if len(fed) == 1 else ("gradients", "are")
             reasons.insert(0, f"the {which} of {names} {verb} {how} over {axes}")
-        return tuple(dict.fromkeys(fed + leaves)), "; ".join(dict.fromkeys(reasons))
+        found = fed + joined + gathered + leaves
+        return tuple(dict.fromkeys(found)), "; ".join(dict.fromkeys(reasons))
 
     def matmul_key(self, product: Instruction) -> tuple[bool, str]:
         """Matmuls told apart in words: the backward pass's or not, and their line."""
@@ -389,7 +428,8 @@ class _Why:
         """The model's parameters among a matmul's operands (through a scan's stack;
         not the batch)."""
         found = []
-        for operand in product.operands:
+        inner = self.flow.inner(product, PRODUCTS) or product  # a fused matmul's own operands
+        for operand in inner.operands:
             for at in (self.flow.origin(operand), self.flow.part_of(operand)):
                 name = self.leaf(at)
                 if name is not None:
