@@ -4,8 +4,10 @@ gradient summed over the batch's axes, a split weight gathered before use (and
 sliced after), a matmul's output summed over its split contracting dim (in the
 backward pass, its input's gradient over its split output dim), a gather or a
 reduction over a split dim, an activation gathered for a split weight's matmul, a
-split array sliced across its parts (and its slices' gradients joined), a pipeline's
-activations passed on; else "eqshard cannot tell". No JAX is imported here.
+split array sliced across its parts (and its slices' gradients joined), a matmul's
+output moved for a matmul that needs it laid out otherwise, an all-gather made of an
+all-reduce (each device's part written into zeros), a pipeline's activations passed
+on; else "eqshard cannot tell". No JAX is imported here.
 """
 
 from __future__ import annotations
@@ -245,6 +247,10 @@ class _Why:
                 f"split over {axes} across the slices' boundaries (the transpose of a fused "
                 "qkv's cut): its parts move between devices"
             )
+        if c.kind in ("collective-permute", "all-to-all") and (
+            moved := self.resharded(parts, axes)
+        ):
+            return moved
         named = [self.leaf(o) for o in origins]
         if c.kind == "all-gather" and not (named and all(named)):  # a layer of a scanned stack
             named = [self.leaf(self.flow.part_of(operand)) for operand, _ in parts]
@@ -272,6 +278,38 @@ class _Why:
             return leaves, f"{c.kind} of {names} over {axes}"
         source = c.brief_source or "an op XLA does not name"
         return (), f"{UNKNOWN} which leaf: its data comes from {source}"
+
+    def resharded(
+        self, parts: list[tuple[str, str]], axes: str
+    ) -> tuple[tuple[str, ...], str] | None:
+        """A matmul's output (or a part of it, or its sum over a split contracting
+        dim) moved between devices for another matmul, which needs it laid out
+        otherwise (8 kv heads on a 16-way axis: each device's part of a head moves
+        to the devices whose heads it is); `None` where it is not."""
+        made: list[Instruction] = []
+        for operand, _ in parts:
+            part = self.flow.part_of(operand)
+            if part is not None and part.opcode in ("all-reduce", "all-reduce-done"):
+                part = self.flow.part_of(part.operands[0]) if part.operands else None
+            product = self.flow.product(part)
+            if product is None:
+                return None
+            made.append(product)
+        used = [p for _, result in parts if result for p in self.flow.products_fed(result)]
+        if not made or not used:
+            return None
+        file, line = self.where(made[0])
+        weights = self.weights(made[0])
+        of = " of " + ", ".join(f"`{w}`" for w in weights) if weights else ""
+        at = f" at {file}:{line}" if file else ""
+        file, line = self.where(used[0])
+        into = f" at {file}:{line}" if file else ""
+        backward = "in the backward pass, " if "transpose(" in made[0].op_name else ""
+        use = "the backward pass of " if "transpose(" in used[0].op_name else ""
+        return weights, (
+            f"{backward}the output of the matmul{of}{at} is laid out otherwise than "
+            f"{use}the matmul{into} needs it: XLA moves its parts between devices over {axes}"
+        )
 
     def summed(
         self, instruction: Instruction, parts: list[tuple[str, str]], axes: str
@@ -310,6 +348,9 @@ class _Why:
                 fed += feeds
             elif product is not None:
                 products.setdefault(self.matmul_key(product), []).append(product)
+            elif (padded := self.flow.product(self.flow.part_of(operand))) is not None:
+                # a matmul's output padded or sliced first (XLA:TPU pads what it scatters)
+                products.setdefault(self.matmul_key(padded), []).append(padded)
             elif (found := self.part(operand, axes, how)) is not None:
                 leaves += found[0]
                 reasons.append(found[1])

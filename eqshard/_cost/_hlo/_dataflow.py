@@ -2,7 +2,9 @@
 (`Flow`): its operand followed back through ops that only move or retype data
 (`origin`: an entry parameter, a matrix product, ...), its result followed forward
 to the entry's outputs through elementwise work (`outputs`), whether the step slices
-it (`sliced`), and whether it runs in a `while` loop's body (`in_loop`).
+it (`sliced`), and whether it runs in a `while` loop's body (`in_loop`). XLA:TPU's
+fusions are read through: a fused collective's operand is the fusion's, its result
+where the fusion (or its async chain's done) gives it.
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ class Flow:
         while stack:
             at = self.module.instructions.get(stack.pop())
             if at is None or at.opcode in _MIXES or _COLLECTIVE.search(at.opcode):
+                continue
+            if at.opcode == "tuple":  # several outputs: which is meant, `_element` says
                 continue
             later = list(at.operands)
             if at.opcode == "fusion":  # on from its root, inside
