@@ -4,8 +4,10 @@ gradient summed over the batch's axes, a split weight gathered before use (and
 sliced after), a matmul's output summed over its split contracting dim (in the
 backward pass, its input's gradient over its split output dim), a gather or a
 reduction over a split dim, an activation gathered for a split weight's matmul, a
-split array sliced across its parts (and its slices' gradients joined), a pipeline's
-activations passed on; else "eqshard cannot tell". No JAX is imported here.
+split array sliced across its parts (and its slices' gradients joined), a matmul's
+output moved for a matmul that needs it laid out otherwise, an all-gather made of an
+all-reduce (each device's part written into zeros), a pipeline's activations passed
+on; else "eqshard cannot tell". No JAX is imported here.
 """
 
 from __future__ import annotations
@@ -127,6 +129,9 @@ class _Why:
                         by_index[int(index.group(1))] = user.name
             return [(o, by_index.get(k, "")) for k, o in enumerate(c.operands)]
         done = [u.name for u in users if u.opcode.endswith("-done")]
+        finished = self.flow.finished(c)  # XLA:TPU's async collective fusion's end
+        if finished is not None:
+            done = [finished.name]
         return [(o, done[0] if done else c.name) for o in c.operands[:1]]
 
     def sliced(
@@ -242,6 +247,10 @@ class _Why:
                 f"split over {axes} across the slices' boundaries (the transpose of a fused "
                 "qkv's cut): its parts move between devices"
             )
+        if c.kind in ("collective-permute", "all-to-all") and (
+            moved := self.resharded(parts, axes)
+        ):
+            return moved
         named = [self.leaf(o) for o in origins]
         if c.kind == "all-gather" and not (named and all(named)):  # a layer of a scanned stack
             named = [self.leaf(self.flow.part_of(operand)) for operand, _ in parts]
@@ -270,6 +279,38 @@ class _Why:
         source = c.brief_source or "an op XLA does not name"
         return (), f"{UNKNOWN} which leaf: its data comes from {source}"
 
+    def resharded(
+        self, parts: list[tuple[str, str]], axes: str
+    ) -> tuple[tuple[str, ...], str] | None:
+        """A matmul's output (or a part of it, or its sum over a split contracting
+        dim) moved between devices for another matmul, which needs it laid out
+        otherwise (8 kv heads on a 16-way axis: each device's part of a head moves
+        to the devices whose heads it is); `None` where it is not."""
+        made: list[Instruction] = []
+        for operand, _ in parts:
+            part = self.flow.part_of(operand)
+            if part is not None and part.opcode in ("all-reduce", "all-reduce-done"):
+                part = self.flow.part_of(part.operands[0]) if part.operands else None
+            product = self.flow.product(part)
+            if product is None:
+                return None
+            made.append(product)
+        used = [p for _, result in parts if result for p in self.flow.products_fed(result)]
+        if not made or not used:
+            return None
+        file, line = self.where(made[0])
+        weights = self.weights(made[0])
+        of = " of " + ", ".join(f"`{w}`" for w in weights) if weights else ""
+        at = f" at {file}:{line}" if file else ""
+        file, line = self.where(used[0])
+        into = f" at {file}:{line}" if file else ""
+        backward = "in the backward pass, " if "transpose(" in made[0].op_name else ""
+        use = "the backward pass of " if "transpose(" in used[0].op_name else ""
+        return weights, (
+            f"{backward}the output of the matmul{of}{at} is laid out otherwise than "
+            f"{use}the matmul{into} needs it: XLA moves its parts between devices over {axes}"
+        )
+
     def summed(
         self, instruction: Instruction, parts: list[tuple[str, str]], axes: str
     ) -> tuple[tuple[str, ...], str]:
@@ -281,9 +322,22 @@ class _Why:
         leaves: list[str] = []
         reasons: list[str] = []
         how = _COMBINES.get(self.flow.reducer(instruction), "combined")
+        joined: list[str] = []  # updates, each device's part written into zeros
+        gathered: list[str] = []  # parameters, so
         for operand, result in parts:
-            origin = self.flow.origin(operand)
-            product = origin if origin is not None and self.flow.holds(origin, PRODUCTS) else None
+            written = self.flow.joined(operand)
+            if written is not None:
+                feeds = self.fed(result) if result else []
+                own = self.leaf(self.flow.origin(written.name)) or self.leaf(
+                    self.flow.part_of(written.name)
+                )
+                if feeds:
+                    joined += feeds
+                    continue
+                if own is not None:
+                    gathered.append(own)
+                    continue
+            product = self.flow.product(self.flow.origin(operand))
             if product is not None and self.weights(product):
                 # a matmul with a parameter makes an activation (or, in the backward
                 # pass, its gradient), never a parameter's gradient: not `fed`
@@ -294,6 +348,9 @@ class _Why:
                 fed += feeds
             elif product is not None:
                 products.setdefault(self.matmul_key(product), []).append(product)
+            elif (padded := self.flow.product(self.flow.part_of(operand))) is not None:
+                # a matmul's output padded or sliced first (XLA:TPU pads what it scatters)
+                products.setdefault(self.matmul_key(padded), []).append(padded)
             elif (found := self.part(operand, axes, how)) is not None:
                 leaves += found[0]
                 reasons.append(found[1])
@@ -303,12 +360,35 @@ class _Why:
             found = self.products_summed(group, axes, how)
             leaves += found[0]
             reasons.append(found[1])
+        if gathered:
+            gathered = list(dict.fromkeys(gathered))
+            names = ", ".join(f"`{p}`" for p in gathered)
+            verb, it = ("is", "it") if len(gathered) == 1 else ("are", "them")
+            reasons.insert(
+                0,
+                f"{names} {verb} split over {axes} and the step uses {it} whole: gathered "
+                f"before use, each device writing its part into zeros and the parts {how} "
+                f"over {axes}, an all-gather made of an all-reduce",
+            )
+        if joined:
+            joined = list(dict.fromkeys(joined))
+            names = ", ".join(f"`{p}`" for p in joined)
+            which = "update" if len(joined) == 1 else "updates"
+            verb = "is" if len(joined) == 1 else "are"
+            reasons.insert(
+                0,
+                f"the {which} of {names} {verb} made split over {axes}, and the model holds "
+                f"{'it' if len(joined) == 1 else 'them'} whole: each device writes its part "
+                f"into zeros and the parts are {how} over {axes}, an all-gather made of an "
+                "all-reduce",
+            )
         if fed:
             fed = list(dict.fromkeys(fed))
             names = ", ".join(f"`{p}`" for p in fed)
             which, verb = ("gradient", "is") if len(fed) == 1 else ("gradients", "are")
             reasons.insert(0, f"the {which} of {names} {verb} {how} over {axes}")
-        return tuple(dict.fromkeys(fed + leaves)), "; ".join(dict.fromkeys(reasons))
+        found = fed + joined + gathered + leaves
+        return tuple(dict.fromkeys(found)), "; ".join(dict.fromkeys(reasons))
 
     def matmul_key(self, product: Instruction) -> tuple[bool, str]:
         """Matmuls told apart in words: the backward pass's or not, and their line."""
@@ -389,7 +469,8 @@ class _Why:
         """The model's parameters among a matmul's operands (through a scan's stack;
         not the batch)."""
         found = []
-        for operand in product.operands:
+        inner = self.flow.inner(product, PRODUCTS) or product  # a fused matmul's own operands
+        for operand in inner.operands:
             for at in (self.flow.origin(operand), self.flow.part_of(operand)):
                 name = self.leaf(at)
                 if name is not None:

@@ -12,7 +12,7 @@ from ._calls import calls_of, runs, value_dependent
 from ._groups import device_groups
 from ._parse import Computation, Instruction, Module, shape_bytes, unreadable
 
-__all__ = ["KINDS", "CollectiveOp", "collectives"]
+__all__ = ["KINDS", "CollectiveOp", "chain_id", "collectives"]
 
 # The collectives eqshard counts, by XLA's opcode.
 KINDS = (
@@ -154,7 +154,7 @@ def collectives(module: Module) -> list[CollectiveOp]:
             kind = _collective_kind(instruction)
             if kind is None:
                 continue
-            chain = _chain(instruction)
+            chain = chain_id(instruction)
             if chain is not None:
                 pieces.setdefault(chain, instruction)
                 if instruction.name not in starts:
@@ -195,7 +195,8 @@ def collectives(module: Module) -> list[CollectiveOp]:
     return result
 
 
-def _chain(instruction: Instruction) -> str | None:
+def chain_id(instruction: Instruction) -> str | None:
+    """The `chain_id` XLA:TPU gives the pieces of one async collective fusion, or `None`."""
     found = re.search(
         r'\bchain_id="([^"]*)"', instruction.attributes.get("frontend_attributes", "")
     )

@@ -2,7 +2,9 @@
 (`Flow`): its operand followed back through ops that only move or retype data
 (`origin`: an entry parameter, a matrix product, ...), its result followed forward
 to the entry's outputs through elementwise work (`outputs`), whether the step slices
-it (`sliced`), and whether it runs in a `while` loop's body (`in_loop`).
+it (`sliced`), and whether it runs in a `while` loop's body (`in_loop`). XLA:TPU's
+fusions are read through: a fused collective's operand is the fusion's, its result
+where the fusion (or its async chain's done) gives it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import re
 
 from ._calls import calls_of
+from ._collectives import chain_id
 from ._parse import Array, Instruction, Module
 
 __all__ = ["GATHERS", "PRODUCTS", "REDUCES", "Flow"]
@@ -106,6 +109,36 @@ class Flow:
                             seen.add(operand)
                             later.append(operand)
                 frontier = later
+        return None
+
+    def product(self, instruction: Instruction | None) -> Instruction | None:
+        """The matrix product whose output `instruction` is: itself, or for a fusion
+        the product its root comes from through elementwise work only (XLA:TPU fuses
+        a matmul with its neighbours: a bias added to its output is still its output,
+        a sum of it over the batch is not); `None` where there is none."""
+        if instruction is None or instruction.opcode in PRODUCTS:
+            return instruction
+        stack, seen = [instruction.name], {instruction.name}
+        while stack:
+            at = self.module.instructions.get(stack.pop())
+            if at is None or at.opcode in _MIXES or _COLLECTIVE.search(at.opcode):
+                continue
+            if at.opcode == "tuple":  # several outputs: which is meant, `_element` says
+                continue
+            later = list(at.operands)
+            if at.opcode == "fusion":  # on from its root, inside
+                later = [
+                    c.root
+                    for call in calls_of(self.module, at)
+                    if (c := self.module.computations.get(call.callee)) is not None
+                ]
+            for name in later:
+                found = self.module.instructions.get(name)
+                if found is not None and found.opcode in PRODUCTS:
+                    return found
+                if name not in seen and found is not None and found.opcode != "parameter":
+                    seen.add(name)
+                    stack.append(name)
         return None
 
     def products_behind(self, name: str, depth: int = 6) -> list[Instruction]:
@@ -222,11 +255,52 @@ class Flow:
         """The instruction `name`'s data comes from, past ops that only move it."""
         seen: set[str] = set()
         found = self.module.instructions.get(name)
-        while found is not None and found.name not in seen and self._moves(found):
+        while found is not None and found.name not in seen:
             seen.add(found.name)
+            called = self._called_with(found) or self._element(found)
+            if called is not None:  # a fused collective's operand; a fusion's one output
+                found = called
+                continue
+            if not self._moves(found):
+                break
             arrays = [o for o in found.operands if self._is_computed(o)]
             found = self.module.instructions.get(arrays[0]) if arrays else None
         return found
+
+    def _element(self, instruction: Instruction) -> Instruction | None:
+        """For a `get-tuple-element` of a fusion whose root is a tuple (XLA:TPU fuses
+        several outputs into one: a bias's gradient beside an activation's), what
+        the root holds at that index, inside the fused computation; else `None`."""
+        if instruction.opcode != "get-tuple-element" or not instruction.operands:
+            return None
+        fusion = self.module.instructions.get(instruction.operands[0])
+        index = re.match(r"\s*(\d+)", instruction.attributes.get("index", ""))
+        if fusion is None or fusion.opcode != "fusion" or index is None:
+            return None
+        calls = calls_of(self.module, fusion)
+        computation = self.module.computations.get(calls[0].callee) if len(calls) == 1 else None
+        root = self.module.instructions.get(computation.root) if computation else None
+        k = int(index[1])
+        if root is None or root.opcode != "tuple" or k >= len(root.operands):
+            return None
+        return self.module.instructions.get(root.operands[k])
+
+    def joined(self, name: str) -> Instruction | None:
+        """Where `name`'s data is each device's part written into zeros (a
+        `dynamic-update-slice` into a broadcast 0: XLA makes an all-gather of an
+        all-reduce so), the part written; else `None`."""
+        at = self.origin(name)
+        if at is not None and at.opcode == "fusion":  # written in a fusion: its root
+            calls = calls_of(self.module, at)
+            computation = self.module.computations.get(calls[0].callee) if calls else None
+            at = self.module.instructions.get(computation.root) if computation else None
+        if at is None or at.opcode != "dynamic-update-slice" or len(at.operands) < 2:
+            return None
+        base = self.origin(at.operands[0])
+        while base is not None and base.opcode == "broadcast" and base.operands:
+            base = self.origin(base.operands[0])
+        zero = base is not None and base.opcode == "constant" and base.operands[:1] == ("0",)
+        return self.module.instructions.get(at.operands[1]) if zero else None
 
     def part_of(self, name: str) -> Instruction | None:
         """What `name`'s data is a part of: past any op of one array that neither
@@ -302,12 +376,14 @@ class Flow:
         return self._carried(passed) if at is not None and int(at[1]) == k else None
 
     def _called_with(self, instruction: Instruction) -> Instruction | None:
-        """For a parameter of a computation one `call` calls (not the entry's, not a
-        loop body's), the caller's operand at its number; else `None`."""
+        """For a parameter of a computation one `call` or one `fusion` calls (not the
+        entry's, not a loop body's), the caller's operand at its number (XLA:TPU
+        fuses a collective with its neighbours: its operand is the fusion's); else
+        `None`."""
         if instruction.opcode != "parameter" or not instruction.operands:
             return None
         owner = self.computation_of(instruction.name)
-        callers = [c for c in self.callers.get(owner or "", []) if c.opcode == "call"]
+        callers = [c for c in self.callers.get(owner or "", []) if c.opcode in ("call", "fusion")]
         if owner == self.module.entry or len(callers) != 1 or not instruction.operands[0].isdigit():
             return None
         number = int(instruction.operands[0])
@@ -337,8 +413,10 @@ class Flow:
                     )
                     if owner == entry.name:
                         found |= places
-                    else:  # a loop body's result: on past the loop, at the same places
-                        for out in self._loop_results(owner, places):
+                    else:  # a loop body's result, a fusion's: on past it, at the same places
+                        for out in self._loop_results(owner, places) + self._fused_results(
+                            owner, places
+                        ):
                             if out.name not in seen:
                                 seen.add(out.name)
                                 stack.append(out.name)
@@ -377,6 +455,52 @@ class Flow:
                 if user.opcode == "get-tuple-element" and index and int(index[1]) in places:
                     found.append(user)
         return found
+
+    def _fused_results(self, fused: str, places: set[int]) -> list[Instruction]:
+        """What the `fusion` that calls `fused` gives at `places` of its root: its
+        `get-tuple-element`s there where the root is a tuple, else itself."""
+        computation = self.module.computations.get(fused)
+        root = self.module.instructions.get(computation.root) if computation else None
+        found = []
+        for fusion in self.callers.get(fused, []):
+            if fusion.opcode != "fusion":
+                continue
+            if root is None or root.opcode != "tuple":
+                found.append(fusion)
+                continue
+            for user in self.users.get(fusion.name, []):
+                index = re.match(r"\s*(\d+)", user.attributes.get("index", ""))
+                if user.opcode == "get-tuple-element" and index and int(index[1]) in places:
+                    found.append(user)
+        return found
+
+    def finished(self, collective: Instruction) -> Instruction | None:
+        """For a collective in XLA:TPU's async collective fusions (the pieces of one
+        `chain_id`), the fusion whose computation ends it (its root the
+        `AsyncCollectiveDone` custom call): the collective's result where the step
+        goes on; else `None`."""
+        chain = chain_id(collective)
+        if chain is None:
+            return None
+        for piece in self.module.instructions.values():
+            if piece.opcode != collective.opcode or chain_id(piece) != chain:
+                continue
+            owner = self.module.computations.get(self.computation_of(piece.name) or "")
+            root = self.module.instructions.get(owner.root) if owner is not None else None
+            done = (
+                root is not None
+                and root.opcode == "custom-call"
+                and root.attributes.get("custom_call_target") == '"AsyncCollectiveDone"'
+                and piece.name in root.operands
+            )
+            fusions = (
+                [f for f in self.callers.get(owner.name, []) if f.opcode == "fusion"]
+                if done and owner
+                else []
+            )
+            if len(fusions) == 1:
+                return fusions[0]
+        return None
 
     def sliced(self, name: str) -> bool:
         """Whether the step slices `name`'s data (past ops that only move it): a
