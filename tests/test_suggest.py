@@ -995,3 +995,43 @@ def test_cli_help_gives_suggest_s_default_tolerance(run_cli):
     done = run_cli("suggest", "--help")
     assert done.code == 0
     assert f"(default {TOLERANCE})" in " ".join(done.out.split())
+
+
+@pytest.mark.slow  # two searches for a TPU slice, in worker processes
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="the TPU compiler comes with libtpu (eqshard[tpu])",
+)
+def test_where_the_cores_hold_both_the_target_compiles_the_front_runner_at_once(monkeypatch):
+    """With cores for XLA:CPU's pool and an XLA:TPU compile beside it, the slice's
+    first worker compiles the estimates' front-runner while XLA:CPU ranks; the search
+    ranks the same and each compiled row has the same figures as one pass after the
+    other, and picks the same best. On fewer cores it waits (2 here, with one worker
+    each)."""
+    import eqshard._search._pool as pool
+
+    heads = []
+    prepare = pool._InWorkers.prepare
+
+    def spy(self, target, candidates, head=None):
+        prepare(self, target, candidates, head)
+        heads.append(self.ahead.get(target))
+
+    monkeypatch.setattr(pool._InWorkers, "prepare", spy)
+    inputs = _abstract(models.llama_build, models.llama_optimizer, models.llama_batch)
+    monkeypatch.setattr(pool, "_cores", lambda: 4)
+    ahead = eqshard.suggest(*inputs, step=models.llama_step, target="v5e:2x4", workers=1)
+    monkeypatch.setattr(pool, "_cores", lambda: 2)
+    after = eqshard.suggest(*inputs, step=models.llama_step, target="v5e:2x4", workers=1)
+    assert heads[0] is not None  # a worker and the front-runner it compiled at once
+    assert heads[1] is None
+    assert sorted(s.name for s in ahead) == sorted(s.name for s in after)
+    assert ahead.best is not None
+    assert after.best is not None
+    assert ahead.best.name == after.best.name
+    compiled = {s.name: s.cost for s in ahead if s.cost is not None}
+    for b in after:  # the head start may compile one more: the front-runner
+        if b.cost is not None:
+            assert compiled[b.name].memory == b.cost.memory, b.name
+            assert compiled[b.name].bytes_by_axes() == b.cost.bytes_by_axes(), b.name
+    assert name_of(heads[0][1]) in compiled

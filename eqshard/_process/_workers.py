@@ -454,6 +454,7 @@ def pool_answers(
     hint: str,
     wanted: Callable[[int, Sequence[Any]], bool] | None = None,
     warm: Sequence[Worker] = (),
+    ahead: Mapping[Worker, int] | None = None,
     quiet: bool = False,
     answered: Callable[[int], None] | None = None,
 ) -> list[Any]:
@@ -481,6 +482,8 @@ def pool_answers(
     - `warm`: workers started before (`start_serving`) and already asked `first`
         alone, whose answer is read here before they take requests: they count
         towards `workers`, and a fresh one starts only past them.
+    - `ahead`: those `warm` workers asked `first` with a request, by its index: each
+        holds that request from the start, and its answer is the request's.
     - `quiet`: the workers' stderr each goes to a file of their own (`start_worker`).
     - `answered`: called with `i` as request `i` gets its result or fails.
 
@@ -525,7 +528,12 @@ def pool_answers(
 
     try:
         started += warm
+        for worker, i in (ahead or {}).items():  # compiling since it started
+            queue.remove(i)
+            busy[worker] = i
         for worker in warm:
+            if worker in busy:
+                continue
             worker.answer("starting a worker", hint)  # its inputs read: ready
             hand(worker)
         for _ in range(min(max(1, workers), len(requests)) - len(warm)):

@@ -147,8 +147,9 @@ def search(
         proxies: list[Cost | None] = [None] * n
         if proxy and on is not None and len(open_) > 1:
             prepare = getattr(compile_each, "prepare", None)
-            if prepare is not None:  # the target's workers start while XLA:CPU compiles
-                prepare(target, len(open_))
+            if prepare is not None:  # the target's workers start while XLA:CPU compiles,
+                # the first compiling the estimates' front-runner for the target at once
+                prepare(target, len(open_), candidates[open_[0]])
 
             # XLA:CPU's figures, while a candidate's estimate could beat the best of them
             def promising(k: int, found: Sequence[Cost | str | None]) -> bool:
