@@ -80,7 +80,7 @@ def overstated(guessed: list[tuple[float, float]], best: float) -> float:
     """How far the estimates overstated the compiled seconds of the candidates within
     `LEADING` of the `best` (0 where none did): a tolerance below it can miss one."""
     leading = [(g, c) for g, c in guessed if c <= best * (1 + LEADING)]
-    return max((1 - c / g for g, c in leading if g > 0), default=0.0)
+    return max([0.0, *(1 - c / g for g, c in leading if g > 0)])
 
 
 def _search(inputs, ns, workers, exhaustive, where, tolerance=TOLERANCE):

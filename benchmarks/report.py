@@ -327,6 +327,7 @@ def suggest_table(found: Found) -> str:
                 "yes" if run["same_best"] else "**no**",
                 f"{run['kendall']:.2f} ({run['ranked_with']})",
                 f"{run['overstated']:.1%}" if "overstated" in run else "-",
+                f"{run['one_cost']:.1f} s" if run.get("one_cost") else "-",
             ]
         )
     others = {t["tolerance"] for run in found["runs"].values() for t in run.get("tolerances", [])}
@@ -340,6 +341,7 @@ def suggest_table(found: Found) -> str:
         "same best",
         "rank agreement (Kendall's tau, candidates)",
         "estimates overstated the leaders by",
+        "one cost of the best, in this process",
     ]
     workers = found["workers"] or "one per core"
     return f"Workers: {workers}.\n\n" + _table(header, rows)
