@@ -69,17 +69,7 @@ class Flow:
 
     def holds(self, instruction: Instruction, opcodes: set[str] | tuple[str, ...]) -> bool:
         """Whether `instruction` is one of `opcodes`, or a fusion that holds one."""
-        if instruction.opcode in opcodes:
-            return True
-        if instruction.opcode != "fusion":
-            return False
-        for call in calls_of(self.module, instruction):
-            computation = self.module.computations.get(call.callee)
-            if computation is not None and any(
-                self.holds(inner, opcodes) for inner in computation.instructions
-            ):
-                return True
-        return False
+        return self.inner(instruction, opcodes) is not None
 
     def inner(
         self, instruction: Instruction, opcodes: set[str] | tuple[str, ...]
