@@ -257,20 +257,25 @@ class Flow:
             found = self.module.instructions.get(arrays[0]) if arrays else None
         return found
 
+    def _element_of(self, instruction: Instruction) -> tuple[Instruction | None, int]:
+        """For a `get-tuple-element`, the tuple it reads and the index; else `None`."""
+        if instruction.opcode != "get-tuple-element" or not instruction.operands:
+            return None, 0
+        index = re.match(r"\s*(\d+)", instruction.attributes.get("index", ""))
+        if index is None:
+            return None, 0
+        return self.module.instructions.get(instruction.operands[0]), int(index[1])
+
     def _element(self, instruction: Instruction) -> Instruction | None:
         """For a `get-tuple-element` of a fusion whose root is a tuple (XLA:TPU fuses
         several outputs into one: a bias's gradient beside an activation's), what
         the root holds at that index, inside the fused computation; else `None`."""
-        if instruction.opcode != "get-tuple-element" or not instruction.operands:
-            return None
-        fusion = self.module.instructions.get(instruction.operands[0])
-        index = re.match(r"\s*(\d+)", instruction.attributes.get("index", ""))
-        if fusion is None or fusion.opcode != "fusion" or index is None:
+        fusion, k = self._element_of(instruction)
+        if fusion is None or fusion.opcode != "fusion":
             return None
         calls = calls_of(self.module, fusion)
         computation = self.module.computations.get(calls[0].callee) if len(calls) == 1 else None
         root = self.module.instructions.get(computation.root) if computation else None
-        k = int(index[1])
         if root is None or root.opcode != "tuple" or k >= len(root.operands):
             return None
         return self.module.instructions.get(root.operands[k])
@@ -322,20 +327,15 @@ class Flow:
     def _carried(self, instruction: Instruction) -> Instruction | None:
         """For a `get-tuple-element` of a `while` body's parameter, what the loop was
         given at that index (the body reads the loop-carried tuple); else `None`."""
-        if instruction.opcode != "get-tuple-element" or not instruction.operands:
-            return None
-        tuple_ = self.module.instructions.get(instruction.operands[0])
-        index = re.match(r"\s*(\d+)", instruction.attributes.get("index", ""))
-        if tuple_ is None or tuple_.opcode != "parameter" or index is None:
+        tuple_, k = self._element_of(instruction)
+        if tuple_ is None or tuple_.opcode != "parameter":
             return None
         body = self.computation_of(tuple_.name) or ""
         for loop in self.callers.get(body, []):
             if loop.opcode == "while" and loop.attributes.get("body", "").lstrip("%") == body:
                 given = self.module.instructions.get(loop.operands[0]) if loop.operands else None
-                if given is not None and given.opcode == "tuple":
-                    k = int(index[1])
-                    if k < len(given.operands):
-                        return self.module.instructions.get(given.operands[k])
+                if given is not None and given.opcode == "tuple" and k < len(given.operands):
+                    return self.module.instructions.get(given.operands[k])
         return None
 
     def _passed(self, instruction: Instruction) -> Instruction | None:
@@ -344,15 +344,11 @@ class Flow:
         the loop was given at that index; for one its body writes a slice of per trip
         (a scan's stacked output, a layer's weight saved for the backward pass), what
         it writes; else `None`."""
-        if instruction.opcode != "get-tuple-element" or not instruction.operands:
-            return None
-        loop = self.module.instructions.get(instruction.operands[0])
-        index = re.match(r"\s*(\d+)", instruction.attributes.get("index", ""))
-        if loop is None or loop.opcode != "while" or index is None or not loop.operands:
+        loop, k = self._element_of(instruction)
+        if loop is None or loop.opcode != "while" or not loop.operands:
             return None
         body = self.module.computations.get(loop.attributes.get("body", "").lstrip("%"))
         root = self.module.instructions.get(body.root) if body is not None else None
-        k = int(index[1])
         if root is None or root.opcode != "tuple" or k >= len(root.operands):
             return None
         passed = self.origin(root.operands[k])
