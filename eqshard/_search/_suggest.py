@@ -300,7 +300,7 @@ def suggest(
     - `workers`: compile workers at once (by default one per core); `0` compiles here.
     - `exhaustive`: compile every candidate, none ruled out by its estimate.
     - `strategies`: the strategies to try (`["fsdp", "data x tensor"]`); by default all.
-    - `tolerance`: how near the best compiled one an estimate must be to compile (0.05).
+    - `tolerance`: how near the best compiled one an estimate must be to compile (0.02).
     - `progress`: called with a `Progress` as each pass of compiles starts, goes and ends.
 
     **Returns:**
