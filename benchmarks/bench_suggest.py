@@ -1,6 +1,6 @@
 """`eqshard.suggest`'s wall time, pruned by its estimates beside exhaustive.
 
-Run: `python benchmarks/bench_suggest.py [--only gpt8,gpt64,llama] [--workers N]
+Run: `python benchmarks/bench_suggest.py [--only gpt8,gpt64,llama,llama_v5e] [--workers N]
 [--json PATH]`; `--json` also writes the numbers, and each ranking as
 `ranked.to_json()` gives it, to PATH, for `benchmarks/report.py`.
 
@@ -10,7 +10,9 @@ Run: `python benchmarks/bench_suggest.py [--only gpt8,gpt64,llama] [--workers N]
 - the Llama-3-8B-shaped model of `examples/llama_8b.py` (abstract, bfloat16,
     AdamW, 256 sequences of 2,048 tokens: 4 per chip) on a TPU v5p:4x4x4 slice (64
     chips), compiled by XLA:TPU through libtpu on this CPU machine, within 95 GiB
-    per chip (the v5p's HBM).
+    per chip (the v5p's HBM);
+- `llama_v5e`, only when named: the same model on a v5e:2x4 slice (8 chips), within
+    each chip's 16 GiB, where memory is tight and most candidates do not fit.
 
 For each, in one run: the wall time of the whole search as `suggest` runs it
 (estimates first, then compiling only what they cannot rule out; at its default
@@ -191,6 +193,10 @@ def main() -> None:
             args.workers,
             target="v5p:4x4x4",
             max_memory="95GiB",
+        )
+    if "llama_v5e" in only:  # memory-tight: 16 GiB per chip (not in the default runs)
+        results["llama_v5e"] = run(
+            "Llama-3-8B-shaped, v5e:2x4", llama, 256, args.workers, target="v5e:2x4"
         )
     if args.json:
         with open(args.json, "w") as f:
