@@ -436,10 +436,7 @@ class Flow:
         for loop in self.callers.get(body, []):
             if loop.opcode != "while" or loop.attributes.get("body", "").lstrip("%") != body:
                 continue
-            for user in self.users.get(loop.name, []):
-                index = re.match(r"\s*(\d+)", user.attributes.get("index", ""))
-                if user.opcode == "get-tuple-element" and index and int(index[1]) in places:
-                    found.append(user)
+            found += self._elements_at(loop.name, places)
         return found
 
     def _fused_results(self, fused: str, places: set[int]) -> list[Instruction]:
@@ -454,10 +451,16 @@ class Flow:
             if root is None or root.opcode != "tuple":
                 found.append(fusion)
                 continue
-            for user in self.users.get(fusion.name, []):
-                index = re.match(r"\s*(\d+)", user.attributes.get("index", ""))
-                if user.opcode == "get-tuple-element" and index and int(index[1]) in places:
-                    found.append(user)
+            found += self._elements_at(fusion.name, places)
+        return found
+
+    def _elements_at(self, name: str, places: set[int]) -> list[Instruction]:
+        """The `get-tuple-element`s of `name` at `places`."""
+        found = []
+        for user in self.users.get(name, []):
+            tuple_, k = self._element_of(user)
+            if tuple_ is not None and tuple_.name == name and k in places:
+                found.append(user)
         return found
 
     def finished(self, collective: Instruction) -> Instruction | None:
