@@ -776,7 +776,8 @@ def test_the_pruned_search_picks_the_exhaustive_best_for_a_llama_on_a_tpu_slice(
     )
     compiled = _agrees_with_the_exhaustive_search(pruned, full)
     assert len(compiled) < len(full)
-    # the rows not compiled for the slice were ranked by XLA:CPU's figures
+    # the rows not compiled for the slice were ranked by XLA:CPU's figures (the
+    # estimates alone rule none of them out against the first that fits)
     assert {s.figures for s in pruned if s.cost is None} == {"XLA:CPU"}
     assert all(s.proxy is not None and s.proxy.target is None for s in pruned if s.cost is None)
 
@@ -853,6 +854,11 @@ def test_progress_is_told_as_each_pass_starts_as_each_candidate_compiles_and_as_
     assert str(ruled_out) == (
         "compiled 1 of 3 candidates on v5e:2x4 (8 devices); the other 2 ruled out by their "
         "estimates"
+    )
+    deferred = Progress(1, 3, "v5e:2x4 (8 devices)", finished=True, deferred=True)
+    assert str(deferred) == (
+        "compiled 1 of 3 candidates on v5e:2x4 (8 devices), in the estimates' order until one "
+        "fit; the other 2 left to rank against it"
     )
 
 
@@ -1006,16 +1012,17 @@ def test_where_the_cores_hold_both_the_target_compiles_the_front_runner_at_once(
     """With cores for XLA:CPU's pool and an XLA:TPU compile beside it, the slice's
     first worker compiles the estimates' front-runner while XLA:CPU ranks; the search
     ranks the same and each compiled row has the same figures as one pass after the
-    other, and picks the same best. On fewer cores it waits (2 here, with one worker
-    each)."""
+    other (on 2 cores, with one worker each: the target first, then XLA:CPU), and
+    picks the same best."""
     import eqshard._search._pool as pool
 
     heads = []
     prepare = pool._InWorkers.prepare
 
-    def spy(self, target, candidates, head=None):
-        prepare(self, target, candidates, head)
+    def spy(self, target, candidates, head):
+        started = prepare(self, target, candidates, head)
         heads.append(self.ahead.get(target))
+        return started
 
     monkeypatch.setattr(pool._InWorkers, "prepare", spy)
     inputs = _abstract(models.llama_build, models.llama_optimizer, models.llama_batch)
@@ -1035,3 +1042,64 @@ def test_where_the_cores_hold_both_the_target_compiles_the_front_runner_at_once(
             assert compiled[b.name].memory == b.cost.memory, b.name
             assert compiled[b.name].bytes_by_axes() == b.cost.bytes_by_axes(), b.name
     assert name_of(heads[0][1]) in compiled
+
+
+def test_on_few_cores_the_target_compiles_first_and_xla_cpu_ranks_only_what_could_win():
+    """One pass after the other (no `prepare`, as on 2 cores): the target compiles the
+    estimates' front-runner first; XLA:CPU then ranks only the candidates whose
+    estimate could beat its compiled figure by more than the tolerance; the target
+    compiles no one twice. Where the target refuses every candidate (nothing fits),
+    it compiles each once, as exhaustive does, and XLA:CPU nothing."""
+    import types
+
+    from eqshard._cost._hardware import HARDWARE
+    from eqshard._search._policy import TOLERANCE, search
+
+    mlp = _abstract(models.mlp_build, models.mlp_optimizer, models.mlp_batch)
+    candidates, _ = eqshard._search._candidates.candidates(models.mlp_step, *mlp, devices=8)
+    costs = {
+        s.name: _cost(s)
+        for s in rank(candidates, models.mlp_step, *mlp, devices=8, workers=0, exhaustive=True)
+    }
+    v5e = HARDWARE["tpu-v5e"]
+    guess = {name_of(c): c.estimated.estimate(v5e).seconds for c in candidates if c.estimated}
+    assert len(guess) == len(candidates) > 2
+    asked: list[tuple[str | None, list[str]]] = []
+
+    def compiler(refuses: bool):
+        def compile_each(chosen, where, wanted, answered):
+            found, names = [], []
+            for k, c in enumerate(chosen):
+                if wanted is None or wanted(k, found):
+                    names.append(name_of(c))
+                    refused = refuses and where is not None
+                    found.append("RESOURCE_EXHAUSTED: made up" if refused else costs[name_of(c)])
+                else:
+                    found.append(None)
+            asked.append((where, names))
+            return found
+
+        return compile_each
+
+    on = types.SimpleNamespace(name="v5e:2x4", hardware=v5e, compiler="XLA:TPU, made up")
+    ranked_ = search(candidates, compiler(False), 8, on, None, None, proxy=True)  # pyright: ignore[reportArgumentType]
+    first = min(guess, key=lambda name: guess[name])
+    assert asked[0] == ("v5e:2x4", [first])
+    best = costs[first].estimate(v5e).seconds
+    ratio = min(1.0, best / guess[first])
+    could_win = {n for n, g in guess.items() if n != first and g * ratio * (1 - TOLERANCE) < best}
+    cpu = [names for where, names in asked if where is None]
+    assert cpu == ([sorted(could_win, key=lambda n: guess[n])] if could_win else [])
+    on_target = [n for where, names in asked if where for n in names]
+    assert len(on_target) == len(set(on_target))
+    for s in ranked_:
+        assert (s.figures == "XLA:CPU") == (s.name in could_win and s.cost is None), s.name
+
+    asked.clear()
+    refused = search(candidates, compiler(True), 8, on, None, None, proxy=True)  # pyright: ignore[reportArgumentType]
+    assert [where for where, names in asked if names] == ["v5e:2x4"]
+    assert asked[0][1] == sorted(
+        guess, key=lambda n: (guess[n], [name_of(c) for c in candidates].index(n))
+    )
+    assert refused.best is None
+    assert all(s.error == "RESOURCE_EXHAUSTED: made up" for s in refused)

@@ -1,8 +1,11 @@
 """Which candidates `suggest` compiles: `search` rules out, without compiling, a
-candidate whose arguments alone exceed the limit, ranks the rest by their estimate
-(for a TPU target, by XLA:CPU's figures on as many simulated devices first), and
-compiles each for the target only while it could beat the best that fits, by more
-than `tolerance` (`TOLERANCE`), or every one (`exhaustive`)."""
+candidate whose arguments alone exceed the limit, ranks the rest by their estimate,
+and compiles each for the target only while it could beat the best that fits, by
+more than `tolerance` (`TOLERANCE`), or every one (`exhaustive`). For a TPU target,
+the target compiles the estimates' front-runner first (the next, until one fits),
+and XLA:CPU, on as many simulated devices, ranks only those the estimates cannot
+rule out against it; where the cores hold both, XLA:CPU ranks every one while the
+target compiles the front-runner."""
 
 from __future__ import annotations
 
@@ -81,6 +84,36 @@ def _compiled(result: Cost | str | None) -> TypeGuard[Cost]:
     return result is not None and not isinstance(result, str)
 
 
+class _Bar:
+    """What the candidates compiled for the target say of the others: `best`, the
+    seconds of the fastest that fits (`None` until one does), and `ratio`, the lowest
+    of their compiled seconds over the seconds guessed for them (at most 1)."""
+
+    def __init__(
+        self,
+        known: Sequence[tuple[float | None, Cost]],
+        hardware: Hardware,
+        limit: int | None,
+        tolerance: float,
+    ) -> None:
+        self.best: float | None = None
+        self.ratio = 1.0
+        self.tolerance = tolerance
+        for guess, cost in known:
+            seconds = cost.estimate(hardware).seconds
+            if guess:
+                self.ratio = min(self.ratio, seconds / guess)
+            if limit is None or cost.memory.peak <= limit:
+                self.best = seconds if self.best is None else min(self.best, seconds)
+
+    def could_win(self, guess: float | None) -> bool:
+        """Whether a candidate guessed at `guess` seconds (`None`: no guess) could
+        beat the best by more than the tolerance, its guess corrected by `ratio`."""
+        if guess is None or self.best is None:
+            return True
+        return guess * self.ratio * (1 - self.tolerance) < self.best
+
+
 def search(
     candidates: Sequence[Candidate],
     compile_each: CompileEach,
@@ -103,10 +136,13 @@ def search(
 
     Unless `exhaustive`, those whose arguments alone exceed `limit` are not compiled
     (their bytes are exact), and the rest are compiled in the order of their estimate
-    (`candidate.estimated`'s roofline; for a TPU target with `proxy`, XLA:CPU's
-    figures on as many simulated devices, a compile of seconds where XLA:TPU takes
-    tens), each only while it could still beat the best that fits, by more than
-    `tolerance` (`TOLERANCE`).
+    (`candidate.estimated`'s roofline), each only while it could still beat the best
+    that fits, by more than `tolerance` (`TOLERANCE`). For a TPU target with `proxy`,
+    the front-runner is compiled first (the next, until one fits); XLA:CPU's figures
+    on as many simulated devices (a compile of seconds where XLA:TPU takes tens) then
+    correct the estimates of those that could still beat it. Where `compile_each`
+    has a `prepare(target, n, head)` that starts the target's first worker on `head`
+    beside XLA:CPU's pool (the cores hold both), XLA:CPU ranks every one meanwhile.
 
     **Raises:** `EqshardError` for a `tolerance` outside `[0, 1)`.
     """
@@ -118,7 +154,6 @@ def search(
     hardware = HARDWARE["h100"] if on is None else on.hardware
     target = None if on is None else on.name
     n = len(candidates)
-    compile_each = _told(compile_each, progress, devices, target)
     guesses: list[float | None] = [
         None if c.estimated is None else c.estimated.estimate(hardware).seconds for c in candidates
     ]
@@ -127,10 +162,10 @@ def search(
         for c in candidates
     ]
     if exhaustive:
-        results = compile_each(candidates, target, None, None)
+        found = _told(compile_each, progress, devices, target)(candidates, target, None, None)
         return ranked(
             candidates,
-            results,
+            found,
             devices,
             on,
             limit,
@@ -143,64 +178,80 @@ def search(
         (i for i in range(n) if not over[i]),
         key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i),
     )
-    try:
-        proxies: list[Cost | None] = [None] * n
-        if proxy and on is not None and len(open_) > 1:
-            prepare = getattr(compile_each, "prepare", None)
-            if prepare is not None:  # the target's workers start while XLA:CPU compiles,
-                # the first compiling the estimates' front-runner for the target at once
-                prepare(target, len(open_), candidates[open_[0]])
+    results: list[Cost | str | None] = [None] * n
+    proxies: list[Cost | None] = [None] * n
+    known: list[tuple[float | None, Cost]] = []  # compiled for the target, with their guesses
 
-            # XLA:CPU's figures, while a candidate's estimate could beat the best of them
+    def on_target(order: Sequence[int], rule: Callable[[int, _Bar], bool], first: bool) -> None:
+        """Compiles `order` for the target, each while `rule(i, bar)` holds of those
+        compiled so far; `first`, the pass that leaves the rest to be ranked."""
+
+        def still(k: int, found: Sequence[Cost | str | None]) -> bool:
+            now = [(guesses[order[j]], r) for j, r in enumerate(found) if _compiled(r)]
+            return rule(order[k], _Bar([*known, *now], hardware, limit, tolerance))
+
+        each = _told(compile_each, progress, devices, target, deferred=first)
+        found = each([candidates[i] for i in order], target, still, None)
+        for i, result in zip(order, found):
+            results[i] = result
+            if _compiled(result):
+                known.append((guesses[i], result))
+
+    def rank_on_cpu(chosen: Sequence[int], promising: Wanted) -> None:
+        """XLA:CPU's figures of `chosen` on as many simulated devices, each while
+        `promising(k, found)`; their guesses are then its (`proxy_guess`)."""
+        shared = _SHARED.get()
+        cache = {} if shared is None else shared
+        keys = [_key(candidates[i], devices) for i in chosen]
+        cheap: list[Cost | str | None] = [cache.get(key) for key in keys]
+        left = [k for k, found in enumerate(cheap) if found is None]
+        if left:  # those not compiled on this count for an earlier slice
+
+            def promising_left(k: int, found: Sequence[Cost | str | None]) -> bool:
+                return promising is None or promising(left[k], [*cheap, *found])
+
+            each = _told(compile_each, progress, devices, target)
+            fresh = each([candidates[chosen[k]] for k in left], None, promising_left, None)
+            for k, found in zip(left, fresh):
+                cheap[k] = found
+                if found is not None:
+                    cache[keys[k]] = found
+        for i, found in zip(chosen, cheap):
+            if _compiled(found):
+                proxies[i] = found
+                guesses[i] = proxy_guess(found, candidates[i].estimated, hardware)
+
+    def could_win(i: int, bar: _Bar) -> bool:
+        return bar.could_win(guesses[i])
+
+    prepare = getattr(compile_each, "prepare", None)  # `_InWorkers`'s
+    ranked_first = proxy and on is not None and len(open_) > 1
+    try:
+        if (
+            ranked_first
+            and prepare is not None
+            and prepare(target, len(open_), candidates[open_[0]])
+        ):
+            # the cores hold both: the target's first worker compiles the estimates'
+            # front-runner while XLA:CPU ranks them all against the best it has seen
+
             def promising(k: int, found: Sequence[Cost | str | None]) -> bool:
-                guess = guesses[open_[k]]
                 seen = [r.estimate(hardware).seconds for r in found if _compiled(r)]
+                guess = guesses[open_[k]]
                 return guess is None or not seen or guess * (1 - tolerance) < min(seen)
 
-            shared = _SHARED.get()
-            known = {} if shared is None else shared
-            keys = [_key(candidates[i], devices) for i in open_]
-            cheap: list[Cost | str | None] = [known.get(key) for key in keys]
-            left = [k for k, found in enumerate(cheap) if found is None]
-            if left:  # those not compiled on this count for an earlier slice
-                seen = [r for r in cheap if _compiled(r)]
-
-                def promising_left(k: int, found: Sequence[Cost | str | None]) -> bool:
-                    return promising(left[k], [*seen, *found])
-
-                fresh = compile_each(
-                    [candidates[open_[k]] for k in left], None, promising_left, None
-                )
-                for k, found in zip(left, fresh):
-                    cheap[k] = found
-                    if found is not None:
-                        known[keys[k]] = found
-            for i, found in zip(open_, cheap):
-                if _compiled(found):
-                    proxies[i] = found
-                    guesses[i] = proxy_guess(found, candidates[i].estimated, hardware)
-        order = sorted(open_, key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i))
-
-        def wanted(k: int, found: Sequence[Cost | str | None]) -> bool:
-            guess = guesses[order[k]]
-            if guess is None:
-                return True
-            best, ratio = None, 1.0
-            for j, result in enumerate(found):
-                if not _compiled(result):
-                    continue
-                seconds = result.estimate(hardware).seconds
-                seen = guesses[order[j]]
-                if seen:
-                    ratio = min(ratio, seconds / seen)
-                if limit is None or result.memory.peak <= limit:
-                    best = seconds if best is None else min(best, seconds)
-            return best is None or guess * ratio * (1 - tolerance) < best
-
-        results: list[Cost | str | None] = [None] * n
-        chosen = compile_each([candidates[i] for i in order], target, wanted, None)
-        for i, found in zip(order, chosen):
-            results[i] = found
+            rank_on_cpu(open_, promising)
+        elif ranked_first:
+            # one after the other: the target first, in the estimates' order until one
+            # fits (every one, where none does: as exhaustive compiles); then XLA:CPU
+            # ranks only those the estimates cannot rule out against it
+            on_target(open_, lambda i, bar: bar.best is None, first=True)
+            bar = _Bar(known, hardware, limit, tolerance)
+            if bar.best is not None:
+                rank_on_cpu([i for i in open_ if results[i] is None and could_win(i, bar)], None)
+        left = [i for i in open_ if results[i] is None]
+        order = sorted(left, key=lambda i: (guesses[i] is not None, guesses[i] or 0.0, i))
+        on_target(order, could_win, first=False)
         return ranked(
             candidates,
             results,
@@ -225,10 +276,12 @@ def _told(
     progress: Callable[[Progress], None] | None,
     devices: int,
     target: str | None,
+    deferred: bool = False,
 ) -> CompileEach:
-    """`compile_each`, each pass of it told to `progress`: its start, each candidate
-    compiled, its end. A pass for no target ranks a TPU target's candidates first
-    (`search`'s `proxy`)."""
+    """`compile_each`, each pass of it told to `progress`: its start (as it hands out
+    its first candidate), each candidate compiled, its end. A pass for no target
+    ranks a TPU target's candidates first (`search`'s `proxy`); a `deferred` pass
+    leaves those it does not compile to be ranked (`Progress.deferred`)."""
     if progress is None:
         return compile_each
     tell = progress
@@ -240,18 +293,30 @@ def _told(
         if where is None and target is not None:
             on = f"{devices} simulated devices with XLA:CPU, ranking them for {target}"
         done = 0
+        started = False
+
+        def start() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                tell(Progress(0, len(chosen), on))
+
+        def handed(k: int, found: Sequence[Cost | str | None]) -> bool:
+            if wanted is not None and not wanted(k, found):
+                return False
+            start()
+            return True
 
         def answered(k: int) -> None:
             nonlocal done
             done += 1
             tell(Progress(done, len(chosen), on, name_of(chosen[k])))
 
-        tell(Progress(0, len(chosen), on))
-        found = compile_each(chosen, where, wanted, answered)
-        tell(Progress(sum(r is not None for r in found), len(chosen), on, finished=True))
+        if wanted is None:
+            start()
+        found = compile_each(chosen, where, None if wanted is None else handed, answered)
+        compiled = sum(r is not None for r in found)
+        tell(Progress(compiled, len(chosen), on, finished=True, deferred=deferred))
         return found
 
-    for name in ("prepare", "close"):  # `_InWorkers`'s, where it has them
-        if hasattr(compile_each, name):
-            setattr(told, name, getattr(compile_each, name))
     return told

@@ -62,8 +62,9 @@ def in_workers(
 
 class _InWorkers:
     """Compiles candidates in worker pools; `prepare(target, n, head)` starts the
-    target's workers ahead, so they load the compiler and read the inputs while
-    another pool compiles, the first of them compiling `head` at once."""
+    target's workers ahead where the cores hold them beside XLA:CPU's pool, so they
+    load the compiler and read the inputs while it compiles, the first of them
+    compiling `head` at once."""
 
     def __init__(
         self, inputs: Mapping[str, Any], devices: int, workers: int | None, quiet: bool
@@ -73,24 +74,26 @@ class _InWorkers:
         self.warm: dict[str | None, list[Worker]] = {}
         self.ahead: dict[str | None, tuple[Worker, Candidate]] = {}
 
-    def prepare(self, target: str | None, candidates: int, head: Candidate | None = None) -> None:
-        """Starts `target`'s workers while XLA:CPU's pool compiles `candidates`; the
-        first compiles `head` at once where the cores hold both pools (on 2 cores the
-        8B's search took 77 s so, against 64 s one pass after the other)."""
-        first = {"inputs": dict(self.inputs), "devices": self.devices, "target": target}
+    def prepare(self, target: str | None, candidates: int, head: Candidate) -> bool:
+        """Where the cores hold XLA:CPU's pool for `candidates` and a `target` compile
+        beside it, starts `target`'s workers, the first compiling `head` at once, and
+        says so; else starts nothing (on 2 cores the 8B's search took 77 s with both
+        at once, against 64 s one after the other)."""
         cpu = pool_size(candidates, None, self.workers)
         if _cores() < cpu + THREADS_PER_COMPILE["XLA:TPU"]:
-            head = None
+            return False
+        first = {"inputs": dict(self.inputs), "devices": self.devices, "target": target}
         started = []
         for k in range(pool_size(candidates, target, self.workers)):
             worker = start_serving(_ENTRY, without_device_count(os.environ), quiet=self.quiet)
-            if k == 0 and head is not None:  # compiled as soon as the worker has read
+            if k == 0:  # compiled as soon as the worker has read the inputs
                 worker.ask({**first, **_request(head)}, _TIMEOUT_SECONDS)
                 self.ahead[target] = (worker, head)
             else:
                 worker.ask(first, _TIMEOUT_SECONDS)
             started.append(worker)
         self.warm[target] = started
+        return True
 
     def close(self) -> None:
         """Stops the workers started ahead and not used (a pass before them failed)."""

@@ -95,6 +95,9 @@ class Progress:
         simulated devices, ranking them first for a TPU slice).
     - `candidate`: the one just compiled, by name; `None` at the start and the end.
     - `finished`: whether the pass has ended (`done` is then how many it compiled).
+    - `deferred`: whether the pass leaves those it did not compile to be ranked, not
+        ruled out: for a TPU slice on few cores, the first pass compiles in the
+        estimates' order until one fits, and XLA:CPU ranks the rest against it.
     """
 
     done: int
@@ -102,6 +105,7 @@ class Progress:
     where: str
     candidate: str | None = None
     finished: bool = False
+    deferred: bool = False
 
     def __str__(self) -> str:
         some = "1 candidate" if self.total == 1 else f"{self.total} candidates"
@@ -109,6 +113,11 @@ class Progress:
             left = self.total - self.done
             if not left:
                 return f"compiled {'the' if self.total == 1 else 'all'} {some} on {self.where}"
+            if self.deferred:
+                return (
+                    f"compiled {self.done} of {some} on {self.where}, in the estimates' "
+                    f"order until one fit; the other {left} left to rank against it"
+                )
             return (
                 f"compiled {self.done} of {some} on {self.where}; the other {left} ruled out "
                 "by their estimates"
