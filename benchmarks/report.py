@@ -459,6 +459,9 @@ RUNS = [
         "bench_suggest_llama": Block("docs/performance.md", suggest_table),
         "suggest-llama": Block("docs/suggest-and-diff.md", ranking("llama")),
     }),
+    Run("bench_suggest_llama_v5e", ("benchmarks/bench_suggest.py", "--only", "llama_v5e"), {}, {
+        "bench_suggest_llama_v5e": Block("docs/performance.md", suggest_table),
+    }),
     # run by the newest JAX's Python: `PYTHON -m pip install -e '.[tpu]'`, then
     # `PYTHON benchmarks/report.py --only bench_suggest_llama_newest`
     Run("bench_suggest_llama_newest", ("benchmarks/bench_suggest.py", "--only", "llama"), {}, {
