@@ -12,6 +12,10 @@ suite, through Sybil. Each document is read on its own, as a reader reads a page
 - `yaml` blocks (pre-commit) name hooks that `.pre-commit-hooks.yaml` defines;
 - any other block fails, unless `<!-- skip: next "why" -->` comes before it: none
     is skipped silently, and each skip shows its reason in the test report.
+
+`pytest -n auto` (pytest-xdist) runs the suite in a process per core, at most
+`MAX_WORKERS`, each test file in one process (`--dist loadfile`, in pyproject.toml),
+so a file's fixtures are built once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)  # as tests/conftest.py: before JAX starts
 
@@ -36,6 +41,23 @@ from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser  # noqa: E4
 from sybil.parsers.markdown.lexers import FencedCodeBlockLexer  # noqa: E402
 
 ROOT = Path(__file__).parent
+
+# Each test process holds JAX with 8 simulated devices, and many tests start worker
+# processes or XLA:TPU compiles (about 1.8 cores each) of their own: past 4 test
+# processes, more only share the same cores and memory.
+MAX_WORKERS = 4
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's, where it is installed
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """How many test processes `-n auto` starts: one per core, at most `MAX_WORKERS`."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_WORKERS))
+
+
 _RUN = ("python", "console", "json", "yaml")
 
 

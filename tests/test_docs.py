@@ -75,7 +75,7 @@ def test_the_readme_is_short_and_opens_with_the_set_up_commands():
     assert first_block is not None
     assert first_block.group(1).splitlines() == [
         "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/eqshard demo",
-        "python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/python -m pytest",
+        "python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/python -m pytest -n auto",
     ]
     assert readme.index("## In ten lines") < readme.index("## What eqshard does")
 
