@@ -1027,9 +1027,14 @@ def test_where_the_cores_hold_both_the_target_compiles_the_front_runner_at_once(
     monkeypatch.setattr(pool._InWorkers, "prepare", spy)
     inputs = _abstract(models.llama_build, models.llama_optimizer, models.llama_batch)
     monkeypatch.setattr(pool, "_cores", lambda: 4)
-    ahead = eqshard.suggest(*inputs, step=models.llama_step, target="v5e:2x4", workers=1)
+    some = ["data parallel", "fsdp", "data x tensor"]  # a front-runner and rivals, fewer compiles
+    ahead = eqshard.suggest(
+        *inputs, step=models.llama_step, target="v5e:2x4", workers=1, strategies=some
+    )
     monkeypatch.setattr(pool, "_cores", lambda: 2)
-    after = eqshard.suggest(*inputs, step=models.llama_step, target="v5e:2x4", workers=1)
+    after = eqshard.suggest(
+        *inputs, step=models.llama_step, target="v5e:2x4", workers=1, strategies=some
+    )
     assert heads[0] is not None  # a worker and the front-runner it compiled at once
     assert heads[1] is None
     assert sorted(s.name for s in ahead) == sorted(s.name for s in after)
