@@ -1,6 +1,7 @@
 """`Cost.explain()`: why each collective of a compiled step moves what it moves, on
 real `eqx.nn` models and the 8 simulated CPU devices."""
 
+import importlib.util
 import inspect
 import io
 import re
@@ -548,3 +549,51 @@ def test_every_other_collective_of_the_vit_is_named(vit):
     }
     assert {leaf for e in over_data for leaf in e.leaves} == names
     assert all(e.reason.startswith("the gradients of ") for e in over_data)
+
+
+@pytest.mark.slow  # an XLA:TPU compile, through libtpu, for 32 chips
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="the TPU compiler comes with libtpu (eqshard[tpu])",
+)
+def test_on_xla_tpu_a_vocab_split_embedding_s_lookup_is_summed_over_model():
+    """The Llama example's spec splits `embed.weight`'s vocabulary over `model` (16
+    ways, on `v5p:4x4x2`). XLA:TPU gathers each device's rows in one fusion and zeroes
+    those it does not hold in another (a select by a mask of booleans), then sums the
+    lookups over `model`: explain names the table, the line of the lookup and why,
+    as it does on XLA:CPU."""
+    import suggest_model
+
+    Llama, spec = suggest_model.Llama, suggest_model._LLAMA["LLAMA_SPEC"]
+    model = eqx.filter_eval_shape(suggest_model.llama_build)
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = eqx.filter_eval_shape(suggest_model.llama_optimizer().init, params)
+    found = eqshard.cost(
+        model,
+        opt_state,
+        suggest_model.llama_batch(),
+        step=suggest_model.llama_step,
+        spec=eqshard.load(spec),
+        target="v5p:4x4x2",
+    )
+    table = [e for e in found.explain() if e.leaves == ("embed.weight",)]
+    line = inspect.getsourcelines(Llama.__call__)[1] + 1  # `x = jax.vmap(self.embed)(tokens)`
+    # the lookup, and its gradient summed over the split vocabulary (an all-reduce on
+    # JAX 0.8's XLA:TPU, a reduce-scatter on later ones)
+    lookups = [e for e in table if "gathers from" in e.reason]
+    sums = [e for e in table if e not in lookups]
+    assert [(e.collective.kind, e.collective.axes) for e in lookups] == [("all-reduce", ("model",))]
+    assert [(e.collective.axes, e.reason) for e in sums] == [
+        (("model",), "the gradient of `embed.weight` is summed over `model`")
+    ]
+    [lookup] = lookups
+    why = (
+        "gathers from `embed.weight`, split over `model` along the dim it indexes: each "
+        "device gathers what it holds, summed over `model`"
+    )
+    if STACKS:
+        assert lookup.where.endswith(f"llama_8b.py:{line}")
+        assert lookup.reason == f"`eqx.nn.Embedding` at {lookup.where} {why}"
+    else:  # JAX 0.8.1 records only the innermost frame outside JAX, whichever it is
+        assert lookup.reason.startswith("`eqx.nn.Embedding`")
+        assert lookup.reason.endswith(why)

@@ -309,7 +309,11 @@ class Flow:
             if carried is not None:  # a scan's stacked array read in its body, or a call's
                 found = carried
                 continue
-            arrays = [o for o in found.operands if self._is_computed(o) and not self._scalar(o)]
+            arrays = [
+                o
+                for o in found.operands
+                if self._is_computed(o) and not self._scalar(o) and not self._mask(o)
+            ]
             if found.opcode == "dynamic-slice" and found.operands:  # its offsets aside
                 arrays = found.operands[:1]
             if found.opcode in ("parameter", "constant") or len(arrays) != 1:
@@ -318,6 +322,13 @@ class Flow:
                 break
             found = self.module.instructions.get(arrays[0])
         return found
+
+    def _mask(self, name: str) -> bool:
+        """Whether `name` is an array of booleans: a mask that selects or zeroes
+        another array's values (a split table's lookup zeroes the rows a device does
+        not hold), not data of its own."""
+        found = self.module.instructions.get(name)
+        return found is not None and isinstance(found.shape, Array) and found.shape.dtype == "pred"
 
     def _scalar(self, name: str) -> bool:
         """Whether `name` is one number (a loop's counter, a slice's offset)."""
