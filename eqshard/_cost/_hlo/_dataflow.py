@@ -258,7 +258,7 @@ class Flow:
         return found
 
     def _element_of(self, instruction: Instruction) -> tuple[Instruction | None, int]:
-        """For a `get-tuple-element`, the tuple it reads and the index; else `None`."""
+        """For a `get-tuple-element`, the tuple it reads and the index; else `(None, 0)`."""
         if instruction.opcode != "get-tuple-element" or not instruction.operands:
             return None, 0
         index = re.match(r"\s*(\d+)", instruction.attributes.get("index", ""))
